@@ -1,0 +1,24 @@
+"""Modded GPT-2 split into block groups F_i with an embedding/head replica (E, R)."""
+
+from mobius_fed.model.config import PRESETS, ModelConfig, make_model_config, pad_vocab
+from mobius_fed.model.groups import (
+    BlockGroup,
+    Replica,
+    build_group,
+    build_replica,
+    count_parameters,
+    derive_seed,
+)
+
+__all__ = [
+    "PRESETS",
+    "BlockGroup",
+    "ModelConfig",
+    "Replica",
+    "build_group",
+    "build_replica",
+    "count_parameters",
+    "derive_seed",
+    "make_model_config",
+    "pad_vocab",
+]

@@ -1,0 +1,214 @@
+"""``mobius-fed``: local training, the paper's experiment, data preparation, certificates."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from mobius_fed.cli.common import CliError, console, resolve_sites, run_guarded
+from mobius_fed.config import TrainConfig, load_train_config
+from mobius_fed.schedule import ORDERS
+
+TRAIN_FLAGS = {
+    # flag: (config key, type, help)
+    "--preset": ("preset", str, "model preset (cpu-tiny, cpu-small, cpu-base, gpt2-small)"),
+    "--workers": ("workers", int, "P: workers / block groups / origins"),
+    "--steps": ("steps", int, "training steps"),
+    "--batch-size": ("batch_size", int, "sequences per origin per step"),
+    "--seq-len": ("seq_len", int, "sequence length (default: the preset's)"),
+    "--micro-batches": ("micro_batches", int, "micro-batches per stream"),
+    "--optimizer": ("optimizer", str, "muon (blocks) + adamw, or adamw for everything"),
+    "--lr-adam": ("lr_adam", float, "AdamW learning rate"),
+    "--lr-muon": ("lr_muon", float, "Muon learning rate"),
+    "--sync-every": ("sync_every", int, "average E/R replicas every k steps (0 = never)"),
+    "--eval-every": ("eval_every", int, "evaluate (Eq. 8) every k steps"),
+    "--eval-batches": ("eval_batches", int, "validation batches per origin"),
+    "--seed": ("seed", int, "random seed"),
+    "--encoding": ("encoding", str, "tokenizer: bytes (no download) or gpt2"),
+}
+
+
+def add_train_flags(p: argparse.ArgumentParser, *, with_loops: bool = True) -> None:
+    p.add_argument("--config", type=Path, help="TOML file with a [train] table")
+    for flag, (key, typ, help_) in TRAIN_FLAGS.items():
+        p.add_argument(flag, dest=key, type=typ, help=help_)
+    if with_loops:
+        p.add_argument("--loops", dest="loops", type=int, help="L: passes over the P groups")
+        p.add_argument("--order", dest="order", help="cyclic (Möbius) or ordered (baseline)")
+    p.add_argument(
+        "--untied",
+        dest="tied",
+        action="store_false",
+        default=None,
+        help="separate embedding and head",
+    )
+
+
+def train_overrides(args: argparse.Namespace, keys: list[str]) -> dict:
+    return {k: getattr(args, k, None) for k in keys}
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("step {task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from mobius_fed.engine import ReferenceEngine
+    from mobius_fed.engine.trainer import CHECKPOINT, train
+
+    keys = [v[0] for v in TRAIN_FLAGS.values()] + ["loops", "order", "tied"]
+    cfg = load_train_config(args.config, train_overrides(args, keys))
+    out = Path(args.out)
+    sites = resolve_sites(cfg, args.data, out)
+    engine = ReferenceEngine(cfg, sites)
+    if args.resume and not (out / CHECKPOINT).is_file():
+        raise CliError(f"--resume: no checkpoint at {out / CHECKPOINT}")
+    mc = cfg.model()
+    console.print(
+        f"[bold]mobius-fed local[/]: {cfg.preset} ({mc.n_layer} layers, d={mc.d_model}), "
+        f"P={cfg.P} L={cfg.loops} K={cfg.K} order={cfg.order}, {cfg.steps} steps, "
+        f"data: {', '.join(str(s.directory) for s in sites)}"
+    )
+    start = time.perf_counter()
+    with _progress() as bar:
+        task = bar.add_task("train", total=cfg.steps, loss=float("nan"), tps=0.0)
+
+        def on_step(r) -> None:
+            bar.update(task, completed=r.step + 1, loss=r.loss, tps=r.tokens / max(r.seconds, 1e-9))
+
+        def on_eval(e) -> None:
+            bar.console.print(f"step {e.step}: validation loss (Eq. 8) {e.loss:.4f}")
+
+        evals = train(
+            engine,
+            out,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+            on_step=on_step,
+            on_eval=on_eval,
+        )
+    wall = time.perf_counter() - start
+    if evals:
+        final = evals[-1]
+        per = ", ".join(f"s{s}={v:.4f}" for s, v in enumerate(final.origin_losses))
+        print(f"final validation loss (Eq. 8): {final.loss:.4f}  per origin: {per}")
+    print(f"wall time {wall:.1f}s; checkpoint {out / CHECKPOINT}; metrics {out / 'metrics.jsonl'}")
+    return 0
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from mobius_fed.engine.experiment import markdown_table, plot_curves, run_experiment
+
+    keys = [v[0] for v in TRAIN_FLAGS.values()] + ["tied"]
+    cfg = load_train_config(args.config, train_overrides(args, keys))
+    for order in args.orders:
+        if order not in ORDERS:
+            raise CliError(f"unknown order {order!r} (expected one of {', '.join(ORDERS)})")
+    for L in args.loops:
+        if L < 1:
+            raise CliError(f"--loops: L must be ≥ 1, got {L}")
+    out = Path(args.out)
+    sites = resolve_sites(cfg, args.data, out)
+
+    def on_arm(c: TrainConfig) -> None:
+        console.print(f"training L={c.loops} order={c.order} (K={c.K}, {c.steps} steps)")
+
+    arms = run_experiment(cfg, sites, args.loops, args.orders, out, on_arm=on_arm)
+    table = markdown_table(arms, cfg.P)
+    (out / "table.md").write_text(table)
+    print(table)
+    png = plot_curves(arms, out / "validation.png")
+    print(f"table: {out / 'table.md'}; curves: {png or 'matplotlib not installed, no PNG'}")
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from mobius_fed.data import embedded_corpus, prepare_sites
+
+    text = embedded_corpus() if not args.inputs else None
+    dirs = prepare_sites(
+        args.inputs or None,
+        Path(args.out),
+        args.sites,
+        args.encoding,
+        args.val_fraction,
+        text=text,
+        overwrite=args.overwrite,
+    )
+    for d in dirs:
+        print(d)
+    return 0
+
+
+def cmd_certs_init(args: argparse.Namespace) -> int:
+    from mobius_fed.transport.certs import init_certs
+
+    layout = init_certs(Path(args.out), args.workers, args.host or (), overwrite=args.overwrite)
+    print(f"CA and certificates for {args.workers} workers, coordinator, operator in {layout.root}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mobius-fed", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("local", help="train with the single-process reference engine")
+    add_train_flags(p)
+    p.add_argument(
+        "--data",
+        type=Path,
+        nargs="+",
+        help="a prepared directory of site-<i>/ folders, or .txt/.jsonl files "
+        "(default: the embedded corpus)",
+    )
+    p.add_argument("--out", default="runs/local", help="run directory (checkpoint, metrics)")
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.set_defaults(func=cmd_local)
+
+    p = sub.add_parser("experiment", help="the paper's Table 1: ordered-loop vs Möbius")
+    add_train_flags(p, with_loops=False)
+    p.add_argument("--loops", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--orders", nargs="+", default=["ordered", "cyclic"])
+    p.add_argument("--data", type=Path, nargs="+")
+    p.add_argument("--out", default="runs/experiment")
+    p.set_defaults(func=cmd_experiment)
+
+    p = sub.add_parser("prepare", help="split text into per-site shard directories")
+    p.add_argument("inputs", type=Path, nargs="*", help=".txt/.jsonl/.parquet (default: embedded)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--sites", type=int, default=4)
+    p.add_argument("--encoding", default="bytes")
+    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("certs", help="certificate authority and node certificates")
+    csub = p.add_subparsers(dest="certs_command", required=True)
+    c = csub.add_parser("init", help="make a CA and certificates for every node")
+    c.add_argument("--workers", type=int, required=True)
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--host", action="append", help="extra DNS name or IP for every node")
+    c.add_argument("--overwrite", action="store_true")
+    c.set_defaults(func=cmd_certs_init)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_guarded(args.func, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""Per-site training data: memory-mapped shards and deterministic random batches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from mobius_fed.data.errors import DataError
+from mobius_fed.data.shards import read_shard
+
+Split = Literal["train", "val"]
+SPLITS: tuple[Split, ...] = ("train", "val")
+
+
+def batch_seed(seed: int, split: str, step: int) -> int:
+    """Stable 63-bit generator seed derived from (seed, split, step) only."""
+    digest = hashlib.blake2b(f"{seed}:{split}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class SiteData:
+    """One site's ``train_*.bin`` / ``val_*.bin`` shards, sampled in windows of ``seq_len``."""
+
+    def __init__(self, directory: Path, seq_len: int, encoding: str | None = None) -> None:
+        self.directory = Path(directory)
+        self.seq_len = int(seq_len)
+        if self.seq_len < 1:
+            raise DataError(f"{self.directory}: seq_len must be >= 1 (got {seq_len})")
+        if not self.directory.is_dir():
+            raise DataError(f"{self.directory}: data directory not found")
+        self.meta: dict[str, object] = self._read_meta()
+        if encoding is not None and "encoding" in self.meta and self.meta["encoding"] != encoding:
+            raise DataError(
+                f"{self.directory}: encoding mismatch: meta.json says "
+                f"{self.meta['encoding']!r}, expected {encoding!r}"
+            )
+        self._tokens: dict[str, np.ndarray] = {s: self._load(s) for s in SPLITS}
+        self._window = np.arange(self.seq_len + 1, dtype=np.int64)
+
+    def _read_meta(self) -> dict[str, object]:
+        path = self.directory / "meta.json"
+        if not path.is_file():
+            return {}
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise DataError(f"{path}: unreadable meta.json: {exc}") from exc
+        if not isinstance(meta, dict):
+            raise DataError(f"{path}: meta.json must hold a JSON object")
+        return meta
+
+    def _load(self, split: str) -> np.ndarray:
+        files = sorted(self.directory.glob(f"{split}_*.bin"))
+        if not files:
+            raise DataError(f"{self.directory}: no {split}_*.bin shards")
+        arrays = [read_shard(f) for f in files]
+        tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        if len(tokens) < self.seq_len + 1:
+            raise DataError(
+                f"{self.directory}: {split} split has {len(tokens)} tokens, "
+                f"need at least seq_len+1 = {self.seq_len + 1}"
+            )
+        return tokens
+
+    def num_tokens(self, split: Split) -> int:
+        """Number of tokens in ``split``."""
+        return len(self._split(split))
+
+    def max_token(self) -> int:
+        """Largest token id in either split (for vocabulary-size checks)."""
+        return max(int(t.max()) for t in self._tokens.values())
+
+    def _split(self, split: str) -> np.ndarray:
+        if split not in self._tokens:
+            raise DataError(f"{self.directory}: unknown split {split!r}; valid: {SPLITS}")
+        return self._tokens[split]
+
+    def batch(
+        self, split: Split, *, seed: int, step: int, batch_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (x, y), int64 ``[batch_size, seq_len]``; y is x shifted by one token.
+
+        Depends only on (seed, split, step), so a resumed run sees the same batches.
+        """
+        tokens = self._split(split)
+        gen = torch.Generator().manual_seed(batch_seed(seed, split, step))
+        high = len(tokens) - self.seq_len  # offsets in [0, n - seq_len - 1]
+        offsets = torch.randint(0, high, (batch_size,), generator=gen).numpy()
+        windows = torch.from_numpy(tokens[offsets[:, None] + self._window].astype(np.int64))
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

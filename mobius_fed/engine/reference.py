@@ -1,0 +1,172 @@
+"""The single-process reference engine: all P groups and P E/R replicas in one process.
+
+It runs exactly the distributed semantics (ARCHITECTURE §4): the same paths, the same
+per-(stream, micro-batch) applications in the same order, the same loss scaling and the
+same replica averaging, so a ring of workers must reproduce its losses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from mobius_fed import schedule
+from mobius_fed.config import TrainConfig
+from mobius_fed.data import SiteData
+from mobius_fed.engine.checkpoint import load_checkpoint, save_checkpoint
+from mobius_fed.model import BlockGroup, Replica, build_group, build_replica
+from mobius_fed.model.training import (
+    average_parameters,
+    make_optimizers,
+    mean_loss,
+    scale_grads,
+    step_optimizers,
+)
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    origin_losses: list[float]
+    seconds: float = 0.0
+    tokens: int = 0
+
+
+@dataclass
+class EvalResult:
+    step: int
+    loss: float  # paper Eq. 8: equally weighted mean over origins
+    origin_losses: list[float] = field(default_factory=list)
+
+
+class ReferenceEngine:
+    """All block groups F_0..F_{P-1} and per-origin replicas (E_s, R_s) in one process."""
+
+    def __init__(self, cfg: TrainConfig, sites: Sequence[SiteData]) -> None:
+        if len(sites) != cfg.workers:
+            raise ValueError(f"need one site per worker: P={cfg.workers}, got {len(sites)} sites")
+        self.cfg, self.sites = cfg, list(sites)
+        mc = cfg.model()
+        self.groups: list[BlockGroup] = [build_group(mc, i, cfg.seed) for i in range(cfg.P)]
+        self.replicas: list[Replica] = [build_replica(mc, cfg.seed) for _ in range(cfg.P)]
+        self.group_opts = [make_optimizers(g, cfg, blocks=True) for g in self.groups]
+        self.replica_opts = [make_optimizers(r, cfg, blocks=False) for r in self.replicas]
+        self.step = 0
+        self._table = schedule.tick_table(cfg.order, cfg.P, cfg.loops)
+
+    # ------------------------------------------------------------------ data
+    def _micro(self, split: str, s: int, step: int) -> list[tuple[Tensor, Tensor]]:
+        x, y = self.sites[s].batch(
+            split, seed=self.cfg.seed, step=step, batch_size=self.cfg.batch_size
+        )
+        M = self.cfg.micro_batches
+        return list(zip(x.chunk(M), y.chunk(M)))
+
+    # ----------------------------------------------------------------- train
+    def train_step(self) -> StepResult:
+        """One step: forward K ticks, heads at home, backward in reverse, optimizer steps."""
+        cfg, P, M = self.cfg, self.cfg.P, self.cfg.micro_batches
+        t0 = time.perf_counter()
+        batches = [self._micro("train", s, self.step) for s in range(P)]
+        embedded: dict[tuple[int, int], Tensor] = {}
+        hidden: dict[tuple[int, int], Tensor] = {}
+        for s in range(P):
+            for m, (x, _) in enumerate(batches[s]):
+                embedded[s, m] = self.replicas[s].embed(x)
+                hidden[s, m] = embedded[s, m].detach()
+        applications: list[tuple[int, int, Tensor, Tensor]] = []
+        for row in self._table:  # tick t
+            for i, streams in row.items():
+                for s in streams:
+                    for m in range(M):
+                        inp = hidden[s, m].requires_grad_()
+                        out = self.groups[i](inp)
+                        applications.append((s, m, inp, out))
+                        hidden[s, m] = out.detach()
+        grads: dict[tuple[int, int], Tensor] = {}
+        origin_losses = []
+        for s in range(P):
+            losses = []
+            for m, (_, y) in enumerate(batches[s]):
+                h = hidden[s, m].requires_grad_()
+                loss = self.replicas[s].loss(h, y)
+                loss.backward()
+                grads[s, m] = h.grad
+                losses.append(loss)
+            origin_losses.append(mean_loss(losses))
+        for s, m, inp, out in reversed(applications):
+            out.backward(grads[s, m])
+            grads[s, m] = inp.grad
+        for s in range(P):
+            for m in range(M):
+                embedded[s, m].backward(grads[s, m])
+        for group, opts in zip(self.groups, self.group_opts):
+            scale_grads(group.parameters(), 1.0 / (P * M))  # mean over origins
+            step_optimizers(opts, cfg, self.step)
+        for replica, opts in zip(self.replicas, self.replica_opts):
+            scale_grads(replica.parameters(), 1.0 / M)
+            step_optimizers(opts, cfg, self.step)
+        self.step += 1
+        if cfg.sync_every and self.step % cfg.sync_every == 0:
+            average_parameters(self.replicas)
+        return StepResult(
+            step=self.step - 1,
+            loss=sum(origin_losses) / P,
+            origin_losses=origin_losses,
+            seconds=time.perf_counter() - t0,
+            tokens=cfg.tokens_per_step,
+        )
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self) -> EvalResult:
+        """Paper Eq. 8: the equally weighted mean over origins of the path-specific loss."""
+        cfg = self.cfg
+        per_origin = []
+        for s in range(cfg.P):
+            route = schedule.path(cfg.order, s, cfg.P, cfg.loops)
+            losses = []
+            for b in range(cfg.eval_batches):
+                for x, y in self._micro("val", s, b):
+                    h = self.replicas[s].embed(x)
+                    for i in route:
+                        h = self.groups[i](h)
+                    losses.append(self.replicas[s].loss(h, y))
+            per_origin.append(mean_loss(losses))
+        return EvalResult(step=self.step, loss=sum(per_origin) / cfg.P, origin_losses=per_origin)
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        return {
+            "config": self.cfg.model_dump(mode="json"),
+            "step": self.step,
+            "groups": [g.state_dict() for g in self.groups],
+            "replicas": [r.state_dict() for r in self.replicas],
+            "group_opts": [[o.state_dict() for o in opts] for opts in self.group_opts],
+            "replica_opts": [[o.state_dict() for o in opts] for opts in self.replica_opts],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = TrainConfig.model_validate(state["config"])
+        if saved.model_copy(update={"steps": self.cfg.steps}) != self.cfg:
+            raise ValueError("checkpoint was written with a different configuration")
+        self.step = state["step"]
+        for mod, sd in zip(self.groups + self.replicas, state["groups"] + state["replicas"]):
+            mod.load_state_dict(sd)
+        for opts, sds in zip(
+            self.group_opts + self.replica_opts, state["group_opts"] + state["replica_opts"]
+        ):
+            for opt, sd in zip(opts, sds):
+                opt.load_state_dict(sd)
+
+    def save(self, path: Path) -> Path:
+        return save_checkpoint(path, self.state_dict())
+
+    def load(self, path: Path) -> None:
+        self.load_state_dict(load_checkpoint(path))

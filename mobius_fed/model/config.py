@@ -1,0 +1,78 @@
+"""Model shape: presets and the validated model configuration."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ModelConfig(BaseModel):
+    """Shape of the modded GPT-2 split into P block groups."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n_layer: int = Field(ge=1)
+    d_model: int = Field(ge=8)
+    n_head: int = Field(ge=1)
+    head_dim: int = Field(ge=2)
+    vocab_size: int = Field(ge=2)
+    seq_len: int = Field(ge=2)
+    groups: int = Field(ge=1, description="P, the number of block groups (= workers)")
+    tied: bool = True
+    mlp_ratio: int = 4
+    logit_cap: float = 30.0
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.n_layer % self.groups:
+            raise ValueError(
+                f"n_layer={self.n_layer} is not divisible by P={self.groups} workers: "
+                "every block group needs the same number of layers"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        return self
+
+    @property
+    def layers_per_group(self) -> int:
+        return self.n_layer // self.groups
+
+
+# vocab_size None = derived from the encoding (padded to a multiple of 64).
+PRESETS: dict[str, dict] = {
+    # The paper's 124M model: 12 layers, width 768, 6 heads × 128, 4 groups × 3 layers.
+    "gpt2-small": dict(
+        n_layer=12, d_model=768, n_head=6, head_dim=128, vocab_size=50304, seq_len=1024
+    ),
+    # CPU presets for tests and demos (12 layers so that P = 2, 3, 4 and 6 all divide).
+    "cpu-tiny": dict(n_layer=12, d_model=32, n_head=2, head_dim=16, vocab_size=None, seq_len=32),
+    "cpu-small": dict(n_layer=12, d_model=96, n_head=3, head_dim=32, vocab_size=None, seq_len=128),
+    "cpu-base": dict(n_layer=12, d_model=192, n_head=6, head_dim=32, vocab_size=None, seq_len=256),
+}
+
+
+def pad_vocab(n: int, multiple: int = 64) -> int:
+    return -(-n // multiple) * multiple
+
+
+def make_model_config(
+    preset: str,
+    *,
+    groups: int,
+    vocab_size: int,
+    tied: bool = True,
+    seq_len: int | None = None,
+    n_layer: int | None = None,
+) -> ModelConfig:
+    """Resolve a preset name into a ModelConfig; unknown names raise ValueError."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (expected one of {', '.join(PRESETS)})")
+    spec = dict(PRESETS[preset])
+    if spec["vocab_size"] is None:
+        spec["vocab_size"] = pad_vocab(vocab_size)
+    elif spec["vocab_size"] < vocab_size:
+        raise ValueError(f"preset {preset!r} vocab {spec['vocab_size']} < encoding {vocab_size}")
+    if seq_len is not None:
+        spec["seq_len"] = seq_len
+    if n_layer is not None:
+        spec["n_layer"] = n_layer
+    return ModelConfig(groups=groups, tied=tied, **spec)

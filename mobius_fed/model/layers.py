@@ -1,0 +1,84 @@
+"""The self-contained modded GPT-2 block (pre-norm, RoPE, QK-norm, ReLU², zero-init outputs)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mobius_fed.model.config import ModelConfig
+
+
+def rms_norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding over the head dimension."""
+
+    def __init__(self, head_dim: int, max_len: int, base: float = 10000.0) -> None:
+        super().__init__()
+        freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), freq)
+        self.register_buffer("cos", angles.cos()[None, :, None, :], persistent=False)
+        self.register_buffer("sin", angles.sin()[None, :, None, :], persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [B, T, H, D]
+        T = x.size(1)
+        cos, sin = self.cos[:, :T].to(x.dtype), self.sin[:, :T].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        inner = cfg.n_head * cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, 3 * inner, bias=False)
+        self.proj = nn.Linear(inner, cfg.d_model, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.seq_len)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).unbind(2)
+        q, k = self.rotary(rms_norm(q)), self.rotary(rms_norm(k))  # QK-norm, then RoPE
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = cfg.mlp_ratio * cfg.d_model
+        self.fc = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.proj = nn.Linear(hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.relu(self.fc(x)).square())
+
+
+class Block(nn.Module):
+    """One pre-norm block; it reads nothing but its input, so it works at any depth."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.norm2 = nn.RMSNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+        self.reset_parameters(cfg)
+
+    @torch.no_grad()
+    def reset_parameters(self, cfg: ModelConfig) -> None:
+        bound = 3**0.5 * 0.5 * cfg.d_model**-0.5
+        for lin in (self.attn.qkv, self.mlp.fc):
+            lin.weight.uniform_(-bound, bound)
+        for lin in (self.attn.proj, self.mlp.proj):  # zero-initialised output projections
+            lin.weight.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))

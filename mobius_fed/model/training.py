@@ -1,0 +1,75 @@
+"""Optimizers, learning-rate schedule and gradient scaling shared by every trainer.
+
+The reference engine and the ring workers call exactly these functions, so a group's
+update is computed by the same code on one machine or many.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from mobius_fed.config import TrainConfig
+
+ADAM_BETAS = (0.9, 0.95)
+
+
+def make_optimizers(
+    module: nn.Module, cfg: TrainConfig, *, blocks: bool
+) -> list[torch.optim.Optimizer]:
+    """Muon for the 2-D matrices of block groups, AdamW for everything else.
+
+    ``cfg.optimizer == "adamw"`` uses AdamW for every parameter (no bf16 Newton–Schulz).
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    matrices = [p for p in params if blocks and p.ndim == 2 and cfg.optimizer == "muon"]
+    rest = [p for p in params if not any(p is q for q in matrices)]
+    opts: list[torch.optim.Optimizer] = []
+    if matrices:
+        opts.append(
+            torch.optim.Muon(matrices, lr=cfg.lr_muon, weight_decay=cfg.weight_decay, momentum=0.95)
+        )
+    if rest:
+        opts.append(
+            torch.optim.AdamW(
+                rest, lr=cfg.lr_adam, betas=ADAM_BETAS, eps=1e-10, weight_decay=cfg.weight_decay
+            )
+        )
+    for opt in opts:
+        for group in opt.param_groups:
+            group["base_lr"] = group["lr"]
+    return opts
+
+
+def step_optimizers(opts: Sequence[torch.optim.Optimizer], cfg: TrainConfig, step: int) -> None:
+    """Apply the warmup/stable/cooldown multiplier for ``step``, step, and clear gradients."""
+    mult = cfg.lr_multiplier(step)
+    for opt in opts:
+        for group in opt.param_groups:
+            group["lr"] = group["base_lr"] * mult
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def scale_grads(params: Iterable[Tensor], factor: float) -> None:
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(factor)
+
+
+def mean_loss(losses: Sequence[Tensor]) -> float:
+    """Mean of per-micro-batch losses (equal-size micro-batches = the full-batch mean)."""
+    return torch.stack([x.detach() for x in losses]).mean().item()
+
+
+@torch.no_grad()
+def average_parameters(modules: Sequence[nn.Module]) -> None:
+    """Plain FedAvg of replicas in place: every parameter becomes the mean over modules."""
+    for params in zip(*(m.parameters() for m in modules)):
+        mean = torch.stack(list(params)).mean(0)
+        for p in params:
+            p.copy_(mean)

@@ -1,0 +1,214 @@
+"""Make a private CA and one mTLS certificate per node (``mobius-fed certs``).
+
+Layout of ``out``: ``ca.crt``/``ca.key``, ``worker-<i>.crt``/``.key`` for i in 0..N-1,
+``coordinator.crt``/``.key`` and ``operator.crt``/``.key``. Keys are EC P-256, PEM PKCS#8,
+written with mode 0600. Every leaf carries its identity as a URI SAN, DNS SANs
+``localhost`` and its service name, IP SAN 127.0.0.1, every ``hosts`` value, and both
+serverAuth and clientAuth extended key usage (a worker is a server and a client).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from mobius_fed.transport.tls import (
+    COORDINATOR_IDENTITY,
+    OPERATOR_IDENTITY,
+    NodeTLS,
+    worker_identity,
+)
+
+CA_NAME = "mobius-fed CA"
+
+
+@dataclass(frozen=True)
+class CertLayout:
+    """Where :func:`init_certs` put everything."""
+
+    root: Path
+    ca_cert: Path
+    ca_key: Path
+    workers: int
+
+    def names(self) -> list[str]:
+        """All node names: ``worker-0`` .. ``worker-<N-1>``, ``coordinator``, ``operator``."""
+        return [f"worker-{i}" for i in range(self.workers)] + ["coordinator", "operator"]
+
+    def node(self, name: str) -> NodeTLS:
+        """TLS paths of node ``name`` (e.g. ``worker-1``); KeyError if unknown."""
+        if name not in self.names():
+            raise KeyError(f"no certificate for {name!r}; known: {', '.join(self.names())}")
+        return NodeTLS(
+            ca=self.ca_cert, cert=self.root / f"{name}.crt", key=self.root / f"{name}.key"
+        )
+
+    def worker(self, index: int) -> NodeTLS:
+        """TLS paths of worker ``index``."""
+        return self.node(f"worker-{index}")
+
+
+def identity_of(name: str) -> str:
+    """Identity URI of node ``name`` (``worker-3`` -> ``mobius://worker/3``)."""
+    if name == "coordinator":
+        return COORDINATOR_IDENTITY
+    if name == "operator":
+        return OPERATOR_IDENTITY
+    prefix = "worker-"
+    if name.startswith(prefix) and name[len(prefix) :].isdigit():
+        return worker_identity(int(name[len(prefix) :]))
+    raise ValueError(f"unknown node name {name!r}")
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    if path.exists():
+        path.unlink()  # O_CREAT keeps an existing file's mode; start fresh
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), mode)  # umask can only narrow; make the mode exact
+        f.write(data)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _sans(name: str, hosts: Sequence[str]) -> list[x509.GeneralName]:
+    sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity_of(name))]
+    dns: list[str] = ["localhost"]
+    ips: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [ipaddress.ip_address("127.0.0.1")]
+    if name != "operator":
+        dns.append(name)
+    for h in hosts:
+        try:
+            ip = ipaddress.ip_address(h)
+        except ValueError:
+            if h not in dns:
+                dns.append(h)
+        else:
+            if ip not in ips:
+                ips.append(ip)
+    sans += [x509.DNSName(d) for d in dns]
+    sans += [x509.IPAddress(ip) for ip in ips]
+    return sans
+
+
+def init_certs(
+    out: Path,
+    workers: int,
+    hosts: Sequence[str] = (),
+    *,
+    days: int = 365,
+    overwrite: bool = False,
+) -> CertLayout:
+    """Create a CA and certificates for ``workers`` workers, the coordinator and an operator.
+
+    ``hosts`` (DNS names or IP addresses) are added as SANs to every leaf so nodes can be
+    dialled by those names. Refuses a non-empty ``out`` unless ``overwrite``.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"{out} is not empty; refusing to replace certificates (pass overwrite=True / "
+            "--overwrite, which invalidates every certificate already handed out)"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+
+    now = dt.datetime.now(dt.timezone.utc)
+    not_before, not_after = now - dt.timedelta(minutes=5), now + dt.timedelta(days=days)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME)])
+    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(ca_ski, critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    layout = CertLayout(root=out, ca_cert=out / "ca.crt", ca_key=out / "ca.key", workers=workers)
+    _write(layout.ca_key, _key_pem(ca_key), 0o600)
+    _write(layout.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+
+    for name in layout.names():
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(not_before)
+            .not_valid_after(not_after)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(
+                x509.ExtendedKeyUsage(
+                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+                ),
+                critical=False,
+            )
+            .add_extension(x509.SubjectAlternativeName(_sans(name, hosts)), critical=False)
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
+            )
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
+                critical=False,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
+        node = layout.node(name)
+        _write(node.key, _key_pem(key), 0o600)
+        _write(node.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return layout

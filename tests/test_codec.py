@@ -1,0 +1,191 @@
+"""Tensor codec round trips, every rejection, and the decode copy story."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mobius_fed.proto import ring_pb2
+from mobius_fed.transport.codec import (
+    WIRE_DTYPES,
+    FrameError,
+    decode_tensor,
+    encode_tensor,
+    make_frame,
+    validate_frame,
+)
+
+SHAPE = (2, 3, 5)
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(0)) * 3
+
+
+def test_fp32_roundtrip_is_bitwise_exact() -> None:
+    x = _x()
+    y = decode_tensor(encode_tensor(x, "fp32"), expected_shape=SHAPE, expected_dtype="fp32")
+    assert y.dtype == torch.float32 and y.shape == SHAPE
+    assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_half_roundtrip_equals_torch_cast(wire: str) -> None:
+    x = _x()
+    msg = encode_tensor(x, wire)
+    assert len(msg.data) == x.numel() * 2
+    y = decode_tensor(msg, expected_shape=SHAPE, expected_dtype=wire)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, x.to(WIRE_DTYPES[wire]).float())
+    z = decode_tensor(msg, expected_shape=SHAPE, expected_dtype=wire, out_dtype=WIRE_DTYPES[wire])
+    assert torch.equal(z, x.to(WIRE_DTYPES[wire]))
+
+
+def test_encode_accepts_noncontiguous_and_grad_tensors() -> None:
+    x = _x().requires_grad_()
+    t = x.transpose(0, 2)
+    y = decode_tensor(
+        encode_tensor(t, "fp32"), expected_shape=tuple(t.shape), expected_dtype="fp32"
+    )
+    assert torch.equal(y, t.detach())
+
+
+def test_empty_tensor_roundtrip() -> None:
+    y = decode_tensor(
+        encode_tensor(torch.empty(0, 4), "bf16"), expected_shape=(0, 4), expected_dtype="bf16"
+    )
+    assert y.shape == (0, 4)
+
+
+def _decode(msg: ring_pb2.Tensor) -> torch.Tensor:
+    return decode_tensor(msg, expected_shape=SHAPE, expected_dtype="fp32")
+
+
+def test_reject_wrong_dtype() -> None:
+    with pytest.raises(FrameError, match=r"dtype bf16 \(expected fp32\)"):
+        _decode(encode_tensor(_x(), "bf16"))
+
+
+def test_reject_unknown_dtype_enum() -> None:
+    msg = encode_tensor(_x(), "fp32")
+    msg.dtype = 42  # proto3 open enum: unknown values survive parsing
+    msg = ring_pb2.Tensor.FromString(msg.SerializeToString())
+    with pytest.raises(FrameError, match="unknown dtype enum 42"):
+        _decode(msg)
+    msg.dtype = ring_pb2.DTYPE_UNSPECIFIED
+    with pytest.raises(FrameError, match="unknown dtype enum 0"):
+        _decode(msg)
+
+
+def test_reject_wrong_shape() -> None:
+    with pytest.raises(FrameError, match=r"shape \(2, 15\) \(expected \(2, 3, 5\)\)"):
+        _decode(encode_tensor(_x().reshape(2, 15), "fp32"))
+
+
+def test_reject_wrong_byte_length() -> None:
+    msg = encode_tensor(_x(), "fp32")
+    msg.data = msg.data[:-4]
+    with pytest.raises(FrameError, match=r"116 data bytes \(expected 120\)"):
+        _decode(msg)
+
+
+def test_reject_bad_crc() -> None:
+    msg = encode_tensor(_x(), "fp32")
+    data = bytearray(msg.data)
+    data[7] ^= 0x01
+    msg.data = bytes(data)
+    with pytest.raises(FrameError, match="crc32"):
+        _decode(msg)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("wire", ["fp32", "bf16", "fp16"])
+def test_reject_non_finite(bad: float, wire: str) -> None:
+    x = _x()
+    x[1, 2, 3] = bad
+    with pytest.raises(FrameError, match="non-finite"):
+        decode_tensor(encode_tensor(x, wire), expected_shape=SHAPE, expected_dtype=wire)
+
+
+def test_fp16_overflow_is_rejected_as_non_finite() -> None:
+    x = torch.full(SHAPE, 1e6)  # > fp16 max: the cast makes inf, the receiver refuses it
+    with pytest.raises(FrameError, match="non-finite"):
+        decode_tensor(encode_tensor(x, "fp16"), expected_shape=SHAPE, expected_dtype="fp16")
+
+
+def test_unknown_wire_name_is_a_programming_error() -> None:
+    with pytest.raises(ValueError, match="unknown wire dtype"):
+        encode_tensor(_x(), "int8")
+
+
+class _FixedBuffer:
+    """Duck-typed ring_pb2.Tensor whose ``data`` is one fixed bytes object."""
+
+    def __init__(self, msg: ring_pb2.Tensor) -> None:
+        self.dtype, self.shape, self.crc32 = msg.dtype, list(msg.shape), msg.crc32
+        self.data = msg.data
+
+
+def test_fp32_decode_is_zero_copy() -> None:
+    # Copy story: the upb accessor `msg.data` makes a fresh bytes object per access
+    # (asserted below); decode reads it once and torch.frombuffer wraps it without a copy.
+    msg = encode_tensor(_x(), "fp32")
+    assert msg.data is not msg.data
+    fixed = _FixedBuffer(msg)
+    addr = np.frombuffer(fixed.data, dtype=np.uint8).ctypes.data
+    y = decode_tensor(fixed, expected_shape=SHAPE, expected_dtype="fp32")  # type: ignore[arg-type]
+    assert y.data_ptr() == addr
+    assert torch.equal(y, _x())
+
+
+def test_half_decode_widens_into_new_tensor() -> None:
+    fixed = _FixedBuffer(encode_tensor(_x(), "bf16"))
+    addr = np.frombuffer(fixed.data, dtype=np.uint8).ctypes.data
+    y = decode_tensor(fixed, expected_shape=SHAPE, expected_dtype="bf16")  # type: ignore[arg-type]
+    assert not (addr <= y.data_ptr() < addr + len(fixed.data))
+
+
+HEADER = {
+    "run_id": "run-a",
+    "step": 6,
+    "origin": 2,
+    "tick": 9,
+    "micro": 1,
+    "direction": ring_pb2.FORWARD,
+}
+
+
+def _frame(**over: object) -> ring_pb2.Frame:
+    return make_frame(**{**HEADER, **over}, tensor=_x(), wire="bf16")  # type: ignore[arg-type]
+
+
+def test_make_and_validate_frame_roundtrip() -> None:
+    frame = ring_pb2.Frame.FromString(_frame().SerializeToString())
+    validate_frame(frame, **HEADER)  # type: ignore[arg-type]
+    y = decode_tensor(frame.tensor, expected_shape=SHAPE, expected_dtype="bf16")
+    assert torch.equal(y, _x().bfloat16().float())
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "message"),
+    [
+        ("run_id", "run-b", "run_id 'run-b' (expected 'run-a')"),
+        ("step", 7, "step 7 (expected 6)"),
+        ("origin", 0, "origin 0 (expected 2)"),
+        ("tick", 10, "tick 10 (expected 9)"),
+        ("micro", 0, "micro 0 (expected 1)"),
+        ("direction", ring_pb2.BACKWARD, "direction BACKWARD (expected FORWARD)"),
+    ],
+)
+def test_validate_frame_rejects(field: str, bad: object, message: str) -> None:
+    with pytest.raises(
+        FrameError, match="frame rejected: " + message.replace("(", r"\(").replace(")", r"\)")
+    ):
+        validate_frame(_frame(**{field: bad}), **HEADER)  # type: ignore[arg-type]
+
+
+def test_validate_frame_rejects_missing_tensor() -> None:
+    frame = ring_pb2.Frame(**HEADER)  # type: ignore[arg-type]
+    with pytest.raises(FrameError, match="no tensor"):
+        validate_frame(frame, **HEADER)  # type: ignore[arg-type]

@@ -1,0 +1,208 @@
+"""Certificates and real mutual TLS over loopback gRPC."""
+
+from __future__ import annotations
+
+import logging
+import stat
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from mobius_fed.proto import ring_pb2, ring_pb2_grpc
+from mobius_fed.transport import (
+    GRPC_OPTIONS,
+    CertLayout,
+    NodeTLS,
+    add_port,
+    decode_tensor,
+    init_certs,
+    make_frame,
+    open_channel,
+    parse_identity,
+    peer_identity,
+    require_peer,
+    worker_identity,
+)
+
+SERVER = worker_identity(2)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> CertLayout:
+    return init_certs(tmp_path_factory.mktemp("pki") / "certs", 3, hosts=["10.0.0.7", "gpu-a"])
+
+
+@pytest.fixture(scope="module")
+def other_ca(tmp_path_factory: pytest.TempPathFactory) -> CertLayout:
+    return init_certs(tmp_path_factory.mktemp("pki2") / "certs", 3)
+
+
+def test_identities() -> None:
+    assert worker_identity(4) == "mobius://worker/4"
+    assert parse_identity("mobius://worker/4") == ("worker", 4)
+    assert parse_identity("mobius://coordinator") == ("coordinator", None)
+    assert parse_identity("mobius://operator") == ("operator", None)
+    for bad in ("spiffe://worker/1", "mobius://worker/x", "mobius://coordinator/1", "mobius://"):
+        with pytest.raises(ValueError, match="not a mobius identity"):
+            parse_identity(bad)
+
+
+def test_layout_and_modes(certs: CertLayout) -> None:
+    names = sorted(p.name for p in certs.root.iterdir())
+    expected = ["ca", "coordinator", "operator", "worker-0", "worker-1", "worker-2"]
+    assert names == sorted(f"{n}.{ext}" for n in expected for ext in ("crt", "key"))
+    for p in certs.root.iterdir():
+        mode = stat.S_IMODE(p.stat().st_mode)
+        assert mode == (0o600 if p.suffix == ".key" else 0o644), p
+    node = certs.node("coordinator")
+    assert node == NodeTLS(
+        certs.ca_cert, certs.root / "coordinator.crt", certs.root / "coordinator.key"
+    )
+    with pytest.raises(KeyError, match="worker-3"):
+        certs.node("worker-3")
+
+
+def test_refuses_to_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "c"
+    first = init_certs(out, 1)
+    before = first.ca_cert.read_bytes()
+    with pytest.raises(FileExistsError, match="not empty"):
+        init_certs(out, 1)
+    assert first.ca_cert.read_bytes() == before
+    init_certs(out, 1, overwrite=True)
+    assert first.ca_cert.read_bytes() != before
+    assert stat.S_IMODE(first.ca_key.stat().st_mode) == 0o600
+
+
+def test_certificate_contents(certs: CertLayout) -> None:
+    ca = x509.load_pem_x509_certificate(certs.ca_cert.read_bytes())
+    bc = ca.extensions.get_extension_for_class(x509.BasicConstraints)
+    assert bc.critical and bc.value.ca
+    assert ca.extensions.get_extension_for_class(x509.KeyUsage).value.key_cert_sign
+
+    leaf = x509.load_pem_x509_certificate(certs.worker(1).cert.read_bytes())
+    assert leaf.issuer == ca.subject
+    assert leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "worker-1"
+    san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["mobius://worker/1"]
+    assert san.get_values_for_type(x509.DNSName) == ["localhost", "worker-1", "gpu-a"]
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1", "10.0.0.7"]
+    eku = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert set(eku) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    assert not leaf.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+
+    op = x509.load_pem_x509_certificate(certs.node("operator").cert.read_bytes())
+    op_san = op.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert op_san.get_values_for_type(x509.UniformResourceIdentifier) == ["mobius://operator"]
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    node = NodeTLS(tmp_path / "ca.crt", tmp_path / "x.crt", tmp_path / "x.key")
+    with pytest.raises(FileNotFoundError, match=r"CA certificate not found: .*ca\.crt"):
+        node.load()
+
+
+class _Servicer(ring_pb2_grpc.RingLinkServicer):
+    """Ping reports the caller; Stream accepts worker 1 only and echoes frames backward."""
+
+    def Ping(
+        self, request: ring_pb2.PingRequest, context: grpc.ServicerContext
+    ) -> ring_pb2.PingReply:
+        return ring_pb2.PingReply(identity=SERVER, peer=peer_identity(context) or "")
+
+    def Stream(
+        self, request_iterator: Iterator[ring_pb2.Frame], context: grpc.ServicerContext
+    ) -> Iterator[ring_pb2.Frame]:
+        require_peer(context, {worker_identity(1)})
+        for frame in request_iterator:
+            frame.direction = ring_pb2.BACKWARD
+            yield frame
+
+
+@pytest.fixture(scope="module")
+def server(certs: CertLayout) -> Iterator[str]:
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    ring_pb2_grpc.add_RingLinkServicer_to_server(_Servicer(), srv)
+    port = add_port(srv, "127.0.0.1:0", certs.worker(2))
+    srv.start()
+    yield f"127.0.0.1:{port}"
+    srv.stop(grace=None)
+
+
+def _ping(channel: grpc.Channel) -> ring_pb2.PingReply:
+    with channel:
+        return ring_pb2_grpc.RingLinkStub(channel).Ping(ring_pb2.PingRequest(), timeout=5)
+
+
+def test_mtls_client_is_identified(server: str, certs: CertLayout) -> None:
+    reply = _ping(open_channel(server, certs.worker(1)))
+    assert reply.identity == SERVER and reply.peer == "mobius://worker/1"
+    port = server.rsplit(":", 1)[1]  # by DNS name, overriding the name checked against SANs
+    reply = _ping(open_channel(f"localhost:{port}", certs.node("operator"), target_name="worker-2"))
+    assert reply.peer == "mobius://operator"
+
+
+def test_stream_large_frame_and_authorization(server: str, certs: CertLayout) -> None:
+    x = torch.randn(2, 1024, 1024)  # 8 MiB fp32: above gRPC's 4 MiB default limit
+    frame = make_frame(
+        run_id="r", step=1, origin=1, tick=0, micro=0, direction=ring_pb2.FORWARD, tensor=x
+    )
+    with open_channel(server, certs.worker(1)) as ch:
+        (back,) = list(ring_pb2_grpc.RingLinkStub(ch).Stream(iter([frame]), timeout=10))
+    assert back.direction == ring_pb2.BACKWARD
+    assert torch.equal(
+        decode_tensor(back.tensor, expected_shape=(2, 1024, 1024), expected_dtype="fp32"), x
+    )
+    with open_channel(server, certs.worker(0)) as ch, pytest.raises(grpc.RpcError) as err:
+        list(ring_pb2_grpc.RingLinkStub(ch).Stream(iter([frame]), timeout=5))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "mobius://worker/0" in err.value.details()
+
+
+def _assert_refused(channel: grpc.Channel) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        _ping(channel)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_client_without_certificate_is_refused(server: str, certs: CertLayout) -> None:
+    creds = grpc.ssl_channel_credentials(root_certificates=certs.ca_cert.read_bytes())
+    _assert_refused(grpc.secure_channel(server, creds))
+
+
+def test_client_from_another_ca_is_refused(
+    server: str, certs: CertLayout, other_ca: CertLayout
+) -> None:
+    # Trusts our CA (so the server passes the client's check) but presents a foreign
+    # worker-1 certificate: the server must refuse it.
+    foreign = other_ca.worker(1)
+    _assert_refused(open_channel(server, NodeTLS(certs.ca_cert, foreign.cert, foreign.key)))
+    _assert_refused(open_channel(server, foreign))
+
+
+def test_plaintext_client_is_refused(server: str) -> None:
+    _assert_refused(grpc.insecure_channel(server))
+
+
+def test_plaintext_needs_explicit_flag(caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(ValueError, match="insecure=True"):
+        open_channel("127.0.0.1:1", None)
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+    with pytest.raises(ValueError, match="insecure=True"):
+        add_port(srv, "127.0.0.1:0", None)
+    ring_pb2_grpc.add_RingLinkServicer_to_server(_Servicer(), srv)
+    with caplog.at_level(logging.WARNING, logger="mobius_fed.transport.tls"):
+        port = add_port(srv, "127.0.0.1:0", None, insecure=True)
+        srv.start()
+        try:
+            reply = _ping(open_channel(f"127.0.0.1:{port}", None, insecure=True))
+        finally:
+            srv.stop(grace=None)
+    assert reply.peer == ""  # no certificate, no identity
+    assert sum("INSECURE" in r.getMessage() for r in caplog.records) == 2
