@@ -16,6 +16,7 @@ after its last application back home.
 from __future__ import annotations
 
 from typing import Literal
+import itertools
 
 Order = Literal["cyclic", "ordered"]
 ORDERS: tuple[Order, ...] = ("cyclic", "ordered")
@@ -93,9 +94,9 @@ def ring_hops(order: Order, s: int, P: int, L: int) -> list[tuple[int, int]]:
     """
     stops = [s, *path(order, s, P, L), s]
     hops: list[tuple[int, int]] = []
-    for a, b in zip(stops, stops[1:]):
+    for a, b in itertools.pairwise(stops):
         route = ring_route(a, b, P)
-        hops.extend(zip(route, route[1:]))
+        hops.extend(itertools.pairwise(route))
     return hops
 
 
