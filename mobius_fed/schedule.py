@@ -15,8 +15,8 @@ after its last application back home.
 
 from __future__ import annotations
 
-from typing import Literal
 import itertools
+from typing import Literal
 
 Order = Literal["cyclic", "ordered"]
 ORDERS: tuple[Order, ...] = ("cyclic", "ordered")
