@@ -29,6 +29,8 @@ def run_guarded(fn, *args, **kwargs) -> int:
         return fn(*args, **kwargs) or 0
     except (CliError, ConfigError, DataError, FileNotFoundError, FileExistsError) as exc:
         fail(str(exc))
+    except RuntimeError as exc:  # PeerError and other run-time failures: one clear line
+        fail(f"{type(exc).__name__}: {exc}")
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")
         return 130

@@ -12,6 +12,12 @@ class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DIRECTION_UNSPECIFIED: _ClassVar[Direction]
     FORWARD: _ClassVar[Direction]
     BACKWARD: _ClassVar[Direction]
+    FIN: _ClassVar[Direction]
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRAIN: _ClassVar[Phase]
+    EVAL: _ClassVar[Phase]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -22,6 +28,9 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 DIRECTION_UNSPECIFIED: Direction
 FORWARD: Direction
 BACKWARD: Direction
+FIN: Direction
+TRAIN: Phase
+EVAL: Phase
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 BFLOAT16: DType
@@ -40,7 +49,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("run_id", "step", "origin", "tick", "micro", "direction", "tensor")
+    __slots__ = ("run_id", "step", "origin", "tick", "micro", "direction", "tensor", "phase")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +57,7 @@ class Frame(_message.Message):
     MICRO_FIELD_NUMBER: _ClassVar[int]
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     origin: int
@@ -55,7 +65,8 @@ class Frame(_message.Message):
     micro: int
     direction: Direction
     tensor: Tensor
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., origin: _Optional[int] = ..., tick: _Optional[int] = ..., micro: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    phase: Phase
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., origin: _Optional[int] = ..., tick: _Optional[int] = ..., micro: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,103 @@
+"""The worker daemon's configuration: TOML file, MOBIUS_* environment, then flags."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from mobius_fed.config import ConfigError, TrainConfig, describe_validation_error, read_toml
+from mobius_fed.transport.tls import NodeTLS
+
+ENV_PREFIX = "MOBIUS_"
+# Environment variables the worker reads (name without the prefix → config key).
+ENV_KEYS = {
+    "RANK": "rank", "PEERS": "peers", "LISTEN": "listen", "DATA_DIR": "data_dir",
+    "OUT_DIR": "out_dir", "RUN_ID": "run_id", "CA": "ca", "CERT": "cert", "KEY": "key",
+    "INSECURE": "insecure", "PEER_TIMEOUT": "peer_timeout",
+}
+TRAIN_ENV_KEYS = {
+    "PRESET": "preset", "WORKERS": "workers", "LOOPS": "loops", "ORDER": "order",
+    "SEED": "seed", "STEPS": "steps", "WIRE_DTYPE": "wire_dtype",
+}
+
+
+class WorkerConfig(BaseModel):
+    """One ring worker: its rank, where the ring is, its data and its identity."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(ge=0)
+    peers: list[str] = Field(min_length=1, description="host:port of every worker, ring order")
+    listen: str | None = Field(None, description="default: 0.0.0.0:<port of peers[rank]>")
+    data_dir: Path
+    out_dir: Path = Path("runs/worker")
+    run_id: str = "mobius"
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    insecure: bool = False
+    peer_timeout: float = Field(120.0, gt=0)
+    capture_frames: Path | None = Field(None, description="audit: append every sent frame here")
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkerConfig:
+        if len(self.peers) != self.train.workers:
+            raise ValueError(
+                f"peers lists {len(self.peers)} addresses but train.workers is "
+                f"{self.train.workers}"
+            )
+        if self.rank >= self.train.workers:
+            raise ValueError(f"rank {self.rank} out of range for P={self.train.workers}")
+        tls = (self.ca, self.cert, self.key)
+        if not self.insecure and None in tls:
+            raise ValueError("ca, cert and key are required (or --insecure for local debugging)")
+        return self
+
+    @property
+    def listen_address(self) -> str:
+        return self.listen or f"0.0.0.0:{self.peers[self.rank].rsplit(':', 1)[1]}"
+
+    @property
+    def successor(self) -> str:
+        return self.peers[(self.rank + 1) % len(self.peers)]
+
+    def tls(self) -> NodeTLS | None:
+        if self.insecure:
+            return None
+        return NodeTLS(ca=self.ca, cert=self.cert, key=self.key)  # type: ignore[arg-type]
+
+
+def _env(environ: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    top, train = {}, {}
+    for name, key in ENV_KEYS.items():
+        if (v := environ.get(ENV_PREFIX + name)) is not None:
+            top[key] = [p.strip() for p in v.split(",") if p.strip()] if key == "peers" else v
+    for name, key in TRAIN_ENV_KEYS.items():
+        if (v := environ.get(ENV_PREFIX + name)) is not None:
+            train[key] = v
+    return top, train
+
+
+def load_worker_config(
+    path: Path | None,
+    flags: dict[str, Any],
+    train_flags: dict[str, Any],
+    environ: dict[str, str] | None = None,
+) -> WorkerConfig:
+    """File, then ``MOBIUS_*`` environment, then flags (later wins)."""
+    doc = read_toml(path) if path else {}
+    top = dict(doc.get("worker", {}))
+    train = dict(doc.get("train", {}))
+    env_top, env_train = _env(dict(os.environ if environ is None else environ))
+    top.update(env_top)
+    train.update(env_train)
+    top.update({k: v for k, v in flags.items() if v is not None})
+    train.update({k: v for k, v in train_flags.items() if v is not None})
+    try:
+        return WorkerConfig.model_validate({**top, "train": train})
+    except ValidationError as exc:
+        raise ConfigError(f"invalid worker configuration: {describe_validation_error(exc)}") from exc

@@ -1,0 +1,184 @@
+"""The ring step executor of worker i (ARCHITECTURE §2).
+
+Per step: embed the home batch, apply F_i to every (tick, stream, micro-batch) this worker
+owns in forward order, compute R and the loss at home, back-propagate the same
+applications in reverse order, then step the optimizers. The order of applications is
+fixed by the schedule, so parameter gradients accumulate exactly as in the reference
+engine and the losses match it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mobius_fed import schedule
+from mobius_fed.config import TrainConfig
+from mobius_fed.data import SiteData
+from mobius_fed.model import build_group, build_replica
+from mobius_fed.model.training import make_optimizers, mean_loss, scale_grads, step_optimizers
+from mobius_fed.proto import ring_pb2
+from mobius_fed.transport.codec import make_frame
+from mobius_fed.worker.frames import BACKWARD, EVAL, FORWARD, TRAIN, FrameKey, FrameRules
+from mobius_fed.worker.link import RingLinks
+
+
+@dataclass
+class WorkerStep:
+    step: int
+    loss: float  # this worker's origin: mean CE of its own stream
+    compute_s: float
+    wait_s: float
+    seconds: float
+
+
+class RingExecutor:
+    """Worker ``rank``'s block group F_rank, its E/R replica and its local data."""
+
+    def __init__(
+        self, cfg: TrainConfig, rank: int, site: SiteData, run_id: str, peer_timeout: float = 120
+    ) -> None:
+        self.cfg, self.rank, self.site, self.run_id = cfg, rank, site, run_id
+        mc = cfg.model()
+        self.group = build_group(mc, rank, cfg.seed)
+        self.replica = build_replica(mc, cfg.seed)
+        self.group_opts = make_optimizers(self.group, cfg, blocks=True)
+        self.replica_opts = make_optimizers(self.replica, cfg, blocks=False)
+        self.step = 0
+        self._step_lock = threading.Lock()
+        self.rules = FrameRules(cfg, rank, run_id, lambda: self.step)
+        self.applications = [
+            (t, s, m)
+            for t, s in schedule.worker_schedule(cfg.order, rank, cfg.P, cfg.loops)
+            for m in range(cfg.micro_batches)
+        ]
+        self.links: RingLinks | None = None
+        self.peer_timeout = peer_timeout
+        self._local: dict[FrameKey, Tensor] = {}
+        self._wait = 0.0
+
+    # ------------------------------------------------------------ transport
+    def _emit(self, key: FrameKey, tensor: Tensor, dest: int) -> None:
+        if dest == self.rank:
+            self._local[key] = tensor
+            return
+        assert self.links is not None, "a ring of P > 1 needs links"
+        self.links.send(self._frame(key, tensor))
+
+    def _frame(self, key: FrameKey, tensor: Tensor) -> ring_pb2.Frame:
+        frame = make_frame(
+            run_id=self.run_id, step=key.step, origin=key.origin, tick=key.tick,
+            micro=key.micro, direction=key.direction, tensor=tensor, wire=self.cfg.wire_dtype,
+        )
+        frame.phase = key.phase
+        return frame
+
+    def _take(self, key: FrameKey) -> Tensor:
+        if key in self._local:
+            return self._local.pop(key)
+        assert self.links is not None, f"missing local {key.describe()}"
+        start = time.perf_counter()
+        src = "predecessor" if key.direction == FORWARD else "successor"
+        tensor = self.links.inbox.get(
+            key, self.peer_timeout, f"{key.describe()} from the {src}"
+        )
+        self._wait += time.perf_counter() - start
+        return tensor
+
+    def _send_forward(self, phase: int, step: int, s: int, slot: int, m: int, h: Tensor) -> None:
+        key = FrameKey(phase, step, FORWARD, s, slot, m)
+        self._emit(key, h, self.rules.consumer(s, slot))
+
+    def _send_backward(self, step: int, s: int, slot: int, m: int, g: Tensor) -> None:
+        key = FrameKey(TRAIN, step, BACKWARD, s, slot, m)
+        self._emit(key, g, self.rules.producer(s, slot))
+
+    # ---------------------------------------------------------------- train
+    def _micro(self, split: str, step: int) -> list[tuple[Tensor, Tensor]]:
+        x, y = self.site.batch(split, seed=self.cfg.seed, step=step, batch_size=self.cfg.batch_size)
+        M = self.cfg.micro_batches
+        return list(zip(x.chunk(M), y.chunk(M)))
+
+    def train_step(self) -> WorkerStep:
+        cfg, n, K, M = self.cfg, self.step, self.cfg.K, self.cfg.micro_batches
+        self._wait, t0 = 0.0, time.perf_counter()
+        batches = self._micro("train", n)
+        embedded = []
+        for m, (x, _) in enumerate(batches):
+            e = self.replica.embed(x)
+            embedded.append(e)
+            self._send_forward(TRAIN, n, self.rank, 0, m, e.detach())
+        saved: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
+        for t, s, m in self.applications:
+            inp = self._take(FrameKey(TRAIN, n, FORWARD, s, t, m)).requires_grad_()
+            out = self.group(inp)
+            saved[t, s, m] = (inp, out)
+            self._send_forward(TRAIN, n, s, t + 1, m, out.detach())
+        losses = []
+        for m, (_, y) in enumerate(batches):
+            h = self._take(FrameKey(TRAIN, n, FORWARD, self.rank, K, m)).requires_grad_()
+            loss = self.replica.loss(h, y)
+            loss.backward()
+            losses.append(loss)
+            self._send_backward(n, self.rank, K, m, h.grad)
+        for t, s, m in reversed(self.applications):
+            inp, out = saved.pop((t, s, m))
+            out.backward(self._take(FrameKey(TRAIN, n, BACKWARD, s, t + 1, m)))
+            self._send_backward(n, s, t, m, inp.grad)
+        for m in range(M):
+            embedded[m].backward(self._take(FrameKey(TRAIN, n, BACKWARD, self.rank, 0, m)))
+        scale_grads(self.group.parameters(), 1.0 / (cfg.P * M))  # mean over origins
+        step_optimizers(self.group_opts, cfg, n)
+        scale_grads(self.replica.parameters(), 1.0 / M)
+        step_optimizers(self.replica_opts, cfg, n)
+        self.step = n + 1
+        seconds = time.perf_counter() - t0
+        return WorkerStep(n, mean_loss(losses), seconds - self._wait, self._wait, seconds)
+
+    # ----------------------------------------------------------------- eval
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """This origin's path-specific validation loss (one term of paper Eq. 8)."""
+        n, K = self.step, self.cfg.K
+        micro = [mb for b in range(self.cfg.eval_batches) for mb in self._micro("val", b)]
+        for j, (x, _) in enumerate(micro):
+            self._send_forward(EVAL, n, self.rank, 0, j, self.replica.embed(x))
+        count = len(micro)
+        for t, s, m in self.applications:
+            if m:
+                continue  # eval micro-batches are enumerated below
+            for j in range(count):
+                h = self._take(FrameKey(EVAL, n, FORWARD, s, t, j))
+                self._send_forward(EVAL, n, s, t + 1, j, self.group(h))
+        losses = [
+            self.replica.loss(self._take(FrameKey(EVAL, n, FORWARD, self.rank, K, j)), y)
+            for j, (_, y) in enumerate(micro)
+        ]
+        return mean_loss(losses)
+
+    # ----------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        return {
+            "rank": self.rank,
+            "step": self.step,
+            "config": self.cfg.model_dump(mode="json"),
+            "group": self.group.state_dict(),
+            "replica": self.replica.state_dict(),
+            "group_opts": [o.state_dict() for o in self.group_opts],
+            "replica_opts": [o.state_dict() for o in self.replica_opts],
+            "cursor": {"seed": self.cfg.seed, "next_step": self.step},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["rank"] != self.rank:
+            raise ValueError(f"checkpoint is for worker {state['rank']}, not {self.rank}")
+        self.step = state["step"]
+        self.group.load_state_dict(state["group"])
+        self.replica.load_state_dict(state["replica"])
+        for opt, sd in zip(self.group_opts + self.replica_opts,
+                           state["group_opts"] + state["replica_opts"]):
+            opt.load_state_dict(sd)

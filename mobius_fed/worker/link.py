@@ -1,0 +1,320 @@
+"""A worker's two ring links over one long-lived bidirectional gRPC stream per ring edge.
+
+Worker i serves ``RingLink.Stream`` for its predecessor i-1 (FORWARD frames arrive on the
+request side, BACKWARD frames leave on the response side) and calls ``Stream`` on its
+successor i+1 (FORWARD frames leave, BACKWARD frames arrive). Frames for other workers are
+relayed in the same direction; frames for this worker are validated, decoded and put in
+the inbox the step executor reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import torch
+
+from mobius_fed.proto import ring_pb2, ring_pb2_grpc
+from mobius_fed.transport.codec import FrameError, decode_tensor
+from mobius_fed.transport.tls import NodeTLS, add_port, open_channel, peer_identity, worker_identity
+from mobius_fed.worker.frames import BACKWARD, FIN, FORWARD, FrameKey, FrameRules
+
+log = logging.getLogger("mobius.link")
+_CLOSE = object()
+
+
+class PeerError(RuntimeError):
+    """A ring peer is unreachable, went away, or sent something unusable."""
+
+
+class Inbox:
+    """Decoded tensors addressed to this worker, keyed by :class:`FrameKey`."""
+
+    def __init__(self) -> None:
+        self._items: dict[FrameKey, torch.Tensor] = {}
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self.fins: set[int] = set()
+
+    def put(self, key: FrameKey, tensor: torch.Tensor) -> None:
+        with self._cond:
+            if key in self._items:
+                raise FrameError(f"frame rejected: duplicate {key.describe()}")
+            self._items[key] = tensor
+            self._cond.notify_all()
+
+    def add_fin(self, origin: int) -> None:
+        with self._cond:
+            self.fins.add(origin)
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+    def get(self, key: FrameKey, timeout: float, waiting_for: str) -> torch.Tensor:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while key not in self._items:
+                if self._error is not None:
+                    raise PeerError(str(self._error)) from self._error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerError(f"timed out after {timeout:.0f}s waiting for {waiting_for}")
+                self._cond.wait(left)
+            return self._items.pop(key)
+
+    def wait_fins(self, expected: set[int], timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: expected <= self.fins or self._error is not None, timeout
+            )
+
+
+class _Outbox:
+    """A queue feeding one gRPC stream direction; counts bytes handed to gRPC."""
+
+    def __init__(self, capture: Path | None = None) -> None:
+        self.q: queue.Queue = queue.Queue()
+        self.bytes_sent = 0
+        self.frames_sent = 0
+        self._capture = capture.open("ab") if capture else None
+
+    def put(self, frame: ring_pb2.Frame) -> None:
+        self.q.put(frame)
+
+    def close(self) -> None:
+        self.q.put(_CLOSE)
+
+    def __iter__(self) -> Iterator[ring_pb2.Frame]:
+        while True:
+            item = self.q.get()
+            if item is _CLOSE:
+                return
+            size = item.ByteSize()
+            self.bytes_sent += size
+            self.frames_sent += 1
+            if self._capture is not None:
+                self._capture.write(item.SerializeToString())
+                self._capture.flush()
+            yield item
+
+
+class RingLinks(ring_pb2_grpc.RingLinkServicer):
+    """Server for the predecessor's stream plus client stream to the successor."""
+
+    def __init__(
+        self,
+        rules: FrameRules,
+        *,
+        listen: str,
+        successor: str,
+        tls: NodeTLS | None,
+        insecure: bool = False,
+        peer_timeout: float = 120.0,
+        capture: Path | None = None,
+    ) -> None:
+        self.rules, self.rank, self.P = rules, rules.rank, rules.P
+        self.listen, self.successor_addr = listen, successor
+        self.tls, self.insecure, self.peer_timeout = tls, insecure, peer_timeout
+        self.inbox = Inbox()
+        self.forward_out = _Outbox(capture)
+        self._backward_out: _Outbox | None = None
+        self._backward_ready = threading.Condition()
+        self._capture = capture
+        self.rejected: list[str] = []
+        self._server: grpc.Server | None = None
+        self._channel: grpc.Channel | None = None
+        self._client_thread: threading.Thread | None = None
+        self._closing = threading.Event()
+        self.predecessor_identity = worker_identity((self.rank - 1) % self.P)
+        self.successor_identity = worker_identity((self.rank + 1) % self.P)
+
+    # ---------------------------------------------------------------- server
+    def start_server(self) -> int:
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8),
+            options=[("grpc.max_receive_message_length", 256 << 20),
+                     ("grpc.max_send_message_length", 256 << 20),
+                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+                     ("grpc.keepalive_permit_without_calls", 1)],
+        )
+        ring_pb2_grpc.add_RingLinkServicer_to_server(self, self._server)
+        port = add_port(self._server, self.listen, self.tls, insecure=self.insecure)
+        if port == 0:
+            raise PeerError(f"worker-{self.rank}: cannot listen on {self.listen}")
+        self._server.start()
+        log.info("worker-%d listening on %s", self.rank, self.listen)
+        return port
+
+    def Ping(self, request: ring_pb2.PingRequest, context: grpc.ServicerContext):  # noqa: N802
+        return ring_pb2.PingReply(
+            identity=worker_identity(self.rank), peer=peer_identity(context) or ""
+        )
+
+    def Stream(self, request_iterator, context: grpc.ServicerContext):  # noqa: N802, ANN001
+        who = peer_identity(context)
+        if not self.insecure and who != self.predecessor_identity:
+            msg = (f"worker-{self.rank} accepts ring frames only from its predecessor "
+                   f"{self.predecessor_identity}, not {who or '<no identity>'}")
+            log.error("refused stream: %s", msg)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)
+        out = _Outbox(self._capture)
+        failure: list[str] = []
+
+        def receive() -> None:
+            bound = False
+            try:
+                for frame in request_iterator:
+                    self._accept(frame, FORWARD)
+                    if not bound:
+                        bound = True
+                        with self._backward_ready:
+                            self._backward_out = out
+                            self._backward_ready.notify_all()
+            except FrameError as exc:
+                self.rejected.append(str(exc))
+                log.error("worker-%d: %s (from %s); stream closed, still serving",
+                          self.rank, exc, who)
+                failure.append(str(exc))
+            except grpc.RpcError:
+                pass
+            finally:
+                if not bound or failure:
+                    out.close()
+                elif not self._closing.is_set() and not self._all_finished():
+                    self.inbox.fail(PeerError(
+                        f"lost the link to predecessor worker-{(self.rank - 1) % self.P}"
+                    ))
+
+        threading.Thread(target=receive, daemon=True, name="ring-recv-fwd").start()
+        yield from out
+        if failure:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, failure[0])
+
+    # ---------------------------------------------------------------- client
+    def connect(self) -> None:
+        """Open the stream to the successor, retrying with backoff until peer_timeout."""
+        target = f"worker-{(self.rank + 1) % self.P}"
+        deadline = time.monotonic() + self.peer_timeout
+        delay = 0.1
+        while True:
+            self._channel = open_channel(
+                self.successor_addr, self.tls, insecure=self.insecure, target_name=target
+            )
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=min(delay * 4, 5.0))
+                reply = ring_pb2_grpc.RingLinkStub(self._channel).Ping(
+                    ring_pb2.PingRequest(), timeout=10
+                )
+                if not self.insecure and reply.identity != self.successor_identity:
+                    raise PeerError(f"successor at {self.successor_addr} is {reply.identity}, "
+                                    f"expected {self.successor_identity}")
+                break
+            except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+                self._channel.close()
+                if time.monotonic() > deadline:
+                    raise PeerError(
+                        f"worker-{self.rank}: successor {target} at {self.successor_addr} "
+                        f"unreachable after {self.peer_timeout:.0f}s ({exc!r})"
+                    ) from exc
+                log.info("worker-%d waiting for successor %s at %s",
+                         self.rank, target, self.successor_addr)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        stub = ring_pb2_grpc.RingLinkStub(self._channel)
+        responses = stub.Stream(iter(self.forward_out))
+        self._client_thread = threading.Thread(
+            target=self._receive_backward, args=(responses,), daemon=True, name="ring-recv-bwd"
+        )
+        self._client_thread.start()
+        log.info("worker-%d connected to successor %s at %s", self.rank, target,
+                 self.successor_addr)
+
+    def _receive_backward(self, responses) -> None:  # noqa: ANN001
+        try:
+            for frame in responses:
+                self._accept(frame, BACKWARD)
+        except FrameError as exc:
+            self.rejected.append(str(exc))
+            log.error("worker-%d: %s (from successor)", self.rank, exc)
+            self.inbox.fail(exc)
+        except grpc.RpcError as exc:
+            if not self._closing.is_set():
+                self.inbox.fail(PeerError(
+                    f"lost the link to successor worker-{(self.rank + 1) % self.P}: "
+                    f"{exc.code().name} {exc.details()}"
+                ))
+
+    # --------------------------------------------------------------- routing
+    def _accept(self, frame: ring_pb2.Frame, direction: int) -> None:
+        self.rules.check_header(frame, direction)
+        if frame.direction == FIN:
+            self.inbox.add_fin(frame.origin)
+            if (self.rank + 1) % self.P != frame.origin:
+                self.forward_out.put(frame)
+            return
+        dest = self.rules.destination(frame)
+        if dest != self.rank:
+            self.send(frame)  # relay in the same direction
+            return
+        tensor = decode_tensor(
+            frame.tensor, expected_shape=self.rules.shape, expected_dtype=self.rules.cfg.wire_dtype
+        )
+        self.inbox.put(FrameKey.of(frame), tensor)
+
+    def send(self, frame: ring_pb2.Frame) -> None:
+        if frame.direction == BACKWARD:
+            self._backward_outbox().put(frame)
+        else:
+            self.forward_out.put(frame)
+
+    def _backward_outbox(self) -> _Outbox:
+        with self._backward_ready:
+            if not self._backward_ready.wait_for(
+                lambda: self._backward_out is not None, self.peer_timeout
+            ):
+                raise PeerError(
+                    f"worker-{self.rank}: predecessor worker-{(self.rank - 1) % self.P} "
+                    "never opened its ring stream"
+                )
+            return self._backward_out  # type: ignore[return-value]
+
+    # -------------------------------------------------------------- shutdown
+    @property
+    def bytes_sent(self) -> int:
+        back = self._backward_out.bytes_sent if self._backward_out else 0
+        return self.forward_out.bytes_sent + back
+
+    def _all_finished(self) -> bool:
+        return set(range(self.P)) - {self.rank} <= self.inbox.fins
+
+    def finish(self, timeout: float) -> None:
+        """Announce FIN, wait until every other worker finished, then close both streams."""
+        self.forward_out.put(ring_pb2.Frame(
+            run_id=self.rules.run_id, origin=self.rank, direction=FIN
+        ))
+        others = set(range(self.P)) - {self.rank}
+        if not self.inbox.wait_fins(others, timeout):
+            log.warning("worker-%d: not every peer finished within %.0fs", self.rank, timeout)
+        self.close()
+
+    def close(self) -> None:
+        self._closing.set()
+        self.forward_out.close()
+        if self._backward_out is not None:
+            self._backward_out.close()
+        if self._client_thread is not None:
+            self._client_thread.join(timeout=10)
+        if self._channel is not None:
+            self._channel.close()
+        if self._server is not None:
+            self._server.stop(grace=2).wait()
