@@ -9,17 +9,32 @@ from pathlib import Path
 from mobius_fed.cli.common import run_guarded
 
 FLAGS = {
-    "--rank": ("rank", int), "--peers": ("peers", str), "--listen": ("listen", str),
-    "--data-dir": ("data_dir", Path), "--out-dir": ("out_dir", Path), "--run-id": ("run_id", str),
-    "--ca": ("ca", Path), "--cert": ("cert", Path), "--key": ("key", Path),
-    "--peer-timeout": ("peer_timeout", float), "--capture-frames": ("capture_frames", Path),
+    "--rank": ("rank", int),
+    "--peers": ("peers", str),
+    "--listen": ("listen", str),
+    "--data-dir": ("data_dir", Path),
+    "--out-dir": ("out_dir", Path),
+    "--run-id": ("run_id", str),
+    "--ca": ("ca", Path),
+    "--cert": ("cert", Path),
+    "--key": ("key", Path),
+    "--peer-timeout": ("peer_timeout", float),
+    "--threads": ("threads", int),
+    "--capture-frames": ("capture_frames", Path),
 }
 TRAIN_FLAGS = {
-    "--preset": ("preset", str), "--workers": ("workers", int), "--loops": ("loops", int),
-    "--order": ("order", str), "--seed": ("seed", int), "--steps": ("steps", int),
-    "--wire-dtype": ("wire_dtype", str), "--batch-size": ("batch_size", int),
-    "--micro-batches": ("micro_batches", int), "--optimizer": ("optimizer", str),
-    "--sync-every": ("sync_every", int), "--eval-every": ("eval_every", int),
+    "--preset": ("preset", str),
+    "--workers": ("workers", int),
+    "--loops": ("loops", int),
+    "--order": ("order", str),
+    "--seed": ("seed", int),
+    "--steps": ("steps", int),
+    "--wire-dtype": ("wire_dtype", str),
+    "--batch-size": ("batch_size", int),
+    "--micro-batches": ("micro_batches", int),
+    "--optimizer": ("optimizer", str),
+    "--sync-every": ("sync_every", int),
+    "--eval-every": ("eval_every", int),
 }
 
 
@@ -32,8 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path)
     for flag, (key, typ) in {**FLAGS, **TRAIN_FLAGS}.items():
         p.add_argument(flag, dest=key, type=typ)
-    p.add_argument("--insecure", action="store_true", default=None,
-                   help="plaintext gRPC, no authentication (local debugging only)")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="plaintext gRPC, no authentication (local debugging only)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 

@@ -14,13 +14,27 @@ from mobius_fed.transport.tls import NodeTLS
 ENV_PREFIX = "MOBIUS_"
 # Environment variables the worker reads (name without the prefix → config key).
 ENV_KEYS = {
-    "RANK": "rank", "PEERS": "peers", "LISTEN": "listen", "DATA_DIR": "data_dir",
-    "OUT_DIR": "out_dir", "RUN_ID": "run_id", "CA": "ca", "CERT": "cert", "KEY": "key",
-    "INSECURE": "insecure", "PEER_TIMEOUT": "peer_timeout",
+    "RANK": "rank",
+    "PEERS": "peers",
+    "LISTEN": "listen",
+    "DATA_DIR": "data_dir",
+    "OUT_DIR": "out_dir",
+    "RUN_ID": "run_id",
+    "CA": "ca",
+    "CERT": "cert",
+    "KEY": "key",
+    "INSECURE": "insecure",
+    "PEER_TIMEOUT": "peer_timeout",
+    "THREADS": "threads",
 }
 TRAIN_ENV_KEYS = {
-    "PRESET": "preset", "WORKERS": "workers", "LOOPS": "loops", "ORDER": "order",
-    "SEED": "seed", "STEPS": "steps", "WIRE_DTYPE": "wire_dtype",
+    "PRESET": "preset",
+    "WORKERS": "workers",
+    "LOOPS": "loops",
+    "ORDER": "order",
+    "SEED": "seed",
+    "STEPS": "steps",
+    "WIRE_DTYPE": "wire_dtype",
 }
 
 
@@ -40,6 +54,7 @@ class WorkerConfig(BaseModel):
     key: Path | None = None
     insecure: bool = False
     peer_timeout: float = Field(120.0, gt=0)
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     capture_frames: Path | None = Field(None, description="audit: append every sent frame here")
     train: TrainConfig = Field(default_factory=TrainConfig)
 
@@ -47,8 +62,7 @@ class WorkerConfig(BaseModel):
     def _check(self) -> WorkerConfig:
         if len(self.peers) != self.train.workers:
             raise ValueError(
-                f"peers lists {len(self.peers)} addresses but train.workers is "
-                f"{self.train.workers}"
+                f"peers lists {len(self.peers)} addresses but train.workers is {self.train.workers}"
             )
         if self.rank >= self.train.workers:
             raise ValueError(f"rank {self.rank} out of range for P={self.train.workers}")
@@ -100,4 +114,6 @@ def load_worker_config(
     try:
         return WorkerConfig.model_validate({**top, "train": train})
     except ValidationError as exc:
-        raise ConfigError(f"invalid worker configuration: {describe_validation_error(exc)}") from exc
+        raise ConfigError(
+            f"invalid worker configuration: {describe_validation_error(exc)}"
+        ) from exc

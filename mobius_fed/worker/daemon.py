@@ -10,6 +10,8 @@ import logging
 import time
 from pathlib import Path
 
+import torch
+
 from mobius_fed.data import SiteData
 from mobius_fed.engine.checkpoint import save_checkpoint
 from mobius_fed.worker.config import WorkerConfig
@@ -41,6 +43,8 @@ def open_ring(cfg: WorkerConfig, executor: RingExecutor) -> RingLinks | None:
 def run_static_ring(cfg: WorkerConfig) -> Path:
     """Train ``cfg.train.steps`` steps on a static ring; return the metrics file."""
     train = cfg.train
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     site = SiteData(cfg.data_dir, train.model().seq_len, train.encoding)
     executor = RingExecutor(train, cfg.rank, site, cfg.run_id, cfg.peer_timeout)
     out = Path(cfg.out_dir)
@@ -48,25 +52,46 @@ def run_static_ring(cfg: WorkerConfig) -> Path:
     metrics = out / "metrics.jsonl"
     metrics.write_text("")
     links = open_ring(cfg, executor)
-    log.info("worker-%d: %s, P=%d L=%d order=%s, %d steps", cfg.rank, train.preset,
-             train.P, train.loops, train.order, train.steps)
+    log.info(
+        "worker-%d: %s, P=%d L=%d order=%s, %d steps",
+        cfg.rank,
+        train.preset,
+        train.P,
+        train.loops,
+        train.order,
+        train.steps,
+    )
     start = time.perf_counter()
     try:
         with metrics.open("a") as f:
             while executor.step < train.steps:
                 r = executor.train_step()
-                row = {"step": r.step, "origin": cfg.rank, "loss": r.loss,
-                       "compute_s": r.compute_s, "wait_s": r.wait_s, "seconds": r.seconds,
-                       "bytes_sent": links.bytes_sent if links else 0}
+                row = {
+                    "step": r.step,
+                    "origin": cfg.rank,
+                    "loss": r.loss,
+                    "compute_s": r.compute_s,
+                    "wait_s": r.wait_s,
+                    "seconds": r.seconds,
+                    "bytes_sent": links.bytes_sent if links else 0,
+                }
                 f.write(json.dumps(row) + "\n")
                 f.flush()
-                log.info("worker-%d step %d loss %.4f (%.2fs, waited %.2fs)",
-                         cfg.rank, r.step, r.loss, r.seconds, r.wait_s)
+                log.info(
+                    "worker-%d step %d loss %.4f (%.2fs, waited %.2fs)",
+                    cfg.rank,
+                    r.step,
+                    r.loss,
+                    r.seconds,
+                    r.wait_s,
+                )
                 last = executor.step == train.steps
                 if last or (train.eval_every and executor.step % train.eval_every == 0):
                     val = executor.evaluate()
-                    f.write(json.dumps({"step": executor.step, "origin": cfg.rank,
-                                        "eval_loss": val}) + "\n")
+                    f.write(
+                        json.dumps({"step": executor.step, "origin": cfg.rank, "eval_loss": val})
+                        + "\n"
+                    )
                     log.info("worker-%d validation loss (origin %d) %.4f", cfg.rank, cfg.rank, val)
         save_checkpoint(out / f"worker-{cfg.rank}.pt", executor.state_dict())
     finally:

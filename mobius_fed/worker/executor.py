@@ -71,8 +71,14 @@ class RingExecutor:
 
     def _frame(self, key: FrameKey, tensor: Tensor) -> ring_pb2.Frame:
         frame = make_frame(
-            run_id=self.run_id, step=key.step, origin=key.origin, tick=key.tick,
-            micro=key.micro, direction=key.direction, tensor=tensor, wire=self.cfg.wire_dtype,
+            run_id=self.run_id,
+            step=key.step,
+            origin=key.origin,
+            tick=key.tick,
+            micro=key.micro,
+            direction=key.direction,
+            tensor=tensor,
+            wire=self.cfg.wire_dtype,
         )
         frame.phase = key.phase
         return frame
@@ -83,9 +89,7 @@ class RingExecutor:
         assert self.links is not None, f"missing local {key.describe()}"
         start = time.perf_counter()
         src = "predecessor" if key.direction == FORWARD else "successor"
-        tensor = self.links.inbox.get(
-            key, self.peer_timeout, f"{key.describe()} from the {src}"
-        )
+        tensor = self.links.inbox.get(key, self.peer_timeout, f"{key.describe()} from the {src}")
         self._wait += time.perf_counter() - start
         return tensor
 
@@ -179,6 +183,7 @@ class RingExecutor:
         self.step = state["step"]
         self.group.load_state_dict(state["group"])
         self.replica.load_state_dict(state["replica"])
-        for opt, sd in zip(self.group_opts + self.replica_opts,
-                           state["group_opts"] + state["replica_opts"]):
+        for opt, sd in zip(
+            self.group_opts + self.replica_opts, state["group_opts"] + state["replica_opts"]
+        ):
             opt.load_state_dict(sd)

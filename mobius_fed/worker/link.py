@@ -142,10 +142,12 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
     def start_server(self) -> int:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8),
-            options=[("grpc.max_receive_message_length", 256 << 20),
-                     ("grpc.max_send_message_length", 256 << 20),
-                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-                     ("grpc.keepalive_permit_without_calls", 1)],
+            options=[
+                ("grpc.max_receive_message_length", 256 << 20),
+                ("grpc.max_send_message_length", 256 << 20),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ],
         )
         ring_pb2_grpc.add_RingLinkServicer_to_server(self, self._server)
         port = add_port(self._server, self.listen, self.tls, insecure=self.insecure)
@@ -155,16 +157,18 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         log.info("worker-%d listening on %s", self.rank, self.listen)
         return port
 
-    def Ping(self, request: ring_pb2.PingRequest, context: grpc.ServicerContext):  # noqa: N802
+    def Ping(self, request: ring_pb2.PingRequest, context: grpc.ServicerContext):
         return ring_pb2.PingReply(
             identity=worker_identity(self.rank), peer=peer_identity(context) or ""
         )
 
-    def Stream(self, request_iterator, context: grpc.ServicerContext):  # noqa: N802, ANN001
+    def Stream(self, request_iterator, context: grpc.ServicerContext):
         who = peer_identity(context)
         if not self.insecure and who != self.predecessor_identity:
-            msg = (f"worker-{self.rank} accepts ring frames only from its predecessor "
-                   f"{self.predecessor_identity}, not {who or '<no identity>'}")
+            msg = (
+                f"worker-{self.rank} accepts ring frames only from its predecessor "
+                f"{self.predecessor_identity}, not {who or '<no identity>'}"
+            )
             log.error("refused stream: %s", msg)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)
         out = _Outbox(self._capture)
@@ -182,8 +186,9 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                             self._backward_ready.notify_all()
             except FrameError as exc:
                 self.rejected.append(str(exc))
-                log.error("worker-%d: %s (from %s); stream closed, still serving",
-                          self.rank, exc, who)
+                log.error(
+                    "worker-%d: %s (from %s); stream closed, still serving", self.rank, exc, who
+                )
                 failure.append(str(exc))
             except grpc.RpcError:
                 pass
@@ -191,9 +196,9 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                 if not bound or failure:
                     out.close()
                 elif not self._closing.is_set() and not self._all_finished():
-                    self.inbox.fail(PeerError(
-                        f"lost the link to predecessor worker-{(self.rank - 1) % self.P}"
-                    ))
+                    self.inbox.fail(
+                        PeerError(f"lost the link to predecessor worker-{(self.rank - 1) % self.P}")
+                    )
 
         threading.Thread(target=receive, daemon=True, name="ring-recv-fwd").start()
         yield from out
@@ -216,8 +221,10 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                     ring_pb2.PingRequest(), timeout=10
                 )
                 if not self.insecure and reply.identity != self.successor_identity:
-                    raise PeerError(f"successor at {self.successor_addr} is {reply.identity}, "
-                                    f"expected {self.successor_identity}")
+                    raise PeerError(
+                        f"successor at {self.successor_addr} is {reply.identity}, "
+                        f"expected {self.successor_identity}"
+                    )
                 break
             except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
                 self._channel.close()
@@ -226,8 +233,12 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                         f"worker-{self.rank}: successor {target} at {self.successor_addr} "
                         f"unreachable after {self.peer_timeout:.0f}s ({exc!r})"
                     ) from exc
-                log.info("worker-%d waiting for successor %s at %s",
-                         self.rank, target, self.successor_addr)
+                log.info(
+                    "worker-%d waiting for successor %s at %s",
+                    self.rank,
+                    target,
+                    self.successor_addr,
+                )
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
         stub = ring_pb2_grpc.RingLinkStub(self._channel)
@@ -236,10 +247,11 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             target=self._receive_backward, args=(responses,), daemon=True, name="ring-recv-bwd"
         )
         self._client_thread.start()
-        log.info("worker-%d connected to successor %s at %s", self.rank, target,
-                 self.successor_addr)
+        log.info(
+            "worker-%d connected to successor %s at %s", self.rank, target, self.successor_addr
+        )
 
-    def _receive_backward(self, responses) -> None:  # noqa: ANN001
+    def _receive_backward(self, responses) -> None:
         try:
             for frame in responses:
                 self._accept(frame, BACKWARD)
@@ -249,10 +261,12 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             self.inbox.fail(exc)
         except grpc.RpcError as exc:
             if not self._closing.is_set():
-                self.inbox.fail(PeerError(
-                    f"lost the link to successor worker-{(self.rank + 1) % self.P}: "
-                    f"{exc.code().name} {exc.details()}"
-                ))
+                self.inbox.fail(
+                    PeerError(
+                        f"lost the link to successor worker-{(self.rank + 1) % self.P}: "
+                        f"{exc.code().name} {exc.details()}"
+                    )
+                )
 
     # --------------------------------------------------------------- routing
     def _accept(self, frame: ring_pb2.Frame, direction: int) -> None:
@@ -299,9 +313,9 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
 
     def finish(self, timeout: float) -> None:
         """Announce FIN, wait until every other worker finished, then close both streams."""
-        self.forward_out.put(ring_pb2.Frame(
-            run_id=self.rules.run_id, origin=self.rank, direction=FIN
-        ))
+        self.forward_out.put(
+            ring_pb2.Frame(run_id=self.rules.run_id, origin=self.rank, direction=FIN)
+        )
         others = set(range(self.P)) - {self.rank}
         if not self.inbox.wait_fins(others, timeout):
             log.warning("worker-%d: not every peer finished within %.0fs", self.rank, timeout)
