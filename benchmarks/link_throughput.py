@@ -52,13 +52,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import queue
 import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor

@@ -36,6 +36,15 @@ def _config(**kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """cpu-tiny gains nothing from intra-op threads, and they thrash on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _sites(dirs: list[Path], cfg: TrainConfig) -> list[SiteData]:
     return [SiteData(d, cfg.model().seq_len, cfg.encoding) for d in dirs]
 

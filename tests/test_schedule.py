@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -71,7 +72,7 @@ def test_cyclic_paths_use_only_ring_edges(pls) -> None:
     P, L, s = pls
     p = cyclic_path(s, P, L)
     assert p[0] == s
-    assert all(b == (a + 1) % P for a, b in zip(p, p[1:]))
+    assert all(b == (a + 1) % P for a, b in itertools.pairwise(p))
     hops = ring_hops("cyclic", s, P, L)
     assert all(_is_ring_edge(h, P) for h in hops)
     assert len(hops) == (num_applications(P, L) if P > 1 else 0)
@@ -159,4 +160,13 @@ def test_small_example_matches_the_paper() -> None:
     assert cyclic_path(2, 4, 2) == [2, 3, 0, 1, 2, 3, 0, 1]
     assert ordered_path(2, 4, 2) == [0, 1, 2, 3, 0, 1, 2, 3]
     assert [depth(2, i, 4) for i in range(4)] == [2, 3, 0, 1]
-    assert ring_hops("ordered", 2, 4, 1) == [(2, 3), (3, 0), (0, 1), (1, 2), (2, 3), (3, 0), (0, 1), (1, 2)]
+    assert ring_hops("ordered", 2, 4, 1) == [
+        (2, 3),
+        (3, 0),
+        (0, 1),
+        (1, 2),
+        (2, 3),
+        (3, 0),
+        (0, 1),
+        (1, 2),
+    ]

@@ -80,9 +80,6 @@ class FrameRules:
             )
         if frame.phase not in (TRAIN, EVAL):
             raise FrameError(f"frame rejected: phase {frame.phase}")
-        now = self.current_step()
-        if frame.step not in (now, now + 1):
-            raise FrameError(f"frame rejected: step {frame.step} (expected {now} or {now + 1})")
         if frame.origin >= self.P:
             raise FrameError(f"frame rejected: origin {frame.origin} (expected < P={self.P})")
         if frame.tick > self.K:
@@ -90,6 +87,14 @@ class FrameRules:
         if frame.micro >= self.micro_count(frame.phase):
             raise FrameError(
                 f"frame rejected: micro {frame.micro} (expected < {self.micro_count(frame.phase)})"
+            )
+        # Frames for this worker belong to its current step or the next one; a relay may
+        # still carry the previous step while this worker has moved on.
+        now = self.current_step()
+        lo = now - 1 if self.destination(frame) != self.rank else now
+        if not lo <= frame.step <= now + 1:
+            raise FrameError(
+                f"frame rejected: step {frame.step} (expected {max(lo, 0)}..{now + 1})"
             )
         if not frame.HasField("tensor"):
             raise FrameError("frame rejected: no tensor")

@@ -276,13 +276,14 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             if (self.rank + 1) % self.P != frame.origin:
                 self.forward_out.put(frame)
             return
-        dest = self.rules.destination(frame)
-        if dest != self.rank:
-            self.send(frame)  # relay in the same direction
-            return
+        # Every frame is validated in full (shape, dtype, length, checksum, finiteness)
+        # before it is used or relayed.
         tensor = decode_tensor(
             frame.tensor, expected_shape=self.rules.shape, expected_dtype=self.rules.cfg.wire_dtype
         )
+        if self.rules.destination(frame) != self.rank:
+            self.send(frame)  # relay in the same direction
+            return
         self.inbox.put(FrameKey.of(frame), tensor)
 
     def send(self, frame: ring_pb2.Frame) -> None:

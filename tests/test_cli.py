@@ -1,0 +1,159 @@
+"""End-to-end tests of the ``mobius-fed`` command line (run as subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"
+TINY = ["--preset", "cpu-tiny", "--batch-size", "2"]
+
+
+def mobius_fed(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mobius_fed.cli.main", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        # One intra-op thread: the cpu-tiny model gains nothing from more, and spinning
+        # OpenMP threads slow to a crawl when the 2 cores are shared with other tests.
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def _flat(text: str) -> str:
+    """The console wraps long lines; compare messages with whitespace collapsed."""
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["local", *TINY, "--workers", "5"], "not divisible by P=5"),
+        (["local", *TINY, "--loops", "0"], "loops"),
+        (["local", *TINY, "--preset", "gpt5"], "unknown preset 'gpt5'"),
+        (["local", *TINY, "--order", "zigzag"], "unknown order 'zigzag'"),
+        (["local", *TINY, "--encoding", "latin1"], "unknown encoding 'latin1'"),
+        (["local", *TINY, "--micro-batches", "3"], "not divisible by micro_batches=3"),
+        (["local", *TINY, "--data", "no/such/dir"], "data path not found: no/such/dir"),
+        (["local", *TINY, "--config", "missing.toml"], "config file not found"),
+        (["experiment", *TINY, "--loops", "1", "0"], "L must be ≥ 1, got 0"),
+        (["experiment", *TINY, "--orders", "cyclic", "zigzag"], "unknown order 'zigzag'"),
+        (["experiment", *TINY, "--workers", "5"], "not divisible by P=5"),
+        (["prepare", "--out", "sites", "--encoding", "latin1"], "latin1"),
+    ],
+    ids=lambda v: "-".join(v) if isinstance(v, list) else None,
+)
+def test_bad_configuration_exits_with_a_clear_message(tmp_path, args, expected) -> None:
+    proc = mobius_fed(*args, cwd=tmp_path)
+    assert proc.returncode != 0, proc.stdout
+    err = _flat(proc.stderr)
+    assert expected in err, err
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()  # refused before anything is written
+
+
+def test_data_directory_without_sites_is_refused(tmp_path) -> None:
+    (tmp_path / "empty").mkdir()
+    proc = mobius_fed("local", *TINY, "--data", "empty", "--out", "OUT", cwd=tmp_path)
+    assert proc.returncode == 2
+    err = _flat(proc.stderr)
+    assert "empty" in err and "site-0" in err, err
+    assert "Traceback" not in proc.stderr
+
+
+def test_resume_without_checkpoint_is_refused(tmp_path) -> None:
+    proc = mobius_fed("local", *TINY, "--steps", "3", "--out", "OUT", "--resume", cwd=tmp_path)
+    assert proc.returncode == 2
+    err = _flat(proc.stderr)
+    assert "--resume" in err and "no checkpoint" in err, err
+    assert not (tmp_path / "OUT" / "checkpoint.pt").exists()
+
+
+def test_local_run_writes_checkpoint_and_metrics(tmp_path) -> None:
+    proc = mobius_fed("local", *TINY, "--steps", "3", "--out", "OUT", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "OUT"
+    assert (out / "checkpoint.pt").is_file()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [0, 1, 2]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3]
+    assert "final validation loss (Eq. 8)" in proc.stdout
+
+    # Resuming a finished run with a longer budget continues from step 3.
+    proc = mobius_fed("local", *TINY, "--steps", "4", "--out", "OUT", "--resume", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [0, 1, 2, 3]
+
+
+def test_resume_with_a_different_config_is_refused(tmp_path) -> None:
+    proc = mobius_fed("local", *TINY, "--steps", "1", "--out", "OUT", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    proc = mobius_fed(
+        "local",
+        *TINY,
+        "--steps",
+        "2",
+        "--order",
+        "ordered",
+        "--out",
+        "OUT",
+        "--resume",
+        cwd=tmp_path,
+    )
+    assert proc.returncode != 0
+    assert "different configuration" in _flat(proc.stderr), proc.stderr
+
+
+def test_experiment_prints_the_table(tmp_path) -> None:
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} not found")
+    proc = mobius_fed(
+        "experiment", *TINY, "--steps", "3", "--eval-every", "0",
+        "--loops", "1", "2", "--orders", "ordered", "cyclic",
+        "--data", str(SHAKESPEARE), "--out", "OUT",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    header = "| L | ordered-loop loss | K | Möbius loss | Δ |"
+    lines = proc.stdout.splitlines()
+    assert header in lines
+    start = lines.index(header)
+    rows = [ln for ln in lines[start + 2 :] if ln.startswith("| ")]
+    assert len(rows) == 2, proc.stdout
+    for L, row in zip((1, 2), rows):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[0] == str(L)
+        assert cells[2] == str(4 * L)  # K = L·P with the default P = 4
+        ordered, cyclic, delta = float(cells[1]), float(cells[3]), float(cells[4])
+        assert delta == pytest.approx(cyclic - ordered, abs=2e-4)
+    table = (tmp_path / "OUT" / "table.md").read_text()
+    assert header in table
+    assert all(row in table for row in rows)
+
+
+def test_prepare_jsonl_writes_site_dirs(tmp_path) -> None:
+    docs = [{"text": f"Document {i}: " + "the quick brown fox jumps over the lazy dog. " * 5}
+            for i in range(12)]  # fmt: skip
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    proc = mobius_fed("prepare", "docs.jsonl", "--out", "sites", "--sites", "3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for i in range(3):
+        site = tmp_path / "sites" / f"site-{i}"
+        assert (site / "train_000000.bin").is_file()
+        assert (site / "val_000000.bin").is_file()
+        meta = json.loads((site / "meta.json").read_text())
+        assert meta["site"] == i and meta["sites"] == 3 and meta["encoding"] == "bytes"
+    assert not (tmp_path / "sites" / "site-3").exists()
+    # Without --overwrite a second run refuses to clobber the sites.
+    proc = mobius_fed("prepare", "docs.jsonl", "--out", "sites", "--sites", "3", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "--overwrite" in _flat(proc.stderr)
