@@ -58,11 +58,33 @@ class Ring:
 
     def worker_cmd(self, i: int, extra: list[str] = ()) -> list[str]:  # type: ignore[assignment]
         peers = ",".join(f"127.0.0.1:{p}" for p in self.ports)
-        cmd = [*WORKER, "--rank", str(i), "--peers", peers, "--listen", f"127.0.0.1:{self.ports[i]}",
-               "--data-dir", str(self.site(i)), "--out-dir", str(self.out(i)),
-               "--ca", str(self.certs / "ca.crt"), "--cert", str(self.certs / f"worker-{i}.crt"),
-               "--key", str(self.certs / f"worker-{i}.key"), "--threads", "1",
-               "--peer-timeout", "60", "--run-id", "test-run", "--log-level", "WARNING"]
+        cmd = [
+            *WORKER,
+            "--rank",
+            str(i),
+            "--peers",
+            peers,
+            "--listen",
+            f"127.0.0.1:{self.ports[i]}",
+            "--data-dir",
+            str(self.site(i)),
+            "--out-dir",
+            str(self.out(i)),
+            "--ca",
+            str(self.certs / "ca.crt"),
+            "--cert",
+            str(self.certs / f"worker-{i}.crt"),
+            "--key",
+            str(self.certs / f"worker-{i}.key"),
+            "--threads",
+            "1",
+            "--peer-timeout",
+            "60",
+            "--run-id",
+            "test-run",
+            "--log-level",
+            "WARNING",
+        ]
         cmd += ["--workers", str(self.P)]
         for key, value in self.train.items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
@@ -74,10 +96,14 @@ class Ring:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         for i in range(self.P) if only is None else only:
             log = open(self.root / f"worker-{i}.log", "w")  # noqa: SIM115
-            self.procs.append(subprocess.Popen(
-                self.worker_cmd(i, (extra or {}).get(i, [])), stdout=log, stderr=subprocess.STDOUT,
-                env=env,
-            ))
+            self.procs.append(
+                subprocess.Popen(
+                    self.worker_cmd(i, (extra or {}).get(i, [])),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )
+            )
         return self
 
     def wait(self, timeout: float = 240) -> None:

@@ -92,7 +92,9 @@ def _wait_listening(port: int, certs: Path, timeout: float = 60) -> None:
     raise AssertionError("worker-1 never started listening")
 
 
-def _send(port: int, tls: NodeTLS | None, frames: list[ring_pb2.Frame], creds=None) -> grpc.RpcError:
+def _send(
+    port: int, tls: NodeTLS | None, frames: list[ring_pb2.Frame], creds=None
+) -> grpc.RpcError:
     if creds is not None:
         ch = grpc.secure_channel(
             f"127.0.0.1:{port}", creds, [("grpc.ssl_target_name_override", "worker-1")]
@@ -117,8 +119,9 @@ def test_strangers_and_bad_frames_are_refused_while_the_ring_trains(tmp_path: Pa
     try:
         _wait_listening(port, certs)
         shape = (4, 32, 32)  # batch_size 4 / 1 micro-batch, seq_len 32, d_model 32
-        good = dict(run_id="test-run", step=0, origin=0, tick=1, micro=0,
-                    direction=ring_pb2.FORWARD)
+        good = dict(
+            run_id="test-run", step=0, origin=0, tick=1, micro=0, direction=ring_pb2.FORWARD
+        )
 
         def frame(**over) -> ring_pb2.Frame:
             tensor = over.pop("tensor", torch.randn(shape))
@@ -132,7 +135,8 @@ def test_strangers_and_bad_frames_are_refused_while_the_ring_trains(tmp_path: Pa
         other = init_certs(tmp_path / "other-ca", 4)
         o = other.worker(0)
         foreign = grpc.ssl_channel_credentials(
-            root_certificates=ca, private_key=o.key.read_bytes(),
+            root_certificates=ca,
+            private_key=o.key.read_bytes(),
             certificate_chain=o.cert.read_bytes(),
         )
         err = _send(port, None, [frame()], creds=foreign)
@@ -178,4 +182,6 @@ def test_strangers_and_bad_frames_are_refused_while_the_ring_trains(tmp_path: Pa
     finally:
         ring.stop()
     assert_matches_reference(ring)
-    assert ring.log(1, tail=None).count("frame rejected") >= len(cases) + 3
+    log1 = ring.log(1, tail=None)
+    assert log1.count(" rejected: ") == len(cases) + 3, "each bad frame is logged once"
+    assert "refused stream" in log1 and "mobius://worker/3" in log1
