@@ -268,8 +268,10 @@ def _grpc_serve(spec: Spec, conn) -> None:
     from mobius_fed.transport.certs import CertLayout
 
     layout = CertLayout(
-        root=Path(spec.certs), ca_cert=Path(spec.certs) / "ca.crt",
-        ca_key=Path(spec.certs) / "ca.key", workers=2,
+        root=Path(spec.certs),
+        ca_cert=Path(spec.certs) / "ca.crt",
+        ca_key=Path(spec.certs) / "ca.key",
+        workers=2,
     )
     plan = bounds(spec)
     out = torch.empty(NUMEL, dtype=torch.float32)  # preallocated reassembly target
@@ -287,7 +289,12 @@ def _grpc_serve(spec: Spec, conn) -> None:
                 if s is None:
                     s = fr.tick
                 codec.validate_frame(
-                    fr, run_id=RUN_ID, step=j, origin=0, tick=s, micro=k,
+                    fr,
+                    run_id=RUN_ID,
+                    step=j,
+                    origin=0,
+                    tick=s,
+                    micro=k,
                     direction=ring_pb2.FORWARD,
                 )
                 if single:
@@ -299,9 +306,7 @@ def _grpc_serve(spec: Spec, conn) -> None:
                     out[a:b].copy_(t)
                 k += 1
                 if k == len(plan[s]):
-                    yield ring_pb2.Frame(
-                        run_id=RUN_ID, step=j, tick=s, direction=ring_pb2.BACKWARD
-                    )
+                    yield ring_pb2.Frame(run_id=RUN_ID, step=j, tick=s, direction=ring_pb2.BACKWARD)
                     j += 1
                     k = 0
 
@@ -384,8 +389,10 @@ def _grpc_send(spec: Spec, t) -> list[float]:
     from mobius_fed.transport.certs import CertLayout
 
     layout = CertLayout(
-        root=Path(spec.certs), ca_cert=Path(spec.certs) / "ca.crt",
-        ca_key=Path(spec.certs) / "ca.key", workers=2,
+        root=Path(spec.certs),
+        ca_cert=Path(spec.certs) / "ca.crt",
+        ca_key=Path(spec.certs) / "ca.key",
+        workers=2,
     )
     node = layout.worker(0) if spec.tls else None
     plan = bounds(spec)
@@ -440,15 +447,26 @@ def _grpc_send(spec: Spec, t) -> list[float]:
             piece = t if single else flat[a:b]
             if spec.preser:
                 hdr = ring_pb2.Frame(
-                    run_id=RUN_ID, step=j, origin=0, tick=s, micro=k,
+                    run_id=RUN_ID,
+                    step=j,
+                    origin=0,
+                    tick=s,
+                    micro=k,
                     direction=ring_pb2.FORWARD,
                 ).SerializeToString()
                 q.put(frame_bytes(hdr, piece, piece.shape))
             else:
-                q.put(codec.make_frame(
-                    run_id=RUN_ID, step=j, origin=0, tick=s, micro=k,
-                    direction=ring_pb2.FORWARD, tensor=piece,
-                ))
+                q.put(
+                    codec.make_frame(
+                        run_id=RUN_ID,
+                        step=j,
+                        origin=0,
+                        tick=s,
+                        micro=k,
+                        direction=ring_pb2.FORWARD,
+                        tensor=piece,
+                    )
+                )
         ack = next(responses)
         if ack.step != j or ack.tick != s:
             raise RuntimeError(f"bad ack {ack}")
@@ -544,21 +562,40 @@ def variants() -> list[Spec]:
         Spec("M mTLS chunk 2 MiB, preser, http2", "grpc", chunk=2 * m, preser=True, opts=H, **T),
         Spec("M mTLS 2 streams (chan), preser", "grpc", streams=2, preser=True, **T),
         Spec("M mTLS 4 streams (chan), preser", "grpc", streams=4, preser=True, **T),
-        Spec("M mTLS 2 streams (1conn), preser", "grpc", streams=2, preser=True,
-             separate_channels=False, **T),
+        Spec(
+            "M mTLS 2 streams (1conn), preser",
+            "grpc",
+            streams=2,
+            preser=True,
+            separate_channels=False,
+            **T,
+        ),
         # --- receiver also uses decode_fast (proposed codec change)
         Spec("MF mTLS 1 frame (make_frame)", "grpc", fastfin=True, **T),
         Spec("MF mTLS 1 frame, preser", "grpc", preser=True, fastfin=True, **T),
         Spec("MF mTLS chunk 1 MiB, preser", "grpc", chunk=1 * m, preser=True, fastfin=True, **T),
         Spec("MF mTLS chunk 2 MiB, preser", "grpc", chunk=2 * m, preser=True, fastfin=True, **T),
         Spec("MF mTLS chunk 4 MiB, preser", "grpc", chunk=4 * m, preser=True, fastfin=True, **T),
-        Spec("MF mTLS 2 streams (chan), preser", "grpc", streams=2, preser=True, fastfin=True,
-             **T),
-        Spec("MF mTLS 2 str (chan) x 2 MiB, preser", "grpc", streams=2, chunk=2 * m,
-             preser=True, fastfin=True, **T),
+        Spec("MF mTLS 2 streams (chan), preser", "grpc", streams=2, preser=True, fastfin=True, **T),
+        Spec(
+            "MF mTLS 2 str (chan) x 2 MiB, preser",
+            "grpc",
+            streams=2,
+            chunk=2 * m,
+            preser=True,
+            fastfin=True,
+            **T,
+        ),
         Spec("MF plaintext 1 frame, preser", "grpc", tls=False, preser=True, fastfin=True, **T),
-        Spec("MF plaintext chunk 2 MiB, preser", "grpc", tls=False, chunk=2 * m, preser=True,
-             fastfin=True, **T),
+        Spec(
+            "MF plaintext chunk 2 MiB, preser",
+            "grpc",
+            tls=False,
+            chunk=2 * m,
+            preser=True,
+            fastfin=True,
+            **T,
+        ),
     ]
 
 
@@ -586,13 +623,14 @@ def main(argv: list[str] | None = None) -> int:
     tx.start()
 
     specs = [v for v in variants() if args.only.lower() in v.name.lower()]
-    must = [v for v in variants() if v.kind in ("tcp", "gloo") and not v.malloc
-            and v not in specs]
+    must = [v for v in variants() if v.kind in ("tcp", "gloo") and not v.malloc and v not in specs]
     results: dict[str, float | str] = {}
     t_start = time.perf_counter()
-    print(f"16 MiB fp32 {SHAPE}, {warm} warm-up + {reps} timed transfers each, "
-          f"timed on the sender until the receiver's post-decode ack; MB = 1e6 bytes",
-          flush=True)
+    print(
+        f"16 MiB fp32 {SHAPE}, {warm} warm-up + {reps} timed transfers each, "
+        f"timed on the sender until the receiver's post-decode ack; MB = 1e6 bytes",
+        flush=True,
+    )
     for spec in must + specs:
         spec = replace(spec, port=free_port(), n=warm + reps, certs=str(Path(tmp.name) / "certs"))
         rx_parent.send(spec)
@@ -610,9 +648,11 @@ def main(argv: list[str] | None = None) -> int:
         if status == "ok":
             med = statistics.median(payload[warm:])
             results[spec.name] = NBYTES / med / 1e6
-            print(f"  {spec.name:<36} {results[spec.name]:8.0f} MB/s  "
-                  f"(median {med * 1e3:.1f} ms, min {min(payload[warm:]) * 1e3:.1f} ms)",
-                  flush=True)
+            print(
+                f"  {spec.name:<36} {results[spec.name]:8.0f} MB/s  "
+                f"(median {med * 1e3:.1f} ms, min {min(payload[warm:]) * 1e3:.1f} ms)",
+                flush=True,
+            )
         else:
             results[spec.name] = payload
             print(f"  {spec.name:<36} FAILED: {payload}", flush=True)
@@ -625,8 +665,10 @@ def main(argv: list[str] | None = None) -> int:
     tcp = results.get("raw TCP")
     gloo = results.get("gloo send/recv")
     print()
-    print("M = both workers tune_malloc(); F = receiver decode_fast (proposed codec change);"
-          " preser = hand-built wire bytes")
+    print(
+        "M = both workers tune_malloc(); F = receiver decode_fast (proposed codec change);"
+        " preser = hand-built wire bytes"
+    )
     print(f"{'method':<38} {'MB/s':>8} {'÷ gloo':>8} {'÷ TCP':>8}")
     print("-" * 65)
     for name in [s.name for s in must + specs]:
@@ -637,13 +679,14 @@ def main(argv: list[str] | None = None) -> int:
         rg = f"{v / gloo:8.2f}" if isinstance(gloo, float) else f"{'-':>8}"
         rt = f"{v / tcp:8.2f}" if isinstance(tcp, float) else f"{'-':>8}"
         print(f"{name:<38} {v:8.0f} {rg} {rt}")
-    mtls = {k: v for k, v in results.items()
-            if isinstance(v, float) and "mTLS" in k}
+    mtls = {k: v for k, v in results.items() if isinstance(v, float) and "mTLS" in k}
     if mtls and isinstance(gloo, float):
         best = max(mtls, key=mtls.get)
         ratio = mtls[best] / gloo
-        print(f"\nbest mTLS: {best}: {mtls[best]:.0f} MB/s = {ratio:.2f} x gloo "
-              f"(target >= 0.5: {'met' if ratio >= 0.5 else 'NOT met'})")
+        print(
+            f"\nbest mTLS: {best}: {mtls[best]:.0f} MB/s = {ratio:.2f} x gloo "
+            f"(target >= 0.5: {'met' if ratio >= 0.5 else 'NOT met'})"
+        )
     print(f"total {time.perf_counter() - t_start:.1f} s")
     return 0
 

@@ -117,8 +117,12 @@ class TrainConfig(BaseModel):
             return max(0.0, (self.steps - step) / cooldown)
         return 1.0
 
+    def training_math(self) -> dict[str, Any]:
+        """The fields that change the trained weights (not run length or evaluation)."""
+        return self.model_dump(mode="json", exclude={"steps", "eval_every", "eval_batches"})
+
     def fingerprint(self) -> str:
-        """Hash of the math-relevant config; peers refuse a run whose hash differs."""
+        """Hash of the whole config; peers refuse a run whose hash differs."""
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

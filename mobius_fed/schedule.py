@@ -30,11 +30,13 @@ def num_applications(P: int, L: int) -> int:
 
 def depth(s: int, i: int, P: int) -> int:
     """Source-relative depth d(s, i) = (i - s) mod P of group i for origin s."""
+    _check(P, 1)
     return (i - s) % P
 
 
 def psi(s: int, P: int) -> list[int]:
     """Ψ_s: one cyclic pass starting at s: [s, s+1, …, s-1] (mod P)."""
+    _check(P, 1)
     return [(s + t) % P for t in range(P)]
 
 

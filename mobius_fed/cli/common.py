@@ -11,7 +11,7 @@ from rich.console import Console
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.data import DataError, SiteData, embedded_corpus, prepare_sites
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 class CliError(Exception):

@@ -70,10 +70,10 @@ def cmd_local(args: argparse.Namespace) -> int:
     keys = [v[0] for v in TRAIN_FLAGS.values()] + ["loops", "order", "tied"]
     cfg = load_train_config(args.config, train_overrides(args, keys))
     out = Path(args.out)
-    sites = resolve_sites(cfg, args.data, out)
-    engine = ReferenceEngine(cfg, sites)
     if args.resume and not (out / CHECKPOINT).is_file():
         raise CliError(f"--resume: no checkpoint at {out / CHECKPOINT}")
+    sites = resolve_sites(cfg, args.data, out)
+    engine = ReferenceEngine(cfg, sites)
     mc = cfg.model()
     console.print(
         f"[bold]mobius-fed local[/]: {cfg.preset} ({mc.n_layer} layers, d={mc.d_model}), "

@@ -154,7 +154,7 @@ class ReferenceEngine:
 
     def load_state_dict(self, state: dict) -> None:
         saved = TrainConfig.model_validate(state["config"])
-        if saved.model_copy(update={"steps": self.cfg.steps}) != self.cfg:
+        if saved.training_math() != self.cfg.training_math():
             raise ValueError("checkpoint was written with a different configuration")
         self.step = state["step"]
         for mod, sd in zip(self.groups + self.replicas, state["groups"] + state["replicas"]):

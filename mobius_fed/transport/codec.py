@@ -109,7 +109,9 @@ def decode_tensor(
     if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
         t = torch.from_numpy(t.view(_SWAP_VIEW[dtype.itemsize]).numpy().byteswap()).view(dtype)
     t = t.view(shape).to(out_dtype)
-    if not bool(torch.isfinite(t).all()):
+    # A finite sum proves every element finite (NaN and ±Inf propagate) at ~1/50 the cost
+    # of isfinite(t).all(); only a non-finite sum (or an overflow) needs the full check.
+    if not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
         raise FrameError("tensor rejected: non-finite values (NaN or Inf)")
     return t
 

@@ -21,8 +21,6 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.model import build_group, build_replica
 from mobius_fed.model.training import make_optimizers, mean_loss, scale_grads, step_optimizers
-from mobius_fed.proto import ring_pb2
-from mobius_fed.transport.codec import make_frame
 from mobius_fed.worker.frames import BACKWARD, EVAL, FORWARD, TRAIN, FrameKey, FrameRules
 from mobius_fed.worker.link import RingLinks
 
@@ -67,21 +65,7 @@ class RingExecutor:
             self._local[key] = tensor
             return
         assert self.links is not None, "a ring of P > 1 needs links"
-        self.links.send(self._frame(key, tensor))
-
-    def _frame(self, key: FrameKey, tensor: Tensor) -> ring_pb2.Frame:
-        frame = make_frame(
-            run_id=self.run_id,
-            step=key.step,
-            origin=key.origin,
-            tick=key.tick,
-            micro=key.micro,
-            direction=key.direction,
-            tensor=tensor,
-            wire=self.cfg.wire_dtype,
-        )
-        frame.phase = key.phase
-        return frame
+        self.links.send_tensor(key, tensor)
 
     def _take(self, key: FrameKey) -> Tensor:
         if key in self._local:

@@ -21,7 +21,7 @@ import grpc
 import torch
 
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
-from mobius_fed.transport.codec import FrameError, decode_tensor
+from mobius_fed.transport.codec import FrameError, decode_tensor, make_frame
 from mobius_fed.transport.tls import NodeTLS, add_port, open_channel, peer_identity, worker_identity
 from mobius_fed.worker.frames import BACKWARD, FIN, FORWARD, FrameKey, FrameRules
 
@@ -285,6 +285,16 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             self.send(frame)  # relay in the same direction
             return
         self.inbox.put(FrameKey.of(frame), tensor)
+
+    def send_tensor(self, key: FrameKey, tensor: torch.Tensor) -> None:
+        """Encode ``tensor`` (in the run's wire dtype) as the frame ``key`` and send it."""
+        frame = make_frame(
+            run_id=self.rules.run_id, step=key.step, origin=key.origin, tick=key.tick,
+            micro=key.micro, direction=key.direction, tensor=tensor,
+            wire=self.rules.cfg.wire_dtype,
+        )
+        frame.phase = key.phase
+        self.send(frame)
 
     def send(self, frame: ring_pb2.Frame) -> None:
         if frame.direction == BACKWARD:
