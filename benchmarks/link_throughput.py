@@ -1,7 +1,7 @@
 """Throughput of one ring link for 16 MiB fp32 tensors over loopback (a benchmark, not a test).
 
-    python benchmarks/link_throughput.py            # ~10 timed transfers per method
-    python benchmarks/link_throughput.py --quick    # fewer repetitions
+    python benchmarks/link_throughput.py            # every method, ~10 timed transfers each
+    python benchmarks/link_throughput.py --quick    # raw TCP, gloo, gRPC baseline, real link
 
 Sender and receiver are two separate, long-lived processes (``spawn``); the parent only
 orchestrates. Every method moves the same (8, 512, 1024) fp32 tensor (16 MiB) one transfer
@@ -24,7 +24,14 @@ Methods
    ``RingLink.Stream`` bidi method, frames built with :func:`codec.make_frame` and checked
    with :func:`codec.validate_frame` + :func:`codec.decode_tensor` (CRC, shape, finiteness).
    One frame per tensor.
-4. gRPC levers (mTLS unless marked plaintext):
+4. the real ring link ("ring link"): a :class:`mobius_fed.worker.link.RingLinks` in each
+   process (worker 0 sends, worker 1 receives; P=2, mTLS, both streams connected exactly
+   as the daemon does), ``send_tensor(key, t)`` on the sender and ``inbox.get(key)`` on the
+   receiver: pre-serialized chunk frames (``chunk_bytes``, default
+   :data:`codec.CHUNK_BYTES`), per-piece validation and reassembly into a preallocated
+   tensor. The ack is one byte on a side TCP socket (as for raw TCP); the frame rules'
+   tensor shape is set to the benchmark's (8, 512, 1024).
+5. gRPC levers (mTLS unless marked plaintext):
 
    * chunking: the flat tensor is cut into ``chunk`` byte pieces; piece k travels as a
      normal Frame whose tensor is the 1-D slice (``make_frame(tensor=flat[a:b])``); header
@@ -83,7 +90,7 @@ HTTP2_OPTS: list[tuple[str, int | str]] = [
 @dataclass(frozen=True)
 class Spec:
     name: str
-    kind: str  # "tcp" | "gloo" | "grpc"
+    kind: str  # "tcp" | "gloo" | "grpc" | "link"
     tls: bool = True
     chunk: int | None = None  # bytes per frame; None = one frame per part
     streams: int = 1
@@ -91,6 +98,9 @@ class Spec:
     preser: bool = False
     opts: tuple = ()
     port: int = 0
+    port2: int = 0  # "link": worker 0's ring port
+    ack_port: int = 0  # "link": side socket for acks
+    quick: bool = False  # part of --quick
     malloc: bool = False  # glibc mallopt tuning in both workers (see tune_malloc)
     fastfin: bool = False  # receiver: decode_fast (sum-based finiteness) instead of codec's
     n: int = 0  # transfers (warmup + reps)
@@ -321,6 +331,64 @@ def _grpc_serve(spec: Spec, conn) -> None:
     server.stop(None)
 
 
+def _link(spec: Spec, rank: int, current_step):
+    """A real RingLinks for worker ``rank`` of a P=2 ring (worker 0 sends, 1 receives)."""
+    from mobius_fed.config import TrainConfig
+    from mobius_fed.transport.certs import CertLayout
+    from mobius_fed.worker.frames import FrameRules
+    from mobius_fed.worker.link import RingLinks
+
+    layout = CertLayout(
+        root=Path(spec.certs),
+        ca_cert=Path(spec.certs) / "ca.crt",
+        ca_key=Path(spec.certs) / "ca.key",
+        workers=2,
+    )
+    cfg = TrainConfig(preset="cpu-base", workers=2, batch_size=8)
+    rules = FrameRules(cfg, rank, RUN_ID, current_step)
+    rules.shape = SHAPE  # the benchmark's tensor, not the preset's hidden state
+    ports = (spec.port2, spec.port)
+    kw = {} if spec.chunk is None else {"chunk_bytes": spec.chunk}
+    return RingLinks(
+        rules,
+        listen=f"127.0.0.1:{ports[rank]}",
+        successor=f"127.0.0.1:{ports[1 - rank]}",
+        tls=layout.worker(rank),
+        peer_timeout=60,
+        **kw,
+    )
+
+
+def _link_key(j: int):
+    from mobius_fed.worker.frames import FORWARD, TRAIN, FrameKey
+
+    return FrameKey(TRAIN, j, FORWARD, 0, 1, 0)  # slot 1 of stream 0: read by worker 1
+
+
+def _link_recv(spec: Spec, conn) -> None:
+    now = [0]
+    links = _link(spec, 1, lambda: now[0])
+    links.start_server()
+    conn.send("ready")
+    links.connect()
+    ack = None
+    for _ in range(200):
+        try:
+            ack = socket.create_connection(("127.0.0.1", spec.ack_port))
+            break
+        except ConnectionRefusedError:
+            time.sleep(0.05)
+    if ack is None:
+        raise ConnectionError("no ack socket")
+    ack.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for j in range(spec.n):
+        now[0] = j
+        links.inbox.get(_link_key(j), 60, f"transfer {j}")
+        ack.sendall(b"\x01")
+    links.finish(timeout=30)
+    ack.close()
+
+
 def receiver_main(conn) -> None:
     import logging
 
@@ -334,7 +402,8 @@ def receiver_main(conn) -> None:
             return
         if spec.malloc:
             tune_malloc()
-        {"tcp": _tcp_recv, "gloo": _gloo_recv, "grpc": _grpc_serve}[spec.kind](spec, conn)
+        recv = {"tcp": _tcp_recv, "gloo": _gloo_recv, "grpc": _grpc_serve, "link": _link_recv}
+        recv[spec.kind](spec, conn)
         conn.send("done")
 
 
@@ -492,6 +561,29 @@ def _grpc_send(spec: Spec, t) -> list[float]:
     return times
 
 
+def _link_send(spec: Spec, t) -> list[float]:
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", spec.ack_port))
+    srv.listen(1)
+    links = _link(spec, 0, lambda: 0)
+    links.start_server()
+    links.connect()
+    c, _ = srv.accept()
+    one = bytearray(1)
+    times = []
+    for j in range(spec.n):
+        t0 = time.perf_counter()
+        links.send_tensor(_link_key(j), t)
+        if c.recv_into(one, 1) != 1:
+            raise ConnectionError("receiver closed")
+        times.append(time.perf_counter() - t0)
+    links.finish(timeout=30)
+    c.close()
+    srv.close()
+    return times
+
+
 def sender_main(conn) -> None:
     import logging
 
@@ -507,7 +599,8 @@ def sender_main(conn) -> None:
         if spec.malloc:
             tune_malloc()
         try:
-            times = {"tcp": _tcp_send, "gloo": _gloo_send, "grpc": _grpc_send}[spec.kind](spec, t)
+            send = {"tcp": _tcp_send, "gloo": _gloo_send, "grpc": _grpc_send, "link": _link_send}
+            times = send[spec.kind](spec, t)
             conn.send(("ok", times))
         except Exception as e:  # report, keep the worker alive for the next method
             conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -526,12 +619,13 @@ def self_check() -> None:
     x = torch.randn(3, 5)
     kw = dict(run_id=RUN_ID, step=7, origin=0, tick=1, micro=2, direction=ring_pb2.FORWARD)
     ref = codec.make_frame(tensor=x, **kw)
-    mine = ring_pb2.Frame.FromString(
-        frame_bytes(ring_pb2.Frame(**kw).SerializeToString(), x, x.shape)
-    )
+    hdr = ring_pb2.Frame(**kw, chunks=1).SerializeToString()
+    mine = ring_pb2.Frame.FromString(frame_bytes(hdr, x, x.shape))
     assert mine == ref, "hand-built frame bytes differ from make_frame"
     got = codec.decode_tensor(mine.tensor, expected_shape=(3, 5), expected_dtype="fp32")
     assert torch.equal(got, x)
+    (real,) = codec.encode_frames(tensor=x, **kw)
+    assert ring_pb2.Frame.FromString(real) == ref, "codec.encode_frames differs from make_frame"
 
 
 def variants() -> list[Spec]:
@@ -539,17 +633,23 @@ def variants() -> list[Spec]:
     m = MiB
     H = tuple(HTTP2_OPTS)
     T = dict(malloc=True)
+    Q = dict(quick=True)
     return [
-        Spec("raw TCP", "tcp"),
-        Spec("gloo send/recv", "gloo"),
+        Spec("raw TCP", "tcp", **Q),
+        Spec("gloo send/recv", "gloo", **Q),
         Spec("gRPC plaintext, 1 frame", "grpc", tls=False),
-        Spec("gRPC mTLS, 1 frame (make_frame)", "grpc"),
+        Spec("gRPC mTLS, 1 frame (make_frame)", "grpc", **Q),
+        Spec("ring link (RingLinks, 4 MiB chunks)", "link", **Q),
+        Spec("ring link (RingLinks, 1 MiB chunks)", "link", chunk=1 * m, **Q),
+        Spec("ring link (RingLinks, 1 frame)", "link", chunk=NBYTES),
         Spec("mTLS chunk 1 MiB", "grpc", chunk=1 * m),
         Spec("mTLS 1 frame, preser", "grpc", preser=True),
         Spec("mTLS chunk 1 MiB, preser", "grpc", chunk=1 * m, preser=True),
         # --- from here on both workers run with tune_malloc()
         Spec("M raw TCP", "tcp", **T),
         Spec("M gloo send/recv", "gloo", **T),
+        Spec("M ring link (RingLinks, 4 MiB chunks)", "link", **T),
+        Spec("M ring link (RingLinks, 2 MiB chunks)", "link", chunk=2 * m, **T),
         Spec("M mTLS 1 frame (make_frame)", "grpc", **T),
         Spec("M mTLS chunk 1 MiB", "grpc", chunk=1 * m, **T),
         Spec("M mTLS chunk 2 MiB", "grpc", chunk=2 * m, **T),
@@ -601,7 +701,11 @@ def variants() -> list[Spec]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="3 warm-up + 5 timed transfers")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="only raw TCP, gloo, the gRPC baseline and the real link; 2 warm-up + 5 timed",
+    )
     ap.add_argument("--reps", type=int, default=None, help="timed transfers (default 10)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed transfers (default 3)")
     ap.add_argument("--only", default="", help="run methods whose name contains this")
@@ -622,7 +726,9 @@ def main(argv: list[str] | None = None) -> int:
     rx.start()
     tx.start()
 
-    specs = [v for v in variants() if args.only.lower() in v.name.lower()]
+    specs = [
+        v for v in variants() if args.only.lower() in v.name.lower() and (v.quick or not args.quick)
+    ]
     must = [v for v in variants() if v.kind in ("tcp", "gloo") and not v.malloc and v not in specs]
     results: dict[str, float | str] = {}
     t_start = time.perf_counter()
@@ -632,7 +738,14 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     for spec in must + specs:
-        spec = replace(spec, port=free_port(), n=warm + reps, certs=str(Path(tmp.name) / "certs"))
+        spec = replace(
+            spec,
+            port=free_port(),
+            port2=free_port(),
+            ack_port=free_port(),
+            n=warm + reps,
+            certs=str(Path(tmp.name) / "certs"),
+        )
         rx_parent.send(spec)
         if not rx_parent.poll(60) or rx_parent.recv() != "ready":
             raise RuntimeError(f"{spec.name}: receiver not ready")
@@ -686,6 +799,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\nbest mTLS: {best}: {mtls[best]:.0f} MB/s = {ratio:.2f} x gloo "
             f"(target >= 0.5: {'met' if ratio >= 0.5 else 'NOT met'})"
+        )
+    real = results.get("ring link (RingLinks, 4 MiB chunks)")
+    if isinstance(real, float) and isinstance(gloo, float) and isinstance(tcp, float):
+        print(
+            f"real ring link (default chunks): {real:.0f} MB/s = {real / gloo:.2f} x gloo, "
+            f"{real / tcp:.2f} x raw TCP"
         )
     print(f"total {time.perf_counter() - t_start:.1f} s")
     return 0

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
 
 from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.codec import (
+    CHUNK_BYTES,
     WIRE_DTYPES,
     FrameError,
+    TensorAssembler,
+    chunk_count,
     decode_tensor,
+    encode_frames,
     encode_tensor,
     make_frame,
     validate_frame,
@@ -189,3 +195,120 @@ def test_validate_frame_rejects_missing_tensor() -> None:
     frame = ring_pb2.Frame(**HEADER)  # type: ignore[arg-type]
     with pytest.raises(FrameError, match="no tensor"):
         validate_frame(frame, **HEADER)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ chunked wire bytes
+
+
+def _pieces(x: torch.Tensor, wire: str = "fp32", chunk_bytes: int = 40) -> list[ring_pb2.Frame]:
+    return [
+        ring_pb2.Frame.FromString(b)
+        for b in encode_frames(**HEADER, tensor=x, wire=wire, chunk_bytes=chunk_bytes)  # type: ignore[arg-type]
+    ]
+
+
+def test_single_frame_bytes_parse_to_make_frame() -> None:
+    for wire in WIRE_DTYPES:
+        (raw,) = encode_frames(**HEADER, tensor=_x(), wire=wire)  # type: ignore[arg-type]
+        assert ring_pb2.Frame.FromString(raw) == make_frame(**HEADER, tensor=_x(), wire=wire)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("wire", ["fp32", "bf16", "fp16"])
+def test_pieces_reassemble_bitwise(wire: str) -> None:
+    x = _x()  # 30 elements; 40-byte pieces: 10 (fp32) or 20 (half) elements each
+    pieces = _pieces(x, wire)
+    per = 40 // WIRE_DTYPES[wire].itemsize
+    assert len(pieces) == chunk_count(30, WIRE_DTYPES[wire].itemsize, 40) == -(-30 // per)
+    for k, p in enumerate(pieces):
+        assert (p.chunk, p.chunks, p.tensor.offset) == (k, len(pieces), k * per)
+        assert tuple(p.tensor.shape) == SHAPE and p.phase == ring_pb2.TRAIN
+        piece = x.reshape(-1)[k * per : (k + 1) * per]  # each piece is what make_frame makes
+        ref = make_frame(**HEADER, tensor=piece, wire=wire).tensor  # type: ignore[arg-type]
+        assert (p.tensor.data, p.tensor.crc32) == (ref.data, ref.crc32)
+    asm = TensorAssembler(SHAPE, wire)
+    out = [asm.add("k", p) for p in pieces]
+    assert out[:-1] == [None] * (len(pieces) - 1) and asm.pending == 0
+    assert out[-1] is not None and out[-1].dtype == torch.float32 and out[-1].shape == SHAPE
+    assert torch.equal(out[-1], x.to(WIRE_DTYPES[wire]).float())
+
+
+def test_relay_validates_without_keeping() -> None:
+    asm = TensorAssembler(SHAPE, "fp32")
+    assert [asm.add("k", p, keep=False) for p in _pieces(_x())] == [None] * 3
+    bad = _x()
+    bad[1, 2, 3] = float("inf")
+    with pytest.raises(FrameError, match="non-finite"):
+        for p in _pieces(bad):
+            asm.add("k", p, keep=False)
+
+
+def test_interleaved_keys_and_pending_limit() -> None:
+    asm = TensorAssembler(SHAPE, "fp32", max_pending=2)
+    a, b, c = _pieces(_x()), _pieces(_x() * 2), _pieces(_x() * 3)
+    asm.add("a", a[0])
+    asm.add("b", b[0])
+    with pytest.raises(FrameError, match="at most 2"):
+        asm.add("c", c[0])
+    asm.add("a", a[1])
+    asm.add("b", b[1])
+    assert torch.equal(asm.add("b", b[2]), _x() * 2)  # type: ignore[arg-type]
+    assert torch.equal(asm.add("a", a[2]), _x())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda p: [p[1]], "chunk 1 of 3 for k out of order"),
+        (lambda p: [p[0], p[0]], "duplicate chunk 0 of 3"),
+        (lambda p: [p[0], p[2]], r"expected chunk 1: missing"),
+        (lambda p: [p[0], _set(p[1], chunks=4)], r"chunks 4 for k \(expected 3"),
+        (lambda p: [_set(p[0], chunks=0)], "chunks 0"),
+        (lambda p: [_set(p[0], chunk=3)], "chunk 3 of chunks 3"),
+        (lambda p: [_set(p[0], chunks=31)], "chunks 31 for k"),
+        (lambda p: [p[0], _off(p[1], 9)], r"offset 9 in chunk 1 of 3 for k \(expected 10\)"),
+        (lambda p: [_off(p[0], 1)], r"offset 1 in chunk 0 of 3"),
+        (lambda p: [p[0], p[1], _cut(p[2], 4)], r"36 data bytes in chunk 2 of 3 for k"),
+        (lambda p: [p[0], _cut(p[1], 2)], r"38 data bytes in chunk 1 of 3"),
+        (lambda p: [_cut(p[0], 40)], r"0 data bytes in chunk 0 of 3"),
+        (lambda p: [_crc(p[0])], "crc32"),
+    ],
+)
+def test_bad_pieces_are_rejected(mutate, message: str) -> None:
+    asm = TensorAssembler(SHAPE, "fp32")
+    frames = mutate(_pieces(_x()))
+    with pytest.raises(FrameError, match=message):
+        for f in frames:
+            asm.add("k", f)
+    assert asm.pending == 0, "a rejected tensor's partial state is dropped"
+
+
+def test_single_frame_with_offset_is_rejected() -> None:
+    (f,) = _pieces(_x(), chunk_bytes=CHUNK_BYTES)
+    with pytest.raises(FrameError, match=r"offset 3 \(expected 0\)"):
+        TensorAssembler(SHAPE, "fp32").add("k", _off(f, 3))
+
+
+def _set(f: ring_pb2.Frame, **fields: int) -> ring_pb2.Frame:
+    f = ring_pb2.Frame.FromString(f.SerializeToString())
+    for k, v in fields.items():
+        setattr(f, k, v)
+    return f
+
+
+def _off(f: ring_pb2.Frame, offset: int) -> ring_pb2.Frame:
+    f = _set(f)
+    f.tensor.offset = offset
+    return f
+
+
+def _cut(f: ring_pb2.Frame, n: int) -> ring_pb2.Frame:
+    f = _set(f)
+    f.tensor.data = f.tensor.data[:-n] if n < len(f.tensor.data) else b""
+    f.tensor.crc32 = zlib.crc32(f.tensor.data)
+    return f
+
+
+def _crc(f: ring_pb2.Frame) -> ring_pb2.Frame:
+    f = _set(f)
+    f.tensor.crc32 ^= 1
+    return f

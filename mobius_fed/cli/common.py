@@ -8,8 +8,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from mobius_fed.config import ConfigError, TrainConfig
-from mobius_fed.data import DataError, SiteData, embedded_corpus, prepare_sites
+from mobius_fed.config import TrainConfig
+from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -27,7 +27,7 @@ def run_guarded(fn, *args, **kwargs) -> int:
     """Run a command, turning expected errors into one clear line and exit status 2."""
     try:
         return fn(*args, **kwargs) or 0
-    except (CliError, ConfigError, DataError, FileNotFoundError, FileExistsError) as exc:
+    except (CliError, ValueError, FileNotFoundError, FileExistsError) as exc:
         fail(str(exc))
     except RuntimeError as exc:  # PeerError and other run-time failures: one clear line
         fail(f"{type(exc).__name__}: {exc}")

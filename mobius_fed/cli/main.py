@@ -159,6 +159,16 @@ def cmd_certs_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    from mobius_fed.cli.coordinator import parse_options
+    from mobius_fed.cli.up import cmd_up as run_up
+
+    keys = [v[0] for v in TRAIN_FLAGS.values()] + ["loops", "order", "tied"]
+    cfg = load_train_config(args.config, train_overrides(args, keys))
+    args.strategy_options = parse_options(args.strategy_option)
+    return run_up(args, cfg)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mobius-fed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -184,6 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", type=Path, nargs="+")
     p.add_argument("--out", default="runs/experiment")
     p.set_defaults(func=cmd_experiment)
+
+    p = sub.add_parser("up", help="coordinator + P workers as processes on this machine")
+    add_train_flags(p)
+    p.add_argument("--out", default="runs/up", help="certs, sites, logs, checkpoints")
+    p.add_argument("--strategy", default="fedavg", help="fedavg, fedavgm, fedadam, fedyogi, …")
+    p.add_argument("--strategy-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="rounds (0: at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest manifest")
+    p.set_defaults(func=cmd_up)
+
+    from mobius_fed.cli.status import add_status_parser
+
+    add_status_parser(sub)
 
     p = sub.add_parser("prepare", help="split text into per-site shard directories")
     p.add_argument("inputs", type=Path, nargs="*", help=".txt/.jsonl/.parquet (default: embedded)")

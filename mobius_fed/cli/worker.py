@@ -12,6 +12,8 @@ FLAGS = {
     "--rank": ("rank", int),
     "--peers": ("peers", str),
     "--listen": ("listen", str),
+    "--coordinator": ("coordinator", str),
+    "--advertise": ("advertise", str),
     "--data-dir": ("data_dir", Path),
     "--out-dir": ("out_dir", Path),
     "--run-id": ("run_id", str),
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from mobius_fed.worker.config import load_worker_config
+    from mobius_fed.worker.coordinated import run_with_coordinator
     from mobius_fed.worker.daemon import run_static_ring
 
     flags = {key: getattr(args, key) for key, _ in FLAGS.values()}
@@ -67,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         flags["peers"] = [p.strip() for p in flags["peers"].split(",") if p.strip()]
     train = {key: getattr(args, key) for key, _ in TRAIN_FLAGS.values()}
     cfg = load_worker_config(args.config, flags, train)
+    if cfg.coordinator:
+        return run_with_coordinator(cfg)
     metrics = run_static_ring(cfg)
     print(f"worker-{cfg.rank} finished; metrics {metrics}")
     return 0

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from mobius_fed import schedule
+from mobius_fed.checkpoint import load_checkpoint, save_checkpoint
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
-from mobius_fed.engine.checkpoint import load_checkpoint, save_checkpoint
 from mobius_fed.model import BlockGroup, Replica, build_group, build_replica
 from mobius_fed.model.training import (
     average_parameters,
@@ -58,6 +58,7 @@ class ReferenceEngine:
         self.group_opts = [make_optimizers(g, cfg, blocks=True) for g in self.groups]
         self.replica_opts = [make_optimizers(r, cfg, blocks=False) for r in self.replicas]
         self.step = 0
+        self.average_replicas = True  # False when a Flower strategy averages (federated.py)
         self._table = schedule.tick_table(cfg.order, cfg.P, cfg.loops)
 
     # ------------------------------------------------------------------ data
@@ -113,7 +114,10 @@ class ReferenceEngine:
             scale_grads(replica.parameters(), 1.0 / M)
             step_optimizers(opts, cfg, self.step)
         self.step += 1
-        if cfg.sync_every and self.step % cfg.sync_every == 0:
+        barrier = (
+            self.step % cfg.sync_every == 0 or self.step == cfg.steps if cfg.sync_every else False
+        )
+        if self.average_replicas and barrier:
             average_parameters(self.replicas)
         return StepResult(
             step=self.step - 1,

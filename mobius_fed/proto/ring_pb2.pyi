@@ -37,19 +37,21 @@ BFLOAT16: DType
 FLOAT16: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data", "crc32")
+    __slots__ = ("dtype", "shape", "data", "crc32", "offset")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     crc32: int
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    offset: int
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("run_id", "step", "origin", "tick", "micro", "direction", "tensor", "phase")
+    __slots__ = ("run_id", "step", "origin", "tick", "micro", "direction", "tensor", "phase", "chunk", "chunks")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +60,8 @@ class Frame(_message.Message):
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     origin: int
@@ -66,7 +70,9 @@ class Frame(_message.Message):
     direction: Direction
     tensor: Tensor
     phase: Phase
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., origin: _Optional[int] = ..., tick: _Optional[int] = ..., micro: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ...) -> None: ...
+    chunk: int
+    chunks: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., origin: _Optional[int] = ..., tick: _Optional[int] = ..., micro: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., chunk: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

@@ -1,8 +1,18 @@
 """Tensor <-> ``ring_pb2.Tensor`` codec and frame validation for ring links.
 
-Encode: cast to the wire dtype on CPU (no copy if already so), then exactly one copy of
-the raw little-endian bytes into a ``bytes`` object (protobuf accepts nothing else); the
-protobuf setter and serialization copy again, which Python protobuf cannot avoid.
+Encode, message API (:func:`encode_tensor`, :func:`make_frame`): cast to the wire dtype on
+CPU (no copy if already so), then one copy of the raw little-endian bytes into a
+``bytes`` object; the protobuf setter and serialization copy again.
+
+Encode, wire API (:func:`encode_frames`, what the ring link sends): the serialized bytes
+of each frame are built directly, in one ``b"".join`` copy from the tensor's memory (the
+CRC runs over a memoryview of that memory, no copy). A tensor larger than ``chunk_bytes``
+becomes several frames, each carrying a contiguous 1-D piece (see ring.proto); they parse
+to exactly what :func:`make_frame` would build for the same piece.
+
+Decode of pieces: :class:`TensorAssembler` validates every piece (header order, total,
+offset, size, dtype, full shape, CRC, finiteness) and copies it into one preallocated
+tensor per key; nothing is handed out before the last piece validated.
 
 Decode: every check (dtype, shape, byte length, CRC-32) runs before a tensor exists.
 ``msg.data`` on the upb protobuf backend returns a fresh ``bytes`` copy of the field on
@@ -17,6 +27,8 @@ from __future__ import annotations
 import sys
 import warnings
 import zlib
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -55,12 +67,18 @@ def _wire_name(wire: str) -> str:
     return wire
 
 
-def _fill_tensor(dst: ring_pb2.Tensor, t: torch.Tensor, wire: str) -> None:
+def _wire_tensor(t: torch.Tensor, wire: str) -> torch.Tensor:
+    """``t`` as a contiguous CPU tensor of the wire dtype in little-endian memory order."""
     dtype = WIRE_DTYPES[_wire_name(wire)]
     t = t.detach().to(device="cpu", dtype=dtype).contiguous()
     if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
-        t = t.view(_SWAP_VIEW[t.element_size()]).numpy().byteswap()
-        t = torch.from_numpy(t)
+        swapped = t.view(_SWAP_VIEW[t.element_size()]).numpy().byteswap()
+        t = torch.from_numpy(swapped).view(dtype)
+    return t
+
+
+def _fill_tensor(dst: ring_pb2.Tensor, t: torch.Tensor, wire: str) -> None:
+    t = _wire_tensor(t, wire)
     dst.dtype = WIRE_TO_ENUM[wire]
     dst.shape[:] = list(t.shape)
     data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""  # the one copy
@@ -75,14 +93,10 @@ def encode_tensor(t: torch.Tensor, wire: str) -> ring_pb2.Tensor:
     return msg
 
 
-def decode_tensor(
-    msg: ring_pb2.Tensor,
-    *,
-    expected_shape: tuple[int, ...],
-    expected_dtype: str,
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Validate and decode a wire tensor; raise :class:`FrameError` on any mismatch."""
+def _check_meta(
+    msg: ring_pb2.Tensor, expected_shape: tuple[int, ...], expected_dtype: str
+) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """Check dtype and (full) shape; return (wire torch dtype, shape, numel)."""
     _wire_name(expected_dtype)
     wire = ENUM_TO_WIRE.get(msg.dtype)
     if wire is None:
@@ -92,27 +106,52 @@ def decode_tensor(
     shape = tuple(msg.shape)
     if shape != tuple(expected_shape):
         raise FrameError(f"tensor rejected: shape {shape} (expected {tuple(expected_shape)})")
-    dtype = WIRE_DTYPES[wire]
     numel = 1
     for n in shape:
         numel *= n
+    return WIRE_DTYPES[wire], shape, numel
+
+
+def _check_crc(data: bytes, msg: ring_pb2.Tensor) -> None:
+    crc = zlib.crc32(data)
+    if crc != msg.crc32:
+        raise FrameError(f"tensor rejected: crc32 {crc:#010x} (expected {msg.crc32:#010x})")
+
+
+def _from_wire(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.frombuffer(data, dtype=dtype)  # zero-copy view of `data`
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
+        t = torch.from_numpy(t.view(_SWAP_VIEW[dtype.itemsize]).numpy().byteswap()).view(dtype)
+    return t
+
+
+def _check_finite(t: torch.Tensor) -> None:
+    # A finite sum proves every element finite (NaN and ±Inf propagate) at ~1/50 the cost
+    # of isfinite(t).all(); only a non-finite sum (or an overflow) needs the full check.
+    # Half pieces are summed in fp32 so that large-but-finite values rarely overflow.
+    total = t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()
+    if not bool(torch.isfinite(total)) and not bool(torch.isfinite(t).all()):
+        raise FrameError("tensor rejected: non-finite values (NaN or Inf)")
+
+
+def decode_tensor(
+    msg: ring_pb2.Tensor,
+    *,
+    expected_shape: tuple[int, ...],
+    expected_dtype: str,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Validate and decode a wire tensor; raise :class:`FrameError` on any mismatch."""
+    dtype, shape, numel = _check_meta(msg, expected_shape, expected_dtype)
     data = msg.data  # upb returns a fresh bytes copy per access: read it once
     want = numel * dtype.itemsize
     if len(data) != want:
         raise FrameError(f"tensor rejected: {len(data)} data bytes (expected {want})")
-    crc = zlib.crc32(data)
-    if crc != msg.crc32:
-        raise FrameError(f"tensor rejected: crc32 {crc:#010x} (expected {msg.crc32:#010x})")
+    _check_crc(data, msg)
     if numel == 0:
         return torch.empty(shape, dtype=out_dtype)
-    t = torch.frombuffer(data, dtype=dtype)  # zero-copy view of `data`
-    if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
-        t = torch.from_numpy(t.view(_SWAP_VIEW[dtype.itemsize]).numpy().byteswap()).view(dtype)
-    t = t.view(shape).to(out_dtype)
-    # A finite sum proves every element finite (NaN and ±Inf propagate) at ~1/50 the cost
-    # of isfinite(t).all(); only a non-finite sum (or an overflow) needs the full check.
-    if not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
-        raise FrameError("tensor rejected: non-finite values (NaN or Inf)")
+    t = _from_wire(data, dtype).view(shape).to(out_dtype)
+    _check_finite(t)
     return t
 
 
@@ -166,7 +205,226 @@ def make_frame(
 ) -> ring_pb2.Frame:
     """Build a frame, encoding ``tensor`` straight into it (no extra message copy)."""
     frame = ring_pb2.Frame(
-        run_id=run_id, step=step, origin=origin, tick=tick, micro=micro, direction=direction
+        run_id=run_id,
+        step=step,
+        origin=origin,
+        tick=tick,
+        micro=micro,
+        direction=direction,
+        chunk=0,
+        chunks=1,
     )
     _fill_tensor(frame.tensor, tensor, wire)
     return frame
+
+
+# ------------------------------------------------------------------ chunked wire bytes
+
+CHUNK_BYTES = 4 << 20
+"""Default largest tensor payload per frame: bigger tensors travel as several pieces."""
+
+MAX_PENDING = 16
+"""Most tensors one stream may have partially received at once (a sender interleaves at
+most a few: its step executor and its relays)."""
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if not n:
+            out.append(b)
+            return bytes(out)
+        out.append(b | 0x80)
+
+
+_TENSOR_FIELD = b"\x3a"  # Frame.tensor: field 7, length-delimited
+_DATA_FIELD = b"\x1a"  # Tensor.data: field 3, length-delimited
+_CRC_FIELD = b"\x20"  # Tensor.crc32: field 4, varint
+
+
+def chunk_count(numel: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """How many frames a tensor of ``numel`` elements travels in."""
+    per = max(1, chunk_bytes // itemsize)
+    return max(1, -(-numel // per))
+
+
+def encode_frames(
+    *,
+    run_id: str,
+    step: int,
+    origin: int,
+    tick: int,
+    micro: int,
+    direction: int,
+    phase: int = ring_pb2.TRAIN,
+    tensor: torch.Tensor,
+    wire: str = "fp32",
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Iterator[bytes]:
+    """Yield the serialized bytes of the frame(s) carrying ``tensor`` in dtype ``wire``.
+
+    One frame if the tensor's wire bytes fit in ``chunk_bytes``, else ``chunks`` frames of
+    at most ``chunk_bytes`` each (a whole number of elements, at least one). The tensor is
+    cast once; each frame's bytes are then built in one copy from its memory. Frames are
+    produced lazily, so the caller can hand each to the transport while the next is built.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    t = _wire_tensor(tensor, wire)
+    numel, itemsize = t.numel(), t.element_size()
+    per = max(1, chunk_bytes // itemsize)
+    chunks = chunk_count(numel, itemsize, chunk_bytes)
+    mem = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if numel else memoryview(b"")
+    header = ring_pb2.Frame(
+        run_id=run_id,
+        step=step,
+        origin=origin,
+        tick=tick,
+        micro=micro,
+        direction=direction,
+        phase=phase,
+        chunks=chunks,
+    )
+    meta = ring_pb2.Tensor(dtype=WIRE_TO_ENUM[wire], shape=list(t.shape))
+    for k in range(chunks):
+        a, b = k * per, min(numel, (k + 1) * per)
+        piece = mem[a * itemsize : b * itemsize]
+        header.chunk = k
+        meta.offset = a
+        head = meta.SerializeToString()
+        data_hdr = _DATA_FIELD + _varint(len(piece))
+        tail = _CRC_FIELD + _varint(zlib.crc32(piece))  # over the memoryview: no copy
+        size = len(head) + len(data_hdr) + len(piece) + len(tail)
+        yield b"".join(
+            (header.SerializeToString(), _TENSOR_FIELD, _varint(size), head, data_hdr, piece, tail)
+        )
+
+
+@dataclass
+class _Partial:
+    chunks: int
+    next_chunk: int = 0
+    next_offset: int = 0
+    out: torch.Tensor | None = None  # flat, preallocated; None when only validating
+
+
+class TensorAssembler:
+    """Validates the tensor pieces arriving on one stream and reassembles them per key.
+
+    One assembler per stream: pieces of one tensor travel on one stream, in order, but may
+    be interleaved with other tensors' pieces. :meth:`add` raises :class:`FrameError` on
+    the first thing wrong; the stream must then be dropped (with every partial tensor).
+    """
+
+    def __init__(
+        self,
+        expected_shape: tuple[int, ...],
+        expected_dtype: str,
+        *,
+        out_dtype: torch.dtype = torch.float32,
+        max_pending: int = MAX_PENDING,
+    ) -> None:
+        self.shape, self.wire = tuple(expected_shape), _wire_name(expected_dtype)
+        self.out_dtype, self.max_pending = out_dtype, max_pending
+        self._pending: dict[Hashable, _Partial] = {}
+
+    @property
+    def pending(self) -> int:
+        """Tensors with some but not all pieces received."""
+        return len(self._pending)
+
+    def add(
+        self, key: Hashable, frame: ring_pb2.Frame, *, keep: bool = True, what: str = ""
+    ) -> torch.Tensor | None:
+        """Validate one piece; return the whole tensor once its last piece is in.
+
+        ``keep=False`` (a relay): validate only, nothing is allocated or returned. ``what``
+        names the tensor in error messages.
+        """
+        try:
+            return self._add(key, frame, keep, what or str(key))
+        except FrameError:
+            self._pending.pop(key, None)
+            raise
+
+    def _add(self, key: Hashable, frame: ring_pb2.Frame, keep: bool, what: str):
+        k, n = frame.chunk, frame.chunks
+        part = self._pending.get(key)
+        if n == 0:
+            raise FrameError(f"frame rejected: chunks 0 for {what} (expected ≥ 1)")
+        if k >= n:
+            raise FrameError(f"frame rejected: chunk {k} of chunks {n} for {what}")
+        if part is None and k != 0:
+            raise FrameError(
+                f"frame rejected: chunk {k} of {n} for {what} out of order "
+                f"(expected chunk 0: earlier pieces missing)"
+            )
+        if part is not None:
+            if n != part.chunks:
+                raise FrameError(
+                    f"frame rejected: chunks {n} for {what} (expected {part.chunks}, "
+                    f"as in its chunk 0)"
+                )
+            if k < part.next_chunk:
+                raise FrameError(
+                    f"frame rejected: duplicate chunk {k} of {n} for {what} "
+                    f"(expected chunk {part.next_chunk})"
+                )
+            if k > part.next_chunk:
+                raise FrameError(
+                    f"frame rejected: chunk {k} of {n} for {what} out of order "
+                    f"(expected chunk {part.next_chunk}: missing)"
+                )
+        msg = frame.tensor
+        if not frame.HasField("tensor"):
+            raise FrameError("frame rejected: no tensor")
+        if n == 1:  # a whole tensor in one frame: the codec's own checks and messages
+            if msg.offset != 0:
+                raise FrameError(f"tensor rejected: offset {msg.offset} (expected 0)")
+            t = decode_tensor(
+                msg, expected_shape=self.shape, expected_dtype=self.wire, out_dtype=self.out_dtype
+            )
+            return t if keep else None
+        dtype, shape, numel = _check_meta(msg, self.shape, self.wire)
+        if n > numel:
+            raise FrameError(
+                f"frame rejected: chunks {n} for {what} (a tensor of {numel} elements)"
+            )
+        start = part.next_offset if part is not None else 0
+        if msg.offset != start:
+            raise FrameError(
+                f"tensor rejected: offset {msg.offset} in chunk {k} of {n} for {what} "
+                f"(expected {start})"
+            )
+        data = msg.data  # one fresh copy (upb): read once
+        size = dtype.itemsize
+        # Each later piece needs at least one element; the last one ends at numel.
+        room = numel - start - (n - 1 - k)
+        count, rest = divmod(len(data), size)
+        if rest or count == 0 or count > room or (k == n - 1 and count != room):
+            want = f"{room * size}" if k == n - 1 else f"a multiple of {size}, 1..{room * size}"
+            raise FrameError(
+                f"tensor rejected: {len(data)} data bytes in chunk {k} of {n} for {what} "
+                f"(expected {want})"
+            )
+        _check_crc(data, msg)
+        piece = _from_wire(data, dtype)
+        _check_finite(piece)
+        if part is None:
+            if len(self._pending) >= self.max_pending:
+                raise FrameError(
+                    f"frame rejected: {what} would be the {len(self._pending) + 1}th partially "
+                    f"received tensor on this stream (at most {self.max_pending})"
+                )
+            part = self._pending[key] = _Partial(chunks=n)
+            if keep:
+                part.out = torch.empty(numel, dtype=self.out_dtype)
+        if part.out is not None:
+            part.out[start : start + count].copy_(piece)
+        part.next_chunk, part.next_offset = k + 1, start + count
+        if k < n - 1:
+            return None
+        del self._pending[key]
+        return part.out.view(shape) if part.out is not None else None

@@ -43,9 +43,12 @@ class WorkerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rank: int = Field(ge=0)
-    peers: list[str] = Field(min_length=1, description="host:port of every worker, ring order")
-    listen: str | None = Field(None, description="default: 0.0.0.0:<port of peers[rank]>")
+    rank: int | None = Field(None, ge=0, description="static ring only; else from the cert")
+    peers: list[str] = Field(default_factory=list, description="static ring: host:port of "
+                             "every worker in ring order")
+    coordinator: str | None = Field(None, description="host:port of mobius-coordinator")
+    listen: str | None = Field(None, description="ring bind address")
+    advertise: str | None = Field(None, description="ring address peers dial (coordinated)")
     data_dir: Path
     out_dir: Path = Path("runs/worker")
     run_id: str = "mobius"
@@ -57,15 +60,25 @@ class WorkerConfig(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     capture_frames: Path | None = Field(None, description="audit: append every sent frame here")
     train: TrainConfig = Field(default_factory=TrainConfig)
+    verify_train: bool = Field(
+        False, description="coordinated: refuse a run whose config differs from [train] "
+        "(set automatically when train settings are given)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> WorkerConfig:
-        if len(self.peers) != self.train.workers:
-            raise ValueError(
-                f"peers lists {len(self.peers)} addresses but train.workers is {self.train.workers}"
-            )
-        if self.rank >= self.train.workers:
-            raise ValueError(f"rank {self.rank} out of range for P={self.train.workers}")
+        if self.coordinator is None:
+            if self.rank is None or not self.peers:
+                raise ValueError(
+                    "give --coordinator, or a static ring with --rank and --peers"
+                )
+            if len(self.peers) != self.train.workers:
+                raise ValueError(
+                    f"peers lists {len(self.peers)} addresses but train.workers is "
+                    f"{self.train.workers}"
+                )
+            if self.rank >= self.train.workers:
+                raise ValueError(f"rank {self.rank} out of range for P={self.train.workers}")
         tls = (self.ca, self.cert, self.key)
         if not self.insecure and None in tls:
             raise ValueError("ca, cert and key are required (or --insecure for local debugging)")
@@ -73,11 +86,22 @@ class WorkerConfig(BaseModel):
 
     @property
     def listen_address(self) -> str:
-        return self.listen or f"0.0.0.0:{self.peers[self.rank].rsplit(':', 1)[1]}"
+        if self.listen:
+            return self.listen
+        if self.rank is not None and self.peers:
+            return f"0.0.0.0:{self.peers[self.rank].rsplit(':', 1)[1]}"
+        return "0.0.0.0:7000"
+
+    @property
+    def advertise_address(self) -> str:
+        if self.advertise:
+            return self.advertise
+        host, port = self.listen_address.rsplit(":", 1)
+        return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{port}"
 
     @property
     def successor(self) -> str:
-        return self.peers[(self.rank + 1) % len(self.peers)]
+        return self.peers[(self.rank + 1) % len(self.peers)]  # type: ignore[operator]
 
     def tls(self) -> NodeTLS | None:
         if self.insecure:
@@ -111,6 +135,7 @@ def load_worker_config(
     train.update(env_train)
     top.update({k: v for k, v in flags.items() if v is not None})
     train.update({k: v for k, v in train_flags.items() if v is not None})
+    top.setdefault("verify_train", bool(train))
     try:
         return WorkerConfig.model_validate({**top, "train": train})
     except ValidationError as exc:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from mobius_fed.checkpoint import save_checkpoint
 from mobius_fed.data import SiteData
-from mobius_fed.engine.checkpoint import save_checkpoint
 from mobius_fed.worker.config import WorkerConfig
 from mobius_fed.worker.executor import RingExecutor
 from mobius_fed.worker.link import RingLinks

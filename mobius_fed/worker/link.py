@@ -5,6 +5,13 @@ request side, BACKWARD frames leave on the response side) and calls ``Stream`` o
 successor i+1 (FORWARD frames leave, BACKWARD frames arrive). Frames for other workers are
 relayed in the same direction; frames for this worker are validated, decoded and put in
 the inbox the step executor reads.
+
+Bytes on the wire: both sides of the stream carry pre-serialized ``Frame`` bytes (the
+Stream method is registered with no (de)serializers on either end). A tensor is encoded
+once, straight from its memory into the frame bytes (:func:`codec.encode_frames`), split
+into frames of at most ``chunk_bytes``; a relay validates each frame and re-sends the
+very bytes it received. What is counted in ``bytes_sent`` and written to the capture file
+is exactly what was handed to gRPC.
 """
 
 from __future__ import annotations
@@ -19,14 +26,17 @@ from pathlib import Path
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
-from mobius_fed.transport.codec import FrameError, decode_tensor, make_frame
+from mobius_fed.transport.codec import CHUNK_BYTES, FrameError, TensorAssembler, encode_frames
 from mobius_fed.transport.tls import NodeTLS, add_port, open_channel, peer_identity, worker_identity
 from mobius_fed.worker.frames import BACKWARD, FIN, FORWARD, FrameKey, FrameRules
 
 log = logging.getLogger("mobius.link")
 _CLOSE = object()
+_SERVICE = ring_pb2.DESCRIPTOR.services_by_name["RingLink"].full_name
+STREAM_METHOD = f"/{_SERVICE}/Stream"
 
 
 class PeerError(RuntimeError):
@@ -79,32 +89,53 @@ class Inbox:
             )
 
 
-class _Outbox:
-    """A queue feeding one gRPC stream direction; counts bytes handed to gRPC."""
+class _Capture:
+    """Audit file of every frame's bytes this worker sends, shared by its outboxes."""
 
-    def __init__(self, capture: Path | None = None) -> None:
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("ab", buffering=0)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            if self._file.closed:  # a late frame while the link shuts down
+                return
+            view = memoryview(data)
+            while view:  # unbuffered writes may be partial
+                view = view[self._file.write(view) :]
+
+
+class _Outbox:
+    """A queue of serialized frames feeding one gRPC stream direction.
+
+    Counts the bytes handed to gRPC and writes exactly those bytes to the capture file.
+    """
+
+    def __init__(self, capture: _Capture | None = None) -> None:
         self.q: queue.Queue = queue.Queue()
         self.bytes_sent = 0
         self.frames_sent = 0
-        self._capture = capture.open("ab") if capture else None
+        self._capture = capture
 
-    def put(self, frame: ring_pb2.Frame) -> None:
-        self.q.put(frame)
+    def put(self, data: bytes) -> None:
+        self.q.put(data)
 
     def close(self) -> None:
         self.q.put(_CLOSE)
 
-    def __iter__(self) -> Iterator[ring_pb2.Frame]:
+    def __iter__(self) -> Iterator[bytes]:
         while True:
             item = self.q.get()
             if item is _CLOSE:
                 return
-            size = item.ByteSize()
-            self.bytes_sent += size
+            self.bytes_sent += len(item)
             self.frames_sent += 1
             if self._capture is not None:
-                self._capture.write(item.SerializeToString())
-                self._capture.flush()
+                self._capture.write(item)
             yield item
 
 
@@ -121,15 +152,19 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         insecure: bool = False,
         peer_timeout: float = 120.0,
         capture: Path | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         self.rules, self.rank, self.P = rules, rules.rank, rules.P
+        self.chunk_bytes = chunk_bytes
         self.listen, self.successor_addr = listen, successor
         self.tls, self.insecure, self.peer_timeout = tls, insecure, peer_timeout
         self.inbox = Inbox()
-        self.forward_out = _Outbox(capture)
+        self._capture = _Capture(capture) if capture else None
+        self.forward_out = _Outbox(self._capture)
         self._backward_out: _Outbox | None = None
         self._backward_ready = threading.Condition()
-        self._capture = capture
         self.rejected: list[str] = []
         self._server: grpc.Server | None = None
         self._channel: grpc.Channel | None = None
@@ -149,7 +184,19 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                 ("grpc.keepalive_permit_without_calls", 1),
             ],
         )
-        ring_pb2_grpc.add_RingLinkServicer_to_server(self, self._server)
+        # Registered by hand so that Stream moves raw bytes both ways: requests are parsed
+        # here (the relay needs the received bytes) and responses are sent pre-serialized.
+        handlers = {
+            "Stream": grpc.stream_stream_rpc_method_handler(self.Stream),
+            "Ping": grpc.unary_unary_rpc_method_handler(
+                self.Ping,
+                request_deserializer=ring_pb2.PingRequest.FromString,
+                response_serializer=ring_pb2.PingReply.SerializeToString,
+            ),
+        }
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(_SERVICE, handlers),)
+        )
         port = add_port(self._server, self.listen, self.tls, insecure=self.insecure)
         if port == 0:
             raise PeerError(f"worker-{self.rank}: cannot listen on {self.listen}")
@@ -176,9 +223,10 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
 
         def receive() -> None:
             bound = False
+            pieces = self._assembler()
             try:
-                for frame in request_iterator:
-                    self._accept(frame, FORWARD)
+                for data in request_iterator:
+                    self._accept(data, FORWARD, pieces)
                     if not bound:
                         bound = True
                         with self._backward_ready:
@@ -193,6 +241,12 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             except grpc.RpcError:
                 pass
             finally:
+                if pieces.pending and not failure:
+                    log.warning(
+                        "worker-%d: predecessor stream ended with %d tensor(s) half received",
+                        self.rank,
+                        pieces.pending,
+                    )
                 if not bound or failure:
                     out.close()
                 elif not self._closing.is_set() and not self._all_finished():
@@ -241,8 +295,10 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                 )
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
-        stub = ring_pb2_grpc.RingLinkStub(self._channel)
-        responses = stub.Stream(iter(self.forward_out))
+        stream = self._channel.stream_stream(
+            STREAM_METHOD, request_serializer=None, response_deserializer=None
+        )  # raw frame bytes both ways
+        responses = stream(iter(self.forward_out))
         self._client_thread = threading.Thread(
             target=self._receive_backward, args=(responses,), daemon=True, name="ring-recv-bwd"
         )
@@ -252,9 +308,10 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         )
 
     def _receive_backward(self, responses) -> None:
+        pieces = self._assembler()
         try:
-            for frame in responses:
-                self._accept(frame, BACKWARD)
+            for data in responses:
+                self._accept(data, BACKWARD, pieces)
         except FrameError as exc:
             self.rejected.append(str(exc))
             log.error("worker-%d: %s (from successor)", self.rank, exc)
@@ -269,38 +326,56 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                 )
 
     # --------------------------------------------------------------- routing
-    def _accept(self, frame: ring_pb2.Frame, direction: int) -> None:
+    def _assembler(self) -> TensorAssembler:
+        """Piece validation/reassembly state for one incoming stream."""
+        return TensorAssembler(self.rules.shape, self.rules.cfg.wire_dtype)
+
+    def _accept(self, data: bytes, direction: int, pieces: TensorAssembler) -> None:
+        """Validate one received frame (its serialized bytes) and deliver or relay it."""
+        try:
+            frame = ring_pb2.Frame.FromString(data)
+        except DecodeError as exc:
+            raise FrameError(f"frame rejected: not a Frame message ({exc})") from exc
         self.rules.check_header(frame, direction)
         if frame.direction == FIN:
             self.inbox.add_fin(frame.origin)
             if (self.rank + 1) % self.P != frame.origin:
-                self.forward_out.put(frame)
+                self.forward_out.put(data)
             return
-        # Every frame is validated in full (shape, dtype, length, checksum, finiteness)
-        # before it is used or relayed.
-        tensor = decode_tensor(
-            frame.tensor, expected_shape=self.rules.shape, expected_dtype=self.rules.cfg.wire_dtype
-        )
-        if self.rules.destination(frame) != self.rank:
-            self.send(frame)  # relay in the same direction
-            return
-        self.inbox.put(FrameKey.of(frame), tensor)
+        # Every piece is validated in full (order, total, offset, size, dtype, full shape,
+        # checksum, finiteness) before it is used or relayed; a relay forwards each piece
+        # as received, without reassembly.
+        key = FrameKey.of(frame)
+        mine = self.rules.destination(frame) == self.rank
+        tensor = pieces.add(key, frame, keep=mine, what=key.describe())
+        if not mine:
+            self._outbox(frame.direction).put(data)  # relay in the same direction
+        elif tensor is not None:
+            self.inbox.put(key, tensor)
 
     def send_tensor(self, key: FrameKey, tensor: torch.Tensor) -> None:
-        """Encode ``tensor`` (in the run's wire dtype) as the frame ``key`` and send it."""
-        frame = make_frame(
-            run_id=self.rules.run_id, step=key.step, origin=key.origin, tick=key.tick,
-            micro=key.micro, direction=key.direction, tensor=tensor,
+        """Encode ``tensor`` (in the run's wire dtype) as the frame(s) ``key`` and send them."""
+        out = self._outbox(key.direction)
+        for data in encode_frames(
+            run_id=self.rules.run_id,
+            step=key.step,
+            origin=key.origin,
+            tick=key.tick,
+            micro=key.micro,
+            direction=key.direction,
+            phase=key.phase,
+            tensor=tensor,
             wire=self.rules.cfg.wire_dtype,
-        )
-        frame.phase = key.phase
-        self.send(frame)
+            chunk_bytes=self.chunk_bytes,
+        ):
+            out.put(data)  # gRPC sends piece k while piece k+1 is built
 
     def send(self, frame: ring_pb2.Frame) -> None:
-        if frame.direction == BACKWARD:
-            self._backward_outbox().put(frame)
-        else:
-            self.forward_out.put(frame)
+        """Send a ready-made frame message (serialized here) in its direction."""
+        self._outbox(frame.direction).put(frame.SerializeToString())
+
+    def _outbox(self, direction: int) -> _Outbox:
+        return self._backward_outbox() if direction == BACKWARD else self.forward_out
 
     def _backward_outbox(self) -> _Outbox:
         with self._backward_ready:
@@ -324,9 +399,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
 
     def finish(self, timeout: float) -> None:
         """Announce FIN, wait until every other worker finished, then close both streams."""
-        self.forward_out.put(
-            ring_pb2.Frame(run_id=self.rules.run_id, origin=self.rank, direction=FIN)
-        )
+        self.send(ring_pb2.Frame(run_id=self.rules.run_id, origin=self.rank, direction=FIN))
         others = set(range(self.P)) - {self.rank}
         if not self.inbox.wait_fins(others, timeout):
             log.warning("worker-%d: not every peer finished within %.0fs", self.rank, timeout)
@@ -343,3 +416,5 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             self._channel.close()
         if self._server is not None:
             self._server.stop(grace=2).wait()
+        if self._capture is not None:
+            self._capture.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -25,3 +26,12 @@ def load_checkpoint(path: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def sha256_of(path: Path) -> str:
+    """Hex SHA-256 of a file (checkpoint manifests record it per worker)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

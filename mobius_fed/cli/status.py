@@ -1,0 +1,243 @@
+"""``mobius-fed status``: print a running coordinator's status as a table.
+
+Reads the status document over the coordinator's mTLS gRPC control service (default) or
+its REST API (``--rest URL``), both with the operator certificate; ``--rest`` also takes a
+plain ``http://127.0.0.1:PORT`` URL of a coordinator serving REST in local mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import math
+import ssl
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from rich.console import Console
+from rich.table import Table
+
+from mobius_fed.cli.common import CliError
+from mobius_fed.transport.tls import NodeTLS
+
+DEFAULT_COORDINATOR = "127.0.0.1:7300"
+COORDINATOR_NAME = "coordinator"
+"""Name checked against the coordinator certificate's DNS SANs (gRPC and REST alike)."""
+
+
+def add_status_parser(subparsers: Any) -> None:
+    """Register ``status`` on an ``argparse`` subparsers object."""
+    p = subparsers.add_parser(
+        "status",
+        help="show a running coordinator's status",
+        description="Show run phase, round, step, losses and every worker's state.",
+    )
+    p.add_argument(
+        "--coordinator",
+        default=DEFAULT_COORDINATOR,
+        metavar="ADDR",
+        help=f"coordinator gRPC control address (default {DEFAULT_COORDINATOR})",
+    )
+    p.add_argument(
+        "--certs",
+        type=Path,
+        default=Path("certs"),
+        metavar="DIR",
+        help="directory with ca.crt, operator.crt, operator.key (default: certs)",
+    )
+    p.add_argument(
+        "--rest",
+        metavar="URL",
+        help="read REST GET /v1/status at URL instead (https://HOST:PORT, or "
+        "http://127.0.0.1:PORT for a coordinator in local mode)",
+    )
+    p.add_argument("--json", action="store_true", help="print the raw status document")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+    p.set_defaults(func=status_main)
+
+
+def status_main(args: argparse.Namespace) -> int:
+    """Fetch and print the status; CliError (exit 2) when it cannot be read."""
+    timeout = float(getattr(args, "timeout", 5.0) or 5.0)
+    rest = getattr(args, "rest", None)
+    certs = Path(getattr(args, "certs", None) or "certs")
+    if rest:
+        doc = fetch_rest_status(rest, certs, timeout)
+    else:
+        addr = getattr(args, "coordinator", None) or DEFAULT_COORDINATOR
+        doc = fetch_grpc_status(addr, certs, timeout)
+    console = Console(soft_wrap=True)
+    if getattr(args, "json", False):
+        console.print_json(json.dumps(doc, allow_nan=True))
+    else:
+        render_status(doc, console)
+    return 0
+
+
+# --------------------------------------------------------------------------- fetching
+def operator_tls(certs: Path) -> NodeTLS:
+    """The operator's TLS files in ``certs``; CliError naming what is missing."""
+    tls = NodeTLS(ca=certs / "ca.crt", cert=certs / "operator.crt", key=certs / "operator.key")
+    missing = [str(p) for p in (tls.ca, tls.cert, tls.key) if not p.is_file()]
+    if missing:
+        raise CliError(
+            f"operator certificate files not found: {', '.join(missing)} "
+            "(pass --certs DIR; make them with: mobius-fed certs init)"
+        )
+    return tls
+
+
+def fetch_grpc_status(addr: str, certs: Path, timeout: float) -> dict[str, Any]:
+    """``GetStatus`` over mTLS gRPC as the operator."""
+    import grpc
+
+    from mobius_fed.proto import control_pb2, control_pb2_grpc
+    from mobius_fed.transport.tls import open_channel
+
+    tls = operator_tls(certs)
+    channel = open_channel(addr, tls, target_name=COORDINATOR_NAME)
+    try:
+        stub = control_pb2_grpc.ControlStub(channel)
+        reply = stub.GetStatus(control_pb2.StatusRequest(), timeout=timeout)
+    except grpc.RpcError as exc:
+        code = exc.code() if hasattr(exc, "code") else None
+        detail = exc.details() if hasattr(exc, "details") else str(exc)
+        if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+            raise CliError(f"coordinator at {addr} refused the status request: {detail}") from None
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise CliError(
+                f"cannot reach coordinator at {addr} ({code.name.lower()}): {detail}"
+            ) from None
+        name = code.name if code is not None else type(exc).__name__
+        raise CliError(f"status request to {addr} failed ({name}): {detail}") from None
+    finally:
+        channel.close()
+    try:
+        return json.loads(reply.json)
+    except ValueError as exc:
+        raise CliError(f"coordinator at {addr} sent an unreadable status document: {exc}") from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def fetch_rest_status(url: str, certs: Path, timeout: float) -> dict[str, Any]:
+    """``GET /v1/status`` over mutual TLS (operator cert), or plain local-mode HTTP."""
+    import httpx
+
+    parts = urlsplit(url if "://" in url else f"https://{url}")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise CliError(f"--rest: not an http(s) URL: {url!r}")
+    base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+    target = base if base.endswith("/v1/status") else f"{base}/v1/status"
+    extensions: dict[str, Any] = {}
+    if parts.scheme == "http":
+        if not _is_loopback(parts.hostname):
+            raise CliError(
+                f"--rest {url}: plain http is only for a local-mode coordinator on "
+                "127.0.0.1/localhost; use https:// (mutual TLS) for anything else"
+            )
+        verify: ssl.SSLContext | bool = False
+    else:
+        tls = operator_tls(certs)
+        try:
+            ctx = ssl.create_default_context(cafile=str(tls.ca))
+            ctx.load_cert_chain(str(tls.cert), str(tls.key))
+        except (ssl.SSLError, OSError) as exc:
+            raise CliError(f"cannot load operator TLS material from {certs}: {exc}") from None
+        verify = ctx
+        # Verify the server as "coordinator" whatever name or IP we dialled (as gRPC does).
+        extensions["sni_hostname"] = COORDINATOR_NAME
+    try:
+        with httpx.Client(verify=verify, timeout=timeout) as client:
+            resp = client.get(target, extensions=extensions)
+    except httpx.ConnectError as exc:
+        raise CliError(f"cannot reach coordinator REST at {target}: {exc}") from None
+    except httpx.TimeoutException as exc:
+        raise CliError(f"coordinator REST at {target} timed out: {exc}") from None
+    except httpx.TransportError as exc:  # e.g. mTLS rejection seen as a dropped connection
+        raise CliError(
+            f"coordinator REST at {target} dropped the connection ({type(exc).__name__}: "
+            f"{exc}); is the operator certificate from this run's CA?"
+        ) from None
+    if resp.status_code != 200:
+        try:
+            detail = resp.json().get("detail", resp.text)
+        except ValueError:
+            detail = resp.text.strip()[:200]
+        what = "refused the status request" if resp.status_code in (401, 403) else "answered"
+        raise CliError(f"coordinator REST at {target} {what}: HTTP {resp.status_code} {detail}")
+    try:
+        return resp.json()
+    except ValueError as exc:
+        raise CliError(f"coordinator REST at {target} sent unreadable JSON: {exc}") from None
+
+
+# --------------------------------------------------------------------------- rendering
+def _num(value: Any, fmt: str = "{:.4f}") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return fmt.format(value)
+
+
+def _age(worker: dict[str, Any], doc: dict[str, Any]) -> str:
+    age = worker.get("heartbeat_age_s")
+    if age is None and worker.get("last_heartbeat") is not None:
+        now = doc.get("server_time") or time.time()
+        age = max(0.0, now - worker["last_heartbeat"])
+    return _num(age, "{:.1f}")
+
+
+_STATE_STYLE = {"lost": "bold red", "expected": "dim", "done": "green", "training": "cyan"}
+_PHASE_STYLE = {"failed": "bold red", "stopped": "yellow", "done": "green", "training": "cyan"}
+
+
+def render_status(doc: dict[str, Any], console: Console) -> None:
+    """The run summary table, then one row per worker."""
+    run = Table(title="mobius-fed run", show_header=True, header_style="bold")
+    for col in ("run id", "phase", "round", "step", "eval loss", "error"):
+        run.add_column(col, overflow="fold")
+    phase = str(doc.get("phase", "?"))
+    style = _PHASE_STYLE.get(phase)
+    run.add_row(
+        str(doc.get("run_id", "?")),
+        f"[{style}]{phase}[/]" if style else phase,
+        f"{doc.get('round', 0)}/{doc.get('num_rounds', 0)}",
+        f"{doc.get('step', 0)}/{doc.get('steps', 0)}",
+        _num(doc.get("eval_loss")),
+        str(doc.get("error") or "-"),
+    )
+    console.print(run)
+    workers = Table(title="workers", show_header=True, header_style="bold")
+    for col, justify in (
+        ("rank", "right"),
+        ("address", "left"),
+        ("state", "left"),
+        ("heartbeat age (s)", "right"),
+        ("last loss", "right"),
+        ("tokens/s", "right"),
+    ):
+        workers.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for w in doc.get("workers", []):
+        state = str(w.get("state", "?"))
+        style = _STATE_STYLE.get(state)
+        workers.add_row(
+            str(w.get("rank", "?")),
+            str(w.get("address") or "-"),
+            f"[{style}]{state}[/]" if style else state,
+            _age(w, doc),
+            _num(w.get("last_loss")),
+            _num(w.get("tokens_per_s"), "{:,.0f}"),
+        )
+    console.print(workers)

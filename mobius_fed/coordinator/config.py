@@ -1,0 +1,93 @@
+"""The coordinator's configuration: TOML ``[coordinator]`` + ``[train]``, MOBIUS_* env, flags."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from mobius_fed.config import ConfigError, TrainConfig, describe_validation_error, read_toml
+from mobius_fed.transport.tls import NodeTLS
+
+ENV_PREFIX = "MOBIUS_"
+ENV_KEYS = {
+    "LISTEN": "listen", "REST_LISTEN": "rest_listen", "REST_MODE": "rest_mode",
+    "RUN_ID": "run_id", "CA": "ca", "CERT": "cert", "KEY": "key", "OUT_DIR": "out_dir",
+    "STRATEGY": "strategy", "CHECKPOINT_EVERY": "checkpoint_every",
+    "HEARTBEAT_INTERVAL": "heartbeat_interval", "HEARTBEAT_TIMEOUT": "heartbeat_timeout",
+    "REGISTRATION_TIMEOUT": "registration_timeout", "RESUME": "resume", "INSECURE": "insecure",
+    "LINGER": "linger",
+}
+TRAIN_ENV_KEYS = {
+    "PRESET": "preset", "WORKERS": "workers", "LOOPS": "loops", "ORDER": "order",
+    "SEED": "seed", "STEPS": "steps", "WIRE_DTYPE": "wire_dtype", "SYNC_EVERY": "sync_every",
+    "EVAL_EVERY": "eval_every", "BATCH_SIZE": "batch_size",
+}
+
+
+class CoordinatorConfig(BaseModel):
+    """A run's coordinator: where it listens, who it trusts, how it aggregates."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    listen: str = Field("0.0.0.0:7300", description="gRPC control + status + health (mTLS)")
+    rest_listen: str = Field("0.0.0.0:7380", description="REST status (host:port)")
+    rest_mode: Literal["tls", "local", "off"] = Field(
+        "tls", description="tls: mutual TLS; local: read-only plain HTTP on 127.0.0.1"
+    )
+    run_id: str = "mobius"
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    insecure: bool = False
+    out_dir: Path = Path("runs/coordinator")
+    strategy: str = "fedavg"
+    strategy_options: dict[str, float] = Field(default_factory=dict)
+    checkpoint_every: int = Field(0, ge=0, description="rounds between checkpoints (0: end only)")
+    heartbeat_interval: float = Field(1.0, gt=0)
+    heartbeat_timeout: float = Field(10.0, gt=0)
+    registration_timeout: float = Field(600.0, gt=0)
+    round_timeout: float = Field(3600.0, gt=0)
+    resume: bool = False
+    linger: float = Field(0.0, description="seconds to keep serving status after the run "
+                          "ends (-1: until interrupted)")
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> CoordinatorConfig:
+        if not self.insecure and None in (self.ca, self.cert, self.key):
+            raise ValueError("ca, cert and key are required (or --insecure for local debugging)")
+        if self.train.sync_every < 1:
+            raise ValueError("train.sync_every must be ≥ 1: each Flower round is one barrier")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
+        return self
+
+    def tls(self) -> NodeTLS | None:
+        return None if self.insecure else NodeTLS(self.ca, self.cert, self.key)  # type: ignore[arg-type]
+
+
+def env_values(keys: dict[str, str], environ: dict[str, str]) -> dict[str, Any]:
+    return {key: environ[ENV_PREFIX + n] for n, key in keys.items() if ENV_PREFIX + n in environ}
+
+
+def load_coordinator_config(
+    path: Path | None,
+    flags: dict[str, Any],
+    train_flags: dict[str, Any],
+    environ: dict[str, str] | None = None,
+) -> CoordinatorConfig:
+    """File, then ``MOBIUS_*`` environment, then flags (later wins)."""
+    doc = read_toml(path) if path else {}
+    env = dict(os.environ if environ is None else environ)
+    top = {**doc.get("coordinator", {}), **env_values(ENV_KEYS, env)}
+    train = {**doc.get("train", {}), **env_values(TRAIN_ENV_KEYS, env)}
+    top.update({k: v for k, v in flags.items() if v is not None})
+    train.update({k: v for k, v in train_flags.items() if v is not None})
+    try:
+        return CoordinatorConfig.model_validate({**top, "train": train})
+    except ValidationError as exc:
+        problem = describe_validation_error(exc)
+        raise ConfigError(f"invalid coordinator configuration: {problem}") from exc

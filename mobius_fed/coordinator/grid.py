@@ -1,0 +1,164 @@
+"""A ``flwr.serverapp.Grid`` whose messages travel over the coordinator's mTLS sessions.
+
+Each worker keeps one ``Control.Session`` stream open; instructions go out on its
+response side, replies come back on its request side. A lost worker fails the waiting
+round at once with an error that names it (Flower's ``Strategy.start`` has no retry, so
+the exception ends the run cleanly).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+
+from flwr.app import Message
+from flwr.proto.node_pb2 import NodeInfo
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+
+from mobius_fed.proto import control_pb2
+from mobius_fed.transport.flower_wire import (
+    FLOWER_RUN_ID,
+    message_from_bytes,
+    message_to_bytes,
+    rank_of_node,
+    worker_node_id,
+)
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (a worker was lost or answered with an error)."""
+
+
+class ControlGrid(Grid):
+    """Flower Grid over the Control service sessions of P workers."""
+
+    def __init__(self, P: int) -> None:
+        self.P = P
+        self._run = Run.create_empty(FLOWER_RUN_ID)
+        self._outboxes: dict[int, queue.Queue] = {}
+        self._replies: dict[str, Message] = {}
+        self._cond = threading.Condition()
+        self._failure: str | None = None
+        self.last_replies: list[Message] = []
+
+    # --------------------------------------------------------- Grid protocol
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(
+        self, content, message_type: str, dst_node_id: int, group_id: str, ttl=None
+    ) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        with self._cond:
+            return [worker_node_id(r) for r in sorted(self._outboxes)]
+
+    def get_nodes(self) -> Iterable[NodeInfo]:
+        return [NodeInfo(node_id=n) for n in self.get_node_ids()]
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            rank = rank_of_node(msg.metadata.dst_node_id)
+            with self._cond:
+                self._raise_if_failed()
+                box = self._outboxes.get(rank)
+            if box is None:
+                raise RunFailed(f"worker-{rank} has no open session")
+            box.put(control_pb2.Envelope(flower_message=message_to_bytes(msg)))
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        with self._cond:
+            return [self._replies.pop(i) for i in list(message_ids) if i in self._replies]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Send, then wait for every reply; any lost worker or error reply fails the run."""
+        ids = list(self.push_messages(messages))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not all(i in self._replies for i in ids):
+                self._raise_if_failed()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    missing = [i for i in ids if i not in self._replies]
+                    raise RunFailed(f"{len(missing)} worker(s) did not answer within {timeout}s")
+                self._cond.wait(left if left is not None else 1.0)
+            # Node order, not arrival or sampling order: aggregation sums in reply order,
+            # and a fixed order makes the float sums reproducible.
+            replies = sorted(
+                (self._replies.pop(i) for i in ids), key=lambda m: m.metadata.src_node_id
+            )
+        for reply in replies:
+            if reply.has_error():
+                rank = rank_of_node(reply.metadata.src_node_id)
+                self.fail(f"worker-{rank} failed: {reply.error.reason}")
+                self._raise_if_failed()
+        self.last_replies = replies
+        return replies
+
+    # ------------------------------------------------------------- sessions
+    def open_session(self, rank: int) -> queue.Queue:
+        with self._cond:
+            box: queue.Queue = queue.Queue()
+            self._outboxes[rank] = box
+            self._cond.notify_all()
+            return box
+
+    def close_session(self, rank: int) -> None:
+        with self._cond:
+            self._outboxes.pop(rank, None)
+            self._cond.notify_all()
+
+    def deliver(self, rank: int, data: bytes) -> None:
+        reply = message_from_bytes(data)
+        if rank_of_node(reply.metadata.src_node_id) != rank:
+            raise RunFailed(f"worker-{rank} sent a reply as node {reply.metadata.src_node_id}")
+        with self._cond:
+            self._replies[reply.metadata.reply_to_message_id] = reply
+            self._cond.notify_all()
+
+    def wait_for_sessions(self, timeout: float) -> list[int]:
+        """Wait until all P workers hold a session; return the ranks still missing."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self._outboxes) < self.P and self._failure is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            self._raise_if_failed()
+            return [r for r in range(self.P) if r not in self._outboxes]
+
+    def fail(self, reason: str) -> None:
+        with self._cond:
+            if self._failure is None:
+                self._failure = reason
+            self._cond.notify_all()
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RunFailed(self._failure)
+
+    def broadcast_stop(self, reason: str) -> None:
+        with self._cond:
+            boxes = list(self._outboxes.values())
+        for box in boxes:
+            box.put(control_pb2.Envelope(note="stop", flower_message=reason.encode()))

@@ -1,0 +1,417 @@
+"""The coordinator's REST status API (FastAPI + uvicorn): JSON, OpenAPI, metrics, health.
+
+Routes (all GET): ``/v1/status``, ``/v1/history``, ``/metrics`` (Prometheus text),
+``/healthz``, ``/docs`` and ``/openapi.json``.
+
+:class:`RestServer` serves them from a background thread in one of two modes:
+
+* **TLS** (the normal one): mutual TLS with the coordinator's certificate; the handshake
+  requires a client certificate signed by our CA, and the caller's ``mobius://`` identity
+  (URI SAN) must then pass ``allowed(identity)``, else 403. uvicorn does not expose the
+  peer certificate to the app, so :class:`_PeerCertH11Protocol` copies it into the
+  per-connection ASGI ``scope["state"]`` where :class:`_AccessMiddleware` reads it.
+* **local**: plain HTTP bound to a loopback address only, read-only, unauthenticated,
+  with a warning in the log. For debugging on the coordinator's own machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, Field
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from mobius_fed.coordinator.state import RunState, json_safe
+from mobius_fed.transport.tls import SCHEME, NodeTLS
+
+log = logging.getLogger(__name__)
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PEER_CERT_KEY = "mobius_peer_cert"
+"""Key of the verified client certificate (``SSLSocket.getpeercert()`` dict) in
+``scope["state"]``; absent on plain connections."""
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+READ_METHODS = frozenset({"GET", "HEAD"})
+SHUTDOWN_GRACE_S = 0.5
+"""How long :meth:`RestServer.stop` lets open connections finish before aborting them."""
+
+Allowed = Callable[[str | None], bool]
+
+
+# --------------------------------------------------------------------------- models
+class WorkerModel(BaseModel):
+    """One worker as the coordinator sees it."""
+
+    rank: int = Field(description="ring position (0-based)")
+    identity: str = Field(description="certificate identity, mobius://worker/<rank>")
+    address: str = Field(description="host:port of the worker's ring link ('' until registered)")
+    state: str = Field(
+        description="expected | registered | ready | training | evaluating | done | lost"
+    )
+    step: int = Field(description="last step the worker reported")
+    last_heartbeat: float | None = Field(description="unix time of the last heartbeat")
+    heartbeat_age_s: float | None = Field(
+        None, description="seconds since the last heartbeat (coordinator clock)"
+    )
+    last_loss: float | None = Field(
+        description="last training loss of the worker's own origin (null if none / non-finite)"
+    )
+    tokens_per_s: float = Field(description="worker throughput, tokens per second")
+
+
+class StatusModel(BaseModel):
+    """``GET /v1/status``: where the run stands (same document as gRPC ``GetStatus``)."""
+
+    run_id: str
+    phase: str = Field(description="waiting | training | done | failed | stopped")
+    round: int = Field(description="Flower rounds (step barriers) started")
+    num_rounds: int
+    step: int = Field(description="training steps completed")
+    steps: int = Field(description="training steps of the whole run")
+    strategy: str
+    error: str | None = None
+    checkpoint: str | None = Field(None, description="latest checkpoint manifest")
+    started_at: float = Field(description="unix time")
+    finished_at: float | None = None
+    eval_loss: float | None = Field(None, description="latest validation loss (Eq. 8)")
+    eval_origin_losses: list[float | None] | None = None
+    server_time: float | None = Field(None, description="coordinator clock at this reply")
+    workers: list[WorkerModel]
+
+
+class StepLossModel(BaseModel):
+    step: int
+    loss: float | None = Field(description="mean over origins; null until every origin reported")
+    origin_losses: list[float | None] = Field(description="loss per origin (index = origin)")
+
+
+class EvalModel(BaseModel):
+    round: int
+    step: int
+    loss: float | None = Field(description="mean validation loss over origins (Eq. 8)")
+    origin_losses: list[float | None]
+
+
+class RoundModel(BaseModel):
+    round: int
+    seconds: float
+    overhead_s: float = Field(description="round wall time not spent in the workers")
+
+
+class HistoryModel(BaseModel):
+    """``GET /v1/history``: training loss per step and origin, evaluations, round times."""
+
+    run_id: str
+    steps: list[StepLossModel]
+    evals: list[EvalModel]
+    rounds: list[RoundModel]
+
+
+class HealthModel(BaseModel):
+    status: str = Field(description="always 'ok' while the server answers")
+    phase: str
+
+
+class ErrorModel(BaseModel):
+    detail: str
+
+
+# --------------------------------------------------------------------------- app
+def make_app(state: RunState) -> FastAPI:
+    """The FastAPI application serving ``state`` (no transport security of its own)."""
+    app = FastAPI(
+        title="mobius-fed coordinator",
+        version="1",
+        description="Status of a Möbius Learning run: workers, rounds, losses, metrics.",
+    )
+    denied = {403: {"model": ErrorModel, "description": "caller's identity not enrolled"}}
+
+    @app.get("/v1/status", response_model=StatusModel, responses=denied, tags=["status"])
+    def get_status() -> Any:
+        """Run id, phase, round, step and every worker's state, heartbeat, loss, speed."""
+        return json_safe(state.status_doc())
+
+    @app.get("/v1/history", response_model=HistoryModel, responses=denied, tags=["status"])
+    def get_history() -> Any:
+        """Loss per step and per origin, evaluation results, round timings."""
+        return json_safe(state.history_doc())
+
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {PROMETHEUS_CONTENT_TYPE: {}}}, **denied},
+        tags=["status"],
+    )
+    def get_metrics() -> PlainTextResponse:
+        """Prometheus text exposition format 0.0.4."""
+        return PlainTextResponse(state.prometheus(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/healthz", response_model=HealthModel, responses=denied, tags=["health"])
+    def get_health() -> Any:
+        """Liveness: 200 whenever the server answers, whatever the run's phase."""
+        return {"status": "ok", "phase": state.phase}
+
+    return app
+
+
+# --------------------------------------------------------------------------- identity
+def identity_from_cert(cert: dict[str, Any] | None) -> str | None:
+    """The first ``mobius://`` URI SAN of a ``getpeercert()`` dict, or None."""
+    if not cert:
+        return None
+    for kind, value in cert.get("subjectAltName", ()):
+        if kind == "URI" and str(value).startswith(SCHEME):
+            return str(value)
+    return None
+
+
+class _PeerCertH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol that hands each request the connection's client certificate.
+
+    uvicorn builds every request's scope with ``"state": self.app_state.copy()``; giving
+    each connection its own ``app_state`` carrying the verified peer certificate binds the
+    certificate to exactly that connection (no lookup by address, nothing to spoof).
+    """
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        ssl_object = transport.get_extra_info("ssl_object")
+        cert = ssl_object.getpeercert() if ssl_object is not None else None
+        self.app_state = {**self.app_state, PEER_CERT_KEY: cert}
+
+
+def _json(status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None):
+    body = json.dumps({"detail": detail}).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    return status, hdrs + (headers or []), body
+
+
+class _AccessMiddleware:
+    """Read-only guard, plus identity authorization (TLS) or a Host check (local)."""
+
+    def __init__(self, app: Any, *, allowed: Allowed | None, local: bool) -> None:
+        self.app, self.allowed, self.local = app, allowed, local
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        denial = self._check(scope)
+        if denial is None:
+            await self.app(scope, receive, send)
+            return
+        status, headers, body = denial
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    def _check(self, scope: dict) -> tuple[int, list, bytes] | None:
+        if scope["method"] not in READ_METHODS:
+            return _json(405, "read-only API: only GET is allowed", [(b"allow", b"GET, HEAD")])
+        if self.local:
+            host = _host_header(scope)
+            if host not in LOCAL_HOSTS:  # DNS-rebinding guard: only loopback names
+                return _json(403, f"local mode answers only Host: localhost, not {host!r}")
+            return None
+        state = scope.get("state") or {}
+        if PEER_CERT_KEY not in state:  # wrong protocol class or a plain connection
+            return _json(403, "no verified client certificate on this connection")
+        who = identity_from_cert(state[PEER_CERT_KEY])
+        if who is None:
+            return _json(403, "client certificate carries no mobius:// identity")
+        if self.allowed is not None and not self.allowed(who):
+            return _json(403, f"identity {who} is not enrolled in this run")
+        return None
+
+
+def _host_header(scope: dict) -> str:
+    for k, v in scope.get("headers", ()):
+        if k == b"host":
+            host = v.decode("latin-1").strip().lower()
+            if host.startswith("["):  # [::1]:port
+                return host[1 : host.find("]")] if "]" in host else host
+            return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    return ""
+
+
+# --------------------------------------------------------------------------- server
+class _ThreadServer(uvicorn.Server):
+    """uvicorn server that never touches signal handlers (it runs in a worker thread)."""
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+        pass
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # uvicorn >= 0.29
+        yield
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # Ask every connection to close, give in-flight replies a moment, then abort the
+        # rest: an idle TLS keep-alive client never answers close_notify and would hold
+        # the shutdown for the whole graceful timeout.
+        for server in getattr(self, "servers", []):
+            server.close()
+        for conn in list(self.server_state.connections):
+            conn.shutdown()
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        while self.server_state.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in list(self.server_state.connections):
+            transport = getattr(conn, "transport", None)
+            if transport is not None:
+                transport.abort()
+        await super().shutdown(sockets)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class RestServer:
+    """Serve :func:`make_app` of ``state`` with uvicorn in a daemon thread.
+
+    TLS mode (``tls`` given): mutual TLS, client certificates must chain to ``tls.ca``,
+    and ``allowed(identity)`` decides who may read (None: any ``mobius://`` identity our CA
+    signed). Local mode (``local=True``, ``tls`` None): plain HTTP on a loopback host only.
+    ``port=0`` picks a free port; read it from :attr:`port` after :meth:`start`.
+    """
+
+    def __init__(
+        self,
+        state: RunState,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        tls: NodeTLS | None,
+        allowed: Allowed | None,
+        local: bool = False,
+    ) -> None:
+        if local and tls is not None:
+            raise ValueError("local mode is plain HTTP; pass tls=None with local=True")
+        if not local and tls is None:
+            raise ValueError("REST status needs TLS material, or an explicit local=True")
+        if local and not _is_loopback(host):
+            raise ValueError(
+                f"local (unauthenticated) REST mode binds only to 127.0.0.1/localhost/::1, "
+                f"not {host!r}"
+            )
+        self.state, self.host, self.port = state, host, port
+        self.tls, self.allowed, self.local = tls, allowed, local
+        self._server: _ThreadServer | None = None
+        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+
+    @property
+    def url(self) -> str:
+        scheme = "http" if self.local else "https"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
+
+    def _bind(self) -> socket.socket:
+        host = "127.0.0.1" if self.host == "localhost" else self.host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, self.port), family=family, backlog=128)
+        sock.setblocking(False)
+        return sock
+
+    def start(self, timeout: float = 10.0) -> RestServer:
+        """Bind, start serving, and return once the server accepts connections."""
+        if self._thread is not None:
+            raise RuntimeError("RestServer already started")
+        if self.tls is not None:
+            self.tls.load()  # FileNotFoundError naming the missing file, in the caller
+        app = _AccessMiddleware(make_app(self.state), allowed=self.allowed, local=self.local)
+        kwargs: dict[str, Any] = {}
+        if self.tls is not None:
+            kwargs = dict(
+                ssl_certfile=str(self.tls.cert),
+                ssl_keyfile=str(self.tls.key),
+                ssl_ca_certs=str(self.tls.ca),
+                ssl_cert_reqs=ssl.CERT_REQUIRED,
+            )
+        config = uvicorn.Config(
+            app,
+            http=_PeerCertH11Protocol,
+            ws="none",
+            lifespan="off",
+            proxy_headers=False,  # never take the client address from X-Forwarded-For
+            server_header=False,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=2,
+            **kwargs,
+        )
+        self._sock = self._bind()  # bind here: errors raise in the caller, port 0 resolved
+        self.port = self._sock.getsockname()[1]
+        self._server = _ThreadServer(config)
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._server.run(sockets=[self._sock])  # type: ignore[union-attr,list-item]
+            except BaseException as exc:  # SystemExit from uvicorn included
+                errors.append(exc)
+                log.exception("REST status server stopped with an error")
+
+        self._thread = threading.Thread(target=run, name=f"rest-status:{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if errors or not self._thread.is_alive():
+                self._close_sock()
+                raise RuntimeError(f"REST status server failed to start: {errors[:1]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"REST status server not up after {timeout} s")
+            time.sleep(0.01)
+        if self.local:
+            log.warning(
+                "!!! REST status in LOCAL mode: plain HTTP, NO authentication, read-only, "
+                "bound to %s only. Local debugging only. !!!",
+                self.url,
+            )
+        else:
+            log.info("REST status (mutual TLS) on %s", self.url)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop serving; returns once the thread has ended (or after ``timeout``)."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive() and self._server is not None:
+                self._server.force_exit = True
+                self._thread.join(timeout)
+        self._close_sock()
+        self._thread = None
+
+    def _close_sock(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> RestServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

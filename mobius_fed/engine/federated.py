@@ -1,0 +1,136 @@
+"""The reference engine driven by a Flower strategy, exactly as the coordinator drives a ring.
+
+``train_with_strategy`` runs ``Strategy.start`` over an in-process Grid whose P nodes are
+the engine's P replicas: a train message loads the arrays it carries into that origin's
+replica, the engine trains the round's steps (all origins together, as the ring does), and
+each replica answers with its arrays. The strategy's server update (FedAvg, FedAvgM, …) is
+therefore applied by the same Flower code as in a distributed run.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.proto.node_pb2 import NodeInfo
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore.run import Run
+
+from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
+from mobius_fed.strategies import STEP_END, STEP_START
+from mobius_fed.transport.flower_wire import (
+    COORDINATOR_NODE_ID,
+    FLOWER_RUN_ID,
+    rank_of_node,
+    set_task_identity,
+    worker_node_id,
+)
+
+
+def _arrays(module: torch.nn.Module) -> ArrayRecord:
+    return ArrayRecord({k: v.detach().clone() for k, v in module.state_dict().items()})
+
+
+class EngineGrid(Grid):
+    """P in-process nodes backed by one ReferenceEngine (replica averaging left to Flower)."""
+
+    def __init__(self, engine: ReferenceEngine) -> None:
+        self.engine = engine
+        self._run = Run.create_empty(FLOWER_RUN_ID)
+        self.steps: list[StepResult] = []
+        self.evals: list[EvalResult] = []
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return [worker_node_id(s) for s in range(self.engine.cfg.P)]
+
+    def get_nodes(self) -> Iterable[NodeInfo]:
+        return [NodeInfo(node_id=n) for n in self.get_node_ids()]
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        raise NotImplementedError("EngineGrid answers synchronously in send_and_receive")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        raise NotImplementedError("EngineGrid answers synchronously in send_and_receive")
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        # Node order (as the coordinator's grid replies), not Flower's sampling order.
+        messages = sorted(messages, key=lambda m: m.metadata.dst_node_id)
+        if not messages:
+            return []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            rank = rank_of_node(msg.metadata.dst_node_id)
+            state = msg.content["arrays"].to_torch_state_dict()
+            with torch.no_grad():
+                for name, p in self.engine.replicas[rank].state_dict().items():
+                    p.copy_(state[name])
+        kind = messages[0].metadata.message_type
+        conf = messages[0].content["config"]
+        replies = []
+        if kind == "train":
+            start, end = int(conf[STEP_START]), int(conf[STEP_END])
+            assert self.engine.step == start, (self.engine.step, start)
+            results = [self.engine.train_step() for _ in range(start, end)]
+            self.steps.extend(results)
+            for msg in messages:
+                rank = rank_of_node(msg.metadata.dst_node_id)
+                losses = [r.origin_losses[rank] for r in results]
+                metrics = MetricRecord(
+                    {
+                        "num-examples": results[0].tokens // self.engine.cfg.P * len(results),
+                        "loss": losses[-1],
+                        "losses": losses,
+                    }
+                )
+                replies.append(
+                    self._reply(
+                        msg,
+                        RecordDict(
+                            {"arrays": _arrays(self.engine.replicas[rank]), "metrics": metrics}
+                        ),
+                    )
+                )
+        else:
+            ev = self.engine.evaluate()
+            self.evals.append(ev)
+            for msg in messages:
+                rank = rank_of_node(msg.metadata.dst_node_id)
+                metrics = MetricRecord({"num-examples": 1, "eval-loss": ev.origin_losses[rank]})
+                replies.append(self._reply(msg, RecordDict({"metrics": metrics})))
+        set_task_identity(COORDINATOR_NODE_ID)
+        return replies
+
+    @staticmethod
+    def _reply(msg: Message, content: RecordDict) -> Message:
+        set_task_identity(msg.metadata.dst_node_id)
+        return Message(content, reply_to=msg)
+
+
+def train_with_strategy(engine: ReferenceEngine, strategy: Strategy) -> EngineGrid:
+    """Train ``engine`` to ``cfg.steps`` with ``strategy`` doing every replica average."""
+    engine.average_replicas = False  # averaging is the strategy's job here
+    set_task_identity(COORDINATOR_NODE_ID)
+    grid = EngineGrid(engine)
+    strategy.start(
+        grid=grid,
+        initial_arrays=_arrays(engine.replicas[0]),
+        num_rounds=strategy.plan.num_rounds - getattr(strategy, "round_offset", 0),  # type: ignore[attr-defined]
+        train_config=ConfigRecord(),
+        evaluate_config=ConfigRecord(),
+    )
+    return grid

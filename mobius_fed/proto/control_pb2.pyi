@@ -1,0 +1,73 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("listen_address", "config_fingerprint")
+    LISTEN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    listen_address: str
+    config_fingerprint: str
+    def __init__(self, listen_address: _Optional[str] = ..., config_fingerprint: _Optional[str] = ...) -> None: ...
+
+class RunSpec(_message.Message):
+    __slots__ = ("run_id", "rank", "peers", "train_config_json", "config_fingerprint", "resume_round", "resume_checkpoint", "heartbeat_interval_s")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_ROUND_FIELD_NUMBER: _ClassVar[int]
+    RESUME_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    rank: int
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    train_config_json: str
+    config_fingerprint: str
+    resume_round: int
+    resume_checkpoint: str
+    heartbeat_interval_s: float
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., train_config_json: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., resume_round: _Optional[int] = ..., resume_checkpoint: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("state", "step", "last_loss", "tokens_per_s")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    step: int
+    last_loss: float
+    tokens_per_s: float
+    def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("stop", "reason")
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    stop: bool
+    reason: str
+    def __init__(self, stop: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Envelope(_message.Message):
+    __slots__ = ("flower_message", "note")
+    FLOWER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    flower_message: bytes
+    note: str
+    def __init__(self, flower_message: _Optional[bytes] = ..., note: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...

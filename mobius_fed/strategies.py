@@ -1,0 +1,168 @@
+"""Flower strategies driven as step barriers: one Flower round = ``sync_every`` steps.
+
+Both the coordinator (over its mTLS Grid) and the reference engine (over an in-process
+Grid) run ``Strategy.start`` with a strategy built here, so a server update such as
+FedAvgM's momentum is computed by the same Flower code in both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import (
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedMedian,
+    FedProx,
+    FedTrimmedAvg,
+    FedYogi,
+    Strategy,
+)
+
+from mobius_fed.config import ConfigError, TrainConfig
+
+STRATEGIES: dict[str, type[FedAvg]] = {
+    "fedavg": FedAvg,
+    "fedavgm": FedAvgM,
+    "fedadam": FedAdam,
+    "fedyogi": FedYogi,
+    "fedadagrad": FedAdagrad,
+    "fedprox": FedProx,
+    "fedmedian": FedMedian,
+    "fedtrimmedavg": FedTrimmedAvg,
+}
+# Keys of the ConfigRecord a train/evaluate message carries.
+STEP_START, STEP_END, CHECKPOINT = "step-start", "step-end", "checkpoint"
+# Server-side state a strategy keeps between rounds (saved in checkpoints).
+SERVER_STATE_ATTRS = ("current_arrays", "momentum_vector", "m_t", "v_t")
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Which steps each round trains, and after which rounds to evaluate / checkpoint."""
+
+    steps: int
+    sync_every: int
+    eval_every: int
+    checkpoint_every: int = 0
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, checkpoint_every: int = 0) -> RoundPlan:
+        if cfg.sync_every < 1:
+            raise ConfigError(
+                "sync_every must be ≥ 1 with a coordinator: each Flower round is one barrier"
+            )
+        return cls(cfg.steps, cfg.sync_every, cfg.eval_every, checkpoint_every)
+
+    @property
+    def num_rounds(self) -> int:
+        return -(-self.steps // self.sync_every)
+
+    def steps_of(self, rnd: int) -> tuple[int, int]:
+        """Round ``rnd`` (1-based) trains steps [start, end)."""
+        start = (rnd - 1) * self.sync_every
+        return start, min(start + self.sync_every, self.steps)
+
+    def evaluates(self, rnd: int) -> bool:
+        start, end = self.steps_of(rnd)
+        if end == self.steps:
+            return True
+        return bool(self.eval_every) and end // self.eval_every > start // self.eval_every
+
+    def checkpoints(self, rnd: int) -> bool:
+        if rnd == self.num_rounds:
+            return True
+        return bool(self.checkpoint_every) and rnd % self.checkpoint_every == 0
+
+
+class BarrierRounds:
+    """Mixin over a Flower strategy: adds the step range to each round's train config and
+    evaluates only on the plan's evaluation rounds. ``round_offset`` continues the round
+    numbering of a resumed run."""
+
+    plan: RoundPlan
+    round_offset: int = 0
+    hooks: Any = None  # has after_train(rnd, replies, arrays) and after_evaluate(rnd, replies)
+
+    def global_round(self, server_round: int) -> int:
+        return server_round + self.round_offset
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Message]:
+        rnd = self.global_round(server_round)
+        start, end = self.plan.steps_of(rnd)
+        config[STEP_START], config[STEP_END] = start, end
+        config[CHECKPOINT] = self.plan.checkpoints(rnd)
+        config["round"] = rnd
+        return list(super().configure_train(server_round, arrays, config, grid))  # type: ignore[misc]
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        arrays, metrics = super().aggregate_train(server_round, replies)  # type: ignore[misc]
+        if self.hooks is not None:
+            self.hooks.after_train(self.global_round(server_round), replies, arrays)
+        return arrays, metrics
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        replies = list(replies)
+        metrics = super().aggregate_evaluate(server_round, replies)  # type: ignore[misc]
+        if self.hooks is not None and replies:
+            self.hooks.after_evaluate(self.global_round(server_round), replies)
+        return metrics
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Message]:
+        rnd = self.global_round(server_round)
+        if not self.plan.evaluates(rnd):
+            return []
+        config["round"] = rnd
+        config[STEP_END] = self.plan.steps_of(rnd)[1]
+        return list(super().configure_evaluate(server_round, arrays, config, grid))  # type: ignore[misc]
+
+
+def make_strategy(
+    name: str, P: int, plan: RoundPlan, options: dict[str, Any] | None = None, round_offset: int = 0
+) -> Strategy:
+    """A Flower strategy by name (fedavg, fedavgm, …) that waits for and trains all P workers."""
+    key = name.lower()
+    if key not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {name!r} (expected one of {', '.join(STRATEGIES)})")
+    base = STRATEGIES[key]
+    cls = type(f"Barrier{base.__name__}", (BarrierRounds, base), {})
+    kwargs = dict(
+        fraction_train=1.0,
+        fraction_evaluate=1.0,
+        min_train_nodes=P,
+        min_evaluate_nodes=P,
+        min_available_nodes=P,
+    )
+    if key == "fedprox":
+        kwargs["proximal_mu"] = 0.0
+    try:
+        strategy = cls(**kwargs, **(options or {}))
+    except TypeError as exc:
+        raise ConfigError(f"strategy {name}: bad option ({exc})") from exc
+    strategy.plan, strategy.round_offset = plan, round_offset
+    return strategy
+
+
+def server_state(strategy: Strategy) -> dict[str, Any]:
+    """The strategy's between-round state (momentum, moments, current arrays)."""
+    return {k: getattr(strategy, k) for k in SERVER_STATE_ATTRS if hasattr(strategy, k)}
+
+
+def restore_server_state(strategy: Strategy, state: dict[str, Any]) -> None:
+    for k, v in state.items():
+        setattr(strategy, k, v)

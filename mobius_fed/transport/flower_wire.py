@@ -1,0 +1,36 @@
+"""Flower Messages on our control wire: serialization and the process's task identity."""
+
+from __future__ import annotations
+
+from flwr.app import Message
+from flwr.common.serde import message_from_proto, message_to_proto
+from flwr.proto.message_pb2 import Message as MessageProto
+from flwr.supercore.task_identity import TaskIdentity
+
+# Flower reserves node id 1 for the server side (SUPERLINK_NODE_ID); workers never get it.
+COORDINATOR_NODE_ID = 1
+FLOWER_RUN_ID = 1
+
+
+def worker_node_id(rank: int) -> int:
+    """Flower node id of worker ``rank`` (1000 + rank, never 1)."""
+    return 1000 + rank
+
+
+def rank_of_node(node_id: int) -> int:
+    return node_id - 1000
+
+
+def set_task_identity(node_id: int) -> None:
+    """Flower's Message constructor needs the process's run/node/task identity."""
+    TaskIdentity.run_id = FLOWER_RUN_ID
+    TaskIdentity.node_id = node_id
+    TaskIdentity.task_id = 1
+
+
+def message_to_bytes(message: Message) -> bytes:
+    return message_to_proto(message).SerializeToString()
+
+
+def message_from_bytes(data: bytes) -> Message:
+    return message_from_proto(MessageProto.FromString(data))
