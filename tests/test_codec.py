@@ -19,6 +19,7 @@ from mobius_fed.transport.codec import (
     encode_frames,
     encode_tensor,
     make_frame,
+    parse_frame,
     validate_frame,
 )
 
@@ -312,3 +313,36 @@ def _crc(f: ring_pb2.Frame) -> ring_pb2.Frame:
     f = _set(f)
     f.tensor.crc32 ^= 1
     return f
+
+
+def test_parse_frame_keeps_data_in_place() -> None:
+    for f in [*_pieces(_x()), make_frame(**HEADER, tensor=_x()), ring_pb2.Frame(**HEADER)]:  # type: ignore[arg-type]
+        raw = f.SerializeToString()
+        head, data = parse_frame(raw)
+        assert head.tensor.data == b"" and head.HasField("tensor") == f.HasField("tensor")
+        if data is None:
+            assert not f.HasField("tensor")
+            continue
+        assert data.obj is raw and bytes(data) == f.tensor.data  # a view, no copy
+        head.tensor.data = bytes(data)
+        assert head == f
+    (raw,) = encode_frames(**HEADER, tensor=torch.empty(0, 3))  # type: ignore[arg-type]
+    head, data = parse_frame(raw)
+    assert data is not None and len(data) == 0 and tuple(head.tensor.shape) == (0, 3)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (make_frame(**HEADER, tensor=_x()).SerializeToString()[:-3], "truncated"),  # type: ignore[arg-type]
+        (b"\xff" * 12, "not a Frame message"),
+        (b"\x0b", "wire type 3"),
+        (b"\x0a\x02\xff\xfe", "not a Frame message"),  # run_id: invalid UTF-8
+        (b"\x3a\x00\x3a\x00", "field tensor appears twice"),
+        (b"\x3a\x04\x1a\x00\x1a\x00", "field tensor.data appears twice"),
+        (b"\x3a\x03\x08\x01", "truncated"),  # tensor longer than the frame
+    ],
+)
+def test_parse_frame_rejects_malformed(raw: bytes, message: str) -> None:
+    with pytest.raises(FrameError, match=message):
+        parse_frame(raw)

@@ -159,12 +159,20 @@ class LocalFederation:
             str(threads),
         ]
 
-    def start(self) -> LocalFederation:
+    def start(self, workers: bool = True) -> LocalFederation:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self._spawn("coordinator", self.coordinator_cmd(), env)
-        for i in range(self.train.P):
+        for i in range(self.train.P) if workers else ():
             self._spawn(f"worker-{i}", self.worker_cmd(i), env)
         return self
+
+    def rest(self, path: str) -> Any:
+        """GET a local-mode REST endpoint of the coordinator (JSON or text)."""
+        import httpx
+
+        r = httpx.get(f"http://127.0.0.1:{self.rest_port}{path}", timeout=5)
+        r.raise_for_status()
+        return r.json() if r.headers["content-type"].startswith("application/json") else r.text
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
         log = open(self.logs / f"{name}.log", "a")  # noqa: SIM115 - owned by the child

@@ -124,7 +124,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         if rank not in self._registered:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker-{rank} must register first")
         box = self.grid.open_session(rank)
-        self.state.update_worker(rank, state="ready")
+        self.state.update_worker(rank, state="ready", last_heartbeat=time.time())
         log.info("worker-%d session open", rank)
 
         def receive() -> None:

@@ -31,6 +31,7 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import torch
+from google.protobuf.message import DecodeError
 
 from mobius_fed.proto import ring_pb2
 
@@ -112,13 +113,13 @@ def _check_meta(
     return WIRE_DTYPES[wire], shape, numel
 
 
-def _check_crc(data: bytes, msg: ring_pb2.Tensor) -> None:
+def _check_crc(data: bytes | memoryview, msg: ring_pb2.Tensor) -> None:
     crc = zlib.crc32(data)
     if crc != msg.crc32:
         raise FrameError(f"tensor rejected: crc32 {crc:#010x} (expected {msg.crc32:#010x})")
 
 
-def _from_wire(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+def _from_wire(data: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
     t = torch.frombuffer(data, dtype=dtype)  # zero-copy view of `data`
     if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
         t = torch.from_numpy(t.view(_SWAP_VIEW[dtype.itemsize]).numpy().byteswap()).view(dtype)
@@ -140,10 +141,16 @@ def decode_tensor(
     expected_shape: tuple[int, ...],
     expected_dtype: str,
     out_dtype: torch.dtype = torch.float32,
+    data: bytes | memoryview | None = None,
 ) -> torch.Tensor:
-    """Validate and decode a wire tensor; raise :class:`FrameError` on any mismatch."""
+    """Validate and decode a wire tensor; raise :class:`FrameError` on any mismatch.
+
+    ``data``: the tensor's bytes when they were kept out of ``msg`` (:func:`parse_frame`);
+    the result may then alias that buffer (fp32).
+    """
     dtype, shape, numel = _check_meta(msg, expected_shape, expected_dtype)
-    data = msg.data  # upb returns a fresh bytes copy per access: read it once
+    if data is None:
+        data = msg.data  # upb returns a fresh bytes copy per access: read it once
     want = numel * dtype.itemsize
     if len(data) != want:
         raise FrameError(f"tensor rejected: {len(data)} data bytes (expected {want})")
@@ -302,6 +309,78 @@ def encode_frames(
         )
 
 
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise FrameError("frame rejected: not a Frame message (truncated or bad varint)")
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _split_field(buf: bytes, lo: int, hi: int, field: int, what: str):
+    """Walk the fields in ``buf[lo:hi]``; return (the other fields' bytes, span of the one
+    length-delimited ``field`` or None). A repeated ``field`` is refused: protobuf would
+    merge the copies, which no encoder of ours produces."""
+    rest: list[bytes] = []
+    span: tuple[int, int] | None = None
+    pos = lo
+    while pos < hi:
+        start = pos
+        tag, pos = _read_varint(buf, pos)
+        kind = tag & 7
+        if kind == 0:
+            _, pos = _read_varint(buf, pos)
+        elif kind == 1:
+            pos += 8
+        elif kind == 5:
+            pos += 4
+        elif kind == 2:
+            size, pos = _read_varint(buf, pos)
+            if tag >> 3 == field:
+                if span is not None:
+                    raise FrameError(f"frame rejected: {what} appears twice")
+                span = (pos, pos + size)
+                pos += size
+                if pos > hi:
+                    break
+                continue
+            pos += size
+        else:
+            raise FrameError(f"frame rejected: not a Frame message (wire type {kind})")
+        if pos > hi:
+            break
+        rest.append(buf[start:pos])
+    if pos != hi:
+        raise FrameError("frame rejected: not a Frame message (truncated field)")
+    return b"".join(rest), span
+
+
+def parse_frame(raw: bytes) -> tuple[ring_pb2.Frame, memoryview | None]:
+    """Parse serialized ``Frame`` bytes, leaving the tensor's data in place.
+
+    Returns the frame with every field except ``tensor.data`` (parsed by protobuf itself)
+    and a zero-copy view of the data bytes (None when the frame has no tensor). Saves the
+    two copies ``Frame.FromString`` + ``.data`` would make of every tensor byte.
+    """
+    head, tspan = _split_field(raw, 0, len(raw), 7, "field tensor")
+    try:
+        frame = ring_pb2.Frame.FromString(head)
+        if tspan is None:
+            return frame, None
+        meta, dspan = _split_field(raw, tspan[0], tspan[1], 3, "field tensor.data")
+        frame.tensor.SetInParent()
+        frame.tensor.MergeFromString(meta)
+    except DecodeError as exc:
+        raise FrameError(f"frame rejected: not a Frame message ({exc})") from exc
+    view = memoryview(raw)
+    return frame, (view[dspan[0] : dspan[1]] if dspan else view[0:0])
+
+
 @dataclass
 class _Partial:
     chunks: int
@@ -336,20 +415,27 @@ class TensorAssembler:
         return len(self._pending)
 
     def add(
-        self, key: Hashable, frame: ring_pb2.Frame, *, keep: bool = True, what: str = ""
+        self,
+        key: Hashable,
+        frame: ring_pb2.Frame,
+        *,
+        keep: bool = True,
+        what: str = "",
+        data: bytes | memoryview | None = None,
     ) -> torch.Tensor | None:
         """Validate one piece; return the whole tensor once its last piece is in.
 
         ``keep=False`` (a relay): validate only, nothing is allocated or returned. ``what``
-        names the tensor in error messages.
+        names the tensor in error messages. ``data``: the piece's bytes when
+        :func:`parse_frame` kept them out of ``frame`` (default: ``frame.tensor.data``).
         """
         try:
-            return self._add(key, frame, keep, what or str(key))
+            return self._add(key, frame, keep, what or str(key), data)
         except FrameError:
             self._pending.pop(key, None)
             raise
 
-    def _add(self, key: Hashable, frame: ring_pb2.Frame, keep: bool, what: str):
+    def _add(self, key: Hashable, frame: ring_pb2.Frame, keep: bool, what: str, data):
         k, n = frame.chunk, frame.chunks
         part = self._pending.get(key)
         if n == 0:
@@ -384,7 +470,11 @@ class TensorAssembler:
             if msg.offset != 0:
                 raise FrameError(f"tensor rejected: offset {msg.offset} (expected 0)")
             t = decode_tensor(
-                msg, expected_shape=self.shape, expected_dtype=self.wire, out_dtype=self.out_dtype
+                msg,
+                expected_shape=self.shape,
+                expected_dtype=self.wire,
+                out_dtype=self.out_dtype,
+                data=data,
             )
             return t if keep else None
         dtype, shape, numel = _check_meta(msg, self.shape, self.wire)
@@ -398,7 +488,8 @@ class TensorAssembler:
                 f"tensor rejected: offset {msg.offset} in chunk {k} of {n} for {what} "
                 f"(expected {start})"
             )
-        data = msg.data  # one fresh copy (upb): read once
+        if data is None:
+            data = msg.data  # one fresh copy (upb): read once
         size = dtype.itemsize
         # Each later piece needs at least one element; the last one ends at numel.
         room = numel - start - (n - 1 - k)

@@ -83,7 +83,7 @@ class _Heartbeats(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        while not self.done.wait(self.interval):
+        while True:
             try:
                 reply = self.stub.Heartbeat(
                     control_pb2.HeartbeatRequest(
@@ -96,9 +96,13 @@ class _Heartbeats(threading.Thread):
                 )
             except grpc.RpcError as exc:
                 log.warning("heartbeat failed: %s", exc.code().name)
+                if self.done.wait(self.interval):
+                    return
                 continue
             if reply.stop:
                 self.on_stop(reply.reason or "stopped by the coordinator")
+            if self.done.wait(self.interval):
+                return
 
 
 def run_with_coordinator(cfg: WorkerConfig) -> int:

@@ -26,10 +26,15 @@ from pathlib import Path
 
 import grpc
 import torch
-from google.protobuf.message import DecodeError
 
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
-from mobius_fed.transport.codec import CHUNK_BYTES, FrameError, TensorAssembler, encode_frames
+from mobius_fed.transport.codec import (
+    CHUNK_BYTES,
+    FrameError,
+    TensorAssembler,
+    encode_frames,
+    parse_frame,
+)
 from mobius_fed.transport.tls import NodeTLS, add_port, open_channel, peer_identity, worker_identity
 from mobius_fed.worker.frames import BACKWARD, FIN, FORWARD, FrameKey, FrameRules
 
@@ -332,10 +337,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
 
     def _accept(self, data: bytes, direction: int, pieces: TensorAssembler) -> None:
         """Validate one received frame (its serialized bytes) and deliver or relay it."""
-        try:
-            frame = ring_pb2.Frame.FromString(data)
-        except DecodeError as exc:
-            raise FrameError(f"frame rejected: not a Frame message ({exc})") from exc
+        frame, payload = parse_frame(data)  # the tensor bytes stay in `data`, not copied
         self.rules.check_header(frame, direction)
         if frame.direction == FIN:
             self.inbox.add_fin(frame.origin)
@@ -347,7 +349,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         # as received, without reassembly.
         key = FrameKey.of(frame)
         mine = self.rules.destination(frame) == self.rank
-        tensor = pieces.add(key, frame, keep=mine, what=key.describe())
+        tensor = pieces.add(key, frame, keep=mine, what=key.describe(), data=payload)
         if not mine:
             self._outbox(frame.direction).put(data)  # relay in the same direction
         elif tensor is not None:
