@@ -792,7 +792,11 @@ def main(argv: list[str] | None = None) -> int:
         rg = f"{v / gloo:8.2f}" if isinstance(gloo, float) else f"{'-':>8}"
         rt = f"{v / tcp:8.2f}" if isinstance(tcp, float) else f"{'-':>8}"
         print(f"{name:<38} {v:8.0f} {rg} {rt}")
-    mtls = {k: v for k, v in results.items() if isinstance(v, float) and "mTLS" in k}
+    mtls = {
+        k: v
+        for k, v in results.items()
+        if isinstance(v, float) and ("mTLS" in k or "ring link" in k)  # the link is mTLS
+    }
     if mtls and isinstance(gloo, float):
         best = max(mtls, key=mtls.get)
         ratio = mtls[best] / gloo

@@ -136,15 +136,21 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from mobius_fed.data import embedded_corpus, prepare_sites
 
+    out = Path(args.out)
+    wanted = [out / f"site-{i}" for i in (range(args.sites) if args.site is None else [args.site])]
+    if args.if_missing and all((d / "meta.json").is_file() for d in wanted):
+        print(f"sites already prepared in {out}; nothing to do")
+        return 0
     text = embedded_corpus() if not args.inputs else None
     dirs = prepare_sites(
         args.inputs or None,
-        Path(args.out),
+        out,
         args.sites,
         args.encoding,
         args.val_fraction,
         text=text,
-        overwrite=args.overwrite,
+        overwrite=args.overwrite or args.if_missing,
+        only=args.site,
     )
     for d in dirs:
         print(d)
@@ -154,6 +160,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_certs_init(args: argparse.Namespace) -> int:
     from mobius_fed.transport.certs import init_certs
 
+    if args.if_missing and (Path(args.out) / "ca.crt").is_file():
+        print(f"certificates already in {args.out}; nothing to do")
+        return 0
     layout = init_certs(Path(args.out), args.workers, args.host or (), overwrite=args.overwrite)
     print(f"CA and certificates for {args.workers} workers, coordinator, operator in {layout.root}")
     return 0
@@ -204,9 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the newest manifest")
     p.set_defaults(func=cmd_up)
 
+    from mobius_fed.cli.health import add_health_parser
     from mobius_fed.cli.status import add_status_parser
 
     add_status_parser(sub)
+    add_health_parser(sub)
 
     p = sub.add_parser("prepare", help="split text into per-site shard directories")
     p.add_argument("inputs", type=Path, nargs="*", help=".txt/.jsonl/.parquet (default: embedded)")
@@ -214,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sites", type=int, default=4)
     p.add_argument("--encoding", default="bytes")
     p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--site", type=int, help="write only site I (same split)")
+    p.add_argument(
+        "--if-missing", action="store_true", help="do nothing when the site(s) exist already"
+    )
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_prepare)
 
@@ -224,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("--host", action="append", help="extra DNS name or IP for every node")
     c.add_argument("--overwrite", action="store_true")
+    c.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="do nothing when OUT/ca.crt exists (a one-shot init job)",
+    )
     c.set_defaults(func=cmd_certs_init)
     return parser
 

@@ -13,17 +13,34 @@ from mobius_fed.transport.tls import NodeTLS
 
 ENV_PREFIX = "MOBIUS_"
 ENV_KEYS = {
-    "LISTEN": "listen", "REST_LISTEN": "rest_listen", "REST_MODE": "rest_mode",
-    "RUN_ID": "run_id", "CA": "ca", "CERT": "cert", "KEY": "key", "OUT_DIR": "out_dir",
-    "STRATEGY": "strategy", "CHECKPOINT_EVERY": "checkpoint_every",
-    "HEARTBEAT_INTERVAL": "heartbeat_interval", "HEARTBEAT_TIMEOUT": "heartbeat_timeout",
-    "REGISTRATION_TIMEOUT": "registration_timeout", "RESUME": "resume", "INSECURE": "insecure",
+    "LISTEN": "listen",
+    "REST_LISTEN": "rest_listen",
+    "REST_MODE": "rest_mode",
+    "RUN_ID": "run_id",
+    "CA": "ca",
+    "CERT": "cert",
+    "KEY": "key",
+    "OUT_DIR": "out_dir",
+    "STRATEGY": "strategy",
+    "CHECKPOINT_EVERY": "checkpoint_every",
+    "HEARTBEAT_INTERVAL": "heartbeat_interval",
+    "HEARTBEAT_TIMEOUT": "heartbeat_timeout",
+    "REGISTRATION_TIMEOUT": "registration_timeout",
+    "RESUME": "resume",
+    "INSECURE": "insecure",
     "LINGER": "linger",
 }
 TRAIN_ENV_KEYS = {
-    "PRESET": "preset", "WORKERS": "workers", "LOOPS": "loops", "ORDER": "order",
-    "SEED": "seed", "STEPS": "steps", "WIRE_DTYPE": "wire_dtype", "SYNC_EVERY": "sync_every",
-    "EVAL_EVERY": "eval_every", "BATCH_SIZE": "batch_size",
+    "PRESET": "preset",
+    "WORKERS": "workers",
+    "LOOPS": "loops",
+    "ORDER": "order",
+    "SEED": "seed",
+    "STEPS": "steps",
+    "WIRE_DTYPE": "wire_dtype",
+    "SYNC_EVERY": "sync_every",
+    "EVAL_EVERY": "eval_every",
+    "BATCH_SIZE": "batch_size",
 }
 
 
@@ -51,8 +68,9 @@ class CoordinatorConfig(BaseModel):
     registration_timeout: float = Field(600.0, gt=0)
     round_timeout: float = Field(3600.0, gt=0)
     resume: bool = False
-    linger: float = Field(0.0, description="seconds to keep serving status after the run "
-                          "ends (-1: until interrupted)")
+    linger: float = Field(
+        0.0, description="seconds to keep serving status after the run ends (-1: until interrupted)"
+    )
     train: TrainConfig = Field(default_factory=TrainConfig)
 
     @model_validator(mode="after")

@@ -78,13 +78,15 @@ def prepare_sites(
     *,
     text: str | None = None,
     overwrite: bool = False,
+    only: int | None = None,
 ) -> list[Path]:
     """Tokenize ``inputs`` (and/or ``text``) and split the stream into ``sites`` equal parts.
 
     Site ``i`` gets tokens ``[i*L, (i+1)*L)`` of the concatenated stream (``L = N // sites``,
     the remainder is dropped); the last ``val_fraction`` of each part is its validation
     split. Writes ``out/site-<i>/{train_000000.bin,val_000000.bin,meta.json}`` and returns
-    the site directories.
+    the site directories. ``only=i`` writes just site ``i`` (the same split), for a host
+    or container that must hold its own site and nothing else.
     """
     out = Path(out)
     inputs = [Path(p) for p in inputs or ()]
@@ -94,7 +96,11 @@ def prepare_sites(
         raise DataError(f"{out}: val_fraction must be in (0, 1) (got {val_fraction})")
     if not inputs and text is None:
         raise DataError(f"{out}: no input files and no text given")
+    if only is not None and not 0 <= only < sites:
+        raise DataError(f"{out}: site {only} out of range for {sites} sites")
     existing = sorted(p for p in out.glob("site-*") if p.is_dir() and _SITE_DIR.fullmatch(p.name))
+    if only is not None:
+        existing = [p for p in existing if p.name == f"site-{only}"]
     for site_dir in existing:
         if any(site_dir.iterdir()) and not overwrite:
             raise DataError(
@@ -127,7 +133,7 @@ def prepare_sites(
     for site_dir in existing:
         shutil.rmtree(site_dir)
     site_dirs = []
-    for i in range(sites):
+    for i in range(sites) if only is None else (only,):
         site_dir = out / f"site-{i}"
         site_dir.mkdir(parents=True, exist_ok=True)
         chunk = stream[i * part : (i + 1) * part]

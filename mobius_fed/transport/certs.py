@@ -52,6 +52,11 @@ class CertLayout:
             ca=self.ca_cert, cert=self.root / f"{name}.crt", key=self.root / f"{name}.key"
         )
 
+    def bundle(self, name: str) -> NodeTLS:
+        """``nodes/<name>/{ca.crt,tls.crt,tls.key}``: what one node's host receives."""
+        d = self.root / "nodes" / name
+        return NodeTLS(ca=d / "ca.crt", cert=d / "tls.crt", key=d / "tls.key")
+
     def worker(self, index: int) -> NodeTLS:
         """TLS paths of worker ``index``."""
         return self.node(f"worker-{index}")
@@ -211,4 +216,11 @@ def init_certs(
         node = layout.node(name)
         _write(node.key, _key_pem(key), 0o600)
         _write(node.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        # A per-node bundle (ca.crt, tls.crt, tls.key) to hand to exactly one host or
+        # container: it holds that node's key and nobody else's.
+        bundle = layout.bundle(name)
+        bundle.cert.parent.mkdir(parents=True, exist_ok=True)
+        _write(bundle.ca, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        _write(bundle.key, _key_pem(key), 0o600)
+        _write(bundle.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return layout

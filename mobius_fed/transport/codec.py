@@ -10,7 +10,10 @@ CRC runs over a memoryview of that memory, no copy). A tensor larger than ``chun
 becomes several frames, each carrying a contiguous 1-D piece (see ring.proto); they parse
 to exactly what :func:`make_frame` would build for the same piece.
 
-Decode of pieces: :class:`TensorAssembler` validates every piece (header order, total,
+Decode on the ring link: :func:`parse_frame` parses received frame bytes with protobuf
+except for the tensor data, which it returns as a zero-copy view of the received buffer
+(a frame repeating ``tensor`` or ``tensor.data`` is refused, protobuf would merge them);
+:class:`TensorAssembler` validates every piece (header order, total,
 offset, size, dtype, full shape, CRC, finiteness) and copies it into one preallocated
 tensor per key; nothing is handed out before the last piece validated.
 
@@ -227,7 +230,7 @@ def make_frame(
 
 # ------------------------------------------------------------------ chunked wire bytes
 
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 1 << 20
 """Default largest tensor payload per frame: bigger tensors travel as several pieces."""
 
 MAX_PENDING = 16

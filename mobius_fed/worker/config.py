@@ -44,8 +44,9 @@ class WorkerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     rank: int | None = Field(None, ge=0, description="static ring only; else from the cert")
-    peers: list[str] = Field(default_factory=list, description="static ring: host:port of "
-                             "every worker in ring order")
+    peers: list[str] = Field(
+        default_factory=list, description="static ring: host:port of every worker in ring order"
+    )
     coordinator: str | None = Field(None, description="host:port of mobius-coordinator")
     listen: str | None = Field(None, description="ring bind address")
     advertise: str | None = Field(None, description="ring address peers dial (coordinated)")
@@ -61,17 +62,16 @@ class WorkerConfig(BaseModel):
     capture_frames: Path | None = Field(None, description="audit: append every sent frame here")
     train: TrainConfig = Field(default_factory=TrainConfig)
     verify_train: bool = Field(
-        False, description="coordinated: refuse a run whose config differs from [train] "
-        "(set automatically when train settings are given)"
+        False,
+        description="coordinated: refuse a run whose config differs from [train] "
+        "(set automatically when train settings are given)",
     )
 
     @model_validator(mode="after")
     def _check(self) -> WorkerConfig:
         if self.coordinator is None:
             if self.rank is None or not self.peers:
-                raise ValueError(
-                    "give --coordinator, or a static ring with --rank and --peers"
-                )
+                raise ValueError("give --coordinator, or a static ring with --rank and --peers")
             if len(self.peers) != self.train.workers:
                 raise ValueError(
                     f"peers lists {len(self.peers)} addresses but train.workers is "

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import grpc
 import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
 from mobius_fed.transport.codec import (
@@ -202,10 +203,14 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(_SERVICE, handlers),)
         )
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         port = add_port(self._server, self.listen, self.tls, insecure=self.insecure)
         if port == 0:
             raise PeerError(f"worker-{self.rank}: cannot listen on {self.listen}")
         self._server.start()
+        for name in ("", "mobius_fed.ring.v1.RingLink"):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("worker-%d listening on %s", self.rank, self.listen)
         return port
 
