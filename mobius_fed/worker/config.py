@@ -26,6 +26,9 @@ ENV_KEYS = {
     "INSECURE": "insecure",
     "PEER_TIMEOUT": "peer_timeout",
     "THREADS": "threads",
+    "COORDINATOR": "coordinator",
+    "ADVERTISE": "advertise",
+    "CAPTURE_FRAMES": "capture_frames",
 }
 TRAIN_ENV_KEYS = {
     "PRESET": "preset",

@@ -1,0 +1,153 @@
+"""``mobius-fed testbed``: run docker/compose.yaml without Docker, one network namespace per
+service, until the coordinator reports the run finished; then tear everything down.
+
+    mobius-fed testbed up -f docker/compose.yaml --root runs/tb --set coordinator:MOBIUS_STEPS=10
+    mobius-fed testbed cleanup mtb1a2b3c     # leftovers of a testbed that was killed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mobius_fed.cli.common import CliError, console, run_guarded
+
+DEFAULT_COMPOSE = "docker/compose.yaml"
+
+
+def parse_sets(items: list[str] | None) -> dict[str, dict[str, str]]:
+    """``["coordinator:MOBIUS_STEPS=10", ...]`` -> ``{"coordinator": {"MOBIUS_STEPS": "10"}}``."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items or []:
+        svc, sep, assign = item.partition(":")
+        key, eq, value = assign.partition("=")
+        if not (sep and eq and svc and key):
+            raise CliError(f"--set {item!r}: expected SERVICE:KEY=VALUE")
+        out.setdefault(svc, {})[key] = value
+    return out
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM/SIGHUP, handled like Ctrl-C so the testbed is torn down."""
+
+
+def _raise_interrupt(signum: int, _frame: Any) -> None:
+    raise _Terminated(f"signal {signum}")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from mobius_fed.cli.status import render_status
+    from mobius_fed.testbed import Testbed, netns_available, wait_for_run
+
+    reason = netns_available()
+    if reason:
+        raise CliError(f"cannot run the namespace testbed: {reason}")
+    compose = Path(args.file)
+    if not compose.is_file():
+        raise CliError(f"compose file not found: {compose}")
+    root = Path(args.root)
+    if args.fresh and (root / "volumes").exists():
+        shutil.rmtree(root / "volumes")
+    overrides = parse_sets(args.set)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
+    logging.basicConfig(level=logging.INFO, format="testbed: %(message)s", stream=sys.stderr)
+    t0 = time.monotonic()
+    last = [None]
+
+    def progress(doc: dict[str, Any]) -> None:
+        key = (doc.get("phase"), doc.get("step"))
+        if key != last[0]:
+            last[0] = key
+            console.print(
+                f"[{time.monotonic() - t0:6.1f}s] phase {doc.get('phase')} "
+                f"step {doc.get('step', 0)}/{doc.get('steps', 0)}",
+                highlight=False,
+            )
+
+    with Testbed(compose, root, env_overrides=overrides, prefix=args.prefix) as tb:
+        console.print(
+            f"testbed [bold]{tb.prefix}[/]: {len(tb.project.services)} services from {compose}, "
+            f"logs in {tb.logs_dir}",
+            highlight=False,
+        )
+        tb.up(timeout=args.timeout)
+        remaining = max(1.0, args.timeout - (time.monotonic() - t0))
+        final = wait_for_run(tb, remaining, service=args.coordinator, on_status=progress)
+    if args.json:
+        print(json.dumps(final, indent=2))
+    else:
+        render_status(final, console)
+    console.print(f"testbed removed after {time.monotonic() - t0:.1f}s", highlight=False)
+    return 0 if final.get("phase") == "done" else 1
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    from mobius_fed.testbed import cleanup_stale, netns_available
+
+    reason = netns_available()
+    if reason:
+        raise CliError(reason)
+    removed = cleanup_stale(args.prefix)
+    console.print(f"removed {len(removed)} namespaces: {' '.join(removed) or '-'}")
+    return 0
+
+
+def add_testbed_parser(subparsers: Any) -> None:
+    """Register ``testbed`` (``up``, ``cleanup``) on an ``argparse`` subparsers object."""
+    p = subparsers.add_parser(
+        "testbed",
+        help="run the compose file without Docker (one network namespace per service)",
+        description="Run every compose service as its own host in a Linux network namespace "
+        "(root only): own address, service names resolving, the service's command, "
+        "environment and volumes.",
+    )
+    sub = p.add_subparsers(dest="testbed_command", required=True)
+    u = sub.add_parser(
+        "up",
+        help="bring the compose project up, wait for the run to finish, tear it down",
+        description="Start the services in dependency order, poll the coordinator's REST "
+        "status from inside its namespace until the run is done or failed, print it, and "
+        "remove every namespace. Exit status 0 when the run is done, 1 otherwise.",
+    )
+    u.add_argument("-f", "--file", default=DEFAULT_COMPOSE, help="compose file")
+    u.add_argument(
+        "--root",
+        default="runs/testbed",
+        help="volumes (root/volumes/<name>) and logs (root/logs/<service>.log)",
+    )
+    u.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds for the whole run (default 900)"
+    )
+    u.add_argument(
+        "--set",
+        action="append",
+        metavar="SERVICE:KEY=VALUE",
+        help="override one environment variable of one service (repeatable)",
+    )
+    u.add_argument("--coordinator", default="coordinator", help="service to read status from")
+    u.add_argument("--prefix", help="namespace name prefix (default: a fresh mtbXXXXXX)")
+    u.add_argument("--fresh", action="store_true", help="delete root/volumes first")
+    u.add_argument("--json", action="store_true", help="print the final status as JSON")
+    u.set_defaults(func=cmd_up)
+    c = sub.add_parser("cleanup", help="remove namespaces <PREFIX>-* left by a killed testbed")
+    c.add_argument("prefix")
+    c.set_defaults(func=cmd_cleanup)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mobius-fed")
+    add_testbed_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["testbed", *(sys.argv[1:] if argv is None else argv)])
+    return run_guarded(args.func, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

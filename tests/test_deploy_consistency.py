@@ -1,0 +1,606 @@
+"""The deployment files agree with each other and with the code (pure parsing, no network).
+
+Cross-checks docker/compose.yaml, docker/Dockerfile, deploy/k8s/*.yaml and deploy/systemd/
+against the config models (defaults, MOBIUS_* names), the certificate bundle layout and the
+real command-line parsers: service names, ports, container paths, environment variable
+names, per-worker key and data isolation, and every command line they run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from mobius_fed.cli import coordinator as coordinator_cli
+from mobius_fed.cli import main as main_cli
+from mobius_fed.cli import status as status_cli
+from mobius_fed.cli import worker as worker_cli
+from mobius_fed.config import read_toml
+from mobius_fed.coordinator import config as coord_config
+from mobius_fed.transport.certs import CertLayout
+from mobius_fed.worker import config as worker_config
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "docker" / "compose.yaml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+K8S = ROOT / "deploy" / "k8s"
+SYSTEMD = ROOT / "deploy" / "systemd"
+
+WORKER_PORT = 7000
+GRPC_PORT = 7300
+REST_PORT = 7380
+CERTS, DATA, STATE = "/srv/mobius/certs", "/srv/mobius/data", "/srv/mobius/state"
+WORKER_RE = re.compile(r"^worker-(\d+)$")
+
+BUNDLE = CertLayout(root=Path("/x"), ca_cert=Path("/x/ca.crt"), ca_key=Path("/x/ca.key"), workers=1)
+BUNDLE_FILES = {
+    "ca": BUNDLE.bundle("worker-0").ca.name,
+    "cert": BUNDLE.bundle("worker-0").cert.name,
+    "key": BUNDLE.bundle("worker-0").key.name,
+}
+
+WORKER_VARS = {f"MOBIUS_{k}" for k in worker_config.ENV_KEYS}
+WORKER_TRAIN_VARS = {f"MOBIUS_{k}" for k in worker_config.TRAIN_ENV_KEYS}
+COORD_VARS = {f"MOBIUS_{k}" for k in coord_config.ENV_KEYS}
+COORD_TRAIN_VARS = {f"MOBIUS_{k}" for k in coord_config.TRAIN_ENV_KEYS}
+
+PARSERS = {
+    "mobius-fed": main_cli.build_parser,
+    "mobius-worker": worker_cli.build_parser,
+    "mobius-coordinator": coordinator_cli.build_parser,
+}
+
+
+# ----------------------------------------------------------------------------- loading
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _services() -> dict[str, dict[str, Any]]:
+    return _compose()["services"]
+
+
+def _k8s_docs() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def _k8s(kind: str, name: str | None = None) -> Any:
+    found = {d["metadata"]["name"]: d for d in _k8s_docs() if d["kind"] == kind}
+    if name is None:
+        return found
+    assert name in found, f"deploy/k8s has no {kind} {name!r} (has {sorted(found)})"
+    return found[name]
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines of an environment file; commented-out assignments count too."""
+    found = (
+        re.fullmatch(r"#?\s*(MOBIUS_[A-Z_]+)=(\S*)", ln.strip())
+        for ln in path.read_text().splitlines()
+    )
+    return {m.group(1): m.group(2) for m in found if m}
+
+
+def _env_file_active(path: Path) -> dict[str, str]:
+    return {
+        k: v
+        for k, v in (
+            line.split("=", 1)
+            for line in path.read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")
+        )
+    }
+
+
+def _unit(path: Path) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith(("#", ";", "[")):
+            key, value = line.split("=", 1)
+            out.setdefault(key.strip(), []).append(value.strip())
+    return out
+
+
+def _port(addr: str) -> int:
+    return int(addr.rsplit(":", 1)[1])
+
+
+def _host(addr: str) -> str:
+    return addr.rsplit(":", 1)[0]
+
+
+def _parse(argv: list[str]):
+    """Parse ``argv`` with the real parser of its console script; fail instead of exiting."""
+    assert argv, "empty command"
+    prog = argv[0]
+    assert prog in PARSERS, f"{argv}: unknown program {prog!r} (expected one of {list(PARSERS)})"
+    try:
+        return PARSERS[prog]().parse_args(argv[1:])
+    except SystemExit as exc:
+        pytest.fail(f"{shlex.join(argv)}: rejected by {prog}'s parser (exit {exc.code})")
+
+
+def _health_test(svc: dict[str, Any]) -> list[str]:
+    test = svc["healthcheck"]["test"]
+    assert test[0] == "CMD", f"healthcheck should be exec form ['CMD', ...], got {test}"
+    return test[1:]
+
+
+def _compose_workers() -> dict[int, dict[str, Any]]:
+    return {
+        int(m.group(1)): svc for name, svc in _services().items() if (m := WORKER_RE.match(name))
+    }
+
+
+def _k8s_workers() -> dict[int, dict[str, Any]]:
+    sets = _k8s("StatefulSet")
+    out = {}
+    for name, sts in sets.items():
+        m = WORKER_RE.match(name)
+        assert m, f"StatefulSet {name!r} is not named worker-<i>"
+        out[int(m.group(1))] = sts
+    return out
+
+
+def _container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
+    by_name = {c["name"]: c for c in pod_spec["containers"]}
+    assert name in by_name, f"no container {name!r} (has {sorted(by_name)})"
+    return by_name[name]
+
+
+def _pod_env(pod_spec: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
+    """A container's environment: its ConfigMaps (envFrom), then env (later wins)."""
+    maps = _k8s("ConfigMap")
+    env: dict[str, str] = {}
+    for ref in container.get("envFrom", []):
+        name = ref["configMapRef"]["name"]
+        assert name in maps, f"envFrom names ConfigMap {name!r}, not in deploy/k8s"
+        env.update(maps[name]["data"])
+    for item in container.get("env", []):
+        assert "value" in item, f"env {item['name']} should be a literal value"
+        env[item["name"]] = item["value"]
+    return env
+
+
+def _mounts(pod_spec: dict[str, Any], container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """mountPath -> the volume (or volumeClaimTemplate name) mounted there."""
+    volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
+    out = {}
+    for m in container.get("volumeMounts", []):
+        out[m["mountPath"]] = {**volumes.get(m["name"], {"name": m["name"], "claim": True}), **m}
+    return out
+
+
+def _argv(container: dict[str, Any]) -> list[str]:
+    return list(container.get("command", [])) + list(container.get("args", []))
+
+
+def _num_workers() -> int:
+    return len(_compose_workers())
+
+
+# ----------------------------------------------------------------------------- code defaults
+def test_code_defaults_are_the_deployment_ports() -> None:
+    cfg = coord_config.CoordinatorConfig(insecure=True)
+    assert _port(cfg.listen) == GRPC_PORT
+    assert _port(cfg.rest_listen) == REST_PORT
+    worker = worker_config.WorkerConfig(
+        coordinator="coordinator:7300", data_dir=Path("d"), insecure=True
+    )
+    assert worker.listen_address == f"0.0.0.0:{WORKER_PORT}"
+    assert _port(status_cli.DEFAULT_COORDINATOR) == GRPC_PORT
+    assert status_cli.COORDINATOR_NAME == "coordinator"
+    assert set(BUNDLE_FILES.values()) == {"ca.crt", "tls.crt", "tls.key"}
+    assert BUNDLE.bundle("worker-3").cert.parent.relative_to(BUNDLE.root) == Path("nodes/worker-3")
+
+
+def test_console_scripts_exist() -> None:
+    scripts = read_toml(ROOT / "pyproject.toml")["project"]["scripts"]
+    assert set(PARSERS) <= set(scripts), (
+        f"pyproject [project.scripts] lacks {set(PARSERS) - set(scripts)}"
+    )
+    assert scripts["mobius-fed"] == "mobius_fed.cli.main:main"
+    assert scripts["mobius-worker"] == "mobius_fed.cli.worker:main"
+    assert scripts["mobius-coordinator"] == "mobius_fed.cli.coordinator:main"
+
+
+# ----------------------------------------------------------------------------- Dockerfile
+def test_dockerfile_paths_ports_and_user() -> None:
+    text = DOCKERFILE.read_text()
+    mkdir = [ln for ln in text.splitlines() if "mkdir" in ln and "/srv/mobius" in ln]
+    assert mkdir, "Dockerfile should mkdir /srv/mobius/{certs,data,state}"
+    for path in (CERTS, DATA, STATE):
+        assert path in mkdir[0].split(), f"Dockerfile mkdir line lacks {path}: {mkdir[0]!r}"
+    assert re.search(r"chown -R mobius:mobius /srv/mobius\b", text)
+    expose = re.search(r"^EXPOSE\s+(.+)$", text, re.M)
+    assert expose and {int(p) for p in expose.group(1).split()} == {
+        WORKER_PORT,
+        GRPC_PORT,
+        REST_PORT,
+    }
+    user = re.findall(r"^USER\s+(\S+)$", text, re.M)
+    assert user and user[-1].split(":")[0] == "10001", "the image must run as uid 10001"
+    assert re.search(r"useradd --uid 10001\b", text)
+    assert re.search(r"^ARG BASE=python:3\.\d+-slim$", text, re.M)
+    assert re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cpu$", text, re.M)
+    ci_pin = next(
+        ln
+        for ln in (ROOT / "requirements-ci.txt").read_text().splitlines()
+        if ln.startswith("torch==")
+    )
+    assert re.search(rf"^ARG TORCH_SPEC={re.escape(ci_pin)}$", text, re.M), "CPU torch pin differs"
+    cmd = re.search(r"^CMD\s+(\[.*\])$", text, re.M)
+    assert cmd and yaml.safe_load(cmd.group(1))[0] in PARSERS
+
+
+def test_compose_builds_this_dockerfile() -> None:
+    for name, svc in _services().items():
+        assert svc["build"]["dockerfile"] == "docker/Dockerfile", name
+        assert (COMPOSE.parent / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
+
+
+# ----------------------------------------------------------------------------- compose
+def test_compose_names_and_worker_count() -> None:
+    services = _services()
+    workers = _compose_workers()
+    P = len(workers)
+    assert P >= 2 and sorted(workers) == list(range(P)), (
+        f"workers must be worker-0..P-1: {sorted(workers)}"
+    )
+    assert "coordinator" in services
+    coordinator_env = services["coordinator"]["environment"]
+    assert int(coordinator_env["MOBIUS_WORKERS"]) == P
+    certs = _parse(services["certs"]["command"])
+    assert certs.command == "certs" and certs.certs_command == "init"
+    assert certs.workers == P, "the certs job's --workers must equal the number of workers"
+    assert str(certs.out) == CERTS
+    for i in range(P):
+        prep = _parse(services[f"data-{i}"]["command"])
+        assert prep.command == "prepare" and prep.sites == P and prep.site == i
+        assert str(prep.out) == DATA
+
+
+def test_compose_environment_names_exist_in_code() -> None:
+    services = _services()
+    bad = set(services["coordinator"]["environment"]) - COORD_VARS - COORD_TRAIN_VARS
+    assert not bad, (
+        f"compose coordinator sets variables mobius-coordinator does not read: {sorted(bad)}"
+    )
+    for i, svc in _compose_workers().items():
+        env = set(svc["environment"])
+        bad = env - WORKER_VARS - WORKER_TRAIN_VARS
+        assert not bad, (
+            f"compose worker-{i} sets variables mobius-worker does not read: {sorted(bad)} "
+            "(missing from mobius_fed.worker.config.ENV_KEYS?)"
+        )
+        train = env & WORKER_TRAIN_VARS
+        assert not train, (
+            f"worker-{i} sets training variables {train}; it takes them from the coordinator"
+        )
+
+
+def test_compose_environment_loads_into_the_config_models() -> None:
+    services = _services()
+    env = {k: str(v) for k, v in services["coordinator"]["environment"].items()}
+    cfg = coord_config.load_coordinator_config(None, {}, {}, environ=env)
+    assert _port(cfg.listen) == GRPC_PORT and _port(cfg.rest_listen) == REST_PORT
+    assert cfg.train.workers == _num_workers()
+    for i, svc in _compose_workers().items():
+        env = {k: str(v) for k, v in svc["environment"].items()}
+        wc = worker_config.load_worker_config(None, {}, {}, environ=env)
+        assert wc.coordinator == f"coordinator:{GRPC_PORT}", (
+            f"worker-{i}: MOBIUS_COORDINATOR not applied"
+        )
+        assert wc.advertise_address == f"worker-{i}:{WORKER_PORT}", (
+            f"worker-{i}: MOBIUS_ADVERTISE not applied"
+        )
+        assert wc.listen_address == f"0.0.0.0:{WORKER_PORT}"
+        assert wc.data_dir == Path(DATA) / f"site-{i}"
+        assert not wc.verify_train
+
+
+def test_compose_ports_paths_and_identities() -> None:
+    services = _services()
+    coord = services["coordinator"]
+    env = coord["environment"]
+    assert _port(env["MOBIUS_LISTEN"]) == GRPC_PORT
+    assert _port(env["MOBIUS_REST_LISTEN"]) == REST_PORT
+    assert {str(p).split("#")[0].strip() for p in coord["ports"]} == {
+        f"{GRPC_PORT}:{GRPC_PORT}",
+        f"{REST_PORT}:{REST_PORT}",
+    }
+    assert env["MOBIUS_OUT_DIR"] == STATE
+    _check_tls_env(env, CERTS, "compose coordinator")
+    _check_compose_cert_mount(coord, "coordinator")
+    assert _volume_targets(coord) >= {CERTS, STATE}
+    _check_health(_health_test(coord), GRPC_PORT, "coordinator", env)
+
+    for i, svc in _compose_workers().items():
+        env = svc["environment"]
+        assert _host(env["MOBIUS_COORDINATOR"]) == "coordinator"
+        assert _port(env["MOBIUS_COORDINATOR"]) == GRPC_PORT
+        assert _port(env["MOBIUS_LISTEN"]) == WORKER_PORT
+        assert env["MOBIUS_ADVERTISE"] == f"worker-{i}:{WORKER_PORT}"
+        assert env["MOBIUS_DATA_DIR"] == f"{DATA}/site-{i}"
+        assert env["MOBIUS_OUT_DIR"] == STATE
+        _check_tls_env(env, CERTS, f"compose worker-{i}")
+        _check_compose_cert_mount(svc, f"worker-{i}")
+        assert _volume_targets(svc) == {CERTS, DATA, STATE}
+        _check_health(_health_test(svc), WORKER_PORT, f"worker-{i}", env)
+        assert svc["command"] == ["mobius-worker"]
+        _parse(svc["command"])
+    assert coord["command"] == ["mobius-coordinator"]
+    _parse(coord["command"])
+
+
+def test_compose_each_worker_gets_only_its_own_key_and_site() -> None:
+    services = _services()
+    users: dict[str, set[str]] = {}
+    for name, svc in services.items():
+        for vol in svc.get("volumes", []):
+            source = vol["source"] if isinstance(vol, dict) else vol.split(":")[0]
+            users.setdefault(source, set()).add(name)
+    for i, svc in _compose_workers().items():
+        data = [v for v in svc["volumes"] if _target(v) == DATA]
+        assert len(data) == 1 and _source(data[0]) == f"site-{i}-data"
+        assert users[f"site-{i}-data"] == {f"data-{i}", f"worker-{i}"}, (
+            "a site's data volume is shared"
+        )
+        assert users[f"worker-{i}-state"] == {f"worker-{i}"}
+        networks = set(svc["networks"])
+        assert networks == {f"site-{i}", "wan"}
+    # Only the certs job sees the whole certificate volume; everyone else mounts a bundle.
+    for name, svc in services.items():
+        for vol in svc.get("volumes", []):
+            if _source(vol) == "certs" and name != "certs":
+                assert isinstance(vol, dict) and vol.get("volume", {}).get("subpath"), name
+                assert vol.get("read_only") is True, f"{name} mounts its certificates writable"
+
+
+def _target(vol: Any) -> str:
+    return vol["target"] if isinstance(vol, dict) else vol.split(":")[1]
+
+
+def _source(vol: Any) -> str:
+    return vol["source"] if isinstance(vol, dict) else vol.split(":")[0]
+
+
+def _volume_targets(svc: dict[str, Any]) -> set[str]:
+    return {_target(v) for v in svc.get("volumes", [])}
+
+
+def _check_compose_cert_mount(svc: dict[str, Any], node: str) -> None:
+    mounts = [v for v in svc["volumes"] if _target(v) == CERTS]
+    assert len(mounts) == 1, f"{node}: one certificate mount expected"
+    (vol,) = mounts
+    subpath = vol["volume"]["subpath"]
+    expected = BUNDLE.bundle(node).cert.parent.relative_to(BUNDLE.root).as_posix()
+    assert subpath == expected, (
+        f"{node} mounts certificate bundle {subpath!r}, not its own {expected!r}"
+    )
+
+
+def _check_tls_env(env: dict[str, str], certs_dir: str, where: str) -> None:
+    for key, file in BUNDLE_FILES.items():
+        value = env[f"MOBIUS_{key.upper()}"]
+        assert value == f"{certs_dir}/{file}", f"{where}: MOBIUS_{key.upper()}={value}"
+
+
+def _check_health(argv: list[str], port: int, server_name: str, env: dict[str, str]) -> None:
+    args = _parse(argv)
+    assert argv[0] == "mobius-fed" and args.command == "health", argv
+    assert args.func.__name__ == "health_main"
+    assert args.address == f"127.0.0.1:{port}"
+    assert args.server_name == server_name
+    assert not args.insecure
+    assert (str(args.ca), str(args.cert), str(args.key)) == (
+        env["MOBIUS_CA"],
+        env["MOBIUS_CERT"],
+        env["MOBIUS_KEY"],
+    )
+
+
+# ----------------------------------------------------------------------------- Kubernetes
+def test_k8s_manifests_parse_and_kustomization_lists_them() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    listed = set(kustomization["resources"])
+    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == files, f"kustomization resources {sorted(listed)} != manifests {sorted(files)}"
+    for doc in _k8s_docs():
+        assert "namespace" not in doc["metadata"], "manifests must stay namespace-agnostic"
+
+
+def test_k8s_workers_yaml_is_rendered_from_the_template() -> None:
+    spec = importlib.util.spec_from_file_location("render_workers", K8S / "render-workers.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.render(_num_workers()) == (K8S / "workers.yaml").read_text(), (
+        "workers.yaml is stale: python3 deploy/k8s/render-workers.py --workers P "
+        "> deploy/k8s/workers.yaml"
+    )
+
+
+def test_k8s_names_and_ports_match_compose() -> None:
+    P = _num_workers()
+    assert sorted(_k8s_workers()) == list(range(P)), "one worker StatefulSet per compose worker"
+    svc = _k8s("Service", "coordinator")["spec"]
+    assert {p["name"]: p["port"] for p in svc["ports"]} == {"grpc": GRPC_PORT, "rest": REST_PORT}
+    headless = _k8s("Service", "worker")["spec"]
+    assert headless["clusterIP"] == "None"
+    assert [p["port"] for p in headless["ports"]] == [WORKER_PORT]
+    for i in range(P):
+        own = _k8s("Service", f"worker-{i}")["spec"]
+        assert own["clusterIP"] == "None" and own["publishNotReadyAddresses"] is True
+        assert [p["port"] for p in own["ports"]] == [WORKER_PORT]
+    coord_env = _k8s("ConfigMap", "mobius-config")["data"]
+    assert int(coord_env["MOBIUS_WORKERS"]) == P
+
+
+def test_k8s_coordinator() -> None:
+    dep = _k8s("Deployment", "coordinator")
+    assert dep["spec"]["replicas"] == 1
+    pod = dep["spec"]["template"]["spec"]
+    c = _container(pod, "coordinator")
+    assert _argv(c) == _services()["coordinator"]["command"]
+    _parse(_argv(c))
+    env = _pod_env(pod, c)
+    bad = {k for k in env if k.startswith("MOBIUS_")} - COORD_VARS - COORD_TRAIN_VARS
+    assert not bad, (
+        f"k8s coordinator sets variables mobius-coordinator does not read: {sorted(bad)}"
+    )
+    cfg = coord_config.load_coordinator_config(None, {}, {}, environ=env)
+    assert _port(cfg.listen) == GRPC_PORT and _port(cfg.rest_listen) == REST_PORT
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+        "grpc": GRPC_PORT,
+        "rest": REST_PORT,
+    }
+    assert env["MOBIUS_OUT_DIR"] == STATE
+    _check_tls_env(env, CERTS, "k8s coordinator")
+    mounts = _mounts(pod, c)
+    assert {CERTS, STATE} <= set(mounts)
+    _check_secret(mounts[CERTS], "coordinator")
+    for probe in ("readinessProbe", "livenessProbe"):
+        _check_health(c[probe]["exec"]["command"], GRPC_PORT, "coordinator", env)
+    _check_pod_security(pod, c)
+    # Compose and Kubernetes run the same run shape.
+    compose_env = _services()["coordinator"]["environment"]
+    for key in ("MOBIUS_LISTEN", "MOBIUS_REST_LISTEN", "MOBIUS_REST_MODE", "MOBIUS_WORKERS"):
+        assert str(compose_env[key]) == env[key], key
+
+
+def test_k8s_workers_isolation_and_settings() -> None:
+    secrets_seen: dict[str, int] = {}
+    for i, sts in _k8s_workers().items():
+        spec = sts["spec"]
+        assert spec["replicas"] == 1, "one pod per worker StatefulSet (its own Secret)"
+        assert spec["serviceName"] == "worker"
+        labels = spec["template"]["metadata"]["labels"]
+        assert labels.items() >= spec["selector"]["matchLabels"].items()
+        own_svc = _k8s("Service", f"worker-{i}")["spec"]["selector"]
+        assert labels.items() >= own_svc.items()
+        assert labels.items() >= _k8s("Service", "worker")["spec"]["selector"].items()
+        for j in _k8s_workers():
+            if j != i:
+                assert (
+                    not labels.items() >= _k8s("Service", f"worker-{j}")["spec"]["selector"].items()
+                )
+        pod = spec["template"]["spec"]
+        c = _container(pod, "worker")
+        assert _argv(c) == _compose_workers()[i]["command"]
+        _parse(_argv(c))
+        env = _pod_env(pod, c)
+        names = {k for k in env if k.startswith("MOBIUS_")}
+        assert not names - WORKER_VARS - WORKER_TRAIN_VARS, (
+            f"k8s worker-{i} sets variables mobius-worker does not read: "
+            f"{sorted(names - WORKER_VARS - WORKER_TRAIN_VARS)}"
+        )
+        assert not names & WORKER_TRAIN_VARS, (
+            f"worker-{i} must take training config from the coordinator"
+        )
+        assert env["MOBIUS_COORDINATOR"] == f"coordinator:{GRPC_PORT}"
+        assert env["MOBIUS_ADVERTISE"] == f"worker-{i}:{WORKER_PORT}"
+        assert _port(env["MOBIUS_LISTEN"]) == WORKER_PORT
+        assert env["MOBIUS_DATA_DIR"] == f"{DATA}/site-{i}"
+        assert env["MOBIUS_OUT_DIR"] == STATE
+        _check_tls_env(env, CERTS, f"k8s worker-{i}")
+        assert [p["containerPort"] for p in c["ports"]] == [WORKER_PORT]
+        _check_health(c["readinessProbe"]["exec"]["command"], WORKER_PORT, f"worker-{i}", env)
+        mounts = _mounts(pod, c)
+        assert set(mounts) >= {CERTS, DATA, STATE}
+        _check_secret(mounts[CERTS], f"worker-{i}")
+        assert mounts[DATA].get("readOnly") is True
+        claims = {t["metadata"]["name"] for t in spec["volumeClaimTemplates"]}
+        assert {mounts[DATA]["name"], mounts[STATE]["name"]} <= claims
+        # Every Secret any of this pod's volumes names is its own.
+        for vol in pod.get("volumes", []):
+            if "secret" in vol:
+                name = vol["secret"]["secretName"]
+                assert name == f"mobius-worker-{i}-tls", f"worker-{i} mounts Secret {name}"
+                secrets_seen[name] = secrets_seen.get(name, 0) + 1
+            assert "projected" not in vol, "projected volumes could mix other nodes' keys in"
+        (init,) = pod["initContainers"]
+        prep = _parse(_argv(init))
+        assert prep.command == "prepare" and prep.site == i and prep.sites == _num_workers()
+        assert str(prep.out) == DATA
+        assert _mounts(pod, init)[DATA]["name"] == mounts[DATA]["name"]
+        _check_pod_security(pod, c)
+    assert all(n == 1 for n in secrets_seen.values())
+
+
+def _check_secret(mount: dict[str, Any], node: str) -> None:
+    assert mount.get("readOnly") is True
+    secret = mount["secret"]
+    assert secret["secretName"] == f"mobius-{node}-tls"
+    assert {it["key"] for it in secret["items"]} == set(BUNDLE_FILES.values())
+    assert all(it["key"] == it["path"] for it in secret["items"])
+
+
+def _check_pod_security(pod: dict[str, Any], container: dict[str, Any]) -> None:
+    sc = pod["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] == 10001 and sc["fsGroup"] == 10001
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["image"] == "mobius-fed:latest"
+
+
+def test_make_secrets_script_uses_the_bundle_layout() -> None:
+    text = (K8S / "make-secrets.sh").read_text()
+    assert "mobius-$node-tls" in text
+    assert "dir=$certs/nodes/$node" in text
+    for f in BUNDLE_FILES.values():
+        assert f'--from-file={f}="$dir/{f}"' in text
+    assert "nodes=coordinator" in text and 'nodes="$nodes worker-$i"' in text
+
+
+# ----------------------------------------------------------------------------- systemd
+UNITS = {"coordinator": "mobius-coordinator", "worker": "mobius-worker"}
+
+
+@pytest.mark.parametrize("role", sorted(UNITS))
+def test_systemd_units_and_env_files(role: str) -> None:
+    unit = _unit(SYSTEMD / f"{UNITS[role]}.service")
+    (env_path,) = unit["EnvironmentFile"]
+    example = SYSTEMD / f"{Path(env_path).name}.example"
+    assert example.is_file(), f"{env_path} has no example {example.name}"
+    assert env_path == f"/etc/mobius/{role}.env"
+    (exec_start,) = unit["ExecStart"]
+    argv = shlex.split(exec_start)
+    assert Path(argv[0]).name == UNITS[role]
+    _parse([Path(argv[0]).name, *argv[1:]])
+    assert unit["User"] == ["mobius"] and unit["NoNewPrivileges"] == ["yes"]
+    assert unit["ProtectSystem"] == ["strict"]
+    assert unit["Restart"] == ["on-failure"]
+    writable = unit["ReadWritePaths"][0].split()
+
+    env = _env_file(example)
+    allowed = (
+        (WORKER_VARS | WORKER_TRAIN_VARS) if role == "worker" else (COORD_VARS | COORD_TRAIN_VARS)
+    )
+    assert not set(env) - allowed, f"{example.name}: unknown variables {sorted(set(env) - allowed)}"
+    _check_tls_env(env, "/etc/mobius/certs", example.name)
+    assert any(env["MOBIUS_OUT_DIR"].startswith(w + "/") for w in writable)
+    active = _env_file_active(example)
+    if role == "coordinator":
+        assert _port(active["MOBIUS_LISTEN"]) == GRPC_PORT
+        assert _port(active["MOBIUS_REST_LISTEN"]) == REST_PORT
+        cfg = coord_config.load_coordinator_config(None, {}, {}, environ=active)
+        assert cfg.train.workers == int(active["MOBIUS_WORKERS"])
+    else:
+        assert _port(active["MOBIUS_LISTEN"]) == WORKER_PORT
+        assert _port(active["MOBIUS_ADVERTISE"]) == WORKER_PORT
+        assert _port(active["MOBIUS_COORDINATOR"]) == GRPC_PORT
+        assert not set(env) & WORKER_TRAIN_VARS
+        assert re.fullmatch(r"/var/lib/mobius/data/site-\d+", active["MOBIUS_DATA_DIR"])
+        wc = worker_config.load_worker_config(None, {}, {}, environ=active)
+        assert wc.coordinator == active["MOBIUS_COORDINATOR"]
