@@ -54,12 +54,25 @@ def test_identities() -> None:
 
 
 def test_layout_and_modes(certs: CertLayout) -> None:
-    names = sorted(p.name for p in certs.root.iterdir())
+    names = sorted(p.name for p in certs.root.iterdir() if p.is_file())
     expected = ["ca", "coordinator", "operator", "worker-0", "worker-1", "worker-2"]
     assert names == sorted(f"{n}.{ext}" for n in expected for ext in ("crt", "key"))
-    for p in certs.root.iterdir():
-        mode = stat.S_IMODE(p.stat().st_mode)
-        assert mode == (0o600 if p.suffix == ".key" else 0o644), p
+    for p in certs.root.rglob("*"):
+        if p.is_file():
+            mode = stat.S_IMODE(p.stat().st_mode)
+            assert mode == (0o600 if p.suffix == ".key" else 0o644), p
+    # one bundle per node, holding that node's key and nobody else's
+    assert sorted(p.name for p in (certs.root / "nodes").iterdir()) == sorted(expected[1:])
+    for name in expected[1:]:
+        bundle = certs.bundle(name)
+        assert sorted(p.name for p in bundle.cert.parent.iterdir()) == [
+            "ca.crt",
+            "tls.crt",
+            "tls.key",
+        ]
+        assert bundle.key.read_bytes() == certs.node(name).key.read_bytes()
+        assert bundle.cert.read_bytes() == certs.node(name).cert.read_bytes()
+        assert bundle.ca.read_bytes() == certs.ca_cert.read_bytes()
     node = certs.node("coordinator")
     assert node == NodeTLS(
         certs.ca_cert, certs.root / "coordinator.crt", certs.root / "coordinator.key"

@@ -74,6 +74,9 @@ def wait_for_run(
     last: dict[str, Any] | None = None
     err = ""
     while time.monotonic() < deadline:
+        failed = tb.failed()
+        if failed:
+            raise TestbedError(tb.describe_failure(failed))
         if tb.finished(service):
             raise TestbedError(
                 f"{service} exited with status {tb.returncode(service)}; last lines of its "

@@ -496,17 +496,22 @@ class Testbed:
             for dep, cond in svc.depends_on.items():
                 self._await(dep, cond, name, deadline)
             self._start(svc)
-        failed = [
-            f"{n} (exit {p.returncode})"
-            for n, p in self._procs.items()
-            if n in order and p.final and p.returncode not in (0, None)
-        ]
+        failed = {n: rc for n, rc in self.failed().items() if n in order}
         if failed:
-            first = failed[0].split()[0]
-            raise TestbedError(
-                f"service {', '.join(failed)} failed; last lines of {first}'s log:\n"
-                + self.log_tail(first)
-            )
+            raise TestbedError(self.describe_failure(failed))
+
+    def describe_failure(self, failed: Mapping[str, int]) -> str:
+        """One message naming every failed service, with the first one's log tail."""
+        first = next(iter(failed))
+        names = ", ".join(
+            f"{n} (exit {rc}"
+            + (f", after {self.restarts(n)} restarts)" if self.restarts(n) else ")")
+            for n, rc in failed.items()
+        )
+        return (
+            f"service {names} failed; last lines of {first}'s log ({self.log_path(first)}):\n"
+            + self.log_tail(first)
+        )
 
     def _with_deps(self, services: Sequence[str]) -> set[str]:
         out: set[str] = set()
@@ -701,6 +706,15 @@ class Testbed:
 
     def restarts(self, service: str) -> int:
         return self._procs[self._service(service).name].restarts
+
+    def failed(self) -> dict[str, int]:
+        """``{service: exit status}`` of services that exited non-zero and will not restart."""
+        with self._lock:
+            return {
+                n: st.returncode
+                for n, st in self._procs.items()
+                if st.final and st.returncode not in (0, None)
+            }
 
     def finished(self, service: str) -> bool:
         """Whether the service has exited and its restart policy will not restart it."""
