@@ -215,9 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from mobius_fed.cli.health import add_health_parser
     from mobius_fed.cli.status import add_status_parser
+    from mobius_fed.cli.testbed import add_testbed_parser
 
     add_status_parser(sub)
     add_health_parser(sub)
+    add_testbed_parser(sub)
 
     p = sub.add_parser("prepare", help="split text into per-site shard directories")
     p.add_argument("inputs", type=Path, nargs="*", help=".txt/.jsonl/.parquet (default: embedded)")
