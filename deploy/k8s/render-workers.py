@@ -5,7 +5,7 @@
 
 Every worker is its own one-replica StatefulSet, ``worker-<i>``, because a pod may only
 mount the Secret that holds its own key (``mobius-worker-<i>-tls``), and one StatefulSet
-cannot give each of its pods a different Secret. See docs/deploy.md ("Kubernetes").
+cannot give each of its pods a different Secret. See README.md ("Kubernetes").
 Also set MOBIUS_WORKERS in configmap.yaml and run make-secrets.sh with the same P.
 """
 
