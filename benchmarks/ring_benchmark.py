@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 from mobius_fed import schedule
+from mobius_fed.cli.up import free_ports
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 from mobius_fed.engine import ReferenceEngine
@@ -53,16 +53,6 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def cpu_seconds(pid: int) -> float | None:

@@ -127,6 +127,22 @@ class TrainConfig(BaseModel):
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+ENV_PREFIX = "MOBIUS_"
+# MOBIUS_<NAME> → TrainConfig field, read by both daemons.
+TRAIN_ENV_KEYS = {
+    "PRESET": "preset",
+    "WORKERS": "workers",
+    "LOOPS": "loops",
+    "ORDER": "order",
+    "SEED": "seed",
+    "STEPS": "steps",
+    "WIRE_DTYPE": "wire_dtype",
+    "SYNC_EVERY": "sync_every",
+    "EVAL_EVERY": "eval_every",
+    "BATCH_SIZE": "batch_size",
+}
+
+
 class ConfigError(ValueError):
     """A configuration problem, phrased for the person who wrote the config."""
 
@@ -174,3 +190,25 @@ def load_train_config(
         raise ConfigError(f"invalid configuration: {describe_validation_error(exc)}") from exc
     except ValueError as exc:
         raise ConfigError(f"invalid configuration: {exc}") from exc
+
+
+def env_values(keys: dict[str, str], environ: dict[str, str]) -> dict[str, Any]:
+    """``{field: value}`` for every ``MOBIUS_<NAME>`` of ``keys`` present in ``environ``."""
+    return {key: environ[ENV_PREFIX + n] for n, key in keys.items() if ENV_PREFIX + n in environ}
+
+
+def layered_settings(
+    path: Path | None,
+    section: str,
+    env_keys: dict[str, str],
+    flags: dict[str, Any],
+    train_flags: dict[str, Any],
+    environ: dict[str, str],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A daemon's settings and its ``[train]`` table: TOML, then MOBIUS_* env, then flags."""
+    doc = read_toml(path) if path else {}
+    top = {**doc.get(section, {}), **env_values(env_keys, environ)}
+    train = {**doc.get("train", {}), **env_values(TRAIN_ENV_KEYS, environ)}
+    top.update({k: v for k, v in flags.items() if v is not None})
+    train.update({k: v for k, v in train_flags.items() if v is not None})
+    return top, train

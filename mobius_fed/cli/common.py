@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +13,36 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 
 console = Console(stderr=True, soft_wrap=True)
+
+
+# Training flags shared by the daemons: flag → (TrainConfig field, type).
+DAEMON_TRAIN_FLAGS: dict[str, tuple[str, type]] = {
+    "--preset": ("preset", str),
+    "--workers": ("workers", int),
+    "--loops": ("loops", int),
+    "--order": ("order", str),
+    "--seed": ("seed", int),
+    "--steps": ("steps", int),
+    "--wire-dtype": ("wire_dtype", str),
+    "--batch-size": ("batch_size", int),
+    "--micro-batches": ("micro_batches", int),
+    "--optimizer": ("optimizer", str),
+    "--sync-every": ("sync_every", int),
+    "--eval-every": ("eval_every", int),
+    "--eval-batches": ("eval_batches", int),
+    "--lr-adam": ("lr_adam", float),
+    "--lr-muon": ("lr_muon", float),
+    "--encoding": ("encoding", str),
+}
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, type]]) -> None:
+    for flag, (key, typ) in flags.items():
+        parser.add_argument(flag, dest=key, type=typ)
+
+
+def flag_values(args: argparse.Namespace, flags: dict[str, tuple[str, type]]) -> dict:
+    return {key: getattr(args, key) for key, _ in flags.values()}
 
 
 class CliError(Exception):

@@ -7,7 +7,8 @@ import json
 import logging
 from pathlib import Path
 
-from mobius_fed.cli.common import run_guarded
+from mobius_fed.cli.common import DAEMON_TRAIN_FLAGS as TRAIN_FLAGS
+from mobius_fed.cli.common import add_flags, flag_values, run_guarded
 
 FLAGS = {
     "--listen": ("listen", str),
@@ -25,24 +26,6 @@ FLAGS = {
     "--registration-timeout": ("registration_timeout", float),
     "--linger": ("linger", float),
 }
-TRAIN_FLAGS = {
-    "--preset": ("preset", str),
-    "--workers": ("workers", int),
-    "--loops": ("loops", int),
-    "--order": ("order", str),
-    "--seed": ("seed", int),
-    "--steps": ("steps", int),
-    "--wire-dtype": ("wire_dtype", str),
-    "--batch-size": ("batch_size", int),
-    "--micro-batches": ("micro_batches", int),
-    "--optimizer": ("optimizer", str),
-    "--sync-every": ("sync_every", int),
-    "--eval-every": ("eval_every", int),
-    "--eval-batches": ("eval_batches", int),
-    "--lr-adam": ("lr_adam", float),
-    "--lr-muon": ("lr_muon", float),
-    "--encoding": ("encoding", str),
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,8 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         "variables, then flags.",
     )
     p.add_argument("--config", type=Path)
-    for flag, (key, typ) in {**FLAGS, **TRAIN_FLAGS}.items():
-        p.add_argument(flag, dest=key, type=typ)
+    add_flags(p, {**FLAGS, **TRAIN_FLAGS})
     p.add_argument(
         "--strategy-option",
         action="append",
@@ -92,11 +74,11 @@ def run(args: argparse.Namespace) -> int:
     from mobius_fed.coordinator.config import load_coordinator_config
     from mobius_fed.coordinator.server import Coordinator
 
-    flags = {key: getattr(args, key) for key, _ in FLAGS.values()}
+    flags = flag_values(args, FLAGS)
     flags.update(resume=args.resume, insecure=args.insecure)
     if args.strategy_option:
         flags["strategy_options"] = parse_options(args.strategy_option)
-    train = {key: getattr(args, key) for key, _ in TRAIN_FLAGS.values()}
+    train = flag_values(args, TRAIN_FLAGS)
     cfg = load_coordinator_config(args.config, flags, train)
     coordinator = Coordinator(cfg)
     rc = coordinator.run()

@@ -6,7 +6,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from mobius_fed.cli.common import run_guarded
+from mobius_fed.cli.common import DAEMON_TRAIN_FLAGS as TRAIN_FLAGS
+from mobius_fed.cli.common import add_flags, flag_values, run_guarded
 
 FLAGS = {
     "--rank": ("rank", int),
@@ -24,20 +25,6 @@ FLAGS = {
     "--threads": ("threads", int),
     "--capture-frames": ("capture_frames", Path),
 }
-TRAIN_FLAGS = {
-    "--preset": ("preset", str),
-    "--workers": ("workers", int),
-    "--loops": ("loops", int),
-    "--order": ("order", str),
-    "--seed": ("seed", int),
-    "--steps": ("steps", int),
-    "--wire-dtype": ("wire_dtype", str),
-    "--batch-size": ("batch_size", int),
-    "--micro-batches": ("micro_batches", int),
-    "--optimizer": ("optimizer", str),
-    "--sync-every": ("sync_every", int),
-    "--eval-every": ("eval_every", int),
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,8 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         "[worker] and [train] tables), then MOBIUS_* environment variables, then flags.",
     )
     p.add_argument("--config", type=Path)
-    for flag, (key, typ) in {**FLAGS, **TRAIN_FLAGS}.items():
-        p.add_argument(flag, dest=key, type=typ)
+    add_flags(p, {**FLAGS, **TRAIN_FLAGS})
     p.add_argument(
         "--insecure",
         action="store_true",
@@ -64,11 +50,11 @@ def run(args: argparse.Namespace) -> int:
     from mobius_fed.worker.coordinated import run_with_coordinator
     from mobius_fed.worker.daemon import run_static_ring
 
-    flags = {key: getattr(args, key) for key, _ in FLAGS.values()}
+    flags = flag_values(args, FLAGS)
     flags["insecure"] = args.insecure
     if flags["peers"] is not None:
         flags["peers"] = [p.strip() for p in flags["peers"].split(",") if p.strip()]
-    train = {key: getattr(args, key) for key, _ in TRAIN_FLAGS.values()}
+    train = flag_values(args, TRAIN_FLAGS)
     cfg = load_worker_config(args.config, flags, train)
     if cfg.coordinator:
         return run_with_coordinator(cfg)

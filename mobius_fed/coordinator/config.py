@@ -8,10 +8,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mobius_fed.config import ConfigError, TrainConfig, describe_validation_error, read_toml
+from mobius_fed.config import (  # noqa: F401 - TRAIN_ENV_KEYS: the coordinator's training vars
+    TRAIN_ENV_KEYS,
+    ConfigError,
+    TrainConfig,
+    describe_validation_error,
+    layered_settings,
+)
 from mobius_fed.transport.tls import NodeTLS
 
-ENV_PREFIX = "MOBIUS_"
 ENV_KEYS = {
     "LISTEN": "listen",
     "REST_LISTEN": "rest_listen",
@@ -29,18 +34,6 @@ ENV_KEYS = {
     "RESUME": "resume",
     "INSECURE": "insecure",
     "LINGER": "linger",
-}
-TRAIN_ENV_KEYS = {
-    "PRESET": "preset",
-    "WORKERS": "workers",
-    "LOOPS": "loops",
-    "ORDER": "order",
-    "SEED": "seed",
-    "STEPS": "steps",
-    "WIRE_DTYPE": "wire_dtype",
-    "SYNC_EVERY": "sync_every",
-    "EVAL_EVERY": "eval_every",
-    "BATCH_SIZE": "batch_size",
 }
 
 
@@ -87,10 +80,6 @@ class CoordinatorConfig(BaseModel):
         return None if self.insecure else NodeTLS(self.ca, self.cert, self.key)  # type: ignore[arg-type]
 
 
-def env_values(keys: dict[str, str], environ: dict[str, str]) -> dict[str, Any]:
-    return {key: environ[ENV_PREFIX + n] for n, key in keys.items() if ENV_PREFIX + n in environ}
-
-
 def load_coordinator_config(
     path: Path | None,
     flags: dict[str, Any],
@@ -98,12 +87,8 @@ def load_coordinator_config(
     environ: dict[str, str] | None = None,
 ) -> CoordinatorConfig:
     """File, then ``MOBIUS_*`` environment, then flags (later wins)."""
-    doc = read_toml(path) if path else {}
-    env = dict(os.environ if environ is None else environ)
-    top = {**doc.get("coordinator", {}), **env_values(ENV_KEYS, env)}
-    train = {**doc.get("train", {}), **env_values(TRAIN_ENV_KEYS, env)}
-    top.update({k: v for k, v in flags.items() if v is not None})
-    train.update({k: v for k, v in train_flags.items() if v is not None})
+    environ = dict(os.environ if environ is None else environ)
+    top, train = layered_settings(path, "coordinator", ENV_KEYS, flags, train_flags, environ)
     try:
         return CoordinatorConfig.model_validate({**top, "train": train})
     except ValidationError as exc:

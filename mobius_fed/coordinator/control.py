@@ -65,10 +65,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
     def Register(self, request, context):
         rank = self._worker_rank(context)
         if self.state.phase not in ("waiting", "training"):
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"run {self.state.run_id} has ended ({self.state.phase}"
-                          f"{': ' + self.state.error if self.state.error else ''}); "
-                          "restart the coordinator (with --resume to continue)")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"run {self.state.run_id} has ended ({self.state.phase}"
+                f"{': ' + self.state.error if self.state.error else ''}); "
+                "restart the coordinator (with --resume to continue)",
+            )
         if request.config_fingerprint and request.config_fingerprint != self.fingerprint:
             msg = (
                 f"config mismatch: worker-{rank} runs config {request.config_fingerprint}, "

@@ -8,10 +8,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mobius_fed.config import ConfigError, TrainConfig, describe_validation_error, read_toml
+from mobius_fed.config import (  # noqa: F401 - TRAIN_ENV_KEYS: the worker's training vars
+    TRAIN_ENV_KEYS,
+    ConfigError,
+    TrainConfig,
+    describe_validation_error,
+    layered_settings,
+)
 from mobius_fed.transport.tls import NodeTLS
 
-ENV_PREFIX = "MOBIUS_"
 # Environment variables the worker reads (name without the prefix → config key).
 ENV_KEYS = {
     "RANK": "rank",
@@ -29,15 +34,6 @@ ENV_KEYS = {
     "COORDINATOR": "coordinator",
     "ADVERTISE": "advertise",
     "CAPTURE_FRAMES": "capture_frames",
-}
-TRAIN_ENV_KEYS = {
-    "PRESET": "preset",
-    "WORKERS": "workers",
-    "LOOPS": "loops",
-    "ORDER": "order",
-    "SEED": "seed",
-    "STEPS": "steps",
-    "WIRE_DTYPE": "wire_dtype",
 }
 
 
@@ -112,17 +108,6 @@ class WorkerConfig(BaseModel):
         return NodeTLS(ca=self.ca, cert=self.cert, key=self.key)  # type: ignore[arg-type]
 
 
-def _env(environ: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    top, train = {}, {}
-    for name, key in ENV_KEYS.items():
-        if (v := environ.get(ENV_PREFIX + name)) is not None:
-            top[key] = [p.strip() for p in v.split(",") if p.strip()] if key == "peers" else v
-    for name, key in TRAIN_ENV_KEYS.items():
-        if (v := environ.get(ENV_PREFIX + name)) is not None:
-            train[key] = v
-    return top, train
-
-
 def load_worker_config(
     path: Path | None,
     flags: dict[str, Any],
@@ -130,14 +115,10 @@ def load_worker_config(
     environ: dict[str, str] | None = None,
 ) -> WorkerConfig:
     """File, then ``MOBIUS_*`` environment, then flags (later wins)."""
-    doc = read_toml(path) if path else {}
-    top = dict(doc.get("worker", {}))
-    train = dict(doc.get("train", {}))
-    env_top, env_train = _env(dict(os.environ if environ is None else environ))
-    top.update(env_top)
-    train.update(env_train)
-    top.update({k: v for k, v in flags.items() if v is not None})
-    train.update({k: v for k, v in train_flags.items() if v is not None})
+    environ = dict(os.environ if environ is None else environ)
+    top, train = layered_settings(path, "worker", ENV_KEYS, flags, train_flags, environ)
+    if isinstance(top.get("peers"), str):  # MOBIUS_PEERS=host:port,host:port
+        top["peers"] = [p.strip() for p in top["peers"].split(",") if p.strip()]
     top.setdefault("verify_train", bool(train))
     try:
         return WorkerConfig.model_validate({**top, "train": train})
