@@ -639,8 +639,8 @@ def variants() -> list[Spec]:
         Spec("gloo send/recv", "gloo", **Q),
         Spec("gRPC plaintext, 1 frame", "grpc", tls=False),
         Spec("gRPC mTLS, 1 frame (make_frame)", "grpc", **Q),
-        Spec("ring link (RingLinks, 4 MiB chunks)", "link", **Q),
-        Spec("ring link (RingLinks, 1 MiB chunks)", "link", chunk=1 * m, **Q),
+        Spec("ring link (RingLinks, default chunks)", "link", **Q),
+        Spec("ring link (RingLinks, 4 MiB chunks)", "link", chunk=4 * m, **Q),
         Spec("ring link (RingLinks, 1 frame)", "link", chunk=NBYTES),
         Spec("mTLS chunk 1 MiB", "grpc", chunk=1 * m),
         Spec("mTLS 1 frame, preser", "grpc", preser=True),
@@ -648,7 +648,7 @@ def variants() -> list[Spec]:
         # --- from here on both workers run with tune_malloc()
         Spec("M raw TCP", "tcp", **T),
         Spec("M gloo send/recv", "gloo", **T),
-        Spec("M ring link (RingLinks, 4 MiB chunks)", "link", **T),
+        Spec("M ring link (RingLinks, default chunks)", "link", **T),
         Spec("M ring link (RingLinks, 2 MiB chunks)", "link", chunk=2 * m, **T),
         Spec("M mTLS 1 frame (make_frame)", "grpc", **T),
         Spec("M mTLS chunk 1 MiB", "grpc", chunk=1 * m, **T),
@@ -804,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
             f"\nbest mTLS: {best}: {mtls[best]:.0f} MB/s = {ratio:.2f} x gloo "
             f"(target >= 0.5: {'met' if ratio >= 0.5 else 'NOT met'})"
         )
-    real = results.get("ring link (RingLinks, 4 MiB chunks)")
+    real = results.get("ring link (RingLinks, default chunks)")
     if isinstance(real, float) and isinstance(gloo, float) and isinstance(tcp, float):
         print(
             f"real ring link (default chunks): {real:.0f} MB/s = {real / gloo:.2f} x gloo, "
