@@ -49,11 +49,8 @@ class RingExecutor:
         self.step = 0
         self._step_lock = threading.Lock()
         self.rules = FrameRules(cfg, rank, run_id, lambda: self.step)
-        self.applications = [
-            (t, s, m)
-            for t, s in schedule.worker_schedule(cfg.order, rank, cfg.P, cfg.loops)
-            for m in range(cfg.micro_batches)
-        ]
+        self.ticks = schedule.worker_schedule(cfg.order, rank, cfg.P, cfg.loops)  # (t, s)
+        self.applications = [(t, s, m) for t, s in self.ticks for m in range(cfg.micro_batches)]
         self.links: RingLinks | None = None
         self.peer_timeout = peer_timeout
         self._local: dict[FrameKey, Tensor] = {}
@@ -136,9 +133,7 @@ class RingExecutor:
         for j, (x, _) in enumerate(micro):
             self._send_forward(EVAL, n, self.rank, 0, j, self.replica.embed(x))
         count = len(micro)
-        for t, s, m in self.applications:
-            if m:
-                continue  # eval micro-batches are enumerated below
+        for t, s in self.ticks:
             for j in range(count):
                 h = self._take(FrameKey(EVAL, n, FORWARD, s, t, j))
                 self._send_forward(EVAL, n, s, t + 1, j, self.group(h))
