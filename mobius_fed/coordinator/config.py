@@ -68,8 +68,13 @@ class CoordinatorConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> CoordinatorConfig:
-        if not self.insecure and None in (self.ca, self.cert, self.key):
-            raise ValueError("ca, cert and key are required (or --insecure for local debugging)")
+        if self.insecure:
+            raise ValueError(
+                "the coordinator has no insecure mode: it knows workers by their certificate "
+                "identity (--insecure exists for static rings of mobius-worker only)"
+            )
+        if None in (self.ca, self.cert, self.key):
+            raise ValueError("ca, cert and key are required")
         if self.train.sync_every < 1:
             raise ValueError("train.sync_every must be ≥ 1: each Flower round is one barrier")
         if self.heartbeat_timeout <= self.heartbeat_interval:

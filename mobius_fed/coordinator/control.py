@@ -130,7 +130,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
         rank = self._worker_rank(context)
         if rank not in self._registered:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker-{rank} must register first")
-        box = self.grid.open_session(rank)
+        try:
+            box = self.grid.open_session(rank)
+        except RunFailed as exc:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         self.state.update_worker(rank, state="ready", last_heartbeat=time.time())
         log.info("worker-%d session open", rank)
 
@@ -139,10 +142,13 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 for env in request_iterator:
                     if env.flower_message:
                         self.grid.deliver(rank, env.flower_message)
-            except (grpc.RpcError, RunFailed) as exc:
+            except grpc.RpcError as exc:
                 log.debug("worker-%d session ended: %r", rank, exc)
+            except Exception as exc:  # a bad reply fails the run, naming the worker
+                log.error("worker-%d session: %s", rank, exc)
+                self.grid.fail(f"worker-{rank}: {exc}")
             finally:
-                self.grid.close_session(rank)
+                self.grid.close_session(rank, box)
                 box.put(_END)
                 if self.state.phase == "training":
                     self.mark_lost(rank, "its session closed (process gone or network cut)")

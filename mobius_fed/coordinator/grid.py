@@ -41,6 +41,7 @@ class ControlGrid(Grid):
         self._run = Run.create_empty(FLOWER_RUN_ID)
         self._outboxes: dict[int, queue.Queue] = {}
         self._replies: dict[str, Message] = {}
+        self._pending: dict[str, int] = {}  # message id → the rank it was sent to
         self._cond = threading.Condition()
         self._failure: str | None = None
         self.last_replies: list[Message] = []
@@ -59,8 +60,16 @@ class ControlGrid(Grid):
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
+        # Raising here matters: Flower's sample_nodes polls this forever while fewer than
+        # P nodes are connected, so a worker lost between rounds must end the run.
         with self._cond:
+            self._raise_if_failed()
             return [worker_node_id(r) for r in sorted(self._outboxes)]
+
+    def open_sessions(self) -> list[int]:
+        """Ranks that still hold a session (never raises)."""
+        with self._cond:
+            return sorted(self._outboxes)
 
     def get_nodes(self) -> Iterable[NodeInfo]:
         return [NodeInfo(node_id=n) for n in self.get_node_ids()]
@@ -75,6 +84,8 @@ class ControlGrid(Grid):
                 box = self._outboxes.get(rank)
             if box is None:
                 raise RunFailed(f"worker-{rank} has no open session")
+            with self._cond:
+                self._pending[msg.metadata.message_id] = rank
             box.put(control_pb2.Envelope(flower_message=message_to_bytes(msg)))
             ids.append(msg.metadata.message_id)
         return ids
@@ -113,22 +124,31 @@ class ControlGrid(Grid):
     # ------------------------------------------------------------- sessions
     def open_session(self, rank: int) -> queue.Queue:
         with self._cond:
+            if rank in self._outboxes:
+                raise RunFailed(f"worker-{rank} opened a second session")
             box: queue.Queue = queue.Queue()
             self._outboxes[rank] = box
             self._cond.notify_all()
             return box
 
-    def close_session(self, rank: int) -> None:
+    def close_session(self, rank: int, box: queue.Queue) -> None:
+        """Forget ``box`` (a newer session of the same rank stays)."""
         with self._cond:
-            self._outboxes.pop(rank, None)
+            if self._outboxes.get(rank) is box:
+                del self._outboxes[rank]
             self._cond.notify_all()
 
     def deliver(self, rank: int, data: bytes) -> None:
+        """Accept worker ``rank``'s reply to a message that was sent to that rank only."""
         reply = message_from_bytes(data)
         if rank_of_node(reply.metadata.src_node_id) != rank:
             raise RunFailed(f"worker-{rank} sent a reply as node {reply.metadata.src_node_id}")
         with self._cond:
-            self._replies[reply.metadata.reply_to_message_id] = reply
+            to = reply.metadata.reply_to_message_id
+            if self._pending.get(to) != rank:
+                raise RunFailed(f"worker-{rank} replied to message {to!r} it was not sent")
+            del self._pending[to]
+            self._replies[to] = reply
             self._cond.notify_all()
 
     def wait_for_sessions(self, timeout: float) -> list[int]:

@@ -271,7 +271,7 @@ class Coordinator:
 
     def _await_workers_leaving(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while list(self.grid.get_node_ids()) and time.monotonic() < deadline:
+        while self.grid.open_sessions() and time.monotonic() < deadline:
             time.sleep(0.1)
 
     # ------------------------------------------------------ strategy hooks

@@ -72,8 +72,33 @@ class ReferenceEngine:
     # ----------------------------------------------------------------- train
     def train_step(self) -> StepResult:
         """One step: forward K ticks, heads at home, backward in reverse, optimizer steps."""
-        cfg, P, M = self.cfg, self.cfg.P, self.cfg.micro_batches
+        cfg, P = self.cfg, self.cfg.P
         t0 = time.perf_counter()
+        origin_losses = self.compute_gradients()
+        for opts in self.group_opts + self.replica_opts:
+            step_optimizers(opts, cfg, self.step)
+        self.step += 1
+        barrier = (
+            self.step % cfg.sync_every == 0 or self.step == cfg.steps if cfg.sync_every else False
+        )
+        if self.average_replicas and barrier:
+            average_parameters(self.replicas)
+        return StepResult(
+            step=self.step - 1,
+            loss=sum(origin_losses) / P,
+            origin_losses=origin_losses,
+            seconds=time.perf_counter() - t0,
+            tokens=cfg.tokens_per_step,
+        )
+
+    def compute_gradients(self) -> list[float]:
+        """Forward and backward of step ``self.step``; leaves the scaled gradients in .grad.
+
+        Block-group gradients equal those of the mean over origins (scaled by 1/(P·M));
+        replica s holds the gradient of its own origin's loss (scaled by 1/M). Returns the
+        per-origin losses.
+        """
+        P, M = self.cfg.P, self.cfg.micro_batches
         batches = [self._micro("train", s, self.step) for s in range(P)]
         embedded: dict[tuple[int, int], Tensor] = {}
         hidden: dict[tuple[int, int], Tensor] = {}
@@ -107,25 +132,11 @@ class ReferenceEngine:
         for s in range(P):
             for m in range(M):
                 embedded[s, m].backward(grads[s, m])
-        for group, opts in zip(self.groups, self.group_opts):
+        for group in self.groups:
             scale_grads(group.parameters(), 1.0 / (P * M))  # mean over origins
-            step_optimizers(opts, cfg, self.step)
-        for replica, opts in zip(self.replicas, self.replica_opts):
+        for replica in self.replicas:
             scale_grads(replica.parameters(), 1.0 / M)
-            step_optimizers(opts, cfg, self.step)
-        self.step += 1
-        barrier = (
-            self.step % cfg.sync_every == 0 or self.step == cfg.steps if cfg.sync_every else False
-        )
-        if self.average_replicas and barrier:
-            average_parameters(self.replicas)
-        return StepResult(
-            step=self.step - 1,
-            loss=sum(origin_losses) / P,
-            origin_losses=origin_losses,
-            seconds=time.perf_counter() - t0,
-            tokens=cfg.tokens_per_step,
-        )
+        return origin_losses
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()

@@ -94,8 +94,11 @@ def run_static_ring(cfg: WorkerConfig) -> Path:
                     )
                     log.info("worker-%d validation loss (origin %d) %.4f", cfg.rank, cfg.rank, val)
         save_checkpoint(out / f"worker-{cfg.rank}.pt", executor.state_dict())
-    finally:
+    except BaseException:
         if links is not None:
-            links.finish(timeout=cfg.peer_timeout)
+            links.close()  # no FIN: peers must see that this worker did not finish
+        raise
+    if links is not None:
+        links.finish(timeout=cfg.peer_timeout)
     log.info("worker-%d done in %.1fs", cfg.rank, time.perf_counter() - start)
     return metrics

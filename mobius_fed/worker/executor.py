@@ -9,7 +9,6 @@ engine and the losses match it.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
@@ -47,7 +46,6 @@ class RingExecutor:
         self.group_opts = make_optimizers(self.group, cfg, blocks=True)
         self.replica_opts = make_optimizers(self.replica, cfg, blocks=False)
         self.step = 0
-        self._step_lock = threading.Lock()
         self.rules = FrameRules(cfg, rank, run_id, lambda: self.step)
         self.ticks = schedule.worker_schedule(cfg.order, rank, cfg.P, cfg.loops)  # (t, s)
         self.applications = [(t, s, m) for t, s in self.ticks for m in range(cfg.micro_batches)]
@@ -159,6 +157,9 @@ class RingExecutor:
     def load_state_dict(self, state: dict) -> None:
         if state["rank"] != self.rank:
             raise ValueError(f"checkpoint is for worker {state['rank']}, not {self.rank}")
+        saved = TrainConfig.model_validate(state["config"])
+        if saved.training_math() != self.cfg.training_math():
+            raise ValueError("worker checkpoint was written with a different configuration")
         self.step = state["step"]
         self.group.load_state_dict(state["group"])
         self.replica.load_state_dict(state["replica"])

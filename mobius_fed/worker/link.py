@@ -232,16 +232,20 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         failure: list[str] = []
 
         def receive() -> None:
+            # The first predecessor stream that delivers a valid frame carries the ring:
+            # its response side takes the BACKWARD frames. Any later stream (a duplicate
+            # connection, a misbehaving client) never takes that channel over.
             bound = False
             pieces = self._assembler()
             try:
                 for data in request_iterator:
                     self._accept(data, FORWARD, pieces)
                     if not bound:
-                        bound = True
                         with self._backward_ready:
-                            self._backward_out = out
-                            self._backward_ready.notify_all()
+                            if self._backward_out is None:
+                                self._backward_out = out
+                                bound = True
+                                self._backward_ready.notify_all()
             except FrameError as exc:
                 self.rejected.append(str(exc))
                 log.error(
@@ -250,6 +254,9 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                 failure.append(str(exc))
             except grpc.RpcError:
                 pass
+            except Exception as exc:  # a bug must not leave the executor waiting silently
+                log.exception("worker-%d: receiving from %s failed", self.rank, who)
+                failure.append(f"internal error: {exc!r}")
             finally:
                 if pieces.pending and not failure:
                     log.warning(
@@ -257,12 +264,14 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                         self.rank,
                         pieces.pending,
                     )
-                if not bound or failure:
+                pred = f"worker-{(self.rank - 1) % self.P}"
+                if not bound:
                     out.close()
+                elif failure:
+                    out.close()
+                    self.inbox.fail(PeerError(f"the ring stream from {pred} failed: {failure[0]}"))
                 elif not self._closing.is_set() and not self._all_finished():
-                    self.inbox.fail(
-                        PeerError(f"lost the link to predecessor worker-{(self.rank - 1) % self.P}")
-                    )
+                    self.inbox.fail(PeerError(f"lost the link to predecessor {pred}"))
 
         threading.Thread(target=receive, daemon=True, name="ring-recv-fwd").start()
         yield from out
@@ -334,6 +343,9 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                         f"{exc.code().name} {exc.details()}"
                     )
                 )
+        except Exception as exc:  # a bug must not leave the executor waiting silently
+            log.exception("worker-%d: receiving from the successor failed", self.rank)
+            self.inbox.fail(exc)
 
     # --------------------------------------------------------------- routing
     def _assembler(self) -> TensorAssembler:
