@@ -192,7 +192,7 @@ def _num_workers() -> int:
 
 # ----------------------------------------------------------------------------- code defaults
 def test_code_defaults_are_the_deployment_ports() -> None:
-    cfg = coord_config.CoordinatorConfig(insecure=True)
+    cfg = coord_config.CoordinatorConfig(ca=Path("ca"), cert=Path("c"), key=Path("k"))
     assert _port(cfg.listen) == GRPC_PORT
     assert _port(cfg.rest_listen) == REST_PORT
     worker = worker_config.WorkerConfig(

@@ -57,6 +57,7 @@ class Inbox:
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self.fins: set[int] = set()
+        self.last_problem: str | None = None  # named in a timeout: why a frame never came
 
     def put(self, key: FrameKey, tensor: torch.Tensor) -> None:
         with self._cond:
@@ -84,7 +85,10 @@ class Inbox:
                     raise PeerError(str(self._error)) from self._error
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise PeerError(f"timed out after {timeout:.0f}s waiting for {waiting_for}")
+                    hint = f"; last refused frame: {self.last_problem}" if self.last_problem else ""
+                    raise PeerError(
+                        f"timed out after {timeout:.0f}s waiting for {waiting_for}{hint}"
+                    )
                 self._cond.wait(left)
             return self._items.pop(key)
 
@@ -248,6 +252,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                                 self._backward_ready.notify_all()
             except FrameError as exc:
                 self.rejected.append(str(exc))
+                self.inbox.last_problem = f"{exc} (from {who})"
                 log.error(
                     "worker-%d: %s (from %s); stream closed, still serving", self.rank, exc, who
                 )
@@ -267,9 +272,11 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                 pred = f"worker-{(self.rank - 1) % self.P}"
                 if not bound:
                     out.close()
-                elif failure:
+                elif failure:  # free the backward channel for the next valid stream
                     out.close()
-                    self.inbox.fail(PeerError(f"the ring stream from {pred} failed: {failure[0]}"))
+                    with self._backward_ready:
+                        if self._backward_out is out:
+                            self._backward_out = None
                 elif not self._closing.is_set() and not self._all_finished():
                     self.inbox.fail(PeerError(f"lost the link to predecessor {pred}"))
 
