@@ -18,6 +18,7 @@ from mobius_fed.transport.tls import (
     OPERATOR_IDENTITY,
     parse_identity,
     peer_identity,
+    require_peer,
     worker_identity,
 )
 
@@ -36,11 +37,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
         fingerprint: str,
         run_spec: Callable[[int], control_pb2.RunSpec],
         registration_timeout: float,
-        insecure: bool = False,
     ) -> None:
         self.state, self.grid, self.fingerprint = state, grid, fingerprint
         self.run_spec, self.registration_timeout = run_spec, registration_timeout
-        self.insecure = insecure
         self.P = state.P
         self._registered: dict[int, str] = {}
         self._cond = threading.Condition()
@@ -170,10 +169,5 @@ class ControlService(control_pb2_grpc.ControlServicer):
 
     # --------------------------------------------------------------- status
     def GetStatus(self, request, context):
-        who = peer_identity(context)
-        if not self.insecure and who not in self.enrolled:
-            context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"identity {who or '<none>'} may not read this run's status",
-            )
+        require_peer(context, self.enrolled)
         return control_pb2.StatusReply(json=json.dumps(json_safe(self.state.status_doc())))

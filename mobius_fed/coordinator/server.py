@@ -83,7 +83,6 @@ class Coordinator:
             fingerprint=cfg.train.fingerprint(),
             run_spec=self._run_spec,
             registration_timeout=cfg.registration_timeout,
-            insecure=cfg.insecure,
         )
         self._round_started = 0.0
         self._server: grpc.Server | None = None
