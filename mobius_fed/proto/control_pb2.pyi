@@ -35,24 +35,28 @@ class RunSpec(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., train_config_json: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., resume_round: _Optional[int] = ..., resume_checkpoint: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("state", "step", "last_loss", "tokens_per_s")
+    __slots__ = ("state", "step", "last_loss", "tokens_per_s", "links_json")
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LINKS_JSON_FIELD_NUMBER: _ClassVar[int]
     state: str
     step: int
     last_loss: float
     tokens_per_s: float
-    def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
+    links_json: str
+    def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., links_json: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("stop", "reason")
+    __slots__ = ("stop", "reason", "rejoin")
     STOP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
     stop: bool
     reason: str
-    def __init__(self, stop: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    rejoin: bool
+    def __init__(self, stop: _Optional[bool] = ..., reason: _Optional[str] = ..., rejoin: _Optional[bool] = ...) -> None: ...
 
 class Envelope(_message.Message):
     __slots__ = ("flower_message", "note")
