@@ -163,6 +163,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         peer_timeout: float = 120.0,
         capture: Path | None = None,
         chunk_bytes: int = CHUNK_BYTES,
+        link_grace: float = 60.0,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
@@ -170,6 +171,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         self.chunk_bytes = chunk_bytes
         self.listen, self.successor_addr = listen, successor
         self.tls, self.insecure, self.peer_timeout = tls, insecure, peer_timeout
+        self.link_grace = link_grace  # reconnects within this grace: not implemented yet
         self.inbox = Inbox()
         self._capture = _Capture(capture) if capture else None
         self.forward_out = _Outbox(self._capture)
@@ -413,6 +415,16 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                     "never opened its ring stream"
                 )
             return self._backward_out  # type: ignore[return-value]
+
+    def edge_states(self) -> dict:
+        """State of both ring edges of this worker, for status reports."""
+        pred, succ = (self.rank - 1) % self.P, (self.rank + 1) % self.P
+        down = self.inbox._error is not None or self._closing.is_set()
+        state = "down" if down else "up"
+        return {
+            "in": {"peer": f"worker-{pred}", "state": state, "reconnects": 0, "down_s": 0.0},
+            "out": {"peer": f"worker-{succ}", "state": state, "reconnects": 0, "down_s": 0.0},
+        }
 
     # -------------------------------------------------------------- shutdown
     @property
