@@ -1,37 +1,533 @@
-"""Atomic checkpoint files: write to a temporary name, fsync, then rename."""
+"""Checkpoint files: tensors plus JSON, never pickle; atomic writes; verified reads.
+
+Layout of a file (all integers little-endian)::
+
+    u64  header_len
+    header_len bytes   UTF-8 JSON header, padded with spaces
+    data_len bytes     raw tensor/array/bytes payloads, each at a 64-byte aligned offset
+
+The header is ``{"format": "mobius-fed-checkpoint", "version": 1, "data_len": N,
+"data_sha256": "<hex>", "root": <value>}`` where a value is JSON ``null``/bool/int/str,
+a finite float, a JSON list (a Python list), or an object tagged by ``"T"``:
+
+* ``{"T": "float", "v": "nan" | "inf" | "-inf"}``
+* ``{"T": "tuple", "v": [...]}``
+* ``{"T": "dict", "items": [[key, value], ...]}``: key a JSON str or int (kept as such);
+  ``"odict"`` for an ``OrderedDict``, with ``"meta"`` holding a torch ``state_dict``'s
+  ``_metadata`` when it has one
+* ``{"T": "tensor", "dtype": "bfloat16", "shape": [..], "at": [begin, end]}`` (torch)
+* ``{"T": "ndarray" | "npscalar", "dtype": "<f4", "shape": [..], "at": [begin, end]}``
+* ``{"T": "bytes", "at": [begin, end]}``
+* ``{"T": "ArrayRecord", "items": [[name, ndarray value], ...]}`` (a Flower ArrayRecord)
+
+Reading parses JSON and copies bytes into tensors: no code runs, whatever the file holds.
+Every problem (missing file, hash mismatch, truncation, corruption, a pickle, a value we
+cannot store, a failed write) raises :class:`CheckpointError` naming the file.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import json
+import math
 import os
+import secrets
+import sys
+from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
+
+FORMAT = "mobius-fed-checkpoint"
+VERSION = 1
+ALIGN = 64
+MAX_HEADER_BYTES = 256 * 1024 * 1024
+TMP_MARKER = ".tmp-"
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "complex64",
+        "complex128",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_TORCH_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+_NUMPY_KINDS = frozenset("biufc")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written, found, verified or read; the message names the file."""
+
+
+class CheckpointMissing(CheckpointError, FileNotFoundError):
+    """The checkpoint file does not exist (also a FileNotFoundError)."""
+
+
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError("mobius_fed.checkpoint needs a little-endian host")
+
+
+# --------------------------------------------------------------------------- encoding
+class _Encoder:
+    def __init__(self) -> None:
+        self.chunks: list[memoryview] = []
+        self.size = 0
+
+    def _put(self, data: memoryview) -> list[int]:
+        pad = -self.size % ALIGN
+        if pad:
+            self.chunks.append(memoryview(bytes(pad)))
+            self.size += pad
+        begin = self.size
+        if data.nbytes:
+            self.chunks.append(data)
+            self.size += data.nbytes
+        return [begin, self.size]
+
+    def value(self, v: Any, where: str) -> Any:
+        if isinstance(v, np.ndarray | np.generic):  # before float: np.float64 is a float
+            return self.ndarray(v, where)
+        if v is None or isinstance(v, bool | str):
+            return v
+        if isinstance(v, int):
+            return int(v)
+        if isinstance(v, float):
+            if math.isfinite(v):
+                return float(v)
+            return {"T": "float", "v": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+        if isinstance(v, torch.Tensor):
+            return self.tensor(v, where)
+        if isinstance(v, bytes | bytearray):
+            return {"T": "bytes", "at": self._put(memoryview(bytes(v)))}
+        if type(v).__name__ == "ArrayRecord" and type(v).__module__.startswith("flwr."):
+            return self.array_record(v, where)
+        if isinstance(v, dict):
+            return self.mapping(v, where)
+        if isinstance(v, tuple) and type(v) in (tuple, torch.Size):
+            return {"T": "tuple", "v": [self.value(x, f"{where}[{i}]") for i, x in enumerate(v)]}
+        if type(v) is list:
+            return [self.value(x, f"{where}[{i}]") for i, x in enumerate(v)]
+        raise TypeError(f"{where}: cannot store a {type(v).__module__}.{type(v).__qualname__}")
+
+    def mapping(self, v: dict, where: str) -> dict:
+        if type(v) not in (dict, OrderedDict):
+            raise TypeError(f"{where}: cannot store a {type(v).__qualname__} (dict subclass)")
+        items = []
+        for k, x in v.items():
+            if isinstance(k, bool) or not isinstance(k, str | int):
+                raise TypeError(f"{where}: key {k!r} is a {type(k).__name__}, not str or int")
+            items.append([k if isinstance(k, str) else int(k), self.value(x, f"{where}[{k!r}]")])
+        out: dict[str, Any] = {"T": "odict" if type(v) is OrderedDict else "dict", "items": items}
+        meta = getattr(v, "_metadata", None)
+        if meta is not None:
+            out["meta"] = self.value(meta, f"{where}._metadata")
+        return out
+
+    def tensor(self, t: torch.Tensor, where: str) -> dict:
+        name = _TORCH_NAMES.get(t.dtype)
+        if name is None:
+            raise TypeError(f"{where}: tensor dtype {t.dtype} is not supported")
+        if t.is_sparse or t.layout != torch.strided or t.is_quantized:
+            raise TypeError(f"{where}: only dense tensors can be stored")
+        c = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+        raw = c.reshape(-1).view(torch.uint8) if c.numel() else torch.empty(0, dtype=torch.uint8)
+        data = memoryview(raw.numpy()).cast("B")
+        return {"T": "tensor", "dtype": name, "shape": list(c.shape), "at": self._put(data)}
+
+    def ndarray(self, a: np.ndarray | np.generic, where: str) -> dict:
+        kind = "npscalar" if isinstance(a, np.generic) else "ndarray"
+        arr = np.asarray(a)
+        if arr.dtype.kind not in _NUMPY_KINDS or arr.dtype.hasobject or arr.dtype.fields:
+            raise TypeError(f"{where}: numpy dtype {arr.dtype} is not supported")
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")
+        data = memoryview(arr.reshape(-1).view(np.uint8)).cast("B") if arr.size else memoryview(b"")
+        return {"T": kind, "dtype": arr.dtype.str, "shape": list(arr.shape), "at": self._put(data)}
+
+    def array_record(self, rec: Any, where: str) -> dict:
+        from mobius_fed.transport.safe_arrays import UnsafeArrayError, array_to_numpy
+
+        items = []
+        for k, arr in rec.items():
+            try:
+                items.append([k, self.ndarray(array_to_numpy(arr, k), f"{where}[{k!r}]")])
+            except UnsafeArrayError as exc:
+                raise TypeError(f"{where}[{k!r}]: {exc}") from None
+        return {"T": "ArrayRecord", "items": items}
+
+
+def encode(state: Any) -> tuple[bytes, list[memoryview]]:
+    """``(header, payload chunks)`` of ``state``; TypeError names the key path of a bad value."""
+    enc = _Encoder()
+    root = enc.value(state, "state")
+    h = hashlib.sha256()
+    for c in enc.chunks:
+        h.update(c)
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "data_len": enc.size,
+        "data_sha256": h.hexdigest(),
+        "root": root,
+    }
+    text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)  # payloads start aligned in the file too
+    return len(text).to_bytes(8, "little") + text, enc.chunks
+
+
+# --------------------------------------------------------------------------- writing
+def _fsync_dir(d: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _oserror(path: Path, exc: OSError) -> CheckpointError:
+    code = errno.errorcode.get(exc.errno or 0, "")
+    return CheckpointError(
+        f"cannot write checkpoint {path}: {exc.strerror or exc}"
+        + (f" ({code})" if code else "")
+        + "; the previous file (if any) is unchanged"
+    )
 
 
 def save_checkpoint(path: Path, state: dict) -> Path:
+    """Write ``state`` to ``path`` atomically (temporary file, fsync, rename, fsync dir).
+
+    On any failure no temporary file is left and an existing ``path`` is unchanged.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        head, chunks = encode(state)
+    except TypeError as exc:
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _oserror(path, exc) from exc
+    tmp = path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
+    fd = -1
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        for chunk in (memoryview(head), *chunks):
+            view = chunk
+            while view.nbytes:
+                n = os.write(fd, view)
+                view = view[n:]
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+    except OSError as exc:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise _oserror(path, exc) from exc
+    _fsync_dir(path.parent)
     return path
 
 
-def load_checkpoint(path: Path) -> dict:
+def prune_checkpoints(directory: Path, pattern: str, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest (by name) files matching ``pattern``; return them.
+
+    Names sort in step/round order when they carry zero-padded numbers
+    (``round-000010.pt``). Leftover temporary files of crashed writers are removed too.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    directory = Path(directory)
+    removed = []
+    matches = sorted(p for p in directory.glob(pattern) if TMP_MARKER not in p.name)
+    for p in matches[:-keep]:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            removed.append(p)
+    for p in directory.glob(f".*{TMP_MARKER}*"):
+        if _writer_gone(p):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p)
+    return removed
+
+
+def _writer_gone(tmp: Path) -> bool:
+    pid = tmp.name.rsplit(TMP_MARKER, 1)[-1].split("-", 1)[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+# --------------------------------------------------------------------------- reading
+def _read_bytes(path: Path) -> bytearray:
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            buf = bytearray(size)
+            view = memoryview(buf)
+            got = 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+            del view
+            if got != size:
+                raise CheckpointError(f"checkpoint {path} changed while being read")
+            return buf
+    except FileNotFoundError:
+        raise CheckpointMissing(errno.ENOENT, f"checkpoint not found: {path}") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"checkpoint {path} is a directory") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
+
+
+def _kind_of(head: bytes) -> str:
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive (a torch.save file, which holds a pickle)"
+    if head[:1] == b"\x80":
+        return "a pickle"
+    return "not a mobius-fed checkpoint"
+
+
+class _Decoder:
+    def __init__(self, data: memoryview, path: Path) -> None:
+        self.data, self.path = data, path
+
+    def bad(self, where: str, why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {self.path} is corrupted: {where}: {why}")
+
+    def span(self, v: dict, where: str, nbytes: int | None = None) -> tuple[int, int]:
+        at = v.get("at")
+        if (
+            not isinstance(at, list)
+            or len(at) != 2
+            or not all(type(x) is int for x in at)
+            or not 0 <= at[0] <= at[1] <= self.data.nbytes
+        ):
+            raise self.bad(where, f"byte range {at!r} outside the {self.data.nbytes}-byte payload")
+        if nbytes is not None and at[1] - at[0] != nbytes:
+            raise self.bad(where, f"{at[1] - at[0]} bytes stored, {nbytes} needed")
+        return at[0], at[1]
+
+    def shape(self, v: dict, where: str) -> list[int]:
+        shape = v.get("shape")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise self.bad(where, f"bad shape {shape!r}")
+        return shape
+
+    def value(self, v: Any, where: str) -> Any:
+        if v is None or isinstance(v, bool | int | float | str):
+            return v
+        if isinstance(v, list):
+            return [self.value(x, f"{where}[{i}]") for i, x in enumerate(v)]
+        if not isinstance(v, dict):
+            raise self.bad(where, f"unexpected JSON {type(v).__name__}")
+        tag = v.get("T")
+        if tag == "float":
+            specials = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+            if v.get("v") not in specials:
+                raise self.bad(where, f"bad float {v.get('v')!r}")
+            return specials[v["v"]]
+        if tag == "tuple":
+            if not isinstance(v.get("v"), list):
+                raise self.bad(where, "bad tuple")
+            return tuple(self.value(x, f"{where}[{i}]") for i, x in enumerate(v["v"]))
+        if tag in ("dict", "odict"):
+            return self.mapping(v, where)
+        if tag == "tensor":
+            return self.tensor(v, where)
+        if tag in ("ndarray", "npscalar"):
+            return self.ndarray(v, where)
+        if tag == "bytes":
+            b, e = self.span(v, where)
+            return bytes(self.data[b:e])
+        if tag == "ArrayRecord":
+            return self.array_record(v, where)
+        raise self.bad(where, f"unknown value tag {tag!r}")
+
+    def mapping(self, v: dict, where: str) -> dict:
+        items = v.get("items")
+        if not isinstance(items, list):
+            raise self.bad(where, "bad dict")
+        out: dict = OrderedDict() if v["T"] == "odict" else {}
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 2):
+                raise self.bad(where, "bad dict item")
+            k = item[0]
+            if isinstance(k, bool) or not isinstance(k, str | int):
+                raise self.bad(where, f"bad key {k!r}")
+            out[k] = self.value(item[1], f"{where}[{k!r}]")
+        if "meta" in v:
+            out._metadata = self.value(v["meta"], f"{where}._metadata")  # type: ignore[attr-defined]
+        return out
+
+    def tensor(self, v: dict, where: str) -> torch.Tensor:
+        dtype = TORCH_DTYPES.get(v.get("dtype"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise self.bad(where, f"unknown tensor dtype {v.get('dtype')!r}")
+        shape = self.shape(v, where)
+        numel = math.prod(shape)
+        b, e = self.span(v, where, numel * dtype.itemsize)
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        raw = torch.from_numpy(np.frombuffer(self.data[b:e], dtype=np.uint8).copy())
+        return raw.view(dtype).view(shape)
+
+    def ndarray(self, v: dict, where: str) -> np.ndarray | np.generic:
+        try:
+            dtype = np.dtype(v.get("dtype"))
+        except (TypeError, ValueError):
+            raise self.bad(where, f"unknown numpy dtype {v.get('dtype')!r}") from None
+        if dtype.kind not in _NUMPY_KINDS or dtype.hasobject or dtype.fields:
+            raise self.bad(where, f"numpy dtype {dtype} is not allowed")
+        shape = self.shape(v, where)
+        numel = math.prod(shape)
+        b, e = self.span(v, where, numel * dtype.itemsize)
+        arr = np.frombuffer(self.data[b:e], dtype=dtype, count=numel).reshape(shape).copy()
+        if v["T"] == "npscalar":
+            if shape:
+                raise self.bad(where, "a numpy scalar with a shape")
+            return arr[()]
+        return arr
+
+    def array_record(self, v: dict, where: str) -> Any:
+        from flwr.app import Array, ArrayRecord
+
+        items = v.get("items")
+        if not isinstance(items, list):
+            raise self.bad(where, "bad ArrayRecord")
+        arrays = {}
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+                raise self.bad(where, "bad ArrayRecord item")
+            arr = self.value(item[1], f"{where}[{item[0]!r}]")
+            if not isinstance(arr, np.ndarray):
+                raise self.bad(where, f"ArrayRecord item {item[0]!r} is not an array")
+            arrays[item[0]] = Array(arr)
+        return ArrayRecord(arrays)
+
+
+def decode(buf: bytes | bytearray | memoryview, path: Path) -> Any:
+    """Parse a whole checkpoint file held in memory (see the module doc)."""
+    data = memoryview(buf).cast("B")
+    if data.nbytes < 8:
+        raise CheckpointError(f"checkpoint {path} is truncated: {data.nbytes} bytes")
+    hlen = int.from_bytes(data[:8], "little")
+    if hlen > min(MAX_HEADER_BYTES, data.nbytes - 8):
+        what = _kind_of(bytes(data[:4]))
+        if what != "not a mobius-fed checkpoint":
+            raise CheckpointError(f"checkpoint {path} is {what}: refused, never unpickled")
+        raise CheckpointError(
+            f"checkpoint {path} is truncated or not a checkpoint: header of {hlen} bytes, "
+            f"file of {data.nbytes}"
+        )
+    try:
+        header = json.loads(bytes(data[8 : 8 + hlen]))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        what = _kind_of(bytes(data[:4]))
+        if what != "not a mobius-fed checkpoint":
+            raise CheckpointError(
+                f"checkpoint {path} is {what}: refused, never unpickled"
+            ) from None
+        raise CheckpointError(f"checkpoint {path} has an unreadable header: {exc}") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path} is not a {FORMAT} file")
+    if header.get("version") != VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {header.get('version')!r}; "
+            f"this build reads version {VERSION}"
+        )
+    payload = data[8 + hlen :]
+    want = header.get("data_len")
+    if type(want) is not int or payload.nbytes != want:
+        raise CheckpointError(
+            f"checkpoint {path} is truncated or has trailing bytes: payload of "
+            f"{payload.nbytes} bytes, header says {want!r}"
+        )
+    actual = hashlib.sha256(payload).hexdigest()
+    if actual != header.get("data_sha256"):
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted: payload sha256 {actual}, header says "
+            f"{header.get('data_sha256')}"
+        )
+    try:
+        return _Decoder(payload, path).value(header.get("root"), "state")
+    except RecursionError:
+        raise CheckpointError(f"checkpoint {path} is corrupted: nesting too deep") from None
+
+
+def load_checkpoint(path: Path, expected_sha256: str | None = None) -> dict:
+    """Read and verify a checkpoint; with ``expected_sha256`` the whole file must match it."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    buf = _read_bytes(path)
+    if expected_sha256 is not None:
+        actual = hashlib.sha256(buf).hexdigest()
+        if actual != expected_sha256.lower():
+            raise CheckpointError(
+                f"checkpoint {path} does not match its manifest: sha256 {actual}, "
+                f"expected {expected_sha256}"
+            )
+    state = decode(buf, path)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a dict")
+    return state
 
 
 def sha256_of(path: Path) -> str:
     """Hex SHA-256 of a file (checkpoint manifests record it per worker)."""
+    path = Path(path)
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except FileNotFoundError:
+        raise CheckpointMissing(errno.ENOENT, f"checkpoint not found: {path}") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
     return h.hexdigest()
+
+
+def iter_tensors(state: Any) -> Iterator[torch.Tensor]:
+    """Every torch tensor inside a nested state (for tests and diagnostics)."""
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for v in state.values():
+            yield from iter_tensors(v)
+    elif isinstance(state, list | tuple):
+        for v in state:
+            yield from iter_tensors(v)

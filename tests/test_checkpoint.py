@@ -1,0 +1,410 @@
+"""Checkpoint files: exact round trips, verification, no pickle, atomic writes, disk full."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import math
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mobius_fed.checkpoint import (
+    TMP_MARKER,
+    CheckpointError,
+    CheckpointMissing,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+    sha256_of,
+)
+from mobius_fed.config import TrainConfig
+from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+from mobius_fed.engine import ReferenceEngine
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def assert_identical(a, b, where: str = "state") -> None:
+    """Same structure, same Python types, same key types and order, bitwise-equal tensors."""
+    assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, np.ndarray | np.generic):
+        assert np.asarray(a).dtype == np.asarray(b).dtype and np.shape(a) == np.shape(b), where
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), where
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), where
+        assert [type(k) for k in a] == [type(k) for k in b], where
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), where
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    elif isinstance(a, float):
+        assert (math.isnan(a) and math.isnan(b)) or (
+            a == b and math.copysign(1, a) == math.copysign(1, b)
+        ), where
+    else:
+        assert a == b, where
+
+
+def _trained_optimizers() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.GELU(), torch.nn.Linear(5, 3))
+    mats = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    muon = torch.optim.Muon(mats, lr=0.02, weight_decay=0.1, momentum=0.95)
+    adamw = torch.optim.AdamW(rest, lr=1e-3, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.1)
+    for o in (muon, adamw):
+        for g in o.param_groups:
+            g["base_lr"] = g["lr"]
+    for _ in range(2):
+        loss = model(torch.randn(4, 6)).pow(2).mean()
+        loss.backward()
+        muon.step()
+        adamw.step()
+    return {"model": model.state_dict(), "opts": [muon.state_dict(), adamw.state_dict()]}
+
+
+def test_round_trip_of_every_supported_value(tmp_path: Path) -> None:
+    x = torch.randn(3, 4)
+    state = {
+        **_trained_optimizers(),
+        "bf16": torch.randn(2, 3).to(torch.bfloat16),
+        "f16": torch.randn(5).half(),
+        "f64": torch.tensor([1e-300, -0.0, float("nan"), float("inf")], dtype=torch.float64),
+        "ints": [
+            torch.arange(4, dtype=d)
+            for d in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+        ],
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 7),
+        "strided": x.t(),  # non-contiguous: stored contiguous, same values
+        "np": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "np_be": np.arange(3, dtype=">i4"),
+        "np_scalar": np.float64(2.5),
+        "np_int": np.int64(-7),
+        "bytes": b"\x00\x01binary",
+        "floats": [0.1, -0.0, math.nan, math.inf, -math.inf, 1e308, 5e-324],
+        "ints_py": [0, -1, 2**70, True, False, None],
+        "tuple": (1, (2.0, "three"), []),
+        "int_keys": {0: "a", 7: {1: 2}, "7": "string key"},
+        "text": "ünïcode ✓",
+        "od": OrderedDict([("b", 1), ("a", 2)]),
+    }
+    path = save_checkpoint(tmp_path / "all.ckpt", state)
+    back = load_checkpoint(path)
+    expected = dict(state)
+    expected["strided"] = x.t().contiguous()
+    assert_identical(expected, back)
+    assert back["model"]._metadata == state["model"]._metadata  # torch's version metadata
+    assert isinstance(back["tuple"], tuple) and isinstance(
+        back["opts"][1]["param_groups"][0]["betas"], tuple
+    )
+    assert back["np_be"].dtype == np.dtype(">i4")
+
+
+def test_reference_engine_state_round_trips_bitwise_and_resumes(tmp_path: Path) -> None:
+    sites = prepare_sites(None, tmp_path / "sites", 2, text=embedded_corpus())
+    cfg = TrainConfig(
+        preset="cpu-tiny",
+        workers=2,
+        loops=1,
+        steps=6,
+        batch_size=2,
+        warmup_steps=1,
+        eval_batches=1,
+        seed=0,
+    )
+
+    def engine() -> ReferenceEngine:
+        return ReferenceEngine(cfg, [SiteData(d, cfg.model().seq_len, cfg.encoding) for d in sites])
+
+    a = engine()
+    for _ in range(2):
+        a.train_step()
+    path = a.save(tmp_path / "ref.ckpt")
+    sd = a.state_dict()
+    assert_identical(sd, load_checkpoint(path, expected_sha256=sha256_of(path)))
+    b = engine()
+    b.load(path)
+    assert [a.train_step().loss for _ in range(2)] == [b.train_step().loss for _ in range(2)]
+
+
+def test_ring_executor_state_round_trips(tmp_path: Path) -> None:
+    from mobius_fed.worker.executor import RingExecutor
+
+    sites = prepare_sites(None, tmp_path / "sites", 1, text=embedded_corpus())
+    cfg = TrainConfig(
+        preset="cpu-tiny",
+        workers=1,
+        loops=1,
+        steps=4,
+        batch_size=2,
+        warmup_steps=1,
+        eval_batches=1,
+        seed=0,
+    )
+    site = SiteData(sites[0], cfg.model().seq_len, cfg.encoding)
+    ex = RingExecutor(cfg, 0, site, "run")
+    try:
+        ex.train_step()  # P = 1: no links; fills Muon and AdamW state
+    except AssertionError:
+        pytest.skip("this executor needs links even for P = 1")
+    sd = ex.state_dict()
+    assert any(o["state"] for o in sd["group_opts"])
+    path = save_checkpoint(tmp_path / "w.ckpt", sd)
+    back = load_checkpoint(path)
+    assert_identical(sd, back)
+    other = RingExecutor(cfg, 0, site, "run")
+    other.load_state_dict(back)
+    assert ex.train_step().loss == other.train_step().loss
+
+
+def test_flower_array_record_round_trips(tmp_path: Path) -> None:
+    from flwr.app import ArrayRecord
+
+    rec = ArrayRecord({"w": torch.randn(3, 2), "b": torch.arange(4)})
+    back = load_checkpoint(save_checkpoint(tmp_path / "er.ckpt", {"arrays": rec, "m": None}))
+    assert type(back["arrays"]).__name__ == "ArrayRecord"
+    assert list(back["arrays"].keys()) == ["w", "b"]
+    for k in rec:
+        assert back["arrays"][k].data == rec[k].data and back["arrays"][k].dtype == rec[k].dtype
+
+
+def test_unknown_types_are_refused_naming_the_key_path(tmp_path: Path) -> None:
+    target = tmp_path / "x.ckpt"
+    for bad, where in (
+        ({"a": [1, {2: {3}}]}, "state['a'][1][2]"),
+        ({"fn": print}, "state['fn']"),
+        ({"k": {(1, 2): 3}}, "state['k']"),
+        ({"obj": np.array([object()])}, "state['obj']"),
+    ):
+        with pytest.raises(CheckpointError) as err:
+            save_checkpoint(target, bad)
+        assert str(target) in str(err.value) and where in str(err.value), err.value
+    assert not target.exists() and not list(tmp_path.iterdir())
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"not found: .*nope\.ckpt") as err:
+        load_checkpoint(tmp_path / "nope.ckpt")
+    assert isinstance(err.value, FileNotFoundError) and isinstance(err.value, CheckpointMissing)
+    with pytest.raises(CheckpointError, match="nope"):
+        sha256_of(tmp_path / "nope.ckpt")
+
+
+def test_flipped_exponent_bit_is_caught(tmp_path: Path) -> None:
+    w = torch.full((64,), 1.5)
+    path = save_checkpoint(tmp_path / "c.ckpt", {"w": w})
+    good = sha256_of(path)
+    raw = bytearray(path.read_bytes())
+    # 1.5f = 0x3FC00000 little-endian: the exponent's top bit is bit 6 of the last byte.
+    at = raw.rfind(bytes.fromhex("0000c03f"))
+    raw[at + 3] ^= 0x40
+    path.write_bytes(bytes(raw))
+    bad = hashlib.sha256(raw).hexdigest()
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path, expected_sha256=good)
+    msg = str(err.value)
+    assert str(path) in msg and good in msg and bad in msg
+    # without the manifest hash, the payload hash in the header still catches it
+    with pytest.raises(CheckpointError, match="corrupted: payload sha256"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("cut", [0, 5, 9, 200, -1])
+def test_truncated_file_is_named(tmp_path: Path, cut: int) -> None:
+    path = save_checkpoint(tmp_path / "t.ckpt", {"w": torch.randn(100), "n": 1})
+    data = path.read_bytes()
+    path.write_bytes(data[: cut if cut >= 0 else len(data) + cut])
+    with pytest.raises(CheckpointError, match=r"t\.ckpt.*(truncated|unreadable|not a)"):
+        load_checkpoint(path)
+
+
+def test_corrupted_header_offsets_are_refused(tmp_path: Path) -> None:
+    import json
+
+    path = save_checkpoint(tmp_path / "h.ckpt", {"w": torch.randn(8)})
+    data = path.read_bytes()
+    hlen = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + hlen])
+    for mutate, why in (
+        (lambda h: h["root"]["items"][0][1].__setitem__("at", [0, 10**9]), "outside"),
+        (lambda h: h["root"]["items"][0][1].__setitem__("shape", [9]), "needed"),
+        (lambda h: h["root"]["items"][0][1].__setitem__("dtype", "object"), "unknown tensor dtype"),
+        (lambda h: h["root"]["items"][0][1].__setitem__("T", "pickle"), "unknown value tag"),
+        (lambda h: h.__setitem__("version", 99), "format version 99"),
+    ):
+        h = json.loads(json.dumps(header))
+        mutate(h)
+        text = json.dumps(h).encode()
+        path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + hlen :])
+        with pytest.raises(CheckpointError, match=why) as err:
+            load_checkpoint(path)
+        assert str(path) in str(err.value)
+
+
+class _Marker:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_pickles_are_refused_never_executed(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    payload = pickle.dumps({"w": _Marker(str(marker))})
+    raw = tmp_path / "raw.pkl"
+    raw.write_bytes(payload)
+    zipped = tmp_path / "torch.pt"  # what torch.save writes: a zip holding data.pkl
+    with zipfile.ZipFile(zipped, "w") as z:
+        z.writestr("archive/data.pkl", payload)
+    prefixed = tmp_path / "prefixed.ckpt"  # a plausible header length, then a pickle
+    prefixed.write_bytes(len(payload).to_bytes(8, "little") + payload)
+    for path, why in ((raw, "is a pickle: refused"), (zipped, "zip archive"), (prefixed, "")):
+        with pytest.raises(CheckpointError) as err:
+            load_checkpoint(path)
+        assert str(path) in str(err.value) and why in str(err.value), err.value
+    assert not marker.exists()
+
+
+def test_checkpoint_module_never_imports_pickle_loaders() -> None:
+    src = (REPO / "mobius_fed/checkpoint.py").read_text()
+    for banned in ("import pickle", "torch.load(", "np.load(", "pickle.load", "weights_only"):
+        assert banned not in src, banned
+
+
+def test_atomic_overwrite_and_failed_write_keeps_previous(tmp_path: Path, monkeypatch) -> None:
+    path = save_checkpoint(tmp_path / "c.ckpt", {"v": 1})
+    real_write = os.write
+
+    def failing_write(fd, data):
+        real_write(fd, bytes(data)[:3])
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "write", failing_write)
+    with pytest.raises(CheckpointError, match=r"c\.ckpt.*Input/output error \(EIO\)"):
+        save_checkpoint(path, {"v": 2})
+    monkeypatch.undo()
+    assert load_checkpoint(path) == {"v": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt"]
+
+
+def test_unwritable_places_are_named(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"file/inside\.ckpt: (File exists|Not a directory)"):
+        save_checkpoint(blocker / "inside.ckpt", {"v": 1})
+    ro = tmp_path / "ro"
+    if _tiny_tmpfs(ro, "ro,size=64k"):
+        try:
+            with pytest.raises(
+                CheckpointError, match=r"ro/c\.ckpt: Read-only file system \(EROFS\)"
+            ):
+                save_checkpoint(ro / "c.ckpt", {"v": 1})
+        finally:
+            subprocess.run(["umount", str(ro)], check=False)
+    elif os.geteuid() != 0:
+        ro.chmod(0o500)
+        with pytest.raises(CheckpointError, match=r"ro/c\.ckpt: Permission denied \(EACCES\)"):
+            save_checkpoint(ro / "c.ckpt", {"v": 1})
+
+
+def _tiny_tmpfs(path: Path, options: str = "size=64k") -> bool:
+    path.mkdir()
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        return False
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True
+    )
+    return r.returncode == 0
+
+
+def test_disk_full_is_named_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    mnt = tmp_path / "small"
+    if _tiny_tmpfs(mnt):
+        try:
+            _check_enospc(mnt)
+        finally:
+            subprocess.run(["umount", str(mnt)], check=False)
+        return
+    # No mount permission: the same check in a child limited by RLIMIT_FSIZE (EFBIG).
+    script = textwrap.dedent(
+        f"""
+        import os, resource, signal, sys
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+        torch.set_num_threads(1)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        sys.path.insert(0, {str(REPO)!r})
+        from mobius_fed.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+        d = {str(mnt)!r}
+        save_checkpoint(d + "/c.ckpt", {{"w": torch.zeros(1000)}})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+        try:
+            save_checkpoint(d + "/c.ckpt", {{"w": torch.ones(100000)}})
+        except CheckpointError as e:
+            print("ERR", e)
+        assert torch.equal(load_checkpoint(d + "/c.ckpt")["w"], torch.zeros(1000))
+        print("FILES", sorted(os.listdir(d)))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"ERR cannot write checkpoint {mnt}/c.ckpt" in out.stdout and "EFBIG" in out.stdout
+    assert "FILES ['c.ckpt']" in out.stdout
+
+
+def _check_enospc(mnt: Path) -> None:
+    path = save_checkpoint(mnt / "c.ckpt", {"w": torch.zeros(1000)})  # ~4 KiB
+    before = path.read_bytes()
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(path, {"w": torch.ones(100_000)})  # 400 KB > 64 KiB
+    msg = str(err.value)
+    assert str(path) in msg and "No space left on device (ENOSPC)" in msg, msg
+    assert sorted(p.name for p in mnt.iterdir()) == ["c.ckpt"]  # no temporary file
+    assert path.read_bytes() == before
+    assert torch.equal(load_checkpoint(path)["w"], torch.zeros(1000))
+
+
+def test_prune_keeps_the_newest(tmp_path: Path) -> None:
+    for r in (1, 2, 3, 10):
+        save_checkpoint(tmp_path / f"round-{r:06d}.ckpt", {"r": r})
+    dead = tmp_path / f".round-000011.ckpt{TMP_MARKER}999999999-abcd"
+    dead.write_bytes(b"partial")
+    removed = prune_checkpoints(tmp_path, "round-*.ckpt", keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round-000003.ckpt", "round-000010.ckpt"]
+    assert dead in removed
+    with pytest.raises(ValueError):
+        prune_checkpoints(tmp_path, "round-*.ckpt", keep=0)
