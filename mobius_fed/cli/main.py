@@ -8,7 +8,13 @@ from pathlib import Path
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from mobius_fed.cli.common import CliError, console, resolve_sites, run_guarded
+from mobius_fed.cli.common import (
+    CliError,
+    add_resume_flag,
+    console,
+    resolve_sites,
+    run_guarded,
+)
 from mobius_fed.config import TrainConfig, load_train_config
 from mobius_fed.schedule import ORDERS
 
@@ -210,7 +216,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="fedavg", help="fedavg, fedavgm, fedadam, fedyogi, …")
     p.add_argument("--strategy-option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--checkpoint-every", type=int, default=0, help="rounds (0: at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest manifest")
+    p.add_argument(
+        "--keep-checkpoints", type=int, help="complete manifests to keep (coordinator's default)"
+    )
+    p.add_argument(
+        "--rejoin-timeout",
+        type=float,
+        help="seconds an incident waits for a lost worker to come back (coordinator's default)",
+    )
+    p.add_argument(
+        "--max-incidents",
+        type=int,
+        help="incidents the run recovers from before it fails (coordinator's default)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="times up restarts each crashed process (0: never); a worker comes back with the "
+        "same command, the coordinator with --resume auto",
+    )
+    add_resume_flag(
+        p,
+        "continue from the newest complete manifest; --resume auto: only if there is one",
+    )
     p.set_defaults(func=cmd_up)
 
     from mobius_fed.cli.health import add_health_parser

@@ -1,13 +1,21 @@
 """``mobius-fed up``: a whole federation on this machine, as separate processes on loopback.
 
 Makes certificates, splits the embedded corpus into per-site data, starts
-``mobius-coordinator`` and P ``mobius-worker`` processes, shows progress from the
-coordinator's status, prints the final losses and where the checkpoint is. Ctrl-C stops
-every process it started; the last complete checkpoint stays intact.
+``mobius-coordinator`` and P ``mobius-worker`` processes (each with its own certificate
+bundle), shows progress from the coordinator's status, prints the final losses and where
+the checkpoint is.
+
+It supervises its children like a restart policy would: a worker that dies before the run
+is over is started again with the same command (it re-registers with the same identity),
+and a coordinator that dies is started again with ``--resume auto``, each at most
+``max_restarts`` times. SIGTERM, SIGHUP or Ctrl-C are forwarded to every child; whatever
+has not exited 5 s later is killed. The last complete checkpoint stays intact.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -15,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,13 +31,37 @@ from typing import Any
 import grpc
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from mobius_fed.cli.common import CliError, console
+from mobius_fed.cli.common import CliError, GracefulStop, Terminated, console
 from mobius_fed.config import TrainConfig
 from mobius_fed.coordinator.server import latest_manifest
 from mobius_fed.data import embedded_corpus, prepare_sites
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.transport.certs import init_certs
 from mobius_fed.transport.tls import NodeTLS, open_channel
+
+ENDED = ("done", "failed", "stopped")
+BUNDLE_FILES = ("ca.crt", "tls.crt", "tls.key")
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks Linux to SIGTERM the child when this process dies, even by
+    SIGKILL, so that no daemon outlives ``up``; None where prctl is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    PR_SET_PDEATHSIG = 1
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(143)
+
+    return preexec
 
 
 def free_ports(n: int) -> list[int]:
@@ -51,9 +84,17 @@ class LocalFederation:
     strategy_options: dict[str, float] = field(default_factory=dict)
     checkpoint_every: int = 0
     heartbeat_timeout: float = 10.0
-    resume: bool = False
+    resume: bool | str = False  # True, False or "auto"
     threads: int | None = None
+    rejoin_timeout: float | None = None
+    max_incidents: int | None = None
+    keep_checkpoints: int | None = None
+    # Restarts per child before giving up (0: no supervision; wait() fails when the
+    # coordinator exits, and a dead worker stays dead).
+    max_restarts: int = 0
+    on_event: Callable[[str], None] | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -62,12 +103,31 @@ class LocalFederation:
         self.logs = self.root / "logs"
         ports = free_ports(self.train.P + 2)
         self.coord_port, self.rest_port, self.worker_ports = ports[0], ports[1], ports[2:]
+        self._cmds: dict[str, list[str]] = {}
+        self._env: dict[str, str] = {}
+        self._settled: set[str] = set()  # exited, and will not be restarted
+        self._restart_at: dict[str, float] = {}
+        self._last: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- setup
+    def nodes(self) -> list[str]:
+        return ["coordinator", *(f"worker-{i}" for i in range(self.train.P))]
+
+    def bundle(self, node: str) -> NodeTLS:
+        """``certs/nodes/<node>/{ca.crt,tls.crt,tls.key}``: the only files ``node`` gets."""
+        d = self.certs / "nodes" / node
+        return NodeTLS(d / "ca.crt", d / "tls.crt", d / "tls.key")
+
+    def _certs_complete(self) -> bool:
+        c = self.certs
+        top = [c / "ca.crt", c / "operator.crt", c / "operator.key"]
+        bundles = [self.certs / "nodes" / n / f for n in self.nodes() for f in BUNDLE_FILES]
+        return all(p.is_file() for p in top + bundles)
+
     def prepare(self) -> LocalFederation:
         P = self.train.P
-        if not (self.certs / "ca.crt").is_file():
-            init_certs(self.certs, P)
+        if not self._certs_complete():  # none yet, or made for fewer workers: all new ones
+            init_certs(self.certs, P, overwrite=True)
         if (
             not all((self.sites / f"site-{i}").is_dir() for i in range(P))
             or (self.sites / f"site-{P}").exists()
@@ -95,8 +155,10 @@ class LocalFederation:
         path.write_text("\n".join(lines) + "\n")
         return path
 
-    def coordinator_cmd(self) -> list[str]:
-        c = self.certs
+    def coordinator_cmd(self, resume: bool | str | None = None) -> list[str]:
+        """The coordinator's command line; ``resume`` overrides the federation's setting."""
+        tls = self.bundle("coordinator")
+        resume = self.resume if resume is None else resume
         cmd = [
             sys.executable,
             "-m",
@@ -108,11 +170,11 @@ class LocalFederation:
             "--rest-listen",
             f"127.0.0.1:{self.rest_port}",
             "--ca",
-            str(c / "ca.crt"),
+            str(tls.ca),
             "--cert",
-            str(c / "coordinator.crt"),
+            str(tls.cert),
             "--key",
-            str(c / "coordinator.key"),
+            str(tls.key),
             "--out-dir",
             str(self.coordinator_out),
             "--strategy",
@@ -132,10 +194,21 @@ class LocalFederation:
         ]
         for k, v in self.strategy_options.items():
             cmd += ["--strategy-option", f"{k}={json.dumps(v)}"]
-        return cmd + (["--resume"] if self.resume else [])
+        for flag, value in (
+            ("--rejoin-timeout", self.rejoin_timeout),
+            ("--max-incidents", self.max_incidents),
+            ("--keep-checkpoints", self.keep_checkpoints),
+        ):
+            if value is not None:
+                cmd += [flag, str(value)]
+        if resume == "auto":
+            cmd += ["--resume", "auto"]
+        elif resume:
+            cmd += ["--resume"]
+        return cmd
 
     def worker_cmd(self, i: int) -> list[str]:
-        c = self.certs
+        tls = self.bundle(f"worker-{i}")
         threads = self.threads or max(1, (os.cpu_count() or 1) // self.train.P)
         return [
             sys.executable,
@@ -150,20 +223,20 @@ class LocalFederation:
             "--out-dir",
             str(self.worker_out(i)),
             "--ca",
-            str(c / "ca.crt"),
+            str(tls.ca),
             "--cert",
-            str(c / f"worker-{i}.crt"),
+            str(tls.cert),
             "--key",
-            str(c / f"worker-{i}.key"),
+            str(tls.key),
             "--threads",
             str(threads),
         ]
 
     def start(self, workers: bool = True) -> LocalFederation:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self._spawn("coordinator", self.coordinator_cmd(), env)
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self._spawn("coordinator", self.coordinator_cmd())
         for i in range(self.train.P) if workers else ():
-            self._spawn(f"worker-{i}", self.worker_cmd(i), env)
+            self._spawn(f"worker-{i}", self.worker_cmd(i))
         return self
 
     def rest(self, path: str) -> Any:
@@ -174,11 +247,72 @@ class LocalFederation:
         r.raise_for_status()
         return r.json() if r.headers["content-type"].startswith("application/json") else r.text
 
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
-        log = open(self.logs / f"{name}.log", "a")  # noqa: SIM115 - owned by the child
-        self.procs[name] = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+    def _spawn(self, name: str, cmd: list[str]) -> None:
+        self._cmds[name] = cmd
+        with open(self.logs / f"{name}.log", "a") as log:  # the child keeps its own copy
+            self.procs[name] = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._env or None,
+                start_new_session=True,  # a terminal's Ctrl-C reaches only up, which forwards
+                preexec_fn=_parent_death_signal(),
+            )
+
+    # ---------------------------------------------------------- supervision
+    def _say(self, message: str) -> None:
+        (self.on_event or (lambda m: console.print(m, highlight=False)))(message)
+
+    def supervise(self) -> None:
+        """Restart children that died before the run ended (see the module docstring).
+
+        A worker that exits 0 has finished and stays stopped. Nothing is restarted once the
+        coordinator's status says the run ended. Raises CliError when the coordinator is
+        gone for good."""
+        now = time.monotonic()
+        for name, proc in list(self.procs.items()):
+            rc = proc.poll()
+            if rc is None or name in self._settled:
+                continue
+            if name in self._restart_at:
+                if now >= self._restart_at[name]:
+                    del self._restart_at[name]
+                    self._restart(name)
+                continue
+            phase = self._phase_now()
+            if (rc == 0 and name != "coordinator") or phase in ENDED:
+                self._settled.add(name)
+                continue
+            n = self.restarts.get(name, 0)
+            if n >= self.max_restarts:
+                self._settled.add(name)
+                self._say(f"{name} exited with {rc}; not restarting ({n}/{self.max_restarts} used)")
+                if name == "coordinator":
+                    raise CliError(
+                        f"the coordinator exited ({rc}) after {n} restarts; see "
+                        f"{self.logs / 'coordinator.log'}:\n{self.tail('coordinator')}"
+                    )
+                continue
+            self.restarts[name] = n + 1
+            self._say(f"{name} exited with {rc}; restarting ({n + 1}/{self.max_restarts})")
+            delay = 0.0 if n == 0 else min(0.5 * 2**n, 5.0)  # back off a crash loop
+            self._restart_at[name] = now + delay
+            if delay == 0.0:
+                del self._restart_at[name]
+                self._restart(name)
+
+    def _phase_now(self) -> str | None:
+        """The run's phase from a fresh status (the last one seen if the coordinator is down)."""
+        coord = self.procs.get("coordinator")
+        doc = self.status(timeout=1.0) if coord is not None and coord.poll() is None else None
+        if doc is not None:
+            self._last = doc
+        return (self._last or {}).get("phase")
+
+    def _restart(self, name: str) -> None:
+        # A coordinator comes back from its newest complete manifest, or starts afresh.
+        cmd = self.coordinator_cmd(resume="auto") if name == "coordinator" else self._cmds[name]
+        self._spawn(name, cmd)
 
     # --------------------------------------------------------------- status
     def operator_tls(self) -> NodeTLS:
@@ -200,19 +334,24 @@ class LocalFederation:
             channel.close()
 
     def wait(self, on_status=None, timeout: float = 3600) -> dict[str, Any]:
-        """Poll until the run is done or failed, or a process died; return the last status."""
+        """Poll until the run is done or failed, or the coordinator died (and, with
+        ``max_restarts``, could not be restarted); return the last status."""
         deadline = time.monotonic() + timeout
         last: dict[str, Any] | None = None
         while time.monotonic() < deadline:
             doc = self.status()
             if doc is not None:
-                last = doc
+                last = self._last = doc
                 if on_status:
                     on_status(doc)
-                if doc["phase"] in ("done", "failed", "stopped"):
+                if doc["phase"] in ENDED:
                     return doc
             coord = self.procs["coordinator"]
-            if coord.poll() is not None:
+            if self.max_restarts:
+                self.supervise()
+                if "coordinator" in self._settled and self._last:  # gone after the end
+                    return self._last
+            elif coord.poll() is not None:
                 raise CliError(
                     f"the coordinator exited ({coord.returncode}); see "
                     f"{self.logs / 'coordinator.log'}:\n{self.tail('coordinator')}"
@@ -224,11 +363,14 @@ class LocalFederation:
         lines = (self.logs / f"{name}.log").read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
 
-    def stop(self, grace: float = 10.0) -> None:
-        """Stop every process this federation started (SIGTERM, then SIGKILL)."""
+    def stop(self, grace: float = 10.0, sig: int = signal.SIGTERM) -> dict[str, int]:
+        """Send ``sig`` to every process this federation started, wait up to ``grace``
+        seconds, then SIGKILL what is left; return every child's exit status."""
+        self._restart_at.clear()
         for p in self.procs.values():
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(sig)
         deadline = time.monotonic() + grace
         for p in self.procs.values():
             try:
@@ -236,54 +378,84 @@ class LocalFederation:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        return {name: p.returncode for name, p in self.procs.items()}
+
+
+STOP_GRACE = 5.0  # seconds children get after a forwarded signal, before SIGKILL
 
 
 def cmd_up(args, train: TrainConfig) -> int:
+    # The handler raises Terminated in this (main) thread; every child then gets the same
+    # signal. The hard deadline is only a safety net beyond the children's grace.
+    stop = GracefulStop("mobius-fed up", deadline=STOP_GRACE + 5).install()
     fed = LocalFederation(
         Path(args.out),
         train,
         strategy=args.strategy,
         strategy_options=dict(args.strategy_options),
         checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-    ).prepare()
+        resume=args.resume or False,
+        rejoin_timeout=args.rejoin_timeout,
+        max_incidents=args.max_incidents,
+        keep_checkpoints=args.keep_checkpoints,
+        max_restarts=args.max_restarts,
+    )
+    try:
+        final = _up(fed, args, train)
+    except (KeyboardInterrupt, Terminated) as exc:
+        stop.ignore()  # a second signal changes nothing: every child is being stopped
+        signum = exc.signum if isinstance(exc, Terminated) else int(signal.SIGINT)
+        console.print(
+            f"[yellow]{signal.Signals(signum).name}: forwarded to every process; "
+            f"SIGKILL for any still running after {STOP_GRACE:.0f}s[/]"
+        )
+        codes = fed.stop(grace=STOP_GRACE, sig=signum)
+        if codes:
+            console.print("exit status: " + ", ".join(f"{n} {c}" for n, c in codes.items()))
+        manifest = latest_manifest(fed.coordinator_out)
+        print(f"last complete checkpoint: {manifest or 'none'}")
+        return 128 + signum
+    finally:
+        stop.ignore()
+        fed.stop(grace=STOP_GRACE)  # nothing left running, whatever happened
+        stop.settle()
+    if final["phase"] != "done":
+        raise CliError(f"run {final['phase']}: {final['error']}")
+    per = ", ".join(f"s{s}={v:.4f}" for s, v in enumerate(final["eval_origin_losses"] or []))
+    print(f"final validation loss (Eq. 8): {final['eval_loss']:.4f}  per origin: {per}")
+    print(f"checkpoint: {final['checkpoint']}")
+    if fed.restarts:
+        print("restarts: " + ", ".join(f"{n} {c}" for n, c in sorted(fed.restarts.items())))
+    return 0
+
+
+def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
+    """Prepare, start and watch the federation; the final status."""
+    fed.prepare()
     console.print(
         f"[bold]mobius-fed up[/]: coordinator + {train.P} workers on 127.0.0.1, "
         f"{train.preset}, L={train.loops} {train.order}, {train.steps} steps, "
         f"{args.strategy} every {train.sync_every} step(s); logs in {fed.logs}"
     )
     fed.start()
-    try:
-        with Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            TextColumn("step {task.completed}/{task.total}"),
-            TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(),
-            console=console,
-        ) as bar:
-            task = bar.add_task("train", total=train.steps, info="waiting for workers")
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("step {task.completed}/{task.total}"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as bar:
+        task = bar.add_task("train", total=train.steps, info="waiting for workers")
 
-            def show(doc: dict[str, Any]) -> None:
-                losses = [w["last_loss"] for w in doc["workers"] if w["last_loss"] is not None]
-                info = doc["phase"]
-                if losses:
-                    info += f"  loss {sum(losses) / len(losses):.4f}"
-                if doc.get("eval_loss") is not None:
-                    info += f"  val {doc['eval_loss']:.4f}"
-                bar.update(task, completed=doc["step"], info=info)
+        def show(doc: dict[str, Any]) -> None:
+            losses = [w["last_loss"] for w in doc["workers"] if w["last_loss"] is not None]
+            info = doc["phase"]
+            if losses:
+                info += f"  loss {sum(losses) / len(losses):.4f}"
+            if doc.get("eval_loss") is not None:
+                info += f"  val {doc['eval_loss']:.4f}"
+            bar.update(task, completed=doc["step"], info=info)
 
-            final = fed.wait(on_status=show)
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted: stopping every process[/]")
-        fed.stop(grace=5)
-        manifest = latest_manifest(fed.coordinator_out)
-        print(f"last complete checkpoint: {manifest or 'none'}")
-        return 130
-    fed.stop()
-    if final["phase"] != "done":
-        raise CliError(f"run {final['phase']}: {final['error']}")
-    per = ", ".join(f"s{s}={v:.4f}" for s, v in enumerate(final["eval_origin_losses"] or []))
-    print(f"final validation loss (Eq. 8): {final['eval_loss']:.4f}  per origin: {per}")
-    print(f"checkpoint: {final['checkpoint']}")
-    return 0
+        fed.on_event = bar.console.print
+        return fed.wait(on_status=show)
