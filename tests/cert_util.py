@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography import x509
@@ -13,7 +14,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from mobius_fed.transport.tls import NodeTLS
 
 
-def sign_leaf(certs: Path, out: Path, uri: str, name: str) -> NodeTLS:
+def sign_leaf(certs: Path, out: Path, uri: str | Sequence[str], name: str) -> NodeTLS:
+    """A leaf for ``name`` signed by the CA in ``certs``, with URI SAN(s) ``uri`` (forgeries
+    with several or no ``mobius://`` URIs included: pass a list)."""
+    uris = [uri] if isinstance(uri, str) else list(uri)
     ca_cert = x509.load_pem_x509_certificate((certs / "ca.crt").read_bytes())
     ca_key = serialization.load_pem_private_key((certs / "ca.key").read_bytes(), None)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -28,7 +32,8 @@ def sign_leaf(certs: Path, out: Path, uri: str, name: str) -> NodeTLS:
         .not_valid_after(now + dt.timedelta(days=1))
         .add_extension(
             x509.SubjectAlternativeName(
-                [x509.UniformResourceIdentifier(uri), x509.DNSName(name), x509.DNSName("localhost")]
+                [x509.UniformResourceIdentifier(u) for u in uris]
+                + [x509.DNSName(name), x509.DNSName("localhost")]
             ),
             critical=False,
         )

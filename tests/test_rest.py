@@ -25,6 +25,7 @@ from mobius_fed.cli.status import add_status_parser, status_main
 from mobius_fed.coordinator.rest import RestServer, identity_from_cert
 from mobius_fed.coordinator.state import RunState
 from mobius_fed.transport import CertLayout, NodeTLS, init_certs
+from tests.cert_util import sign_leaf
 
 P = 2
 ENROLLED = {"mobius://operator", "mobius://coordinator"} | {
@@ -102,7 +103,7 @@ def state() -> RunState:
 
 @pytest.fixture(scope="module")
 def tls_server(certs: CertLayout, state: RunState) -> Iterator[RestServer]:
-    srv = RestServer(state, "127.0.0.1", 0, tls=certs.node("coordinator"), allowed=enrolled)
+    srv = RestServer(state, "127.0.0.1", 0, tls=certs.bundle("coordinator"), allowed=enrolled)
     srv.start()
     yield srv
     srv.stop()
@@ -132,7 +133,7 @@ def get(srv: RestServer, path: str, ctx: ssl.SSLContext) -> httpx.Response:
 
 # --------------------------------------------------------------------------- TLS mode
 def test_operator_reads_everything(tls_server: RestServer, certs: CertLayout) -> None:
-    ctx = client_ctx(certs.node("operator"), certs.ca_cert)
+    ctx = client_ctx(certs.bundle("operator"), certs.ca_cert)
     with httpx.Client(verify=ctx, timeout=5) as c:
         r = c.get(tls_server.url + "/v1/status")
         assert r.status_code == 200, r.text
@@ -178,7 +179,8 @@ def test_worker_and_coordinator_identities_allowed(
     tls_server: RestServer, certs: CertLayout
 ) -> None:
     for name in ("worker-0", "worker-1", "coordinator"):
-        assert get(tls_server, "/v1/status", client_ctx(certs.node(name), certs.ca_cert)).is_success
+        ctx = client_ctx(certs.bundle(name), certs.ca_cert)
+        assert get(tls_server, "/v1/status", ctx).is_success
 
 
 def test_unenrolled_identity_forbidden(
@@ -186,7 +188,7 @@ def test_unenrolled_identity_forbidden(
 ) -> None:
     for node, who in (
         (stranger, "mobius://stranger"),
-        (certs.node("worker-2"), "mobius://worker/2"),
+        (certs.bundle("worker-2"), "mobius://worker/2"),
     ):
         for path in ("/v1/status", "/v1/history", "/metrics", "/healthz", "/openapi.json"):
             r = get(tls_server, path, client_ctx(node, certs.ca_cert))
@@ -200,7 +202,7 @@ def test_other_ca_and_no_cert_rejected(
     tls_server: RestServer, certs: CertLayout, other_ca: CertLayout, tls12: bool
 ) -> None:
     # Trust our CA for the server, but present a foreign or no client certificate.
-    for node in (other_ca.node("operator"), None):
+    for node in (other_ca.bundle("operator"), None):
         ctx = client_ctx(node, certs.ca_cert, tls12=tls12)
         # TLS 1.3: the client finishes first, so the rejection shows as a dropped
         # connection; TLS 1.2: as a failed handshake (ConnectError with an SSL alert).
@@ -211,11 +213,11 @@ def test_other_ca_and_no_cert_rejected(
 
 def test_client_must_trust_our_ca(tls_server: RestServer, certs: CertLayout, other_ca) -> None:
     with pytest.raises(httpx.ConnectError):
-        get(tls_server, "/v1/status", client_ctx(certs.node("operator"), other_ca.ca_cert))
+        get(tls_server, "/v1/status", client_ctx(certs.bundle("operator"), other_ca.ca_cert))
 
 
 def test_forwarded_headers_do_not_matter(tls_server: RestServer, certs: CertLayout) -> None:
-    ctx = client_ctx(certs.node("worker-2"), certs.ca_cert)
+    ctx = client_ctx(certs.bundle("worker-2"), certs.ca_cert)
     with httpx.Client(verify=ctx, timeout=5) as c:
         r = c.get(tls_server.url + "/v1/status", headers={"X-Forwarded-For": "127.0.0.1"})
     assert r.status_code == 403
@@ -223,8 +225,8 @@ def test_forwarded_headers_do_not_matter(tls_server: RestServer, certs: CertLayo
 
 def test_live_update(certs: CertLayout) -> None:
     st = make_state()
-    with RestServer(st, "127.0.0.1", 0, tls=certs.node("coordinator"), allowed=enrolled) as srv:
-        ctx = client_ctx(certs.node("operator"), certs.ca_cert)
+    with RestServer(st, "127.0.0.1", 0, tls=certs.bundle("coordinator"), allowed=enrolled) as srv:
+        ctx = client_ctx(certs.bundle("operator"), certs.ca_cert)
         with httpx.Client(verify=ctx, timeout=5) as c:
             assert c.get(srv.url + "/v1/status").json()["step"] == 3
             st.record_losses(0, 3, [3.0, 2.9])
@@ -239,12 +241,12 @@ def test_live_update(certs: CertLayout) -> None:
 
 
 def test_stop_is_prompt_and_frees_port(certs: CertLayout) -> None:
-    srv = RestServer(make_state(), "127.0.0.1", 0, tls=certs.node("coordinator"), allowed=None)
+    srv = RestServer(make_state(), "127.0.0.1", 0, tls=certs.bundle("coordinator"), allowed=None)
     srv.start()
     port = srv.port
     assert port > 0
     # An idle keep-alive connection must not hold the shutdown up.
-    c = httpx.Client(verify=client_ctx(certs.node("operator"), certs.ca_cert), timeout=5)
+    c = httpx.Client(verify=client_ctx(certs.bundle("operator"), certs.ca_cert), timeout=5)
     assert c.get(srv.url + "/healthz").status_code == 200
     t0 = time.monotonic()
     srv.stop()
@@ -263,7 +265,7 @@ def test_constructor_checks(certs: CertLayout, state: RunState) -> None:
     with pytest.raises(ValueError, match="local=True"):
         RestServer(state, "127.0.0.1", 0, tls=None, allowed=None)
     with pytest.raises(ValueError, match="plain HTTP"):
-        RestServer(state, "127.0.0.1", 0, tls=certs.node("coordinator"), allowed=None, local=True)
+        RestServer(state, "127.0.0.1", 0, tls=certs.bundle("coordinator"), allowed=None, local=True)
     bad = NodeTLS(ca=certs.ca_cert, cert=certs.root / "nope.crt", key=certs.root / "nope.key")
     with pytest.raises(FileNotFoundError, match=r"nope\.crt"):
         RestServer(state, "127.0.0.1", 0, tls=bad, allowed=None).start()
@@ -274,6 +276,36 @@ def test_identity_from_cert() -> None:
     assert identity_from_cert(cert) == "mobius://worker/3"
     assert identity_from_cert({"subjectAltName": (("URI", "spiffe://x"),)}) is None
     assert identity_from_cert(None) is None and identity_from_cert({}) is None
+    two = {"subjectAltName": (("URI", "mobius://worker/3"), ("URI", "mobius://operator"))}
+    assert identity_from_cert(two) is None
+
+
+def test_tls12_client_is_refused(tls_server: RestServer, certs: CertLayout) -> None:
+    """TLS 1.3 only: a TLS 1.2 client with a valid operator certificate fails the handshake."""
+    with pytest.raises(httpx.ConnectError):
+        get(tls_server, "/v1/status", client_ctx(certs.bundle("operator"), certs.ca_cert, True))
+    ctx = client_ctx(certs.bundle("operator"), certs.ca_cert, tls12=True)
+    with (
+        socket.create_connection((tls_server.host, tls_server.port), timeout=5) as raw,
+        pytest.raises((ssl.SSLError, ConnectionResetError)),
+    ):
+        ctx.wrap_socket(raw, server_hostname="coordinator")
+    ctx = client_ctx(certs.bundle("operator"), certs.ca_cert)
+    with (
+        socket.create_connection((tls_server.host, tls_server.port), timeout=5) as raw,
+        ctx.wrap_socket(raw, server_hostname="coordinator") as tls,
+    ):
+        assert tls.version() == "TLSv1.3"
+    assert get(tls_server, "/v1/status", ctx).status_code == 200
+
+
+def test_certificate_with_two_identities_is_refused(
+    tls_server: RestServer, certs: CertLayout, tmp_path: Path
+) -> None:
+    forged = sign_leaf(certs.root, tmp_path, ["mobius://operator", "mobius://worker/0"], "op")
+    r = get(tls_server, "/v1/status", client_ctx(forged, certs.ca_cert))
+    assert r.status_code == 403
+    assert "certificate carries 2 mobius:// URIs" in r.json()["detail"]
 
 
 # --------------------------------------------------------------------------- local mode
@@ -409,13 +441,13 @@ def test_status_cli_rest_verifies_coordinator_name(
 ) -> None:
     # 127.0.0.2 is in no certificate: only the "coordinator" name override makes it pass.
     try:
-        srv = RestServer(state, "127.0.0.2", 0, tls=certs.node("coordinator"), allowed=enrolled)
+        srv = RestServer(state, "127.0.0.2", 0, tls=certs.bundle("coordinator"), allowed=enrolled)
         srv.start()
     except OSError:
         pytest.skip("127.0.0.2 not bindable here")
     try:
         with pytest.raises(httpx.ConnectError, match="not valid for"):
-            get(srv, "/healthz", client_ctx(certs.node("operator"), certs.ca_cert))
+            get(srv, "/healthz", client_ctx(certs.bundle("operator"), certs.ca_cert))
         assert status_main(ns(rest=srv.url, certs=certs.root, json=True)) == 0
         assert json.loads(capsys.readouterr().out)["run_id"] == 'run-"7"'
     finally:
@@ -466,7 +498,7 @@ def test_status_cli_grpc(
 
     server = grpc.server(futures.ThreadPoolExecutor(2))
     control_pb2_grpc.add_ControlServicer_to_server(Control(), server)
-    port = add_port(server, "127.0.0.1:0", certs.node("coordinator"))
+    port = add_port(server, "127.0.0.1:0", certs.bundle("coordinator"))
     server.start()
     try:
         assert status_main(ns(coordinator=f"127.0.0.1:{port}", certs=certs.root)) == 0

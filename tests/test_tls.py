@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import ssl
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -29,8 +34,15 @@ from mobius_fed.transport import (
     require_peer,
     worker_identity,
 )
+from mobius_fed.transport.tls import (
+    certificate_identity,
+    identity_or_reason,
+    peer_identity_or_reason,
+)
+from tests.cert_util import sign_leaf
 
 SERVER = worker_identity(2)
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +154,7 @@ class _Servicer(ring_pb2_grpc.RingLinkServicer):
 def server(certs: CertLayout) -> Iterator[str]:
     srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     ring_pb2_grpc.add_RingLinkServicer_to_server(_Servicer(), srv)
-    port = add_port(srv, "127.0.0.1:0", certs.worker(2))
+    port = add_port(srv, "127.0.0.1:0", certs.bundle("worker-2"))
     srv.start()
     yield f"127.0.0.1:{port}"
     srv.stop(grace=None)
@@ -154,10 +166,11 @@ def _ping(channel: grpc.Channel) -> ring_pb2.PingReply:
 
 
 def test_mtls_client_is_identified(server: str, certs: CertLayout) -> None:
-    reply = _ping(open_channel(server, certs.worker(1)))
+    reply = _ping(open_channel(server, certs.bundle("worker-1")))
     assert reply.identity == SERVER and reply.peer == "mobius://worker/1"
     port = server.rsplit(":", 1)[1]  # by DNS name, overriding the name checked against SANs
-    reply = _ping(open_channel(f"localhost:{port}", certs.node("operator"), target_name="worker-2"))
+    operator = certs.bundle("operator")
+    reply = _ping(open_channel(f"localhost:{port}", operator, target_name="worker-2"))
     assert reply.peer == "mobius://operator"
 
 
@@ -166,13 +179,13 @@ def test_stream_large_frame_and_authorization(server: str, certs: CertLayout) ->
     frame = make_frame(
         run_id="r", step=1, origin=1, tick=0, micro=0, direction=ring_pb2.FORWARD, tensor=x
     )
-    with open_channel(server, certs.worker(1)) as ch:
+    with open_channel(server, certs.bundle("worker-1")) as ch:
         (back,) = list(ring_pb2_grpc.RingLinkStub(ch).Stream(iter([frame]), timeout=10))
     assert back.direction == ring_pb2.BACKWARD
     assert torch.equal(
         decode_tensor(back.tensor, expected_shape=(2, 1024, 1024), expected_dtype="fp32"), x
     )
-    with open_channel(server, certs.worker(0)) as ch, pytest.raises(grpc.RpcError) as err:
+    with open_channel(server, certs.bundle("worker-0")) as ch, pytest.raises(grpc.RpcError) as err:
         list(ring_pb2_grpc.RingLinkStub(ch).Stream(iter([frame]), timeout=5))
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "mobius://worker/0" in err.value.details()
@@ -194,7 +207,7 @@ def test_client_from_another_ca_is_refused(
 ) -> None:
     # Trusts our CA (so the server passes the client's check) but presents a foreign
     # worker-1 certificate: the server must refuse it.
-    foreign = other_ca.worker(1)
+    foreign = other_ca.bundle("worker-1")
     _assert_refused(open_channel(server, NodeTLS(certs.ca_cert, foreign.cert, foreign.key)))
     _assert_refused(open_channel(server, foreign))
 
@@ -219,3 +232,158 @@ def test_plaintext_needs_explicit_flag(caplog: pytest.LogCaptureFixture) -> None
             srv.stop(grace=None)
     assert reply.peer == ""  # no certificate, no identity
     assert sum("INSECURE" in r.getMessage() for r in caplog.records) == 2
+
+
+# --------------------------------------------------------------------------- strict identities
+@pytest.mark.parametrize(
+    ("uris", "why"),
+    [
+        (["mobius://worker/1", "mobius://worker/0"], "certificate carries 2 mobius:// URIs"),
+        (["mobius://worker/0", "mobius://worker/1"], "certificate carries 2 mobius:// URIs"),
+        (["mobius://worker/1", "MOBIUS://worker/0"], "certificate carries 2 mobius:// URIs"),
+        (["mobius://worker/1"] * 3, "certificate carries 3 mobius:// URIs"),
+        ([], "certificate carries no mobius:// URI"),
+        (["spiffe://example.org/worker/1"], "certificate carries no mobius:// URI"),
+        (["mobius://worker/1/x"], "is not a valid mobius identity"),
+    ],
+)
+def test_forged_identities_are_refused(
+    server: str, certs: CertLayout, tmp_path: Path, uris: list[str], why: str
+) -> None:
+    # Signed by the real CA (as by a careless or compromised CA holder): TLS accepts it,
+    # authorization must not.
+    forged = sign_leaf(certs.root, tmp_path, uris, "worker-1")
+    assert _ping(open_channel(server, forged)).peer == ""  # no identity at all
+    frame = make_frame(
+        run_id="r", step=1, origin=1, tick=0, micro=0, direction=ring_pb2.FORWARD,
+        tensor=torch.zeros(2),
+    )  # fmt: skip
+    with open_channel(server, forged) as ch, pytest.raises(grpc.RpcError) as err:
+        list(ring_pb2_grpc.RingLinkStub(ch).Stream(iter([frame]), timeout=5))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert why in err.value.details(), err.value.details()
+
+
+def test_identity_or_reason() -> None:
+    assert identity_or_reason(["spiffe://a", "mobius://operator"]) == ("mobius://operator", "")
+    who, why = identity_or_reason(["mobius://worker/1", "mobius://worker/2"])
+    assert who is None
+    assert why == (
+        "certificate carries 2 mobius:// URIs (mobius://worker/1, mobius://worker/2); "
+        "exactly one is required"
+    )
+
+
+class _Ctx:
+    def __init__(self, auth: dict) -> None:
+        self.auth = auth
+
+    def auth_context(self) -> dict:
+        return self.auth
+
+
+def test_peer_identity_needs_tls13(certs: CertLayout) -> None:
+    pem = certs.bundle("worker-1").cert.read_bytes()
+    auth = {
+        "transport_security_type": [b"ssl"],
+        "x509_pem_cert": [pem],
+        "peer_uri": [b"mobius://worker/1"],
+        "ssl_tls_version": [b"TLSv1.3"],
+    }
+    assert peer_identity_or_reason(_Ctx(auth)) == ("mobius://worker/1", "")
+    for version, shown in (([b"TLSv1.2"], "TLSv1.2"), ([], "an unknown TLS version")):
+        who, why = peer_identity_or_reason(_Ctx({**auth, "ssl_tls_version": version}))
+        assert who is None and why == f"connection negotiated {shown}; TLS 1.3 is required"
+    assert peer_identity_or_reason(_Ctx({"transport_security_type": [b"insecure"]}))[0] is None
+    # No PEM in the context: gRPC's peer_uri list is used, with the same one-URI rule.
+    no_pem = {k: v for k, v in auth.items() if k != "x509_pem_cert"}
+    two = {**no_pem, "peer_uri": [b"mobius://worker/1", b"mobius://worker/0"]}
+    assert peer_identity_or_reason(_Ctx(two))[1].startswith("certificate carries 2 mobius://")
+
+
+def test_certificate_identity(certs: CertLayout, tmp_path: Path) -> None:
+    assert certificate_identity(certs.bundle("worker-0").cert.read_bytes()) == "mobius://worker/0"
+    forged = sign_leaf(certs.root, tmp_path, ["mobius://worker/0", "mobius://worker/1"], "w")
+    with pytest.raises(ValueError, match="2 mobius:// URIs"):
+        certificate_identity(forged.cert.read_bytes())
+
+
+# --------------------------------------------------------------------------- TLS 1.3 only
+_CHILD_SERVER = """
+import sys
+{first}
+from concurrent import futures
+
+from mobius_fed.transport.tls import (
+    GRPC_OPTIONS, NodeTLS, add_port, peer_identity_or_reason, tls13_handshakes_enforced,
+)
+import grpc
+from mobius_fed.proto import ring_pb2, ring_pb2_grpc
+
+
+class S(ring_pb2_grpc.RingLinkServicer):
+    def Ping(self, request, context):
+        who, why = peer_identity_or_reason(context)
+        return ring_pb2.PingReply(identity="child", peer=who or why)
+
+
+srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+ring_pb2_grpc.add_RingLinkServicer_to_server(S(), srv)
+port = add_port(srv, "127.0.0.1:0", NodeTLS(*sys.argv[1:4]))
+srv.start()
+print(port, tls13_handshakes_enforced(), flush=True)
+sys.stdin.read()
+srv.stop(None)
+"""
+
+
+def _handshake(port: int, client: NodeTLS, ca: Path, tls12: bool) -> str:
+    """A raw TLS handshake with a valid client certificate: the version, or the error."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(str(ca))
+    ctx.load_cert_chain(str(client.cert), str(client.key))
+    ctx.set_alpn_protocols(["h2"])
+    ctx.check_hostname = False
+    if tls12:
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+            ctx.wrap_socket(raw) as tls,
+        ):
+            return str(tls.version())
+    except (ssl.SSLError, OSError) as exc:
+        return f"refused: {exc}"
+
+
+@pytest.mark.parametrize("grpc_first", [False, True])
+def test_grpc_server_handshakes_tls13_only(certs: CertLayout, grpc_first: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_SSL_CIPHER_SUITES"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    script = _CHILD_SERVER.format(first="import grpc" if grpc_first else "")
+    node = certs.bundle("worker-2")
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, str(node.ca), str(node.cert), str(node.key)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env, cwd=REPO,
+    )  # fmt: skip
+    try:
+        line = child.stdout.readline().split()  # type: ignore[union-attr]
+        assert line, child.communicate(timeout=10)[1]
+        port, enforced = int(line[0]), line[1] == "True"
+        client = certs.bundle("worker-1")
+        tls13 = _handshake(port, client, certs.ca_cert, tls12=False)
+        tls12 = _handshake(port, client, certs.ca_cert, tls12=True)
+        reply = _ping(open_channel(f"127.0.0.1:{port}", client))
+        assert reply.peer == "mobius://worker/1"  # a TLS 1.3 gRPC client is identified
+    finally:
+        child.stdin.close()  # type: ignore[union-attr]
+        child.wait(timeout=10)
+    assert tls13 == "TLSv1.3"
+    if grpc_first:
+        # gRPC read its environment before this module could set it: the handshake
+        # layer is off (and says so), TLS 1.2 completes, and only the per-RPC check
+        # (test_peer_identity_needs_tls13) refuses such a peer.
+        assert not enforced and tls12 == "TLSv1.2"
+    else:
+        assert enforced and tls12.startswith("refused"), tls12

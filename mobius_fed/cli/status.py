@@ -46,7 +46,8 @@ def add_status_parser(subparsers: Any) -> None:
         type=Path,
         default=Path("certs"),
         metavar="DIR",
-        help="directory with ca.crt, operator.crt, operator.key (default: certs)",
+        help="directory with ca.crt, operator.crt, operator.key, or the operator's bundle "
+        "with ca.crt, tls.crt, tls.key (default: certs)",
     )
     p.add_argument(
         "--rest",
@@ -79,8 +80,16 @@ def status_main(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- fetching
 def operator_tls(certs: Path) -> NodeTLS:
-    """The operator's TLS files in ``certs``; CliError naming what is missing."""
+    """The operator's TLS files in ``certs``; CliError naming what is missing.
+
+    ``certs`` is either the directory ``mobius-fed certs init`` wrote (``ca.crt``,
+    ``operator.crt``, ``operator.key``) or the operator's bundle (``nodes/operator``:
+    ``ca.crt``, ``tls.crt``, ``tls.key``).
+    """
     tls = NodeTLS(ca=certs / "ca.crt", cert=certs / "operator.crt", key=certs / "operator.key")
+    bundle = NodeTLS(ca=certs / "ca.crt", cert=certs / "tls.crt", key=certs / "tls.key")
+    if not tls.cert.is_file() and bundle.cert.is_file():
+        tls = bundle
     missing = [str(p) for p in (tls.ca, tls.cert, tls.key) if not p.is_file()]
     if missing:
         raise CliError(
@@ -151,6 +160,7 @@ def fetch_rest_status(url: str, certs: Path, timeout: float) -> dict[str, Any]:
         tls = operator_tls(certs)
         try:
             ctx = ssl.create_default_context(cafile=str(tls.ca))
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_3
             ctx.load_cert_chain(str(tls.cert), str(tls.key))
         except (ssl.SSLError, OSError) as exc:
             raise CliError(f"cannot load operator TLS material from {certs}: {exc}") from None

@@ -5,9 +5,10 @@ Routes (all GET): ``/v1/status``, ``/v1/history``, ``/metrics`` (Prometheus text
 
 :class:`RestServer` serves them from a background thread in one of two modes:
 
-* **TLS** (the normal one): mutual TLS with the coordinator's certificate; the handshake
-  requires a client certificate signed by our CA, and the caller's ``mobius://`` identity
-  (URI SAN) must then pass ``allowed(identity)``, else 403. uvicorn does not expose the
+* **TLS** (the normal one): mutual TLS 1.3 only, with the coordinator's certificate; the
+  handshake requires a client certificate signed by our CA, and the caller's one
+  ``mobius://`` identity (URI SAN; a certificate with several has none) must then pass
+  ``allowed(identity)``, else 403. uvicorn does not expose the
   peer certificate to the app, so :class:`_PeerCertH11Protocol` copies it into the
   per-connection ASGI ``scope["state"]`` where :class:`_AccessMiddleware` reads it.
 * **local**: plain HTTP bound to a loopback address only, read-only, unauthenticated,
@@ -35,7 +36,7 @@ from pydantic import BaseModel, Field
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mobius_fed.coordinator.state import RunState, json_safe
-from mobius_fed.transport.tls import SCHEME, NodeTLS
+from mobius_fed.transport.tls import NodeTLS, identity_or_reason
 
 log = logging.getLogger(__name__)
 
@@ -170,13 +171,16 @@ def make_app(state: RunState) -> FastAPI:
 
 # --------------------------------------------------------------------------- identity
 def identity_from_cert(cert: dict[str, Any] | None) -> str | None:
-    """The first ``mobius://`` URI SAN of a ``getpeercert()`` dict, or None."""
+    """The one ``mobius://`` URI SAN of a ``getpeercert()`` dict, or None."""
+    return identity_or_reason_from_cert(cert)[0]
+
+
+def identity_or_reason_from_cert(cert: dict[str, Any] | None) -> tuple[str | None, str]:
+    """``(identity, "")`` or ``(None, why)``: exactly one ``mobius://`` URI is required."""
     if not cert:
-        return None
-    for kind, value in cert.get("subjectAltName", ()):
-        if kind == "URI" and str(value).startswith(SCHEME):
-            return str(value)
-    return None
+        return None, "no verified client certificate"
+    uris = [str(v) for kind, v in cert.get("subjectAltName", ()) if kind == "URI"]
+    return identity_or_reason(uris)
 
 
 class _PeerCertH11Protocol(H11Protocol):
@@ -229,9 +233,9 @@ class _AccessMiddleware:
         state = scope.get("state") or {}
         if PEER_CERT_KEY not in state:  # wrong protocol class or a plain connection
             return _json(403, "no verified client certificate on this connection")
-        who = identity_from_cert(state[PEER_CERT_KEY])
+        who, why = identity_or_reason_from_cert(state[PEER_CERT_KEY])
         if who is None:
-            return _json(403, "client certificate carries no mobius:// identity")
+            return _json(403, f"client refused: {why}")
         if self.allowed is not None and not self.allowed(who):
             return _json(403, f"identity {who} is not enrolled in this run")
         return None
@@ -248,6 +252,16 @@ def _host_header(scope: dict) -> str:
 
 
 # --------------------------------------------------------------------------- server
+class _TLS13Config(uvicorn.Config):
+    """uvicorn's Config whose server SSL context accepts TLS 1.3 only."""
+
+    def load(self) -> None:
+        super().load()
+        if self.ssl is not None:
+            self.ssl.minimum_version = ssl.TLSVersion.TLSv1_3
+            self.ssl.maximum_version = ssl.TLSVersion.MAXIMUM_SUPPORTED
+
+
 class _ThreadServer(uvicorn.Server):
     """uvicorn server that never touches signal handlers (it runs in a worker thread)."""
 
@@ -347,7 +361,7 @@ class RestServer:
                 ssl_ca_certs=str(self.tls.ca),
                 ssl_cert_reqs=ssl.CERT_REQUIRED,
             )
-        config = uvicorn.Config(
+        config = _TLS13Config(
             app,
             http=_PeerCertH11Protocol,
             ws="none",

@@ -1,20 +1,58 @@
 """Mutual TLS for every gRPC link: node identities, credentials, channel/server options.
 
-A node's identity is a URI SAN in its certificate: ``mobius://worker/<i>``,
-``mobius://coordinator`` or ``mobius://operator``. TLS only proves "signed by our CA";
-who is calling is read from the peer certificate with :func:`peer_identity` and
-authorized with :func:`require_peer`.
+A node's identity is the one ``mobius://`` URI SAN in its certificate:
+``mobius://worker/<i>``, ``mobius://coordinator`` or ``mobius://operator``. TLS only
+proves "signed by our CA"; who is calling is read from the peer certificate with
+:func:`peer_identity_or_reason` and authorized with :func:`require_peer`. A certificate
+with no or several ``mobius://`` URIs, or a connection below TLS 1.3, has no identity.
+
+TLS 1.3 only. gRPC Python has no minimum-version setting (its core keeps
+``set_min_tls_version`` internal), so two layers enforce it:
+
+* the handshake: gRPC's core reads ``GRPC_SSL_CIPHER_SUITES`` once, when ``grpc`` is
+  first imported. :data:`GRPC_TLS13_CIPHER_SUITES` lists the TLS 1.3 suites plus one
+  TLS 1.2 PSK suite that never negotiates (no PSK is configured), so a TLS 1.2 peer
+  finds no shared cipher. It works only if set before the first ``import grpc`` of the
+  process: :func:`restrict_grpc_to_tls13` is called here before this module imports
+  ``grpc``, and ``mobius_fed/__init__`` should call it too;
+* every RPC: the negotiated version is in the auth context (``ssl_tls_version``), and
+  :func:`peer_identity_or_reason` gives no identity to anything but ``TLSv1.3``.
+
+A node holds only its own secrets: :func:`check_node_secrets`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import re
+import sys
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-import grpc
+GRPC_TLS13_CIPHER_SUITES = (
+    "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256:PSK-AES128-CBC-SHA"
+)
+"""Value of ``GRPC_SSL_CIPHER_SUITES`` that leaves a TLS 1.2 peer no usable cipher."""
+
+
+def restrict_grpc_to_tls13() -> bool:
+    """Set ``GRPC_SSL_CIPHER_SUITES`` for TLS 1.3-only handshakes; True if it takes effect.
+
+    It takes effect only when gRPC's core was not loaded yet in this process (or the
+    variable already had this value when it was). Child processes inherit it.
+    """
+    before = os.environ.get("GRPC_SSL_CIPHER_SUITES")
+    os.environ["GRPC_SSL_CIPHER_SUITES"] = GRPC_TLS13_CIPHER_SUITES
+    return "grpc._cython.cygrpc" not in sys.modules or before == GRPC_TLS13_CIPHER_SUITES
+
+
+_HANDSHAKE_TLS13 = restrict_grpc_to_tls13()
+
+import grpc  # noqa: E402  (after the environment above: gRPC reads it at import)
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +173,12 @@ def add_port(
 ) -> int:
     """Bind ``address`` with mTLS, or plaintext only if ``tls`` is None and ``insecure``."""
     if tls is not None:
+        if not _HANDSHAKE_TLS13:
+            log.warning(
+                "gRPC was imported before GRPC_SSL_CIPHER_SUITES was set: TLS 1.2 handshakes "
+                "to %s are possible, but every authorized RPC on them is refused",
+                address,
+            )
         return server.add_secure_port(address, server_credentials(tls))
     if not insecure:
         raise ValueError("no TLS material given; plaintext needs an explicit insecure=True")
@@ -154,23 +198,260 @@ def open_channel(
     return grpc.insecure_channel(target, channel_options(None))
 
 
-def peer_identity(context: grpc.ServicerContext) -> str | None:
-    """The caller's ``mobius://`` identity from its verified certificate, or None."""
+def tls13_handshakes_enforced() -> bool:
+    """Whether this process's gRPC refuses TLS 1.2 handshakes (see the module doc).
+
+    Either way RPCs over anything but TLS 1.3 get no identity from :func:`peer_identity`.
+    """
+    return _HANDSHAKE_TLS13
+
+
+# --------------------------------------------------------------------------- identities
+def _is_mobius_uri(value: str) -> bool:
+    return value[: len(SCHEME)].lower() == SCHEME
+
+
+def identity_or_reason(uris: Sequence[str]) -> tuple[str | None, str]:
+    """The identity among a certificate's URI SANs: exactly one ``mobius://`` URI, valid.
+
+    Returns ``(identity, "")`` or ``(None, reason)``. Other schemes are ignored; the
+    ``mobius`` scheme is matched case-insensitively so ``MOBIUS://…`` cannot hide a second.
+    """
+    ours = [u for u in uris if _is_mobius_uri(u)]
+    if not ours:
+        return None, "certificate carries no mobius:// URI"
+    if len(ours) > 1:
+        return None, (
+            f"certificate carries {len(ours)} mobius:// URIs ({', '.join(ours)}); "
+            "exactly one is required"
+        )
+    try:
+        parse_identity(ours[0])
+    except ValueError:
+        return None, f"certificate URI {ours[0]!r} is not a valid mobius identity"
+    return ours[0], ""
+
+
+@functools.lru_cache(maxsize=256)
+def certificate_uris(pem: bytes) -> tuple[str, ...]:
+    """Every URI SAN of a PEM certificate (ValueError if it cannot be parsed)."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(pem)
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return ()
+    return tuple(san.get_values_for_type(x509.UniformResourceIdentifier))
+
+
+def certificate_identity(pem: bytes) -> str:
+    """The identity of a PEM certificate; ValueError saying why if it has none."""
+    who, why = identity_or_reason(certificate_uris(pem))
+    if who is None:
+        raise ValueError(why)
+    return who
+
+
+def _text(raw: Any) -> str:
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+
+
+def peer_identity_or_reason(context: grpc.ServicerContext) -> tuple[str | None, str]:
+    """``(identity, "")`` of the caller, or ``(None, why it has none)``.
+
+    The caller needs a verified certificate (gRPC checked the chain) over TLS 1.3 that
+    carries exactly one ``mobius://`` URI. URIs are read from the certificate itself;
+    gRPC's ``peer_uri`` list (which may hold several entries) is the fallback.
+    """
     auth = context.auth_context() or {}
-    for key in ("peer_uri", "x509_subject_alternative_name"):
-        for raw in auth.get(key, ()):
-            value = raw.decode() if isinstance(raw, bytes) else str(raw)
-            if value.startswith(SCHEME):
-                return value
-    return None
+    kind = [_text(v) for v in auth.get("transport_security_type", ())]
+    if kind != ["ssl"]:
+        return None, "connection is not TLS"
+    version = [_text(v) for v in auth.get("ssl_tls_version", ())]
+    if version != ["TLSv1.3"]:
+        got = version[0] if version else "an unknown TLS version"
+        return None, f"connection negotiated {got}; TLS 1.3 is required"
+    pems = auth.get("x509_pem_cert", ())
+    if len(pems) == 1:
+        try:
+            uris: Sequence[str] = certificate_uris(bytes(pems[0]))
+        except ValueError:
+            return None, "peer certificate cannot be parsed"
+    elif "peer_uri" in auth:
+        uris = [_text(v) for v in auth["peer_uri"]]
+    else:
+        return None, "no verified peer certificate"
+    return identity_or_reason(uris)
+
+
+def peer_identity(context: grpc.ServicerContext) -> str | None:
+    """The caller's ``mobius://`` identity, or None (see :func:`peer_identity_or_reason`)."""
+    return peer_identity_or_reason(context)[0]
 
 
 def require_peer(context: grpc.ServicerContext, allowed: Collection[str] | Sequence[str]) -> str:
-    """Return the caller's identity or abort the RPC with PERMISSION_DENIED."""
-    who = peer_identity(context)
-    if who is None or who not in allowed:
+    """Return the caller's identity or abort the RPC with PERMISSION_DENIED, saying why."""
+    who, why = peer_identity_or_reason(context)
+    if who is None:
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"peer refused: {why}")
+    if who not in allowed:
         context.abort(
             grpc.StatusCode.PERMISSION_DENIED,
-            f"peer {who or '<no identity>'} not allowed (expected one of {sorted(allowed)})",
+            f"peer {who} not allowed (expected one of {sorted(allowed)})",
         )
     return who  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- secrets
+COMPOSE_HINT = (
+    "Docker Engine < 26 ignores volume.subpath, so every container sees the whole certs "
+    "volume; use Engine >= 26"
+)
+MAX_SCANNED_BYTES = 1 << 20
+"""Files larger than this are not read when looking for private keys (keys are small)."""
+
+
+class SecretsError(ValueError):
+    """A node's certificate directory holds secrets that are not the node's own."""
+
+
+_PEM_PRIVATE_KEY = re.compile(rb"-----BEGIN ([A-Z0-9 ]*PRIVATE KEY)-----.*?-----END \1-----", re.S)
+
+
+def _private_keys(data: bytes, path: Path) -> list[Any] | None:
+    """The private keys in a file: PEM blocks, or one DER key in a ``*.key``/``*.der``.
+
+    None when the file holds or claims to hold a private key that cannot be read
+    (encrypted, OpenSSH, unknown format): then nobody can tell whose key it is.
+    """
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    if b"PRIVATE KEY-----" in data:
+        blocks = [m.group(0) for m in _PEM_PRIVATE_KEY.finditer(data)]
+        if not blocks:
+            return None
+        keys = []
+        for block in blocks:
+            try:
+                keys.append(serialization.load_pem_private_key(block, password=None))
+            except (ValueError, TypeError, UnsupportedAlgorithm):
+                return None
+        return keys
+    if path.suffix.lower() in (".key", ".der"):
+        try:
+            return [serialization.load_der_private_key(data, password=None)]
+        except (ValueError, TypeError, UnsupportedAlgorithm):
+            return None
+    return []
+
+
+def _public_der(key: Any) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+def _cert_public_der(pem: bytes, what: str, path: Path) -> bytes:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+    except ValueError as exc:
+        raise SecretsError(f"{what} {path} is not a PEM certificate ({exc})") from None
+    return cert.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:
+        return False
+
+
+def check_node_secrets(tls: NodeTLS) -> None:
+    """Refuse to run with secrets that are not this node's own (:class:`SecretsError`).
+
+    Looks at the files directly inside each directory that holds the node's certificate,
+    key or CA certificate (not at subdirectories), and refuses:
+
+    * the CA key: a file named ``ca.key``, or any private key whose public key is the CA
+      certificate's;
+    * any other node's key: a private key whose public key is not this node's
+      certificate's, or a key file (``*.key``, PEM ``PRIVATE KEY``) that cannot be read
+      to tell whose it is (encrypted, unknown format);
+    * a private key that does not belong to the certificate;
+    * a certificate without exactly one ``mobius://`` URI.
+
+    The message names the file and says why.
+    """
+    b = tls.load()
+    own_pub = _cert_public_der(b.cert, "certificate", Path(tls.cert))
+    ca_pub = _cert_public_der(b.ca, "CA certificate", Path(tls.ca))
+    own = _private_keys(b.key, Path(tls.key))
+    if not own:
+        raise SecretsError(f"private key {tls.key} holds no readable unencrypted private key")
+    for key in own:
+        if _public_der(key) == ca_pub:
+            raise SecretsError(
+                f"private key {tls.key} is the CA key: a node must never hold it. {COMPOSE_HINT}"
+            )
+        if _public_der(key) != own_pub:
+            raise SecretsError(
+                f"private key {tls.key} does not match certificate {tls.cert} "
+                "(they are from different nodes or different issues of the certificates)"
+            )
+    try:
+        certificate_identity(b.cert)
+    except ValueError as exc:
+        raise SecretsError(f"certificate {tls.cert}: {exc}") from None
+    dirs: list[Path] = []
+    for p in (tls.cert, tls.key, tls.ca):
+        # the directory as mounted, and where its symlinks (Kubernetes secrets) lead
+        for d in (Path(p).absolute().parent, Path(p).resolve().parent):
+            if d not in dirs:
+                dirs.append(d)
+    for d in dirs:
+        for f in sorted(d.iterdir()):
+            _check_file(f, tls, own_pub, ca_pub)
+
+
+def _check_file(f: Path, tls: NodeTLS, own_pub: bytes, ca_pub: bytes) -> None:
+    try:
+        if not f.is_file():
+            return
+        if f.name.lower() == "ca.key":
+            raise SecretsError(
+                f"{f} is the CA key: a node must never hold it (anyone with it can mint any "
+                f"identity). Give the node only its own bundle: ca.crt, tls.crt, tls.key. "
+                f"{COMPOSE_HINT}"
+            )
+        if f.stat().st_size > MAX_SCANNED_BYTES:
+            return
+        data = f.read_bytes()
+    except PermissionError:
+        return  # this node cannot read it, so it does not hold it
+    keys = _private_keys(data, f)
+    if keys is None:
+        raise SecretsError(
+            f"{f} holds a private key this node cannot identify (encrypted or unknown "
+            f"format); a node's certificate directory holds only its own key. {COMPOSE_HINT}"
+        )
+    for key in keys:
+        pub = _public_der(key)
+        if pub == ca_pub:
+            raise SecretsError(
+                f"{f} holds the CA key: a node must never hold it (anyone with it can mint "
+                f"any identity). {COMPOSE_HINT}"
+            )
+        if pub != own_pub:
+            raise SecretsError(
+                f"{f} holds another node's private key (its public key is not the one in "
+                f"{tls.cert}); a node holds only its own key. {COMPOSE_HINT}"
+            )
