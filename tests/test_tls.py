@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import ssl
 import stat
@@ -34,8 +35,10 @@ from mobius_fed.transport import (
     require_peer,
     worker_identity,
 )
+from mobius_fed.transport.certs import renew_node, rotate_ca
 from mobius_fed.transport.tls import (
     certificate_identity,
+    check_node_secrets,
     identity_or_reason,
     peer_identity_or_reason,
 )
@@ -387,3 +390,58 @@ def test_grpc_server_handshakes_tls13_only(certs: CertLayout, grpc_first: bool) 
         assert not enforced and tls12 == "TLSv1.2"
     else:
         assert enforced and tls12.startswith("refused"), tls12
+
+
+# --------------------------------------------------------------------------- key rotation
+def _grpc_server(node: NodeTLS) -> tuple[grpc.Server, str]:
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+    ring_pb2_grpc.add_RingLinkServicer_to_server(_Servicer(), srv)
+    port = add_port(srv, "127.0.0.1:0", node)
+    srv.start()
+    return srv, f"127.0.0.1:{port}"
+
+
+def test_renew_one_node_keeps_its_identity(tmp_path: Path) -> None:
+    layout = init_certs(tmp_path / "c", 3, hosts=["gpu-a", "10.0.0.7"])
+    old = NodeTLS(*(tmp_path / "old" / f for f in ("ca.crt", "tls.crt", "tls.key")))
+    shutil.copytree(layout.bundle("worker-1").cert.parent, old.cert.parent)
+    untouched = layout.bundle("worker-0").key.read_bytes()
+
+    new = renew_node(layout.root, "worker-1")
+    assert new == layout.bundle("worker-1")
+    assert new.key.read_bytes() != old.key.read_bytes()
+    assert layout.node("worker-1").key.read_bytes() == new.key.read_bytes()
+    assert layout.bundle("worker-0").key.read_bytes() == untouched
+    sans = x509.load_pem_x509_certificate(new.cert.read_bytes()).extensions
+    san = sans.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["mobius://worker/1"]
+    assert san.get_values_for_type(x509.DNSName) == ["localhost", "worker-1", "gpu-a"]
+    check_node_secrets(new)
+    with pytest.raises(KeyError):
+        renew_node(layout.root, "worker-9")
+
+    srv, addr = _grpc_server(layout.bundle("worker-2"))
+    try:
+        assert _ping(open_channel(addr, new)).peer == "mobius://worker/1"
+        # Honest limit: no revocation list, so the old certificate works until it expires.
+        assert _ping(open_channel(addr, old)).peer == "mobius://worker/1"
+    finally:
+        srv.stop(grace=None)
+
+
+def test_rotate_ca_cuts_off_every_old_certificate(tmp_path: Path) -> None:
+    layout = init_certs(tmp_path / "c", 2, hosts=["gpu-a"])
+    old = NodeTLS(*(tmp_path / "old" / f for f in ("ca.crt", "tls.crt", "tls.key")))
+    shutil.copytree(layout.bundle("worker-0").cert.parent, old.cert.parent)
+    new_layout = rotate_ca(layout.root)
+    assert new_layout.workers == 2
+    assert new_layout.ca_cert.read_bytes() != old.ca.read_bytes()
+    leaf = x509.load_pem_x509_certificate(new_layout.bundle("worker-0").cert.read_bytes())
+    san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "gpu-a" in san.get_values_for_type(x509.DNSName)  # hosts kept
+    srv, addr = _grpc_server(new_layout.bundle("worker-1"))
+    try:
+        assert _ping(open_channel(addr, new_layout.bundle("worker-0"))).peer == "mobius://worker/0"
+        _assert_refused(open_channel(addr, NodeTLS(new_layout.ca_cert, old.cert, old.key)))
+    finally:
+        srv.stop(grace=None)

@@ -5,6 +5,13 @@ Layout of ``out``: ``ca.crt``/``ca.key``, ``worker-<i>.crt``/``.key`` for i in 0
 written with mode 0600. Every leaf carries its identity as a URI SAN, DNS SANs
 ``localhost`` and its service name, IP SAN 127.0.0.1, every ``hosts`` value, and both
 serverAuth and clientAuth extended key usage (a worker is a server and a client).
+``nodes/<name>/{ca.crt,tls.crt,tls.key}`` is each node's bundle: the only files a node's
+host or container should receive.
+
+Rotation: :func:`renew_node` re-issues one node (a leaked or lost key) with the same
+identity; :func:`rotate_ca` replaces the CA and every certificate. There is no
+revocation list: a renewed node's old certificate stays valid until it expires, so only
+a CA rotation cuts a leaked key off at once.
 """
 
 from __future__ import annotations
@@ -111,6 +118,68 @@ def _sans(name: str, hosts: Sequence[str]) -> list[x509.GeneralName]:
     return sans
 
 
+def _issue(
+    layout: CertLayout,
+    name: str,
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    sans: list[x509.GeneralName],
+    not_before: dt.datetime,
+    not_after: dt.datetime,
+) -> NodeTLS:
+    """A fresh key and certificate for node ``name``, written flat and as its bundle."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    node = layout.node(name)
+    _write(node.key, _key_pem(key), 0o600)
+    _write(node.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    # A per-node bundle (ca.crt, tls.crt, tls.key) to hand to exactly one host or
+    # container: it holds that node's key and nobody else's.
+    bundle = layout.bundle(name)
+    bundle.cert.parent.mkdir(parents=True, exist_ok=True)
+    _write(bundle.ca, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    _write(bundle.key, _key_pem(key), 0o600)
+    _write(bundle.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return bundle
+
+
 def init_certs(
     out: Path,
     workers: int,
@@ -173,54 +242,78 @@ def init_certs(
     _write(layout.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
 
     for name in layout.names():
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(ca_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(not_before)
-            .not_valid_after(not_after)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(
-                x509.ExtendedKeyUsage(
-                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-                ),
-                critical=False,
-            )
-            .add_extension(x509.SubjectAlternativeName(_sans(name, hosts)), critical=False)
-            .add_extension(
-                x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
-            )
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
-                critical=False,
-            )
-            .sign(ca_key, hashes.SHA256())
-        )
-        node = layout.node(name)
-        _write(node.key, _key_pem(key), 0o600)
-        _write(node.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
-        # A per-node bundle (ca.crt, tls.crt, tls.key) to hand to exactly one host or
-        # container: it holds that node's key and nobody else's.
-        bundle = layout.bundle(name)
-        bundle.cert.parent.mkdir(parents=True, exist_ok=True)
-        _write(bundle.ca, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
-        _write(bundle.key, _key_pem(key), 0o600)
-        _write(bundle.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        _issue(layout, name, ca_key, ca_cert, _sans(name, hosts), not_before, not_after)
     return layout
+
+
+def load_layout(root: Path) -> CertLayout:
+    """The layout :func:`init_certs` wrote in ``root`` (worker count read from the files)."""
+    root = Path(root)
+    for f in ("ca.crt", "ca.key"):
+        if not (root / f).is_file():
+            raise FileNotFoundError(f"{root / f} not found: not a directory made by certs init")
+    workers = 0
+    while (root / f"worker-{workers}.crt").is_file():
+        workers += 1
+    if workers == 0:
+        raise FileNotFoundError(f"no worker-0.crt in {root}")
+    return CertLayout(root=root, ca_cert=root / "ca.crt", ca_key=root / "ca.key", workers=workers)
+
+
+def renew_node(root: Path, name: str, hosts: Sequence[str] = (), *, days: int = 365) -> NodeTLS:
+    """Issue node ``name`` a new key and certificate with the same identity from the CA.
+
+    For a leaked or lost node key: the node's flat files and ``nodes/<name>/`` bundle are
+    replaced; deploy the bundle to that node only. Keeps the old certificate's SANs (plus
+    ``hosts``). The OLD certificate stays valid until it expires (there is no revocation
+    list): to cut it off at once, rotate the whole CA (:func:`rotate_ca`).
+    """
+    layout = load_layout(root)
+    layout.node(name)  # KeyError for an unknown node
+    ca_key = serialization.load_pem_private_key(layout.ca_key.read_bytes(), None)
+    ca_cert = x509.load_pem_x509_certificate(layout.ca_cert.read_bytes())
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{layout.ca_key} is not an EC key")
+    sans = _sans(name, hosts)
+    old = layout.node(name).cert
+    if old.is_file():
+        kept = x509.load_pem_x509_certificate(old.read_bytes())
+        try:
+            previous = list(
+                kept.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            )
+        except x509.ExtensionNotFound:
+            previous = []
+        sans = previous + [n for n in sans if n not in previous]
+    uris = [n for n in sans if isinstance(n, x509.UniformResourceIdentifier)]
+    if [u.value for u in uris] != [identity_of(name)]:
+        raise ValueError(f"{old} carries URIs {[u.value for u in uris]}, not {identity_of(name)}")
+    now = dt.datetime.now(dt.timezone.utc)
+    not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
+    return _issue(layout, name, ca_key, ca_cert, sans, now - dt.timedelta(minutes=5), not_after)
+
+
+def rotate_ca(root: Path, hosts: Sequence[str] = (), *, days: int = 365) -> CertLayout:
+    """A new CA and new certificates for every node (same nodes): every old one stops working.
+
+    The same as ``certs init --overwrite`` with the worker count read from ``root``.
+    """
+    layout = load_layout(root)
+    kept: list[str] = []
+    for n in _san_list(layout.node("coordinator").cert):  # the hosts given to init
+        value = str(n.value)
+        default = ("localhost", "coordinator") if isinstance(n, x509.DNSName) else ("127.0.0.1",)
+        if isinstance(n, x509.DNSName | x509.IPAddress) and value not in default:
+            kept.append(value)
+    hosts = kept + [h for h in hosts if h not in kept]
+    return init_certs(root, layout.workers, hosts, days=days, overwrite=True)
+
+
+def _san_list(cert_path: Path) -> list[x509.GeneralName]:
+    if not cert_path.is_file():
+        return []
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    try:
+        return list(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
+    except x509.ExtensionNotFound:
+        return []
