@@ -34,6 +34,7 @@ import json
 import math
 import os
 import secrets
+import shutil
 import sys
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -254,10 +255,11 @@ def save_checkpoint(path: Path, state: dict) -> Path:
 
 
 def prune_checkpoints(directory: Path, pattern: str, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest (by name) files matching ``pattern``; return them.
+    """Delete all but the ``keep`` newest (by name) entries matching ``pattern``; return them.
 
-    Names sort in step/round order when they carry zero-padded numbers
-    (``round-000010.pt``). Leftover temporary files of crashed writers are removed too.
+    Entries are files or directories (a coordinator's ``round-<r>/``); names sort in
+    step/round order when they carry zero-padded numbers (``round-000010.ckpt``).
+    Leftover temporary files of crashed writers are removed too.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
@@ -266,7 +268,10 @@ def prune_checkpoints(directory: Path, pattern: str, keep: int) -> list[Path]:
     matches = sorted(p for p in directory.glob(pattern) if TMP_MARKER not in p.name)
     for p in matches[:-keep]:
         with contextlib.suppress(FileNotFoundError):
-            p.unlink()
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
             removed.append(p)
     for p in directory.glob(f".*{TMP_MARKER}*"):
         if _writer_gone(p):

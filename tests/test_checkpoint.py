@@ -408,3 +408,8 @@ def test_prune_keeps_the_newest(tmp_path: Path) -> None:
     assert dead in removed
     with pytest.raises(ValueError):
         prune_checkpoints(tmp_path, "round-*.ckpt", keep=0)
+    rounds = tmp_path / "coordinator"
+    for r in (5, 10, 15):
+        save_checkpoint(rounds / f"round-{r:06d}" / "er.ckpt", {"r": r})
+    prune_checkpoints(rounds, "round-*", keep=1)
+    assert [p.name for p in rounds.iterdir()] == ["round-000015"]
