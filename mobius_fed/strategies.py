@@ -7,6 +7,7 @@ FedAvgM's momentum is computed by the same Flower code in both.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,8 @@ STRATEGIES: dict[str, type[FedAvg]] = {
 }
 # Keys of the ConfigRecord a train/evaluate message carries.
 STEP_START, STEP_END, CHECKPOINT = "step-start", "step-end", "checkpoint"
+STATE_COPY = "state-copy"  # the worker also sends its checkpoint's bytes (a copy kept elsewhere)
+BARRIER_SNAPSHOT = "barrier-snapshot"  # the worker writes its barrier state to disk too
 # Server-side state a strategy keeps between rounds (saved in checkpoints).
 SERVER_STATE_ATTRS = ("current_arrays", "momentum_vector", "m_t", "v_t")
 
@@ -88,7 +91,11 @@ class BarrierRounds:
 
     plan: RoundPlan
     round_offset: int = 0
-    hooks: Any = None  # has after_train(rnd, replies, arrays) and after_evaluate(rnd, replies)
+    state_copy: bool = False
+    keep_checkpoints: int = 0  # checkpoint files a worker keeps (0: all)
+    barrier_snapshots: bool = False
+    hooks: Any = None  # after_train(rnd, replies, arrays), after_evaluate(rnd, replies),
+    # and optionally before_train(rnd)
 
     def global_round(self, server_round: int) -> int:
         return server_round + self.round_offset
@@ -100,7 +107,12 @@ class BarrierRounds:
         start, end = self.plan.steps_of(rnd)
         config[STEP_START], config[STEP_END] = start, end
         config[CHECKPOINT] = self.plan.checkpoints(rnd)
+        config[STATE_COPY] = self.state_copy and self.plan.checkpoints(rnd)
+        config["keep-checkpoints"] = self.keep_checkpoints
+        config[BARRIER_SNAPSHOT] = self.barrier_snapshots
         config["round"] = rnd
+        if self.hooks is not None and hasattr(self.hooks, "before_train"):
+            self.hooks.before_train(rnd)
         return list(super().configure_train(server_round, arrays, config, grid))  # type: ignore[misc]
 
     def aggregate_train(
@@ -159,10 +171,37 @@ def make_strategy(
 
 
 def server_state(strategy: Strategy) -> dict[str, Any]:
-    """The strategy's between-round state (momentum, moments, current arrays)."""
-    return {k: getattr(strategy, k) for k in SERVER_STATE_ATTRS if hasattr(strategy, k)}
+    """A copy of the strategy's between-round state (momentum, moments, current arrays)."""
+    return copy.deepcopy(
+        {k: getattr(strategy, k) for k in SERVER_STATE_ATTRS if hasattr(strategy, k)}
+    )
 
 
 def restore_server_state(strategy: Strategy, state: dict[str, Any]) -> None:
-    for k, v in state.items():
+    for k, v in copy.deepcopy(state).items():
         setattr(strategy, k, v)
+
+
+_ARRAYS_TAG = "__array_record__"
+
+
+def to_plain(value: Any) -> Any:
+    """``value`` with every Flower ArrayRecord as a tagged dict of tensors (checkpointable)."""
+    if isinstance(value, ArrayRecord):
+        return {_ARRAYS_TAG: value.to_torch_state_dict()}
+    if isinstance(value, dict):
+        return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_plain(v) for v in value]
+    return value
+
+
+def from_plain(value: Any) -> Any:
+    """The inverse of :func:`to_plain`."""
+    if isinstance(value, dict):
+        if set(value) == {_ARRAYS_TAG}:
+            return ArrayRecord(value[_ARRAYS_TAG])
+        return {k: from_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [from_plain(v) for v in value]
+    return value

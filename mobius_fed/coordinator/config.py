@@ -32,6 +32,12 @@ ENV_KEYS = {
     "HEARTBEAT_TIMEOUT": "heartbeat_timeout",
     "REGISTRATION_TIMEOUT": "registration_timeout",
     "RESUME": "resume",
+    "REJOIN_TIMEOUT": "rejoin_timeout",
+    "MAX_INCIDENTS": "max_incidents",
+    "KEEP_CHECKPOINTS": "keep_checkpoints",
+    "STATE_COPY": "state_copy",
+    "RESTORE_TIMEOUT": "restore_timeout",
+    "BARRIER_SNAPSHOTS": "barrier_snapshots",
     "INSECURE": "insecure",
     "LINGER": "linger",
 }
@@ -60,7 +66,29 @@ class CoordinatorConfig(BaseModel):
     heartbeat_timeout: float = Field(10.0, gt=0)
     registration_timeout: float = Field(600.0, gt=0)
     round_timeout: float = Field(3600.0, gt=0)
-    resume: bool = False
+    resume: bool | Literal["auto"] = Field(
+        False, description="continue from the newest complete manifest; auto: if there is one"
+    )
+    rejoin_timeout: float = Field(
+        300.0, gt=0, description="seconds an incident waits for the lost worker to come back"
+    )
+    max_incidents: int = Field(
+        10, ge=0, description="incidents the run recovers from before it fails"
+    )
+    restore_timeout: float = Field(
+        120.0, gt=0, description="seconds every worker has to load the rollback state"
+    )
+    keep_checkpoints: int = Field(0, ge=0, description="complete manifests to keep (0: all)")
+    barrier_snapshots: bool = Field(
+        True,
+        description="workers also write their state at every barrier to disk, in the "
+        "background, so a crashed worker redoes at most the round in flight",
+    )
+    state_copy: Literal["coordinator", "off"] = Field(
+        "coordinator",
+        description="coordinator: workers also send their checkpoint to the coordinator, so a "
+        "host replaced without its disk can rejoin; off: they keep it to themselves",
+    )
     linger: float = Field(
         0.0, description="seconds to keep serving status after the run ends (-1: until interrupted)"
     )

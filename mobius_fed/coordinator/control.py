@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 
 import grpc
 
-from mobius_fed.coordinator.grid import ControlGrid, RunFailed
-from mobius_fed.coordinator.state import RunState, json_safe
+from mobius_fed.coordinator.grid import ControlGrid, IncidentRaised, RunFailed
+from mobius_fed.coordinator.state import REPORTED_STATES, RunState, json_safe
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.transport.tls import (
     COORDINATOR_IDENTITY,
@@ -62,8 +63,13 @@ class ControlService(control_pb2_grpc.ControlServicer):
 
     # ------------------------------------------------------------- register
     def Register(self, request, context):
+        """Enrol the caller's rank (again, after it was lost) and answer the run spec at once.
+
+        The ring's addresses and the state to start from come later, as a restore message,
+        once every rank holds a session.
+        """
         rank = self._worker_rank(context)
-        if self.state.phase not in ("waiting", "training"):
+        if self.state.phase not in ("waiting", "training", "recovering"):
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"run {self.state.run_id} has ended ({self.state.phase}"
@@ -77,6 +83,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
             )
             log.error("refused: %s", msg)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+        address = request.listen_address
+        if not _valid_address(address):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"worker-{rank}: listen_address {address[:80]!r} is not host:port",
+            )
         with self._cond:
             w = self.state.workers[rank]
             if rank in self._registered and w.state not in ("lost", "expected"):
@@ -86,36 +98,50 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 )
                 log.error("refused: %s", msg)
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, msg)
-            self._registered[rank] = request.listen_address
+            rejoin = w.state == "lost"
+            self._registered[rank] = address
             self.state.update_worker(
-                rank, address=request.listen_address, state="registered", last_heartbeat=time.time()
+                rank,
+                address=address,
+                state="rejoining" if rejoin else "registered",
+                last_heartbeat=time.time(),
+                registered_at=time.time(),
             )
-            log.info("worker-%d registered (ring address %s)", rank, request.listen_address)
+            log.info(
+                "worker-%d %s (ring address %s)",
+                rank,
+                "re-registered after it was lost" if rejoin else "registered",
+                address,
+            )
             self._cond.notify_all()
-            ok = self._cond.wait_for(
-                lambda: len(self._registered) == self.P, self.registration_timeout
-            )
-        if not ok:
-            missing = sorted(set(range(self.P)) - set(self._registered))
-            context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"workers never registered: {', '.join(f'worker-{m}' for m in missing)}",
-            )
+        self.grid.notify()
         return self.run_spec(rank)
 
     def peers(self) -> list[str]:
         with self._cond:
-            return [self._registered[i] for i in range(self.P)]
+            return [self._registered.get(i, "") for i in range(self.P)]
 
     # ------------------------------------------------------------ heartbeat
     def Heartbeat(self, request, context):
         rank = self._worker_rank(context)
-        fields = dict(last_heartbeat=time.time(), step=request.step)
-        if self.state.workers[rank].state != "lost":
-            fields["state"] = request.state or "ready"
-        if request.last_loss == request.last_loss and request.step:  # not NaN
+        w = self.state.workers[rank]
+        if w.state in ("lost", "expected"):
+            # A frozen or cut-off worker coming back: it must register again.
+            return control_pb2.HeartbeatReply(
+                stop=False, rejoin=True, reason=f"worker-{rank} was counted lost; register again"
+            )
+        problem = heartbeat_problem(request, self.state.steps)
+        if problem:
+            log.warning("worker-%d: heartbeat refused: %s", rank, problem)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"heartbeat refused: {problem}")
+        fields: dict = dict(last_heartbeat=time.time(), step=request.step)
+        if w.state not in ("rejoining",) and request.state:
+            fields["state"] = request.state
+        if request.step:
             fields["last_loss"] = request.last_loss
         fields["tokens_per_s"] = request.tokens_per_s
+        if request.links_json:
+            fields["edges"] = json.loads(request.links_json)
         self.state.update_worker(rank, **fields)
         failure = self.grid.failure
         if failure:
@@ -127,13 +153,14 @@ class ControlService(control_pb2_grpc.ControlServicer):
     # -------------------------------------------------------------- session
     def Session(self, request_iterator, context):
         rank = self._worker_rank(context)
-        if rank not in self._registered:
+        if rank not in self._registered or self.state.workers[rank].state in ("lost", "expected"):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker-{rank} must register first")
         try:
             box = self.grid.open_session(rank)
         except RunFailed as exc:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        self.state.update_worker(rank, state="ready", last_heartbeat=time.time())
+        if self.state.workers[rank].state != "rejoining":
+            self.state.update_worker(rank, state="ready", last_heartbeat=time.time())
         log.info("worker-%d session open", rank)
 
         def receive() -> None:
@@ -143,14 +170,14 @@ class ControlService(control_pb2_grpc.ControlServicer):
                         self.grid.deliver(rank, env.flower_message)
             except grpc.RpcError as exc:
                 log.debug("worker-%d session ended: %r", rank, exc)
-            except Exception as exc:  # a bad reply fails the run, naming the worker
+            except Exception as exc:  # a reply it should not send: lost, named
                 log.error("worker-%d session: %s", rank, exc)
-                self.grid.fail(f"worker-{rank}: {exc}")
+                self.mark_lost(rank, f"its session sent something unusable: {exc}")
             finally:
-                self.grid.close_session(rank, box)
-                box.put(_END)
-                if self.state.phase == "training":
-                    self.mark_lost(rank, "its session closed (process gone or network cut)")
+                if self.grid.close_session(rank, box) is box:
+                    box.put(_END)
+                    if self.state.phase not in ("done", "failed", "stopped"):
+                        self.mark_lost(rank, "its session closed (process gone or network cut)")
 
         threading.Thread(target=receive, daemon=True, name=f"session-{rank}").start()
         while True:
@@ -160,14 +187,78 @@ class ControlService(control_pb2_grpc.ControlServicer):
             yield env
 
     def mark_lost(self, rank: int, why: str) -> None:
-        if self.state.workers[rank].state == "lost":
-            return
-        self.state.update_worker(rank, state="lost")
+        """Count ``rank`` lost: close its session (it must register again) and raise an
+        incident if a round may be waiting for it."""
+        with self._cond:
+            w = self.state.workers[rank]
+            if w.state in ("lost", "expected", "done"):
+                return
+            last_seen = w.last_heartbeat
+            self.state.update_worker(rank, state="lost", incidents=w.incidents + 1)
+        box = self.grid.close_session(rank)
+        if box is not None:
+            box.put(_END)
         reason = f"worker-{rank} ({worker_identity(rank)}) lost: {why}"
         log.error(reason)
-        self.grid.fail(reason)
+        if self.state.phase in ("training", "recovering"):
+            incident = IncidentRaised("worker lost", reason, rank)
+            incident.last_seen = last_seen  # type: ignore[attr-defined]
+            self.grid.raise_incident(incident)
+
+    def expire_silent(self, timeout: float) -> None:
+        """Count lost every worker whose last heartbeat is older than ``timeout`` seconds."""
+        now = time.time()
+        for w in list(self.state.workers.values()):
+            if w.state in ("lost", "expected", "done") or w.last_heartbeat is None:
+                continue
+            if now - w.last_heartbeat > timeout:
+                self.mark_lost(
+                    w.rank,
+                    f"no heartbeat for {now - w.last_heartbeat:.1f}s (timeout {timeout:.1f}s)",
+                )
 
     # --------------------------------------------------------------- status
     def GetStatus(self, request, context):
         require_peer(context, self.enrolled)
         return control_pb2.StatusReply(json=json.dumps(json_safe(self.state.status_doc())))
+
+
+_LINK_STATES = ("up", "down", "reconnecting", "closed", "unknown")
+
+
+def _valid_address(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536 and len(address) < 256)
+
+
+def heartbeat_problem(request: control_pb2.HeartbeatRequest, steps: int) -> str | None:
+    """Why a heartbeat cannot go into status or metrics (None: it can)."""
+    if request.state and request.state not in REPORTED_STATES:
+        return f"state {request.state[:40]!r} (expected one of {', '.join(REPORTED_STATES)})"
+    if request.step > steps:
+        return f"step {request.step} (the run has {steps} steps)"
+    if request.step and not (math.isfinite(request.last_loss) and 0 <= request.last_loss < 1e4):
+        return f"last_loss {request.last_loss!r} (expected a finite loss in [0, 1e4))"
+    if not (math.isfinite(request.tokens_per_s) and 0 <= request.tokens_per_s < 1e12):
+        return f"tokens_per_s {request.tokens_per_s!r} (expected finite, in [0, 1e12))"
+    if request.links_json:
+        if len(request.links_json) > 4096:
+            return "links_json longer than 4096 characters"
+        try:
+            links = json.loads(request.links_json)
+        except ValueError:
+            return "links_json is not JSON"
+        if not isinstance(links, dict) or not set(links) <= {"in", "out"}:
+            return "links_json must be an object with 'in' and/or 'out'"
+        for side, edge in links.items():
+            if not isinstance(edge, dict) or edge.get("state", "unknown") not in _LINK_STATES:
+                return f"links_json.{side}: unknown state"
+            for key in ("reconnects", "down_s"):
+                v = edge.get(key, 0)
+                if (
+                    isinstance(v, bool)
+                    or not isinstance(v, int | float)
+                    or not (math.isfinite(v) and 0 <= v < 1e9)
+                ):
+                    return f"links_json.{side}.{key}: {v!r}"
+    return None

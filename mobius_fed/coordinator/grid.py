@@ -1,9 +1,11 @@
 """A ``flwr.serverapp.Grid`` whose messages travel over the coordinator's mTLS sessions.
 
 Each worker keeps one ``Control.Session`` stream open; instructions go out on its
-response side, replies come back on its request side. A lost worker fails the waiting
-round at once with an error that names it (Flower's ``Strategy.start`` has no retry, so
-the exception ends the run cleanly).
+response side, replies come back on its request side. A lost worker (or a ring edge a
+worker reports down) raises :class:`IncidentRaised` in the waiting round at once, naming
+it: Flower's ``Strategy.start`` has no retry, so the exception leaves ``start`` and the
+coordinator rolls the ring back and starts the strategy again. Replies to the messages of
+an abandoned round are dropped when they arrive late.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from flwr.supercore.run import Run
 
 from mobius_fed.proto import control_pb2
 from mobius_fed.transport.flower_wire import (
+    ERROR_FATAL,
+    ERROR_RING,
     FLOWER_RUN_ID,
     message_from_bytes,
     message_to_bytes,
@@ -30,7 +34,24 @@ from mobius_fed.transport.flower_wire import (
 
 
 class RunFailed(RuntimeError):
-    """The run cannot go on (a worker was lost or answered with an error)."""
+    """The run cannot go on (it ends with this error)."""
+
+
+class GridTimeout(RunFailed):
+    """Some workers did not answer in time."""
+
+    def __init__(self, ranks: list[int], timeout: float):
+        names = ", ".join(f"worker-{r}" for r in ranks)
+        super().__init__(f"{names} did not answer within {timeout}s")
+        self.ranks = ranks
+
+
+class IncidentRaised(RuntimeError):
+    """A worker or ring edge was lost: the round in flight is abandoned."""
+
+    def __init__(self, kind: str, what: str, rank: int | None, edge: str | None = None):
+        super().__init__(what)
+        self.kind, self.what, self.rank, self.edge = kind, what, rank, edge
 
 
 class ControlGrid(Grid):
@@ -42,8 +63,10 @@ class ControlGrid(Grid):
         self._outboxes: dict[int, queue.Queue] = {}
         self._replies: dict[str, Message] = {}
         self._pending: dict[str, int] = {}  # message id → the rank it was sent to
+        self._abandoned: set[str] = set()  # ids of messages of an abandoned round
         self._cond = threading.Condition()
         self._failure: str | None = None
+        self._incident: IncidentRaised | None = None
         self.last_replies: list[Message] = []
 
     # --------------------------------------------------------- Grid protocol
@@ -97,7 +120,7 @@ class ControlGrid(Grid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        """Send, then wait for every reply; any lost worker or error reply fails the run."""
+        """Send, then wait for every reply; a lost worker or an error reply raises."""
         ids = list(self.push_messages(messages))
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -106,7 +129,9 @@ class ControlGrid(Grid):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     missing = [i for i in ids if i not in self._replies]
-                    raise RunFailed(f"{len(missing)} worker(s) did not answer within {timeout}s")
+                    ranks = sorted(self._pending.get(i, -1) for i in missing)
+                    self._abandoned |= set(missing)
+                    raise GridTimeout(ranks, timeout)  # type: ignore[arg-type]
                 self._cond.wait(left if left is not None else 1.0)
             # Node order, not arrival or sampling order: aggregation sums in reply order,
             # and a fixed order makes the float sums reproducible.
@@ -116,7 +141,12 @@ class ControlGrid(Grid):
         for reply in replies:
             if reply.has_error():
                 rank = rank_of_node(reply.metadata.src_node_id)
-                self.fail(f"worker-{rank} failed: {reply.error.reason}")
+                err = reply.error
+                if err.code == ERROR_FATAL:
+                    self.fail(f"worker-{rank} failed: {err.reason}")
+                    self._raise_if_failed()
+                kind = "ring edge down" if err.code == ERROR_RING else "worker error"
+                self.raise_incident(IncidentRaised(kind, f"worker-{rank}: {err.reason}", rank))
                 self._raise_if_failed()
         self.last_replies = replies
         return replies
@@ -131,12 +161,16 @@ class ControlGrid(Grid):
             self._cond.notify_all()
             return box
 
-    def close_session(self, rank: int, box: queue.Queue) -> None:
-        """Forget ``box`` (a newer session of the same rank stays)."""
+    def close_session(self, rank: int, box: queue.Queue | None = None) -> queue.Queue | None:
+        """Forget rank's session (only ``box`` if given: a newer session stays); return it."""
         with self._cond:
-            if self._outboxes.get(rank) is box:
+            current = self._outboxes.get(rank)
+            if current is not None and (box is None or current is box):
                 del self._outboxes[rank]
+            else:
+                current = None
             self._cond.notify_all()
+            return current
 
     def deliver(self, rank: int, data: bytes) -> None:
         """Accept worker ``rank``'s reply to a message that was sent to that rank only."""
@@ -145,17 +179,20 @@ class ControlGrid(Grid):
             raise RunFailed(f"worker-{rank} sent a reply as node {reply.metadata.src_node_id}")
         with self._cond:
             to = reply.metadata.reply_to_message_id
+            if to in self._abandoned:
+                self._abandoned.discard(to)  # a late reply from an abandoned round
+                return
             if self._pending.get(to) != rank:
                 raise RunFailed(f"worker-{rank} replied to message {to!r} it was not sent")
             del self._pending[to]
             self._replies[to] = reply
             self._cond.notify_all()
 
-    def wait_for_sessions(self, timeout: float) -> list[int]:
-        """Wait until all P workers hold a session; return the ranks still missing."""
+    def wait_for_sessions(self, timeout: float, ready=lambda: True) -> list[int]:
+        """Wait until all P workers hold a session (and ``ready()``); return those missing."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while len(self._outboxes) < self.P and self._failure is None:
+            while (len(self._outboxes) < self.P or not ready()) and self._failure is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -169,6 +206,26 @@ class ControlGrid(Grid):
                 self._failure = reason
             self._cond.notify_all()
 
+    def raise_incident(self, incident: IncidentRaised) -> None:
+        """Record ``incident`` (the first one wins) and wake the waiting round."""
+        with self._cond:
+            if self._incident is None:
+                self._incident = incident
+            self._cond.notify_all()
+
+    def take_incident(self) -> IncidentRaised | None:
+        """The pending incident, cleared; every unanswered message is abandoned."""
+        with self._cond:
+            incident, self._incident = self._incident, None
+            self._abandoned |= set(self._pending)
+            self._pending.clear()
+            self._replies.clear()
+            return incident
+
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     @property
     def failure(self) -> str | None:
         return self._failure
@@ -176,9 +233,15 @@ class ControlGrid(Grid):
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
             raise RunFailed(self._failure)
+        if self._incident is not None:
+            raise self._incident
 
-    def broadcast_stop(self, reason: str) -> None:
+    def broadcast(self, note: str, text: str = "") -> None:
+        """Send a control note ("stop", "abort") to every open session."""
         with self._cond:
             boxes = list(self._outboxes.values())
         for box in boxes:
-            box.put(control_pb2.Envelope(note="stop", flower_message=reason.encode()))
+            box.put(control_pb2.Envelope(note=note, flower_message=text.encode()))
+
+    def broadcast_stop(self, reason: str) -> None:
+        self.broadcast("stop", reason)

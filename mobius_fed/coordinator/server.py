@@ -7,53 +7,114 @@ with its E/R arrays, and the strategy aggregates them (FedAvg by default).
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 import logging
 import os
+import secrets
+import shutil
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mobius_fed.checkpoint import load_checkpoint, save_checkpoint
+from mobius_fed.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, sha256_of
 from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.control import ControlService
-from mobius_fed.coordinator.grid import ControlGrid, RunFailed
-from mobius_fed.coordinator.state import RunState
+from mobius_fed.coordinator.grid import ControlGrid, GridTimeout, IncidentRaised, RunFailed
+from mobius_fed.coordinator.state import Incident, RunState
 from mobius_fed.model import build_replica
 from mobius_fed.proto import control_pb2, control_pb2_grpc
-from mobius_fed.strategies import RoundPlan, make_strategy, restore_server_state, server_state
-from mobius_fed.transport.flower_wire import COORDINATOR_NODE_ID, rank_of_node, set_task_identity
+from mobius_fed.strategies import (
+    RoundPlan,
+    from_plain,
+    make_strategy,
+    restore_server_state,
+    server_state,
+    to_plain,
+)
+from mobius_fed.transport.flower_wire import (
+    COORDINATOR_NODE_ID,
+    rank_of_node,
+    set_task_identity,
+    worker_node_id,
+)
 from mobius_fed.transport.tls import GRPC_OPTIONS, add_port, worker_identity
 
 log = logging.getLogger("mobius.coordinator")
 MANIFEST = "manifest.json"
+ER_FILE = "er.ckpt"
 
 
 def checkpoint_dir(out_dir: Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
 
-def latest_manifest(out_dir: Path) -> Path | None:
-    """The newest complete manifest (its E/R file present), or None."""
-    rounds = sorted(checkpoint_dir(out_dir).glob("round-*/" + MANIFEST))
-    for path in reversed(rounds):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if (path.parent / doc["er"]).is_file():
-            return path
+def manifest_problem(path: Path, doc: dict[str, Any], plan: RoundPlan | None = None) -> str | None:
+    """Why the manifest at ``path`` cannot be used (None: it can)."""
+    try:
+        rnd = int(doc["round"])
+        if path.parent.name != f"round-{rnd:06d}":
+            return f"it names round {rnd} but lies in {path.parent.name}"
+        if plan is not None and int(doc["step"]) != plan.steps_of(rnd)[1]:
+            return f"round {rnd} ends at step {plan.steps_of(rnd)[1]}, it says {doc['step']}"
+        er = path.parent / doc["er"]
+        if not er.is_file():
+            return f"{er} is missing"
+        if "er_sha256" in doc and sha256_of(er) != doc["er_sha256"]:
+            return f"{er}: sha256 {sha256_of(er)} does not match the manifest's {doc['er_sha256']}"
+        if not isinstance(doc["workers"], dict):
+            return "no worker table"
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"malformed ({exc!r})"
     return None
 
 
+def complete_manifests(out_dir: Path, plan: RoundPlan | None = None) -> list[Path]:
+    """Every complete, verified manifest, newest first; unusable ones are logged and skipped."""
+    found = []
+    for path in sorted(checkpoint_dir(out_dir).glob("round-*/" + MANIFEST), reverse=True):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            log.warning("skipping manifest %s: %s", path, exc)
+            continue
+        problem = manifest_problem(path, doc, plan)
+        if problem:
+            log.warning("skipping manifest %s: %s", path, problem)
+            continue
+        found.append(path)
+    return found
+
+
+def latest_manifest(out_dir: Path) -> Path | None:
+    """The newest complete manifest (its E/R file present and verified), or None."""
+    found = complete_manifests(out_dir)
+    return found[0] if found else None
+
+
+@dataclass
+class RoundState:
+    """The coordinator's side of the ring state after round ``round``: averaged E/R, the
+    strategy's server state and the history so far. Round 0 is the start."""
+
+    round: int
+    arrays: ArrayRecord
+    server_state: dict[str, Any]
+    history: dict[str, Any] | None = None  # only when it came from disk
+    manifest: dict[str, Any] | None = None  # the manifest that holds this round, if any
+
+
 class Coordinator:
-    """Registers P workers, runs the strategy over them, writes checkpoints, serves status."""
+    """Registers P workers, runs the strategy over them, recovers from incidents, writes
+    checkpoints and serves status."""
 
     def __init__(self, cfg: CoordinatorConfig) -> None:
         self.cfg = cfg
@@ -67,15 +128,14 @@ class Coordinator:
             num_rounds=self.plan.num_rounds,
         )
         self.grid = ControlGrid(cfg.train.P)
-        self.resume_from: dict[str, Any] | None = None
-        if cfg.resume:
-            path = latest_manifest(cfg.out_dir)
-            if path is None:
-                raise FileNotFoundError(
-                    f"--resume: no complete checkpoint manifest under {checkpoint_dir(cfg.out_dir)}"
-                )
-            self.resume_from = {**json.loads(path.read_text()), "dir": str(path.parent)}
-            if self.resume_from["fingerprint"] != cfg.train.fingerprint():
+        self.manifests = complete_manifests(cfg.out_dir, self.plan) if cfg.resume else []
+        if cfg.resume is True and not self.manifests:
+            raise FileNotFoundError(
+                f"--resume: no complete checkpoint manifest under {checkpoint_dir(cfg.out_dir)}"
+            )
+        for path in self.manifests:
+            doc = json.loads(path.read_text())
+            if doc["fingerprint"] != cfg.train.fingerprint():
                 raise ValueError(f"--resume: {path} was written by a different train config")
         self.service = ControlService(
             self.state,
@@ -84,6 +144,11 @@ class Coordinator:
             run_spec=self._run_spec,
             registration_timeout=cfg.registration_timeout,
         )
+        self.snapshots: dict[int, RoundState] = {}
+        self.last_manifest_round = 0
+        self.in_flight = 0  # the train round in flight (0: none)
+        self.ring_epoch = 0
+        self.boot = secrets.token_hex(3)  # ring ids differ from any earlier coordinator's
         self._round_started = 0.0
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
@@ -149,7 +214,7 @@ class Coordinator:
 
     # ------------------------------------------------------------- run spec
     def _run_spec(self, rank: int) -> control_pb2.RunSpec:
-        spec = control_pb2.RunSpec(
+        return control_pb2.RunSpec(
             run_id=self.cfg.run_id,
             rank=rank,
             peers=self.service.peers(),
@@ -157,27 +222,10 @@ class Coordinator:
             config_fingerprint=self.train.fingerprint(),
             heartbeat_interval_s=self.cfg.heartbeat_interval,
         )
-        if self.resume_from:
-            w = self.resume_from["workers"][str(rank)]
-            spec.resume_round = self.resume_from["round"]
-            spec.resume_checkpoint = w["path"]
-        return spec
 
     def _watch_heartbeats(self) -> None:
-        while self.state.phase in ("waiting", "training"):
-            now = time.time()
-            for w in list(self.state.workers.values()):
-                if (
-                    self.state.phase == "training"
-                    and w.last_heartbeat is not None
-                    and w.state != "lost"
-                    and now - w.last_heartbeat > self.cfg.heartbeat_timeout
-                ):
-                    self.service.mark_lost(
-                        w.rank,
-                        f"no heartbeat for {now - w.last_heartbeat:.1f}s "
-                        f"(timeout {self.cfg.heartbeat_timeout:.1f}s)",
-                    )
+        while self.state.phase in ("waiting", "training", "recovering"):
+            self.service.expire_silent(self.cfg.heartbeat_timeout)
             time.sleep(min(0.5, self.cfg.heartbeat_interval))
 
     # ------------------------------------------------------------------ run
@@ -204,50 +252,35 @@ class Coordinator:
 
     def _train(self) -> int:
         set_task_identity(COORDINATOR_NODE_ID)
-        offset = self.resume_from["round"] if self.resume_from else 0
-        strategy = make_strategy(
-            self.cfg.strategy,
-            self.train.P,
-            self.plan,
-            self.cfg.strategy_options,
-            round_offset=offset,
-        )
-        strategy.hooks = self
-        self.strategy = strategy
-        if self.resume_from:
-            saved = load_checkpoint(Path(self.resume_from["dir"]) / self.resume_from["er"])
-            initial = saved["arrays"]
-            restore_server_state(strategy, saved["server_state"])
-            self._restore_history(saved.get("history", {}))
-        else:
-            replica = build_replica(self.train.model(), self.train.seed)
-            initial = ArrayRecord({k: v.detach().clone() for k, v in replica.state_dict().items()})
+        try:
+            start = self._start_state()
+        except (CheckpointError, RunFailed) as exc:
+            return self._fail(str(exc))
+        self.snapshots[start.round] = start
         missing = self.grid.wait_for_sessions(self.cfg.registration_timeout)
         if missing:
             names = ", ".join(f"worker-{m}" for m in missing)
             return self._fail(
                 f"workers never joined within {self.cfg.registration_timeout}s: {names}"
             )
-        self.state.set(phase="training", round=offset, step=self.plan.steps_of(offset + 1)[0])
-        log.info(
-            "all %d workers joined; training rounds %d..%d with %s",
-            self.train.P,
-            offset + 1,
-            self.plan.num_rounds,
-            type(strategy).__name__,
-        )
-        self._round_started = time.perf_counter()
-        try:
-            strategy.start(
-                grid=self.grid,
-                initial_arrays=initial,
-                num_rounds=self.plan.num_rounds - offset,
-                timeout=self.cfg.round_timeout,
-                train_config=ConfigRecord(),
-                evaluate_config=ConfigRecord(),
-            )
-        except RunFailed as exc:
-            return self._fail(str(exc))
+        self.state.set(phase="training")
+        log.info("all %d workers joined", self.train.P)
+        incident: Incident | None = None
+        while True:
+            try:
+                rnd = self._restore_ring(incident)
+                if incident is not None:
+                    self._close_incidents(rnd)
+                    incident = None
+                self._run_strategy(rnd)
+                break
+            except IncidentRaised as exc:
+                try:
+                    incident = self._handle_incident(exc)
+                except RunFailed as failed:
+                    return self._fail(str(failed))
+            except (RunFailed, CheckpointError) as exc:
+                return self._fail(str(exc))
         self.state.finish("done")
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.grid.broadcast_stop("done")
@@ -260,10 +293,302 @@ class Coordinator:
         )
         return 0
 
+    # ------------------------------------------------------------ the start
+    def _start_state(self) -> RoundState:
+        """Round 0 from the seed, or the newest manifest whose E/R file verifies."""
+        for path in self.manifests:
+            doc = json.loads(path.read_text())
+            try:
+                state = self._load_round(path, doc)
+            except CheckpointError as exc:
+                log.error("cannot resume from %s: %s; trying the previous manifest", path, exc)
+                continue
+            self._restore_history(state.history or {})
+            self.last_manifest_round = state.round
+            self.state.set(checkpoint=str(path))
+            log.info("resuming from %s (round %d, step %d)", path, doc["round"], doc["step"])
+            return state
+        if self.cfg.resume is True:
+            raise RunFailed(
+                f"--resume: no manifest under {checkpoint_dir(self.cfg.out_dir)} could be loaded"
+            )
+        replica = build_replica(self.train.model(), self.train.seed)
+        arrays = ArrayRecord({k: v.detach().clone() for k, v in replica.state_dict().items()})
+        return RoundState(0, arrays, {})
+
+    def _load_round(self, path: Path, doc: dict[str, Any]) -> RoundState:
+        saved = load_checkpoint(path.parent / doc["er"], doc.get("er_sha256"))
+        return RoundState(
+            int(doc["round"]),
+            from_plain(saved["arrays"]),
+            from_plain(saved["server_state"]),
+            history=saved.get("history", {}),
+            manifest={**doc, "dir": str(path.parent)},
+        )
+
+    # ------------------------------------------------------------ incidents
+    def _handle_incident(self, exc: IncidentRaised) -> Incident:
+        """Record the incident, abort the round in flight everywhere, and wait until every
+        rank holds a session again. RunFailed past the budget or the rejoin timeout."""
+        raised = self.grid.take_incident() or exc
+        incident = self._record(raised)
+        self.state.set(phase="recovering")
+        self.grid.broadcast("abort", raised.what)
+        deadline = time.monotonic() + self.cfg.rejoin_timeout
+        while True:
+            self._check_budget(incident)
+            missing = self.grid.wait_for_sessions(
+                min(1.0, max(0.0, deadline - time.monotonic())),
+                ready=lambda: all(w.state != "lost" for w in self.state.workers.values()),
+            )
+            extra = self.grid.take_incident()  # another loss while waiting: same recovery
+            if extra is not None:
+                self._record(extra)
+                self.grid.broadcast("abort", extra.what)
+                continue
+            lost = [w.rank for w in self.state.workers.values() if w.state == "lost"]
+            if not missing and not lost:
+                return incident
+            if time.monotonic() >= deadline:
+                gone = sorted(set(missing) | set(lost))
+                raise RunFailed(
+                    f"{_names(gone)} did not rejoin within {self.cfg.rejoin_timeout:.0f}s after: "
+                    f"{raised.what} (ring edges {_edges(gone, self.train.P)})"
+                )
+
+    def _record(self, raised: IncidentRaised) -> Incident:
+        now = time.time()
+        last_seen = getattr(raised, "last_seen", None)
+        edge = raised.edge
+        if edge is None and raised.rank is not None:
+            edge = _edges([raised.rank], self.train.P)
+        incident = self.state.open_incident(
+            kind=raised.kind,
+            what=raised.what,
+            rank=raised.rank,
+            edge=edge,
+            round=self.in_flight,
+            detected_at=now,
+            detection_s=None if last_seen is None else max(0.0, now - last_seen),
+        )
+        log.error("incident %d: %s (round %d in flight)", incident.id, raised.what, self.in_flight)
+        return incident
+
+    def _check_budget(self, incident: Incident) -> None:
+        if len(self.state.incidents) > self.cfg.max_incidents:
+            raise RunFailed(
+                f"{len(self.state.incidents)} incidents, more than --max-incidents "
+                f"{self.cfg.max_incidents}; the last: {incident.what} (ring edges {incident.edge})"
+            )
+
+    def _close_incidents(self, rnd: int) -> None:
+        now = time.time()
+        end = self.plan.steps_of(rnd)[1] if rnd else 0
+        for inc in self.state.incidents:
+            if inc.state != "open":
+                continue
+            in_flight_end = self.plan.steps_of(inc.round)[1] if inc.round else end
+            rank_w = self.state.workers.get(inc.rank) if inc.rank is not None else None
+            back = rank_w.registered_at if rank_w and rank_w.registered_at else None
+            self.state.update_incident(
+                inc,
+                state="recovered",
+                rollback_round=rnd,
+                steps_redone=max(0, in_flight_end - end),
+                recovered_at=now,
+                recovery_s=now - inc.detected_at,
+                rejoin_s=None if back is None or back < inc.detected_at else now - back,
+            )
+            log.info(
+                "incident %d recovered in %.1fs: rolled back to round %d, %d step(s) redone",
+                inc.id,
+                now - inc.detected_at,
+                rnd,
+                max(0, in_flight_end - end),
+            )
+        for w in self.state.workers.values():
+            if w.state in ("rejoining", "restoring"):
+                self.state.update_worker(w.rank, state="recovered")
+
+    # -------------------------------------------------------------- restore
+    def _restore_ring(self, incident: Incident | None) -> int:
+        """Bring every worker to the newest round all of them (and this coordinator) can
+        restore, on a fresh ring incarnation; return that round."""
+        have = self._ask_rounds()
+        refused: dict[int, set[int]] = {r: set() for r in range(self.train.P)}
+        while True:
+            rnd, sources = self._choose_round(have, refused)
+            for rank in range(self.train.P):
+                if self.state.workers[rank].state in ("rejoining", "lost"):
+                    self.state.update_worker(rank, state="restoring")
+            log.info("restoring round %d (%s)", rnd, sources)
+            replies = self._send_all(
+                "query.restore",
+                lambda rank, rnd=rnd: self._restore_content(rank, rnd),
+                self.cfg.restore_timeout,
+                "load the rollback state",
+            )
+            failed = {
+                rank_of_node(r.metadata.src_node_id): str(r.content["config"]["reason"])
+                for r in replies
+                if not bool(r.content["config"]["ok"])
+            }
+            if not failed:
+                break
+            for rank, reason in failed.items():
+                log.error("worker-%d cannot restore round %d: %s", rank, rnd, reason)
+                refused[rank].add(rnd)
+        self.ring_epoch += 1
+        ring_id = f"{self.cfg.run_id}/{self.boot}.{self.ring_epoch}"
+        log.info("round %d restored everywhere; opening ring %s", rnd, ring_id)
+        peers = self.service.peers()
+        self._send_all(
+            "query.ring",
+            lambda rank: RecordDict({"config": ConfigRecord({"ring-id": ring_id, "peers": peers})}),
+            self.cfg.restore_timeout,
+            "join the ring",
+        )
+        snap = self.snapshots.get(rnd)
+        if snap is None:  # an older manifest from disk
+            manifest = next(m for m in self.manifests if int(m.parent.name[6:]) == rnd)
+            snap = self._load_round(manifest, json.loads(manifest.read_text()))
+            self.snapshots[rnd] = snap
+        end = self.plan.steps_of(rnd)[1] if rnd else 0
+        self.state.rollback(end, rnd)
+        self.state.set(phase="training")
+        self._round_state = snap
+        return rnd
+
+    def _ask_rounds(self) -> dict[int, set[int]]:
+        replies = self._send_all(
+            "query.state", lambda rank: RecordDict({"config": ConfigRecord({})}), 60, "report"
+        )
+        return {
+            rank_of_node(r.metadata.src_node_id): {int(x) for x in r.content["config"]["rounds"]}
+            | {0}
+            for r in replies
+        }
+
+    def _coordinator_rounds(self) -> list[int]:
+        disk = {int(m.parent.name[6:]) for m in self.manifests}
+        return sorted(set(self.snapshots) | disk | {0}, reverse=True)
+
+    def _choose_round(
+        self, have: dict[int, set[int]], refused: dict[int, set[int]]
+    ) -> tuple[int, str]:
+        for rnd in self._coordinator_rounds():
+            manifest = self._manifest_doc(rnd)
+            sources = []
+            for rank in range(self.train.P):
+                entry = manifest["workers"].get(str(rank), {}) if manifest else {}
+                if rnd in refused[rank]:
+                    break
+                if rnd in have[rank]:
+                    sources.append(f"worker-{rank}: own")
+                elif entry.get("copy"):
+                    sources.append(f"worker-{rank}: copy")
+                else:
+                    if entry:
+                        log.error(
+                            "round %d: worker-%d's checkpoint %s is missing and there is no "
+                            "copy; trying an earlier round",
+                            rnd,
+                            rank,
+                            entry["path"],
+                        )
+                    break
+            else:
+                return rnd, ", ".join(sources)
+        raise RunFailed("no round every worker can restore (not even the start)")
+
+    def _manifest_doc(self, rnd: int) -> dict[str, Any] | None:
+        snap = self.snapshots.get(rnd)
+        if snap is not None and snap.manifest is not None:
+            return snap.manifest
+        for m in self.manifests:
+            if int(m.parent.name[6:]) == rnd:
+                return {**json.loads(m.read_text()), "dir": str(m.parent)}
+        return None
+
+    def _restore_content(self, rank: int, rnd: int) -> RecordDict:
+        conf = ConfigRecord({"round": rnd, "sha256": ""})
+        manifest = self._manifest_doc(rnd)
+        entry = manifest["workers"].get(str(rank)) if manifest else None
+        if entry:
+            conf["sha256"] = entry["sha256"]
+            conf["file"] = Path(entry["path"]).name
+            if entry.get("copy"):
+                copy = Path(manifest["dir"]) / entry["copy"]
+                conf["copy-sha256"] = entry["copy_sha256"]
+                if copy.is_file():
+                    conf["copy"] = copy.read_bytes()
+        return RecordDict({"config": conf})
+
+    def _send_all(self, kind: str, content, timeout: float, what: str) -> list[Message]:
+        messages = [
+            Message(content(rank), worker_node_id(rank), kind) for rank in range(self.train.P)
+        ]
+        try:
+            return list(self.grid.send_and_receive(messages, timeout=timeout))
+        except GridTimeout as exc:
+            raise RunFailed(
+                f"{_names(exc.ranks)} did not {what} within {timeout:.0f}s (watchdog)"
+            ) from exc
+
+    # ------------------------------------------------------------- strategy
+    def _run_strategy(self, rnd: int) -> None:
+        """Flower's Strategy.start from round ``rnd`` on (its evaluation first, if missed)."""
+        snap = self._round_state
+        strategy = make_strategy(
+            self.cfg.strategy,
+            self.train.P,
+            self.plan,
+            self.cfg.strategy_options,
+            round_offset=rnd,
+        )
+        strategy.hooks = self
+        strategy.state_copy = self.cfg.state_copy == "coordinator"
+        strategy.barrier_snapshots = self.cfg.barrier_snapshots
+        # One more file than manifests: a worker writes round r before its manifest commits.
+        strategy.keep_checkpoints = (
+            self.cfg.keep_checkpoints + 1 if self.cfg.keep_checkpoints else 0
+        )
+        restore_server_state(strategy, snap.server_state)
+        self.strategy = strategy
+        evaluated = {e["round"] for e in self.state.evals}
+        if rnd and self.plan.evaluates(rnd) and rnd not in evaluated:
+            log.info("round %d: its evaluation was interrupted; evaluating again", rnd)
+            msgs = strategy.configure_evaluate(
+                0, copy.deepcopy(snap.arrays), ConfigRecord(), self.grid
+            )
+            strategy.aggregate_evaluate(
+                0, self.grid.send_and_receive(msgs, timeout=self.cfg.round_timeout)
+            )
+        if rnd >= self.plan.num_rounds:
+            return
+        log.info(
+            "training rounds %d..%d with %s",
+            rnd + 1,
+            self.plan.num_rounds,
+            type(strategy).__name__,
+        )
+        self._round_started = time.perf_counter()
+        strategy.start(
+            grid=self.grid,
+            initial_arrays=copy.deepcopy(snap.arrays),
+            num_rounds=self.plan.num_rounds - rnd,
+            timeout=self.cfg.round_timeout,
+            train_config=ConfigRecord(),
+            evaluate_config=ConfigRecord(),
+        )
+
     def _fail(self, reason: str) -> int:
         log.error("run %s failed: %s", self.cfg.run_id, reason)
         self.grid.fail(reason)
         self.state.finish("failed", reason)
+        for inc in self.state.incidents:
+            if inc.state == "open":
+                self.state.update_incident(inc, state="failed")
         self.grid.broadcast_stop(reason)
         self._await_workers_leaving(timeout=10)
         return 1
@@ -274,6 +599,9 @@ class Coordinator:
             time.sleep(0.1)
 
     # ------------------------------------------------------ strategy hooks
+    def before_train(self, rnd: int) -> None:
+        self.in_flight = rnd
+
     def after_train(self, rnd: int, replies: list[Message], arrays: ArrayRecord | None) -> None:
         seconds = time.perf_counter() - self._round_started
         start, end = self.plan.steps_of(rnd)
@@ -287,8 +615,16 @@ class Coordinator:
             worker_seconds = max(worker_seconds, float(metrics["train-seconds"]))
         self.state.record_round(rnd, seconds, worker_seconds)
         self.state.set(round=rnd, step=end)
-        if self.plan.checkpoints(rnd) and arrays is not None:
-            self._write_checkpoint(rnd, replies, arrays)
+        self.in_flight = 0
+        if arrays is not None:
+            snap = RoundState(rnd, copy.deepcopy(arrays), server_state(self.strategy))
+            if self.plan.checkpoints(rnd):
+                snap.manifest = self._write_checkpoint(rnd, replies, snap)
+                self.last_manifest_round = rnd
+            self.snapshots[rnd] = snap
+            keep = {rnd, self.last_manifest_round}
+            for old in [r for r in self.snapshots if r not in keep]:
+                del self.snapshots[old]
         self._round_started = time.perf_counter()
 
     def after_evaluate(self, rnd: int, replies: list[Message]) -> None:
@@ -300,27 +636,39 @@ class Coordinator:
         log.info("round %d: validation loss (Eq. 8) %.4f", rnd, sum(per.values()) / len(per))
         self._round_started = time.perf_counter()
 
-    def _write_checkpoint(self, rnd: int, replies: list[Message], arrays: ArrayRecord) -> None:
-        """E/R and server state first, then the manifest: the manifest is the commit point."""
+    # ---------------------------------------------------------- checkpoints
+    def _write_checkpoint(
+        self, rnd: int, replies: list[Message], snap: RoundState
+    ) -> dict[str, Any]:
+        """Worker copies and E/R first, then the manifest: the manifest is the commit point.
+        A write error names the path and fails the run; the previous manifest stays."""
+        rdir = checkpoint_dir(self.cfg.out_dir) / f"round-{rnd:06d}"
         workers = {}
         for reply in replies:
             rank = rank_of_node(reply.metadata.src_node_id)
             if "checkpoint" not in reply.content:
                 raise RunFailed(f"worker-{rank} did not confirm its round-{rnd} checkpoint")
             ck = reply.content["checkpoint"]
-            workers[str(rank)] = {
-                "identity": worker_identity(rank),
-                "path": ck["path"],
-                "sha256": ck["sha256"],
-            }
+            entry = {"identity": worker_identity(rank), "path": ck["path"], "sha256": ck["sha256"]}
+            if "copy" in ck:
+                data = bytes(ck["copy"])
+                digest = hashlib.sha256(data).hexdigest()
+                if digest != ck["sha256"]:
+                    raise RunFailed(
+                        f"worker-{rank}'s copy of its round-{rnd} checkpoint does not match its "
+                        f"sha256 (expected {ck['sha256']}, got {digest})"
+                    )
+                name = f"worker-{rank}.ckpt"
+                write_bytes_atomic(rdir / name, data)
+                entry.update(copy=name, copy_sha256=digest, copy_bytes=len(data))
+            workers[str(rank)] = entry
         if len(workers) != self.train.P:
             raise RunFailed(f"only {len(workers)} of {self.train.P} workers confirmed round {rnd}")
-        rdir = checkpoint_dir(self.cfg.out_dir) / f"round-{rnd:06d}"
         er = save_checkpoint(
-            rdir / "er.pt",
+            rdir / ER_FILE,
             {
-                "arrays": arrays,
-                "server_state": server_state(self.strategy),
+                "arrays": to_plain(snap.arrays),
+                "server_state": to_plain(snap.server_state),
                 "history": self.state.history_doc(),
             },
         )
@@ -332,16 +680,30 @@ class Coordinator:
             "strategy": self.cfg.strategy,
             "train": self.train.model_dump(mode="json"),
             "er": er.name,
+            "er_sha256": sha256_of(er),
             "workers": workers,
             "written_at": time.time(),
         }
-        tmp = rdir / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(manifest, indent=2))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, rdir / MANIFEST)
+        write_bytes_atomic(rdir / MANIFEST, json.dumps(manifest, indent=2).encode())
         self.state.set(checkpoint=str(rdir / MANIFEST))
+        self.manifests = [rdir / MANIFEST, *[m for m in self.manifests if m.parent != rdir]]
         log.info("round %d: checkpoint manifest %s", rnd, rdir / MANIFEST)
+        if self.cfg.keep_checkpoints:
+            self._prune(self.cfg.keep_checkpoints)
+        return {**manifest, "dir": str(rdir)}
+
+    def _prune(self, keep: int) -> None:
+        """Keep the ``keep`` newest complete manifests' round directories."""
+        rounds = sorted(checkpoint_dir(self.cfg.out_dir).glob("round-*"), reverse=True)
+        complete = [d for d in rounds if (d / MANIFEST).is_file()]
+        if len(complete) <= keep:
+            return
+        oldest_kept = complete[keep - 1].name
+        for d in rounds:
+            if d.name < oldest_kept:
+                shutil.rmtree(d, ignore_errors=True)
+                log.info("pruned %s (--keep-checkpoints %d)", d, keep)
+        self.manifests = [m for m in self.manifests if m.parent.exists()]
 
     def _restore_history(self, history: dict[str, Any]) -> None:
         for row in history.get("steps", []):
@@ -350,3 +712,32 @@ class Coordinator:
                     self.state.record_losses(origin, row["step"], [loss])
         for ev in history.get("evals", []):
             self.state.record_eval(ev["round"], ev["step"], dict(enumerate(ev["origin_losses"])))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` via a temporary file and a rename; on an error (a full
+    disk…) remove the temporary file, keep what was there and raise naming the path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    return path
+
+
+def _names(ranks) -> str:
+    return ", ".join(f"worker-{r}" for r in ranks)
+
+
+def _edges(ranks, P: int) -> str:
+    """The ring edges that touch ``ranks``."""
+    edges = []
+    for r in ranks:
+        edges += [f"worker-{(r - 1) % P} → worker-{r}", f"worker-{r} → worker-{(r + 1) % P}"]
+    return ", ".join(dict.fromkeys(edges))

@@ -8,8 +8,41 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PHASES = ("waiting", "training", "done", "failed", "stopped")
-WORKER_STATES = ("expected", "registered", "ready", "training", "evaluating", "done", "lost")
+PHASES = ("waiting", "training", "recovering", "done", "failed", "stopped")
+WORKER_STATES = (
+    "expected",  # not registered yet
+    "registered",  # registered, no session yet
+    "ready",  # session open, idle
+    "training",
+    "evaluating",
+    "lost",  # session closed, heartbeat timeout or reported by a ring peer
+    "rejoining",  # lost, then registered again: waiting for the restore
+    "restoring",  # loading the rollback state
+    "recovered",  # back in the ring after an incident (until its next heartbeat)
+    "done",
+)
+REPORTED_STATES = ("registered", "ready", "training", "evaluating", "restoring", "done")
+"""States a worker may report about itself in a heartbeat (the rest are the coordinator's)."""
+
+
+@dataclass
+class Incident:
+    """One loss of a worker or a ring edge, from detection to recovery."""
+
+    id: int
+    kind: str  # "worker lost" | "ring edge down" | "worker error"
+    what: str
+    rank: int | None
+    edge: str | None  # "worker-1 → worker-2" when a ring edge is involved
+    round: int  # the round in flight when it was detected
+    detected_at: float  # unix time
+    detection_s: float | None  # detected_at − the last sign of life of the culprit
+    state: str = "open"  # open | recovered | failed
+    rollback_round: int | None = None
+    steps_redone: int | None = None
+    recovered_at: float | None = None
+    recovery_s: float | None = None  # detection → training resumed
+    rejoin_s: float | None = None  # the culprit's re-registration → training resumed
 
 
 @dataclass
@@ -20,8 +53,11 @@ class WorkerStatus:
     state: str = "expected"
     step: int = 0
     last_heartbeat: float | None = None  # unix time
+    registered_at: float | None = None  # unix time of its latest registration
     last_loss: float | None = None
     tokens_per_s: float = 0.0
+    incidents: int = 0  # incidents in which this worker was the one lost
+    edges: dict[str, Any] = field(default_factory=dict)  # its ring links as it reports them
 
 
 @dataclass
@@ -44,6 +80,7 @@ class RunState:
     losses: dict[int, dict[int, float]] = field(default_factory=dict)  # step → origin → loss
     evals: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
+    incidents: list[Incident] = field(default_factory=list)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +118,25 @@ class RunState:
                 {"round": rnd, "seconds": seconds, "overhead_s": max(0.0, seconds - worker_seconds)}
             )
 
+    def open_incident(self, **fields: Any) -> Incident:
+        with self._lock:
+            inc = Incident(id=len(self.incidents) + 1, **fields)
+            self.incidents.append(inc)
+            return inc
+
+    def update_incident(self, incident: Incident, **fields: Any) -> None:
+        with self._lock:
+            for k, v in fields.items():
+                setattr(incident, k, v)
+
+    def rollback(self, end_step: int, rnd: int) -> None:
+        """Forget every record past round ``rnd`` (its steps end at ``end_step``)."""
+        with self._lock:
+            self.losses = {n: v for n, v in self.losses.items() if n < end_step}
+            self.evals = [e for e in self.evals if e["round"] <= rnd]
+            self.rounds = [r for r in self.rounds if r["round"] <= rnd]
+            self.round, self.step = rnd, end_step
+
     def finish(self, phase: str, error: str | None = None) -> None:
         with self._lock:
             self.phase, self.error, self.finished_at = phase, error, time.time()
@@ -105,6 +161,8 @@ class RunState:
                 "eval_loss": last_eval["loss"] if last_eval else None,
                 "eval_origin_losses": last_eval["origin_losses"] if last_eval else None,
                 "server_time": now,
+                "ring": self._ring_doc(),
+                "incidents": [asdict(i) for i in self.incidents],
                 "workers": [
                     {
                         **asdict(w),
@@ -115,6 +173,25 @@ class RunState:
                     for w in (self.workers[i] for i in sorted(self.workers))
                 ],
             }
+
+    def _ring_doc(self) -> list[dict[str, Any]]:
+        """Each ring edge i → i+1 as its sender reports it (unknown until it does)."""
+        edges = []
+        for i in range(self.P):
+            w, j = self.workers[i], (i + 1) % self.P
+            out = w.edges.get("out", {}) if w.state not in ("lost", "rejoining") else {}
+            state = out.get("state", "unknown")
+            if w.state in ("lost", "rejoining") or self.workers[j].state in ("lost", "rejoining"):
+                state = "down"
+            edges.append(
+                {
+                    "edge": f"worker-{i} → worker-{j}",
+                    "state": state,
+                    "reconnects": out.get("reconnects", 0),
+                    "down_s": out.get("down_s", 0.0),
+                }
+            )
+        return edges
 
     def history_doc(self) -> dict[str, Any]:
         with self._lock:
@@ -129,6 +206,7 @@ class RunState:
                 "steps": steps,
                 "evals": list(self.evals),
                 "rounds": list(self.rounds),
+                "incidents": [asdict(i) for i in self.incidents],
             }
 
     def prometheus(self) -> str:
@@ -189,6 +267,24 @@ class RunState:
                     ],
                 ),
             ]
+            recovered = sum(i.state == "recovered" for i in self.incidents)
+            counters = [
+                (
+                    "mobius_incidents_total",
+                    "Incidents (a worker or ring edge lost).",
+                    [(run, len(self.incidents))],
+                ),
+                (
+                    "mobius_incidents_recovered_total",
+                    "Incidents the run recovered from.",
+                    [(run, recovered)],
+                ),
+                (
+                    "mobius_steps_redone_total",
+                    "Training steps redone after rollbacks.",
+                    [(run, sum(i.steps_redone or 0 for i in self.incidents))],
+                ),
+            ]
             if self.evals:
                 fams.append(
                     (
@@ -206,9 +302,10 @@ class RunState:
                     )
                 )
         lines: list[str] = []
-        for name, help_, samples in fams:
+        typed = [(f, "gauge") for f in fams] + [(f, "counter") for f in counters]
+        for (name, help_, samples), kind in typed:
             lines.append(f"# HELP {name} {escape_help(help_)}")
-            lines.append(f"# TYPE {name} gauge")
+            lines.append(f"# TYPE {name} {kind}")
             for labels, value in samples:
                 lbl = ",".join(f'{k}="{escape_label_value(str(v))}"' for k, v in labels)
                 lines.append(f"{name}{{{lbl}}} {format_sample(value)}")

@@ -11,6 +11,11 @@ from flwr.supercore.task_identity import TaskIdentity
 COORDINATOR_NODE_ID = 1
 FLOWER_RUN_ID = 1
 
+# Flower Error codes in a worker's replies: what the coordinator does about them.
+ERROR_INTERNAL = 1  # an incident: roll back and retry (counts against --max-incidents)
+ERROR_RING = 2  # a ring edge is down: an incident naming the edge
+ERROR_FATAL = 3  # retrying cannot help (a full disk): the run fails naming it
+
 
 def worker_node_id(rank: int) -> int:
     """Flower node id of worker ``rank`` (1000 + rank, never 1)."""

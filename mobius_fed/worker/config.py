@@ -34,6 +34,7 @@ ENV_KEYS = {
     "COORDINATOR": "coordinator",
     "ADVERTISE": "advertise",
     "CAPTURE_FRAMES": "capture_frames",
+    "LINK_GRACE": "link_grace",
 }
 
 
@@ -57,6 +58,9 @@ class WorkerConfig(BaseModel):
     key: Path | None = None
     insecure: bool = False
     peer_timeout: float = Field(120.0, gt=0)
+    link_grace: float = Field(
+        60.0, ge=0, description="seconds a dropped ring edge may take to reconnect"
+    )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     capture_frames: Path | None = Field(None, description="audit: append every sent frame here")
     train: TrainConfig = Field(default_factory=TrainConfig)

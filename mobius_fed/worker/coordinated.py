@@ -1,13 +1,19 @@
-"""``mobius-worker --coordinator ADDR``: register, join the ring, serve Flower rounds.
+"""``mobius-worker --coordinator ADDR``: register, serve Flower messages, survive incidents.
 
-The worker's rank comes from its certificate; the coordinator answers with the run spec
-(ring order, peer addresses, training config, resume point). The worker then opens its
-ring links and one ``Control.Session`` stream, and runs its Flower ClientApp in-process
-for every instruction until the coordinator says stop.
+The worker's rank comes from its certificate. It registers, opens one ``Control.Session``
+stream and runs its Flower ClientApp in-process for every message. The ring is not opened
+at registration: a ``query.restore`` message names the round to start from (0: the seed)
+and the ring's incarnation and addresses, and the worker loads that state and joins.
+
+An incident (another worker lost, a ring edge down) arrives as an ``abort`` note: the
+round in flight is abandoned and a restore follows. When this worker loses its session
+(the coordinator restarted, a network cut, or it was counted lost while frozen) it keeps
+its process and its snapshots, registers again and is restored like any other worker.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -17,11 +23,14 @@ from pathlib import Path
 import grpc
 from flwr.app import Context, Error, Message, RecordDict
 
-from mobius_fed.checkpoint import load_checkpoint, sha256_of
+from mobius_fed.checkpoint import CheckpointError
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.transport.flower_wire import (
+    ERROR_FATAL,
+    ERROR_INTERNAL,
+    ERROR_RING,
     FLOWER_RUN_ID,
     message_from_bytes,
     message_to_bytes,
@@ -32,15 +41,15 @@ from mobius_fed.transport.tls import open_channel
 from mobius_fed.worker.config import WorkerConfig
 from mobius_fed.worker.daemon import open_ring
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
-from mobius_fed.worker.flower_client import make_client_app
-from mobius_fed.worker.link import PeerError
+from mobius_fed.worker.flower_client import Snapshots, make_client_app
+from mobius_fed.worker.link import PeerError, RingLinks
 
 log = logging.getLogger("mobius.worker")
 _FATAL = (
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.ALREADY_EXISTS,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INVALID_ARGUMENT,
 )
 
 
@@ -48,8 +57,13 @@ class RunStopped(RuntimeError):
     """The coordinator stopped the run (or could not be reached)."""
 
 
-def register(stub: control_pb2_grpc.ControlStub, cfg: WorkerConfig) -> control_pb2.RunSpec:
-    """Register, retrying with backoff while the coordinator is not up yet."""
+def register(
+    stub: control_pb2_grpc.ControlStub, cfg: WorkerConfig, rejoin: bool = False
+) -> control_pb2.RunSpec:
+    """Register, retrying with backoff while the coordinator is not there (yet, or again).
+
+    When rejoining, "already registered" is retried too: the coordinator has not yet
+    noticed that this worker's previous session is gone."""
     own = cfg.train.fingerprint() if cfg.verify_train else ""
     deadline = time.monotonic() + cfg.peer_timeout
     delay = 0.2
@@ -57,13 +71,13 @@ def register(stub: control_pb2_grpc.ControlStub, cfg: WorkerConfig) -> control_p
         try:
             return stub.Register(
                 control_pb2.RegisterRequest(
-                    listen_address=cfg.advertise_address,
-                    config_fingerprint=own,
+                    listen_address=cfg.advertise_address, config_fingerprint=own
                 ),
-                timeout=None,
+                timeout=30,
             )
         except grpc.RpcError as exc:
-            if exc.code() in _FATAL:
+            retry = rejoin and exc.code() == grpc.StatusCode.ALREADY_EXISTS
+            if exc.code() in _FATAL and not retry:
                 raise ConfigError(f"coordinator refused registration: {exc.details()}") from exc
             if time.monotonic() > deadline:
                 raise RunStopped(
@@ -76,136 +90,215 @@ def register(stub: control_pb2_grpc.ControlStub, cfg: WorkerConfig) -> control_p
 
 
 class _Heartbeats(threading.Thread):
-    def __init__(self, stub: control_pb2_grpc.ControlStub, interval: float, on_stop) -> None:
+    def __init__(self, node: WorkerNode, interval: float, on_reply) -> None:
         super().__init__(daemon=True, name="heartbeats")
-        self.stub, self.interval, self.on_stop = stub, interval, on_stop
-        self.state, self.step, self.loss, self.tps = "ready", 0, float("nan"), 0.0
+        self.node, self.interval, self.on_reply = node, interval, on_reply
         self.done = threading.Event()
 
     def run(self) -> None:
-        while True:
+        node = self.node
+        while not self.done.is_set():
+            links = node.links
+            edges = getattr(links, "edge_states", None) if links is not None else None
             try:
-                reply = self.stub.Heartbeat(
+                reply = node.stub.Heartbeat(
                     control_pb2.HeartbeatRequest(
-                        state=self.state,
-                        step=self.step,
-                        last_loss=self.loss,
-                        tokens_per_s=self.tps,
+                        state=node.state,
+                        step=node.executor.step if node.executor else 0,
+                        last_loss=node.loss,
+                        tokens_per_s=node.tps,
+                        links_json=json.dumps(edges()) if edges else "",
                     ),
                     timeout=max(5.0, 3 * self.interval),
                 )
             except grpc.RpcError as exc:
                 log.warning("heartbeat failed: %s", exc.code().name)
-                if self.done.wait(self.interval):
-                    return
-                continue
-            if reply.stop:
-                self.on_stop(reply.reason or "stopped by the coordinator")
-            if self.done.wait(self.interval):
-                return
+            else:
+                self.on_reply(reply)
+            self.done.wait(self.interval)
+
+
+class WorkerNode:
+    """One worker process across sessions: executor, snapshots and ring links survive a
+    lost session; only the session and the ring incarnation are replaced."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.channel = open_channel(
+            cfg.coordinator,  # type: ignore[arg-type]
+            cfg.tls(),
+            insecure=cfg.insecure,
+            target_name="coordinator",
+        )
+        self.stub = control_pb2_grpc.ControlStub(self.channel)
+        self.executor: RingExecutor | None = None
+        self.links: RingLinks | None = None
+        self.snapshots = Snapshots(Path(cfg.out_dir) / "checkpoints")
+        self.state, self.loss, self.tps = "registered", 0.0, 0.0
+        self._links_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> int:
+        rejoin = False
+        try:
+            while True:
+                spec = register(self.stub, self.cfg, rejoin=rejoin)
+                if self.executor is None:
+                    self._build(spec)
+                log.info(
+                    "worker-%d %s run %s",
+                    self.cfg.rank,
+                    "re-registered with" if rejoin else "registered with",
+                    spec.run_id,
+                )
+                outcome, reason = self._serve(spec)
+                if outcome == "done":
+                    log.info("worker-%d finished run %s", self.cfg.rank, spec.run_id)
+                    return 0
+                if outcome == "stopped":
+                    raise RunStopped(reason)
+                log.warning("worker-%d: %s; registering again", self.cfg.rank, reason)
+                rejoin = True
+        finally:
+            self.close_links()
+            self.channel.close()
+
+    def _build(self, spec: control_pb2.RunSpec) -> None:
+        train = TrainConfig.model_validate_json(spec.train_config_json)
+        self.cfg = self.cfg.model_copy(
+            update={"rank": spec.rank, "train": train, "run_id": spec.run_id}
+        )
+        log.info("worker-%d joined run %s: P=%d", spec.rank, spec.run_id, train.P)
+        site = SiteData(self.cfg.data_dir, train.model().seq_len, train.encoding)
+        self.executor = RingExecutor(train, spec.rank, site, spec.run_id, self.cfg.peer_timeout)
+        set_task_identity(worker_node_id(spec.rank))
+
+    # ----------------------------------------------------------------- ring
+    def rejoin_ring(self, ring_id: str, peers: list[str]) -> None:
+        """Close the ring links (if any) and join ring incarnation ``ring_id``."""
+        assert self.executor is not None
+        self.close_links()
+        self.executor.set_run_id(ring_id)
+        self.cfg = self.cfg.model_copy(update={"peers": peers})
+        with self._links_lock:
+            self.links = open_ring(self.cfg, self.executor)
+
+    def close_links(self) -> None:
+        with self._links_lock:
+            links, self.links = self.links, None
+        if links is not None:
+            links.close()
+        if self.executor is not None:
+            self.executor.links = None
+
+    def _abort(self, why: str) -> None:
+        links = self.links
+        if links is not None:
+            links.inbox.fail(PeerError(f"round abandoned: {why}"))
+
+    # -------------------------------------------------------------- session
+    def _serve(self, spec: control_pb2.RunSpec) -> tuple[str, str]:
+        """Serve one session; ("done" | "stopped" | "rejoin", reason) when it ends."""
+        executor = self.executor
+        assert executor is not None
+        instructions: queue.Queue = queue.Queue()
+        ended: list[tuple[str, str]] = []
+        outbox: queue.Queue = queue.Queue()
+        outbox.put(control_pb2.Envelope(note="hello"))
+        responses = self.stub.Session(iter(outbox.get, None))
+
+        def end(outcome: str, reason: str) -> None:
+            if not ended:
+                ended.append((outcome, reason))
+                if outcome != "done":
+                    self._abort(reason)
+                instructions.put(None)
+                if outcome == "rejoin":
+                    responses.cancel()
+
+        def on_reply(reply: control_pb2.HeartbeatReply) -> None:
+            if reply.rejoin:
+                end("rejoin", reply.reason or "the coordinator counts this worker lost")
+            elif reply.stop:
+                end("done" if reply.reason == "done" else "stopped", reply.reason)
+
+        def read_session() -> None:
+            try:
+                for env in responses:
+                    if env.note == "stop":
+                        reason = env.flower_message.decode() or "stopped"
+                        end("done" if reason == "done" else "stopped", reason)
+                        return
+                    if env.note == "abort":
+                        log.warning("worker-%d: abort: %s", self.cfg.rank, env.flower_message)
+                        _drain(instructions)
+                        self._abort(env.flower_message.decode())
+                        continue
+                    if env.flower_message:
+                        instructions.put(env.flower_message)
+                end("rejoin", "the coordinator closed the session")
+            except grpc.RpcError as exc:
+                end("rejoin", f"lost the coordinator: {exc.code().name} {exc.details()}")
+
+        def on_step(r: WorkerStep) -> None:
+            self.loss = r.loss
+            self.tps = executor.cfg.batch_size * executor.cfg.model().seq_len / max(r.seconds, 1e-9)
+
+        def on_state(s: str) -> None:
+            self.state = s
+
+        app = make_client_app(executor, self.snapshots, self.rejoin_ring, on_step, on_state)
+        context = Context(
+            run_id=FLOWER_RUN_ID,
+            node_id=worker_node_id(executor.rank),
+            node_config={},
+            state=RecordDict(),
+            run_config={},
+        )
+        self.state = "ready"  # the session is open; the handlers say what comes next
+        beats = _Heartbeats(self, spec.heartbeat_interval_s or 1.0, on_reply)
+        beats.start()
+        threading.Thread(target=read_session, daemon=True, name="session").start()
+        try:
+            while (data := instructions.get()) is not None:
+                msg = message_from_bytes(data)
+                reply = self._handle(app, msg, context)
+                if not ended:
+                    outbox.put(control_pb2.Envelope(flower_message=message_to_bytes(reply)))
+        finally:
+            beats.done.set()
+            outbox.put(None)
+        outcome, reason = ended[0]
+        if outcome == "done" and self.links is not None:
+            self.links.finish(timeout=min(self.cfg.peer_timeout, 30.0))
+        self.close_links()
+        self.state = "registered"
+        return outcome, reason
+
+    def _handle(self, app, msg: Message, context: Context) -> Message:
+        """Run one message; an exception becomes a Flower Error the coordinator can act on."""
+        try:
+            return app(msg, context)
+        except PeerError as exc:  # the ring: an incident, named by the link's message
+            code, text = ERROR_RING, str(exc)
+        except CheckpointError as exc:  # e.g. a full disk: retrying cannot help
+            code, text = ERROR_FATAL, f"{type(exc).__name__}: {exc}"
+        except Exception as exc:
+            code, text = ERROR_INTERNAL, f"{type(exc).__name__}: {exc}"
+        log.error("worker-%d: %s failed: %s", self.cfg.rank, msg.metadata.message_type, text)
+        if self.executor is not None:
+            self.executor.abandon_step()
+        return Message(Error(code=code, reason=text), reply_to=msg)
+
+
+def _drain(q: queue.Queue) -> None:
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return
 
 
 def run_with_coordinator(cfg: WorkerConfig) -> int:
     """Serve the coordinator's rounds; 0 when the run completed, else a RunStopped error."""
-    channel = open_channel(
-        cfg.coordinator,
-        cfg.tls(),
-        insecure=cfg.insecure,  # type: ignore[arg-type]
-        target_name="coordinator",
-    )
-    stub = control_pb2_grpc.ControlStub(channel)
-    spec = register(stub, cfg)
-    train = TrainConfig.model_validate_json(spec.train_config_json)
-    cfg = cfg.model_copy(
-        update={"rank": spec.rank, "peers": list(spec.peers), "train": train, "run_id": spec.run_id}
-    )
-    log.info(
-        "worker-%d registered with run %s: P=%d, peers %s",
-        cfg.rank,
-        spec.run_id,
-        train.P,
-        ", ".join(spec.peers),
-    )
-    site = SiteData(cfg.data_dir, train.model().seq_len, train.encoding)
-    executor = RingExecutor(train, cfg.rank, site, spec.run_id, cfg.peer_timeout)  # type: ignore[arg-type]
-    if spec.resume_round:
-        path = Path(spec.resume_checkpoint)
-        executor.load_state_dict(load_checkpoint(path))
-        log.info(
-            "worker-%d resumed from %s (round %d, step %d, sha256 %s)",
-            cfg.rank,
-            path,
-            spec.resume_round,
-            executor.step,
-            sha256_of(path)[:12],
-        )
-    set_task_identity(worker_node_id(cfg.rank))  # type: ignore[arg-type]
-    links = open_ring(cfg, executor)
-
-    instructions: queue.Queue = queue.Queue()
-    stop_reason: list[str] = []
-
-    def stop(reason: str) -> None:
-        if not stop_reason:
-            stop_reason.append(reason)
-            if links is not None and reason != "done":  # wake a ring wait at once
-                links.inbox.fail(PeerError(f"run stopped by the coordinator: {reason}"))
-            instructions.put(None)
-
-    beats = _Heartbeats(stub, spec.heartbeat_interval_s or 1.0, stop)
-    beats.start()
-
-    def on_step(r: WorkerStep) -> None:
-        beats.step, beats.loss = r.step + 1, r.loss
-        beats.tps = train.batch_size * train.model().seq_len / max(r.seconds, 1e-9)
-
-    def on_state(s: str) -> None:
-        beats.state = s
-
-    app = make_client_app(executor, Path(cfg.out_dir) / "checkpoints", on_step, on_state)
-    context = Context(
-        run_id=FLOWER_RUN_ID,
-        node_id=worker_node_id(cfg.rank),  # type: ignore[arg-type]
-        node_config={},
-        state=RecordDict(),
-        run_config={},
-    )
-    outbox: queue.Queue = queue.Queue()
-    outbox.put(control_pb2.Envelope(note="hello"))
-    responses = stub.Session(iter(outbox.get, None))
-
-    def read_session() -> None:
-        try:
-            for env in responses:
-                if env.note == "stop":
-                    stop(env.flower_message.decode() or "stopped")
-                    return
-                instructions.put(env.flower_message)
-            stop("the coordinator closed the session")
-        except grpc.RpcError as exc:
-            stop(f"lost the coordinator: {exc.code().name} {exc.details()}")
-
-    threading.Thread(target=read_session, daemon=True, name="session").start()
-    try:
-        while (data := instructions.get()) is not None:
-            msg = message_from_bytes(data)
-            try:
-                reply = app(msg, context)
-            except Exception as exc:  # the round fails; the coordinator names this worker
-                log.error("worker-%d: %s failed: %s", cfg.rank, msg.metadata.message_type, exc)
-                reply = Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
-            outbox.put(control_pb2.Envelope(flower_message=message_to_bytes(reply)))
-    finally:
-        beats.done.set()
-        reason = stop_reason[0] if stop_reason else "stopped"
-        if links is not None:
-            if reason == "done":
-                links.finish(timeout=min(cfg.peer_timeout, 30.0))
-            else:
-                links.close()
-        outbox.put(None)
-        channel.close()
-    if reason != "done":
-        raise RunStopped(reason)
-    log.info("worker-%d finished run %s", cfg.rank, spec.run_id)
-    return 0
+    return WorkerNode(cfg).run()

@@ -33,6 +33,7 @@ def open_ring(cfg: WorkerConfig, executor: RingExecutor) -> RingLinks | None:
         insecure=cfg.insecure,
         peer_timeout=cfg.peer_timeout,
         capture=cfg.capture_frames,
+        link_grace=cfg.link_grace,
     )
     links.start_server()
     links.connect()

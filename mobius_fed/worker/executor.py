@@ -141,6 +141,24 @@ class RingExecutor:
         ]
         return mean_loss(losses)
 
+    # ------------------------------------------------------------- recovery
+    def set_run_id(self, run_id: str) -> None:
+        """Address a new ring incarnation: frames of any earlier one are refused."""
+        self.run_id = run_id
+        self.rules = FrameRules(self.cfg, self.rank, run_id, lambda: self.step)
+
+    def abandon_step(self) -> None:
+        """Forget a step in flight: accumulated gradients and frames kept for itself."""
+        for module in (self.group, self.replica):
+            for p in module.parameters():
+                p.grad = None
+        self._local.clear()
+
+    def initial_state(self) -> dict:
+        """The state before step 0, rebuilt from the seed (restore target of round 0)."""
+        fresh = RingExecutor(self.cfg, self.rank, self.site, self.run_id, self.peer_timeout)
+        return fresh.state_dict()
+
     # ----------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
         return {

@@ -1,12 +1,20 @@
-"""The worker's Flower ClientApp, run in-process by the daemon for each barrier.
+"""The worker's Flower ClientApp, run in-process by the daemon for each message.
 
-``train``: load the averaged E/R arrays, train the round's step range on the ring, write a
-checkpoint when asked, and reply with this worker's E/R arrays and metrics.
+``train``: load the averaged E/R arrays, train the round's step range on the ring, keep an
+in-memory snapshot of the state at the barrier, write a checkpoint when asked (and send a
+copy of it when asked), and reply with this worker's E/R arrays and metrics.
 ``evaluate``: load the averaged E/R arrays and compute this origin's Eq. 8 term.
+``query.state``: the rounds this worker can restore.
+``query.restore``: roll back to a round; ``query.ring``: join a fresh ring incarnation.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import logging
+import re
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,11 +23,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from mobius_fed.checkpoint import save_checkpoint, sha256_of
-from mobius_fed.strategies import CHECKPOINT, STEP_END, STEP_START
+from mobius_fed.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, sha256_of
+from mobius_fed.strategies import BARRIER_SNAPSHOT, CHECKPOINT, STATE_COPY, STEP_END, STEP_START
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
 
 ARRAYS, METRICS, CONFIG = "arrays", "metrics", "config"
+CHECKPOINT_FILE = re.compile(r"^round-(\d{6})\.ckpt$")
+BARRIER_FILE = re.compile(r"^barrier-(\d{6})\.ckpt$")
+log = logging.getLogger("mobius.worker")
 
 
 def replica_arrays(executor: RingExecutor) -> ArrayRecord:
@@ -33,27 +44,118 @@ def load_replica(executor: RingExecutor, arrays: ArrayRecord) -> None:
             p.copy_(state[name])
 
 
+def checkpoint_path(directory: Path, rnd: int) -> Path:
+    return directory / f"round-{rnd:06d}.ckpt"
+
+
+def barrier_path(directory: Path, rnd: int) -> Path:
+    return directory / f"barrier-{rnd:06d}.ckpt"
+
+
+class Snapshots:
+    """This worker's state at recent barriers.
+
+    In memory: the last barrier and the last checkpointed round (a frozen or cut-off
+    worker, and every survivor of an incident, rolls back from here). On disk: every
+    checkpoint file it wrote, plus the last barrier's state written in the background
+    (``barrier-<round>.ckpt`` with its sha256 beside it), so that a process that crashed
+    comes back at the last barrier too."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.memory: dict[int, dict] = {}
+        self.last_checkpoint = 0
+        self._writer: threading.Thread | None = None
+        self.write_error: str | None = None
+
+    def keep(self, rnd: int, state: dict, checkpointed: bool) -> None:
+        self.memory[rnd] = state
+        if checkpointed:
+            self.last_checkpoint = rnd
+        for old in [r for r in self.memory if r not in (rnd, self.last_checkpoint)]:
+            del self.memory[old]
+
+    def write_barrier(self, rnd: int, state: dict) -> None:
+        """Write the barrier state of ``rnd`` in the background (one write at a time)."""
+        self.wait_written()
+
+        def write() -> None:
+            try:
+                path = save_checkpoint(barrier_path(self.directory, rnd), state)
+                digest = sha256_of(path)
+                side = path.with_suffix(".sha256")
+                tmp = side.with_name(f".{side.name}.tmp")
+                tmp.write_text(digest)
+                tmp.replace(side)
+                for old in self.directory.glob("barrier-*"):
+                    m = BARRIER_FILE.match(old.name.replace(".sha256", ".ckpt"))
+                    if m and int(m.group(1)) < rnd:
+                        old.unlink(missing_ok=True)
+                self.write_error = None
+            except (CheckpointError, OSError) as exc:  # only the fast path is lost
+                self.write_error = str(exc)
+                log.error("barrier snapshot of round %d not written: %s", rnd, exc)
+
+        self._writer = threading.Thread(target=write, daemon=True, name="barrier-writer")
+        self._writer.start()
+
+    def wait_written(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def barrier_sha256(self, rnd: int) -> str | None:
+        side = barrier_path(self.directory, rnd).with_suffix(".sha256")
+        return side.read_text().strip() if side.is_file() else None
+
+    def disk_rounds(self) -> set[int]:
+        if not self.directory.is_dir():
+            return set()
+        found = set()
+        for p in self.directory.iterdir():
+            m = CHECKPOINT_FILE.match(p.name)
+            b = BARRIER_FILE.match(p.name)
+            if m or (b and self.barrier_sha256(int(b.group(1)))):
+                found.add(int((m or b).group(1)))  # type: ignore[union-attr]
+        return found
+
+    def rounds(self) -> set[int]:
+        return set(self.memory) | self.disk_rounds() | {0}
+
+    def prune_disk(self, keep: int) -> None:
+        """Keep the ``keep`` newest checkpoint files (0: all)."""
+        if keep:
+            for rnd in sorted(self.disk_rounds(), reverse=True)[keep:]:
+                checkpoint_path(self.directory, rnd).unlink(missing_ok=True)
+
+
 def make_client_app(
     executor: RingExecutor,
-    checkpoint_dir: Path,
+    snapshots: Snapshots,
+    rejoin_ring: Callable[[str, list[str]], None],
     on_step: Callable[[WorkerStep], None] | None = None,
     on_state: Callable[[str], None] | None = None,
 ) -> ClientApp:
+    """The ClientApp of ``executor``; ``rejoin_ring(ring_id, peers)`` replaces its ring links."""
     app = ClientApp()
     cfg = executor.cfg
     tokens_per_step = cfg.batch_size * cfg.model().seq_len
+
+    def state(s: str) -> None:
+        if on_state:
+            on_state(s)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         conf = msg.content[CONFIG]
         start, end = int(conf[STEP_START]), int(conf[STEP_END])
+        rnd = int(conf["round"])
         if executor.step != start:
             raise RuntimeError(
                 f"worker-{executor.rank} is at step {executor.step}, round asks for {start}..{end}"
             )
         load_replica(executor, msg.content[ARRAYS])
-        if on_state:
-            on_state("training")
+        state("training")
         losses, seconds = [], 0.0
         for _ in range(start, end):
             r = executor.train_step()
@@ -61,6 +163,9 @@ def make_client_app(
             seconds += r.seconds
             if on_step:
                 on_step(r)
+        t0 = time.perf_counter()
+        snap = copy.deepcopy(executor.state_dict())
+        snapshot_s = time.perf_counter() - t0
         reply = RecordDict(
             {
                 ARRAYS: replica_arrays(executor),
@@ -70,32 +175,114 @@ def make_client_app(
                         "loss": losses[-1],
                         "losses": losses,
                         "train-seconds": seconds,
+                        "snapshot-seconds": snapshot_s,
                     }
                 ),
             }
         )
-        if bool(conf[CHECKPOINT]):
-            rnd = int(conf["round"])
-            path = save_checkpoint(checkpoint_dir / f"round-{rnd:06d}.pt", executor.state_dict())
-            reply["checkpoint"] = ConfigRecord(
-                {"path": str(path.resolve()), "sha256": sha256_of(path)}
-            )
-        if on_state:
-            on_state("ready")
+        checkpointed = bool(conf[CHECKPOINT])
+        if checkpointed:
+            snapshots.wait_written()
+            path = save_checkpoint(checkpoint_path(snapshots.directory, rnd), snap)
+            ck = ConfigRecord({"path": str(path.resolve()), "sha256": sha256_of(path)})
+            if bool(conf.get(STATE_COPY, False)):
+                ck["copy"] = path.read_bytes()
+            reply["checkpoint"] = ck
+            snapshots.prune_disk(int(conf.get("keep-checkpoints", 0)))
+        elif bool(conf.get(BARRIER_SNAPSHOT, False)):
+            snapshots.write_barrier(rnd, snap)
+        snapshots.keep(rnd, snap, checkpointed)
+        state("ready")
         return Message(reply, reply_to=msg)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
         load_replica(executor, msg.content[ARRAYS])
-        if on_state:
-            on_state("evaluating")
+        state("evaluating")
         t0 = time.perf_counter()
         loss = executor.evaluate()
-        if on_state:
-            on_state("ready")
+        state("ready")
         metrics = MetricRecord(
             {"num-examples": 1, "eval-loss": loss, "eval-seconds": time.perf_counter() - t0}
         )
         return Message(RecordDict({METRICS: metrics}), reply_to=msg)
 
+    @app.query("state")
+    def query_state(msg: Message, context: Context) -> Message:
+        conf = ConfigRecord({"rounds": sorted(snapshots.rounds()), "step": executor.step})
+        return Message(RecordDict({CONFIG: conf}), reply_to=msg)
+
+    @app.query("restore")
+    def restore(msg: Message, context: Context) -> Message:
+        conf = msg.content[CONFIG]
+        rnd = int(conf["round"])
+        state("restoring")
+        try:
+            source = restore_round(executor, snapshots, rnd, conf)
+        except (CheckpointError, ValueError, KeyError) as exc:
+            log.error("worker-%d cannot restore round %d: %s", executor.rank, rnd, exc)
+            reply = ConfigRecord({"ok": False, "reason": str(exc)})
+            return Message(RecordDict({CONFIG: reply}), reply_to=msg)
+        log.info(
+            "worker-%d restored round %d (step %d) from %s",
+            executor.rank,
+            rnd,
+            executor.step,
+            source,
+        )
+        reply = ConfigRecord({"ok": True, "reason": "", "source": source})
+        return Message(RecordDict({CONFIG: reply}), reply_to=msg)
+
+    @app.query("ring")
+    def join_ring(msg: Message, context: Context) -> Message:
+        conf = msg.content[CONFIG]
+        log.info("worker-%d joining ring %s", executor.rank, conf["ring-id"])
+        rejoin_ring(str(conf["ring-id"]), [str(p) for p in conf["peers"]])
+        state("ready")
+        return Message(RecordDict({CONFIG: ConfigRecord({"ok": True})}), reply_to=msg)
+
     return app
+
+
+def restore_round(executor: RingExecutor, snapshots: Snapshots, rnd: int, conf) -> str:
+    """Load this worker's state at round ``rnd``; return where it came from."""
+    executor.abandon_step()
+    if rnd in snapshots.memory:
+        executor.load_state_dict(copy.deepcopy(snapshots.memory[rnd]))
+        return "memory"
+    if rnd == 0:
+        executor.load_state_dict(executor.initial_state())
+        return "the seed"
+    snapshots.wait_written()
+    expected = str(conf.get("sha256", "")) or None
+    path = checkpoint_path(snapshots.directory, rnd)
+    barrier = barrier_path(snapshots.directory, rnd)
+    if not path.is_file() and barrier.is_file() and snapshots.barrier_sha256(rnd):
+        executor.load_state_dict(load_checkpoint(barrier, snapshots.barrier_sha256(rnd)))
+        snapshots.keep(rnd, copy.deepcopy(executor.state_dict()), False)
+        return str(barrier)
+    if path.is_file():
+        try:
+            executor.load_state_dict(load_checkpoint(path, expected))
+            snapshots.keep(rnd, copy.deepcopy(executor.state_dict()), True)
+            return str(path)
+        except CheckpointError as exc:
+            if "copy" not in conf:
+                raise
+            log.error("worker-%d: %s; using the coordinator's copy", executor.rank, exc)
+    if "copy" not in conf:
+        raise CheckpointError(
+            f"no state for round {rnd}: {path} is missing and the coordinator keeps no copy"
+        )
+    data = bytes(conf["copy"])
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != conf["copy-sha256"]:
+        raise CheckpointError(
+            f"the coordinator's copy of round {rnd}: sha256 {digest}, expected "
+            f"{conf['copy-sha256']}"
+        )
+    snapshots.directory.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)  # becomes this worker's own file again
+    executor.load_state_dict(load_checkpoint(path, digest))
+    snapshots.keep(rnd, copy.deepcopy(executor.state_dict()), True)
+    return "the coordinator's copy"

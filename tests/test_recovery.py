@@ -1,0 +1,147 @@
+"""Incidents and recovery with real processes: a killed, frozen or replaced worker and a
+killed coordinator heal by themselves, and the run ends with the uninterrupted losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from mobius_fed.cli.up import LocalFederation
+from mobius_fed.config import TrainConfig
+from mobius_fed.coordinator.server import complete_manifests
+from tests.test_coordinator import BASE, max_diff, reference, ring_history
+
+pytestmark = pytest.mark.slow
+
+
+def federation(tmp_path: Path, steps: int = 14, **kw) -> LocalFederation:
+    train = TrainConfig(**BASE, steps=steps, sync_every=1)
+    opts = dict(checkpoint_every=2, heartbeat_timeout=3.0, max_restarts=3, threads=1)
+    return LocalFederation(tmp_path, train, **{**opts, **kw})
+
+
+def wait_for_step(fed: LocalFederation, step: int, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while (doc := fed.status()) is None or doc["step"] < step:
+        assert time.monotonic() < deadline, fed.tail("coordinator")
+        if fed.max_restarts:
+            fed.supervise()
+        time.sleep(0.1)
+    return doc
+
+
+def finish(fed: LocalFederation, timeout: float = 240) -> dict:
+    try:
+        final = fed.wait(timeout=timeout)
+        got, _ = ring_history(fed)
+    finally:
+        fed.stop()
+    assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 40))
+    ref, _ = reference(fed)
+    assert max_diff(got, ref) <= 1e-5, "recovery must not change the losses"
+    return final
+
+
+def test_killed_worker_is_restarted_and_the_run_heals(tmp_path: Path):
+    fed = federation(tmp_path).prepare().start()
+    wait_for_step(fed, 5)
+    os.kill(fed.procs["worker-2"].pid, signal.SIGKILL)
+    final = finish(fed)
+    (inc,) = final["incidents"]
+    assert inc["rank"] == 2 and inc["state"] == "recovered", inc
+    assert "worker-1 → worker-2" in inc["edge"] and "worker-2 → worker-3" in inc["edge"]
+    assert inc["detection_s"] is not None and inc["detection_s"] < 2.5, inc
+    assert inc["steps_redone"] <= 1, "a crash redoes at most the round in flight"
+    assert fed.restarts.get("worker-2") == 1
+
+
+def test_frozen_worker_past_the_heartbeat_timeout_heals(tmp_path: Path):
+    fed = federation(tmp_path).prepare().start()
+    wait_for_step(fed, 5)
+    pid = fed.procs["worker-1"].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while (doc := fed.status())["workers"][1]["state"] != "lost":
+            assert time.monotonic() < deadline, doc
+            time.sleep(0.2)
+        assert doc["phase"] == "recovering" and doc["incidents"][0]["state"] == "open"
+        assert any(e["state"] == "down" for e in doc["ring"] if "worker-1" in e["edge"])
+        time.sleep(2.0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    final = finish(fed)
+    (inc,) = final["incidents"]
+    assert inc["rank"] == 1 and "no heartbeat" in inc["what"] and inc["state"] == "recovered"
+    assert not fed.restarts, "the frozen process itself rejoins; nothing is restarted"
+
+
+def test_host_replaced_without_its_disk_rejoins_from_the_coordinator_copy(tmp_path: Path):
+    fed = federation(tmp_path).prepare().start()
+    wait_for_step(fed, 6)
+    os.kill(fed.procs["worker-3"].pid, signal.SIGKILL)
+    shutil.rmtree(fed.worker_out(3))  # the replacement host has the site's data only
+    final = finish(fed)
+    (inc,) = final["incidents"]
+    assert inc["state"] == "recovered" and inc["rollback_round"] % 2 == 0
+    assert "the coordinator's copy" in (fed.logs / "worker-3.log").read_text()
+
+
+def test_killed_coordinator_comes_back_with_resume_auto(tmp_path: Path):
+    fed = federation(tmp_path).prepare().start()
+    wait_for_step(fed, 7)
+    os.kill(fed.procs["coordinator"].pid, signal.SIGKILL)
+    finish(fed)
+    assert fed.restarts.get("coordinator") == 1
+    assert "resuming from" in (fed.logs / "coordinator.log").read_text()
+
+
+def test_incident_budget_ends_the_run_naming_rank_and_edge(tmp_path: Path):
+    fed = federation(tmp_path, max_incidents=0).prepare().start()
+    wait_for_step(fed, 5)
+    os.kill(fed.procs["worker-2"].pid, signal.SIGKILL)
+    try:
+        final = fed.wait(timeout=60)
+    finally:
+        fed.stop()
+    assert final["phase"] == "failed"
+    assert "--max-incidents 0" in final["error"] and "worker-2" in final["error"]
+    assert "worker-1 → worker-2" in final["error"], final["error"]
+    manifest = complete_manifests(fed.coordinator_out)[0]
+    assert json.loads(manifest.read_text())["step"] >= 4
+
+
+def test_bad_and_missing_worker_checkpoints_are_named_and_the_previous_round_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("MOBIUS_STATE_COPY", "off")  # no copy to fall back on
+    monkeypatch.setenv("MOBIUS_BARRIER_SNAPSHOTS", "false")
+    fed = federation(tmp_path, steps=12, max_restarts=0).prepare().start()
+    wait_for_step(fed, 9)
+    fed.stop(sig=signal.SIGKILL)
+    newest, previous = complete_manifests(fed.coordinator_out)[:2]
+    doc, prev = json.loads(newest.read_text()), json.loads(previous.read_text())
+    bad = Path(doc["workers"]["1"]["path"])
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x40  # one flipped bit in the middle of the tensors
+    bad.write_bytes(bytes(data))
+    gone = Path(prev["workers"]["2"]["path"])
+    gone.unlink()
+
+    resumed = federation(tmp_path, steps=12, max_restarts=0, resume="auto")
+    resumed.prepare().start()
+    finish(resumed)
+    coord = (resumed.logs / "coordinator.log").read_text()
+    # the flipped bit: named by file, expected and actual hash; then the previous round
+    refusal = next(line for line in coord.splitlines() if "cannot restore round" in line)
+    assert f"worker-1 cannot restore round {doc['round']}" in refusal, refusal
+    assert str(bad) in refusal and doc["workers"]["1"]["sha256"] in refusal, refusal
+    # the missing file: named, and the round before it is used
+    assert f"round {prev['round']}: worker-2's checkpoint {gone} is missing" in coord
+    assert f"restoring round {prev['round'] - 2} " in coord
