@@ -146,9 +146,10 @@ class RingRun:
             *WORKER,
             *("--rank", str(i), "--peers", ",".join(f"127.0.0.1:{p}" for p in ports)),
             *("--listen", f"127.0.0.1:{ports[i]}", "--data-dir", str(self.sites / f"site-{i}")),
-            *("--out-dir", str(self.out(i)), "--ca", str(self.certs / "ca.crt")),
-            *("--cert", str(self.certs / f"worker-{i}.crt")),
-            *("--key", str(self.certs / f"worker-{i}.key")),
+            *("--out-dir", str(self.out(i))),  # the worker's own bundle only
+            *("--ca", str(self.certs / "nodes" / f"worker-{i}" / "ca.crt")),
+            *("--cert", str(self.certs / "nodes" / f"worker-{i}" / "tls.crt")),
+            *("--key", str(self.certs / "nodes" / f"worker-{i}" / "tls.key")),
             *("--threads", str(self.threads), "--peer-timeout", "120"),
             *("--run-id", "ring-benchmark", "--log-level", "WARNING"),
             *("--preset", c.preset, "--workers", str(c.workers), "--loops", str(c.loops)),

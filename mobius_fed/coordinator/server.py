@@ -46,7 +46,7 @@ from mobius_fed.transport.flower_wire import (
     set_task_identity,
     worker_node_id,
 )
-from mobius_fed.transport.tls import GRPC_OPTIONS, add_port, worker_identity
+from mobius_fed.transport.tls import GRPC_OPTIONS, add_port, check_node_secrets, worker_identity
 
 log = logging.getLogger("mobius.coordinator")
 MANIFEST = "manifest.json"
@@ -117,6 +117,7 @@ class Coordinator:
     checkpoints and serves status."""
 
     def __init__(self, cfg: CoordinatorConfig) -> None:
+        check_node_secrets(cfg.tls())
         self.cfg = cfg
         self.train = cfg.train
         self.plan = RoundPlan.of(cfg.train, cfg.checkpoint_every)

@@ -37,7 +37,7 @@ from mobius_fed.transport.flower_wire import (
     set_task_identity,
     worker_node_id,
 )
-from mobius_fed.transport.tls import open_channel
+from mobius_fed.transport.tls import check_node_secrets, open_channel
 from mobius_fed.worker.config import WorkerConfig
 from mobius_fed.worker.daemon import open_ring
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
@@ -124,6 +124,8 @@ class WorkerNode:
 
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
+        if not cfg.insecure:
+            check_node_secrets(cfg.tls())  # type: ignore[arg-type]
         self.channel = open_channel(
             cfg.coordinator,  # type: ignore[arg-type]
             cfg.tls(),

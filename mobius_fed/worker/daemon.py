@@ -14,6 +14,7 @@ import torch
 
 from mobius_fed.checkpoint import save_checkpoint
 from mobius_fed.data import SiteData
+from mobius_fed.transport.tls import check_node_secrets
 from mobius_fed.worker.config import WorkerConfig
 from mobius_fed.worker.executor import RingExecutor
 from mobius_fed.worker.link import RingLinks
@@ -44,6 +45,8 @@ def open_ring(cfg: WorkerConfig, executor: RingExecutor) -> RingLinks | None:
 def run_static_ring(cfg: WorkerConfig) -> Path:
     """Train ``cfg.train.steps`` steps on a static ring; return the metrics file."""
     train = cfg.train
+    if not cfg.insecure:
+        check_node_secrets(cfg.tls())  # type: ignore[arg-type]
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     site = SiteData(cfg.data_dir, train.model().seq_len, train.encoding)
