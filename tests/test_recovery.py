@@ -3,15 +3,18 @@ killed coordinator heal by themselves, and the run ends with the uninterrupted l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from mobius_fed.checkpoint import load_checkpoint
 from mobius_fed.cli.up import LocalFederation
 from mobius_fed.config import TrainConfig
 from mobius_fed.coordinator.server import complete_manifests
@@ -145,3 +148,45 @@ def test_bad_and_missing_worker_checkpoints_are_named_and_the_previous_round_use
     # the missing file: named, and the round before it is used
     assert f"round {prev['round']}: worker-2's checkpoint {gone} is missing" in coord
     assert f"restoring round {prev['round'] - 2} " in coord
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
+
+
+def test_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path: Path):
+    fed = federation(tmp_path, steps=40, max_restarts=0)
+    if not _mount_tmpfs(fed.coordinator_out, "16m"):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        fed.prepare().start()
+        deadline = time.monotonic() + 120
+        while not complete_manifests(fed.coordinator_out):
+            assert time.monotonic() < deadline, fed.tail("coordinator")
+            time.sleep(0.1)
+        ballast = fed.coordinator_out / "ballast"
+        with open(ballast, "wb") as f, contextlib.suppress(OSError):  # fill the disk
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        try:
+            final = fed.wait(timeout=120)
+        finally:
+            fed.stop()
+        assert final["phase"] == "failed", final
+        assert "No space left on device" in final["error"], final["error"]
+        assert str(fed.coordinator_out) in final["error"], "the error names the path"
+        (fed.coordinator_out / "ballast").unlink()
+        left = [p for p in fed.coordinator_out.rglob("*") if ".tmp" in p.name]
+        assert not left, f"temporary files left behind: {left}"
+        manifest = complete_manifests(fed.coordinator_out)[0]  # verified against its sha256
+        doc = json.loads(manifest.read_text())
+        load_checkpoint(manifest.parent / doc["er"], doc["er_sha256"])
+    finally:
+        subprocess.run(["umount", "-l", str(fed.coordinator_out)], capture_output=True)

@@ -606,7 +606,7 @@ class Coordinator:
     def after_train(self, rnd: int, replies: list[Message], arrays: ArrayRecord | None) -> None:
         seconds = time.perf_counter() - self._round_started
         start, end = self.plan.steps_of(rnd)
-        worker_seconds = 0.0
+        worker_seconds = snapshot_seconds = 0.0
         for reply in replies:
             rank = rank_of_node(reply.metadata.src_node_id)
             metrics = reply.content["metrics"]
@@ -614,7 +614,8 @@ class Coordinator:
             self.state.record_losses(rank, start, losses)
             self.state.update_worker(rank, last_loss=losses[-1], step=end)
             worker_seconds = max(worker_seconds, float(metrics["train-seconds"]))
-        self.state.record_round(rnd, seconds, worker_seconds)
+            snapshot_seconds = max(snapshot_seconds, float(metrics.get("snapshot-seconds", 0.0)))
+        self.state.record_round(rnd, seconds, worker_seconds, snapshot_seconds)
         self.state.set(round=rnd, step=end)
         self.in_flight = 0
         if arrays is not None:

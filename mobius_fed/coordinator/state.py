@@ -112,10 +112,18 @@ class RunState:
                 {"round": rnd, "step": step, "loss": sum(per) / len(per), "origin_losses": per}
             )
 
-    def record_round(self, rnd: int, seconds: float, worker_seconds: float) -> None:
+    def record_round(
+        self, rnd: int, seconds: float, worker_seconds: float, snapshot_s: float = 0.0
+    ) -> None:
         with self._lock:
             self.rounds.append(
-                {"round": rnd, "seconds": seconds, "overhead_s": max(0.0, seconds - worker_seconds)}
+                {
+                    "round": rnd,
+                    "seconds": seconds,
+                    "train_s": worker_seconds,
+                    "overhead_s": max(0.0, seconds - worker_seconds),
+                    "snapshot_s": snapshot_s,  # the slowest worker's in-memory barrier copy
+                }
             )
 
     def open_incident(self, **fields: Any) -> Incident:
