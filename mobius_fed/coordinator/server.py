@@ -416,6 +416,10 @@ class Coordinator:
         """Bring every worker to the newest round all of them (and this coordinator) can
         restore, on a fresh ring incarnation; return that round."""
         have = self._ask_rounds()
+        log.info(
+            "rounds each worker can restore: %s",
+            "; ".join(f"worker-{r}: {sorted(v)}" for r, v in sorted(have.items())),
+        )
         refused: dict[int, set[int]] = {r: set() for r in range(self.train.P)}
         while True:
             rnd, sources = self._choose_round(have, refused)

@@ -90,9 +90,11 @@ def register(
 
 
 class _Heartbeats(threading.Thread):
-    def __init__(self, node: WorkerNode, interval: float, on_reply) -> None:
+    """Heartbeats from registration on, across sessions; replies go to ``node.on_reply``."""
+
+    def __init__(self, node: WorkerNode, interval: float) -> None:
         super().__init__(daemon=True, name="heartbeats")
-        self.node, self.interval, self.on_reply = node, interval, on_reply
+        self.node, self.interval = node, interval
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -114,7 +116,7 @@ class _Heartbeats(threading.Thread):
             except grpc.RpcError as exc:
                 log.warning("heartbeat failed: %s", exc.code().name)
             else:
-                self.on_reply(reply)
+                node.on_reply(reply)
             self.done.wait(self.interval)
 
 
@@ -138,13 +140,18 @@ class WorkerNode:
         self.snapshots = Snapshots(Path(cfg.out_dir) / "checkpoints")
         self.state, self.loss, self.tps = "registered", 0.0, 0.0
         self._links_lock = threading.Lock()
+        self._session_end = None  # ends the current session: (outcome, reason)
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
         rejoin = False
+        beats: _Heartbeats | None = None
         try:
             while True:
                 spec = register(self.stub, self.cfg, rejoin=rejoin)
+                if beats is None:  # from now on the coordinator expects heartbeats
+                    beats = _Heartbeats(self, spec.heartbeat_interval_s or 1.0)
+                    beats.start()
                 if self.executor is None:
                     self._build(spec)
                 log.info(
@@ -162,8 +169,20 @@ class WorkerNode:
                 log.warning("worker-%d: %s; registering again", self.cfg.rank, reason)
                 rejoin = True
         finally:
+            if beats is not None:
+                beats.done.set()
             self.close_links()
             self.channel.close()
+
+    def on_reply(self, reply: control_pb2.HeartbeatReply) -> None:
+        """A heartbeat's answer: end the session to rejoin, or because the run ended."""
+        end = self._session_end
+        if end is None:
+            return
+        if reply.rejoin:
+            end("rejoin", reply.reason or "the coordinator counts this worker lost")
+        elif reply.stop:
+            end("done" if reply.reason == "done" else "stopped", reply.reason)
 
     def _build(self, spec: control_pb2.RunSpec) -> None:
         train = TrainConfig.model_validate_json(spec.train_config_json)
@@ -218,12 +237,6 @@ class WorkerNode:
                 if outcome == "rejoin":
                     responses.cancel()
 
-        def on_reply(reply: control_pb2.HeartbeatReply) -> None:
-            if reply.rejoin:
-                end("rejoin", reply.reason or "the coordinator counts this worker lost")
-            elif reply.stop:
-                end("done" if reply.reason == "done" else "stopped", reply.reason)
-
         def read_session() -> None:
             try:
                 for env in responses:
@@ -258,8 +271,7 @@ class WorkerNode:
             run_config={},
         )
         self.state = "ready"  # the session is open; the handlers say what comes next
-        beats = _Heartbeats(self, spec.heartbeat_interval_s or 1.0, on_reply)
-        beats.start()
+        self._session_end = end
         threading.Thread(target=read_session, daemon=True, name="session").start()
         try:
             while (data := instructions.get()) is not None:
@@ -268,7 +280,7 @@ class WorkerNode:
                 if not ended:
                     outbox.put(control_pb2.Envelope(flower_message=message_to_bytes(reply)))
         finally:
-            beats.done.set()
+            self._session_end = None
             outbox.put(None)
         outcome, reason = ended[0]
         if outcome == "done" and self.links is not None:
