@@ -13,11 +13,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from mobius_fed.config import TrainConfig
-from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+if TYPE_CHECKING:  # torch-free at import: `mobius-fed health` runs as a frequent healthcheck
+    from mobius_fed.config import TrainConfig
+    from mobius_fed.data import SiteData
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -284,6 +286,8 @@ def site_dirs(root: Path, P: int) -> list[Path]:
 
 def resolve_sites(cfg: TrainConfig, data: Sequence[Path] | None, out: Path) -> list[SiteData]:
     """Per-site datasets from a prepared directory, text files, or the embedded corpus."""
+    from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+
     if data and len(data) == 1 and Path(data[0]).is_dir():
         dirs = site_dirs(Path(data[0]), cfg.P)
     elif data:

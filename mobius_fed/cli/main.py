@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -15,8 +16,9 @@ from mobius_fed.cli.common import (
     resolve_sites,
     run_guarded,
 )
-from mobius_fed.config import TrainConfig, load_train_config
-from mobius_fed.schedule import ORDERS
+
+if TYPE_CHECKING:  # torch loads only for the commands that train
+    from mobius_fed.config import TrainConfig
 
 TRAIN_FLAGS = {
     # flag: (config key, type, help)
@@ -70,6 +72,7 @@ def _progress() -> Progress:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
+    from mobius_fed.config import load_train_config
     from mobius_fed.engine import ReferenceEngine
     from mobius_fed.engine.trainer import CHECKPOINT, train
 
@@ -114,7 +117,9 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
+    from mobius_fed.config import load_train_config
     from mobius_fed.engine.experiment import markdown_table, plot_curves, run_experiment
+    from mobius_fed.schedule import ORDERS
 
     keys = [v[0] for v in TRAIN_FLAGS.values()] + ["tied"]
     cfg = load_train_config(args.config, train_overrides(args, keys))
@@ -177,6 +182,7 @@ def cmd_certs_init(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from mobius_fed.cli.coordinator import parse_options
     from mobius_fed.cli.up import cmd_up as run_up
+    from mobius_fed.config import load_train_config
 
     keys = [v[0] for v in TRAIN_FLAGS.values()] + ["loops", "order", "tied"]
     cfg = load_train_config(args.config, train_overrides(args, keys))
