@@ -368,6 +368,29 @@ def test_compose_each_worker_gets_only_its_own_key_and_site() -> None:
                 assert vol.get("read_only") is True, f"{name} mounts its certificates writable"
 
 
+def test_compose_stops_cleanly_and_heals() -> None:
+    """An init as PID 1 on every service (SIGTERM reaches the daemon, zombies are reaped), a
+    grace period longer than the daemons' 2 s stop; workers restart on failure only, so a
+    finished worker (exit 0) stays stopped; a restarted coordinator resumes if it can."""
+    from mobius_fed.testbed.compose import parse_duration
+
+    services = _services()
+    for name, svc in services.items():
+        assert svc.get("init") is True, f"{name}: init: true (SIGTERM must reach the daemon)"
+        grace = parse_duration(svc.get("stop_grace_period", "10s"))
+        assert 2 < grace <= 10, f"{name}: stop_grace_period {grace}s"
+    for i, svc in _compose_workers().items():
+        policy = str(svc["restart"])
+        assert re.fullmatch(r"on-failure(:\d+)?", policy), (
+            f"worker-{i}: restart {policy!r} would restart a worker whose run is done"
+        )
+    coord = services["coordinator"]
+    assert coord["restart"] in ("unless-stopped", "always", "on-failure")
+    assert coord["environment"]["MOBIUS_RESUME"] == "auto"
+    env = {k: str(v) for k, v in coord["environment"].items()}
+    assert coord_config.load_coordinator_config(None, {}, {}, environ=env).resume == "auto"
+
+
 def _target(vol: Any) -> str:
     return vol["target"] if isinstance(vol, dict) else vol.split(":")[1]
 
@@ -539,6 +562,15 @@ def test_k8s_workers_isolation_and_settings() -> None:
     assert all(n == 1 for n in secrets_seen.values())
 
 
+def test_k8s_resume_auto_and_termination_grace() -> None:
+    env = _k8s("ConfigMap", "mobius-config")["data"]
+    assert env["MOBIUS_RESUME"] == "auto", "a restarted coordinator pod must resume by itself"
+    pods = [_k8s("Deployment", "coordinator")["spec"]["template"]["spec"]]
+    pods += [sts["spec"]["template"]["spec"] for sts in _k8s_workers().values()]
+    for pod in pods:
+        assert 2 < pod["terminationGracePeriodSeconds"] <= 30
+
+
 def _check_secret(mount: dict[str, Any], node: str) -> None:
     assert mount.get("readOnly") is True
     secret = mount["secret"]
@@ -581,6 +613,9 @@ def test_systemd_units_and_env_files(role: str) -> None:
     assert unit["User"] == ["mobius"] and unit["NoNewPrivileges"] == ["yes"]
     assert unit["ProtectSystem"] == ["strict"]
     assert unit["Restart"] == ["on-failure"]
+    # systemctl stop: SIGTERM, which the daemon answers with 0 or 143 within 2 s.
+    assert unit.get("KillSignal", ["SIGTERM"]) == ["SIGTERM"]
+    assert "143" in " ".join(unit.get("SuccessExitStatus", [])).split()
     writable = unit["ReadWritePaths"][0].split()
 
     env = _env_file(example)
@@ -596,6 +631,7 @@ def test_systemd_units_and_env_files(role: str) -> None:
         assert _port(active["MOBIUS_REST_LISTEN"]) == REST_PORT
         cfg = coord_config.load_coordinator_config(None, {}, {}, environ=active)
         assert cfg.train.workers == int(active["MOBIUS_WORKERS"])
+        assert cfg.resume == "auto"
     else:
         assert _port(active["MOBIUS_LISTEN"]) == WORKER_PORT
         assert _port(active["MOBIUS_ADVERTISE"]) == WORKER_PORT

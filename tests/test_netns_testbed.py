@@ -322,8 +322,9 @@ def test_parse_real_compose_file():
     assert (certs.source, certs.subpath, certs.read_only) == ("certs", "nodes/worker-2", True)
     assert (data.source, data.read_only, state.read_only) == ("site-2-data", True, False)
     assert w.depends_on["coordinator"] == "service_healthy"
-    assert (w.restart, w.max_restarts) == ("on-failure", 3)
-    assert w.healthcheck and w.healthcheck.interval == 5 and w.healthcheck.start_period == 30
+    assert (w.restart, w.max_restarts) == ("on-failure", 10)
+    assert w.healthcheck and w.healthcheck.interval == 30 and w.healthcheck.start_period == 180
+    assert w.healthcheck.start_interval == 5
     assert proj.services["certs"].isolated and not proj.services["coordinator"].isolated
     assert any("ports" in n and "published" in n for n in proj.notes)
 

@@ -88,6 +88,8 @@ spec:
     spec:
       automountServiceAccountToken: false
       enableServiceLinks: false
+      # mobius-worker stops within 2 s of SIGTERM (it is PID 1 here and handles it).
+      terminationGracePeriodSeconds: 10
       securityContext:
         runAsNonRoot: true
         runAsUser: 10001
