@@ -216,10 +216,12 @@ def _oserror(path: Path, exc: OSError) -> CheckpointError:
     )
 
 
-def save_checkpoint(path: Path, state: dict) -> Path:
+def save_checkpoint(path: Path, state: dict, durable: bool = True) -> Path:
     """Write ``state`` to ``path`` atomically (temporary file, fsync, rename, fsync dir).
 
     On any failure no temporary file is left and an existing ``path`` is unchanged.
+    ``durable=False`` skips the fsyncs: the file survives the process (a crash, a kill)
+    but not necessarily the host (a power cut), for snapshots that are cheap to lose.
     """
     path = Path(path)
     try:
@@ -239,7 +241,8 @@ def save_checkpoint(path: Path, state: dict) -> Path:
             while view.nbytes:
                 n = os.write(fd, view)
                 view = view[n:]
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
         os.close(fd)
         fd = -1
         os.replace(tmp, path)
@@ -250,7 +253,8 @@ def save_checkpoint(path: Path, state: dict) -> Path:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise _oserror(path, exc) from exc
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
     return path
 
 

@@ -157,3 +157,18 @@ def test_prepare_jsonl_writes_site_dirs(tmp_path) -> None:
     proc = mobius_fed("prepare", "docs.jsonl", "--out", "sites", "--sites", "3", cwd=tmp_path)
     assert proc.returncode == 2
     assert "--overwrite" in _flat(proc.stderr)
+
+
+def test_certs_renew_and_rotate(tmp_path) -> None:
+    """renew: a new key for one node, same identity; rotate: a new CA for everyone."""
+    assert mobius_fed("certs", "init", "--workers", "2", "--out", "c", cwd=tmp_path).returncode == 0
+    bundle = tmp_path / "c" / "nodes" / "worker-1"
+    old_key, old_ca = (bundle / "tls.key").read_bytes(), (bundle / "ca.crt").read_bytes()
+    done = mobius_fed("certs", "renew", "--node", "worker-1", "--out", "c", cwd=tmp_path)
+    assert done.returncode == 0 and "mobius://worker/1" in done.stdout, done.stderr
+    assert (bundle / "tls.key").read_bytes() != old_key
+    assert (bundle / "ca.crt").read_bytes() == old_ca, "renewing one node keeps the CA"
+    bad = mobius_fed("certs", "renew", "--node", "worker-7", "--out", "c", cwd=tmp_path)
+    assert bad.returncode == 2 and "worker-7" in bad.stderr
+    assert mobius_fed("certs", "rotate", "--out", "c", cwd=tmp_path).returncode == 0
+    assert (bundle / "ca.crt").read_bytes() != old_ca

@@ -76,6 +76,10 @@ def test_frozen_worker_past_the_heartbeat_timeout_heals(tmp_path: Path):
             time.sleep(0.2)
         assert doc["phase"] == "recovering" and doc["incidents"][0]["state"] == "open"
         assert any(e["state"] == "down" for e in doc["ring"] if "worker-1" in e["edge"])
+        rest = fed.rest("/v1/status")  # the same story over REST and in the metrics
+        assert rest["incidents"][0]["rank"] == 1 and rest["workers"][1]["state"] == "lost"
+        assert [e["edge"] for e in rest["ring"]][1] == "worker-1 → worker-2"
+        assert 'mobius_incidents_total{run_id="local-up"} 1' in fed.rest("/metrics")
         time.sleep(2.0)
     finally:
         os.kill(pid, signal.SIGCONT)

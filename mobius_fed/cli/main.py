@@ -179,6 +179,32 @@ def cmd_certs_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certs_renew(args: argparse.Namespace) -> int:
+    from mobius_fed.transport.certs import identity_of, renew_node
+
+    try:
+        node = renew_node(Path(args.out), args.node, args.host or (), days=args.days)
+    except KeyError as exc:
+        raise CliError(str(exc)) from None
+    print(
+        f"new key and certificate for {args.node} ({identity_of(args.node)}) in "
+        f"{node.cert.parent}: deploy it to that node only. Its old certificate stays valid "
+        "until it expires; `mobius-fed certs rotate` cuts it off now."
+    )
+    return 0
+
+
+def cmd_certs_rotate(args: argparse.Namespace) -> int:
+    from mobius_fed.transport.certs import rotate_ca
+
+    layout = rotate_ca(Path(args.out), args.host or (), days=args.days)
+    print(
+        f"new CA and certificates for {layout.workers} workers, coordinator, operator in "
+        f"{layout.root}: deploy every nodes/<node>/ bundle and restart every node"
+    )
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from mobius_fed.cli.coordinator import parse_options
     from mobius_fed.cli.up import cmd_up as run_up
@@ -282,6 +308,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="do nothing when OUT/ca.crt exists (a one-shot init job)",
     )
     c.set_defaults(func=cmd_certs_init)
+    c = csub.add_parser("renew", help="new key and certificate for one node, same identity")
+    c.add_argument("--node", required=True, help="worker-<i>, coordinator or operator")
+    c.add_argument("--out", type=Path, required=True, help="the directory certs init wrote")
+    c.add_argument("--host", action="append", help="extra DNS name or IP for the node")
+    c.add_argument("--days", type=int, default=365, help="validity (default: 365)")
+    c.set_defaults(func=cmd_certs_renew)
+    c = csub.add_parser(
+        "rotate", help="new CA and certificates for every node (old ones stop working)"
+    )
+    c.add_argument("--out", type=Path, required=True, help="the directory certs init wrote")
+    c.add_argument("--host", action="append", help="extra DNS name or IP for every node")
+    c.add_argument("--days", type=int, default=365, help="validity (default: 365)")
+    c.set_defaults(func=cmd_certs_rotate)
     return parser
 
 

@@ -18,7 +18,7 @@ from mobius_fed.transport.tls import (
     COORDINATOR_IDENTITY,
     OPERATOR_IDENTITY,
     parse_identity,
-    peer_identity,
+    peer_identity_or_reason,
     require_peer,
     worker_identity,
 )
@@ -50,13 +50,15 @@ class ControlService(control_pb2_grpc.ControlServicer):
     # ------------------------------------------------------------- identity
     def _worker_rank(self, context: grpc.ServicerContext) -> int:
         """The caller's rank from its certificate; abort unless it is an enrolled worker."""
-        who = peer_identity(context)
+        who, why = peer_identity_or_reason(context)
         try:
             role, index = parse_identity(who or "")
         except ValueError:
             role, index = "", None
         if role != "worker" or index is None or index >= self.P:
             msg = f"identity {who or '<none>'} is not an enrolled worker of this run (P={self.P})"
+            if who is None:
+                msg += f" ({why})"
             log.warning("refused: %s", msg)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)
         return index  # type: ignore[return-value]

@@ -57,8 +57,9 @@ class IncidentRaised(RuntimeError):
 class ControlGrid(Grid):
     """Flower Grid over the Control service sessions of P workers."""
 
-    def __init__(self, P: int) -> None:
+    def __init__(self, P: int, validate_reply=None) -> None:
         self.P = P
+        self.validate_reply = validate_reply  # raises on a reply the strategy must not see
         self._run = Run.create_empty(FLOWER_RUN_ID)
         self._outboxes: dict[int, queue.Queue] = {}
         self._replies: dict[str, Message] = {}
@@ -177,6 +178,8 @@ class ControlGrid(Grid):
         reply = message_from_bytes(data)
         if rank_of_node(reply.metadata.src_node_id) != rank:
             raise RunFailed(f"worker-{rank} sent a reply as node {reply.metadata.src_node_id}")
+        if self.validate_reply is not None and not reply.has_error():
+            self.validate_reply(rank, reply)
         with self._cond:
             to = reply.metadata.reply_to_message_id
             if to in self._abandoned:
@@ -197,7 +200,8 @@ class ControlGrid(Grid):
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            self._raise_if_failed()
+            if self._failure is not None:  # a pending incident is the caller's to take
+                raise RunFailed(self._failure)
             return [r for r in range(self.P) if r not in self._outboxes]
 
     def fail(self, reason: str) -> None:

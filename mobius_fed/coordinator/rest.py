@@ -61,7 +61,8 @@ class WorkerModel(BaseModel):
     identity: str = Field(description="certificate identity, mobius://worker/<rank>")
     address: str = Field(description="host:port of the worker's ring link ('' until registered)")
     state: str = Field(
-        description="expected | registered | ready | training | evaluating | done | lost"
+        description="expected | registered | ready | training | evaluating | lost | "
+        "rejoining | restoring | recovered | done"
     )
     step: int = Field(description="last step the worker reported")
     last_heartbeat: float | None = Field(description="unix time of the last heartbeat")
@@ -72,13 +73,48 @@ class WorkerModel(BaseModel):
         description="last training loss of the worker's own origin (null if none / non-finite)"
     )
     tokens_per_s: float = Field(description="worker throughput, tokens per second")
+    registered_at: float | None = Field(None, description="unix time of its latest registration")
+    incidents: int = Field(0, description="incidents in which this worker was the one lost")
+    edges: dict[str, Any] = Field(
+        default_factory=dict, description="its ring links as it reports them ('in', 'out')"
+    )
+
+
+class EdgeModel(BaseModel):
+    """One ring edge i → i+1, as its sender reports it."""
+
+    edge: str = Field(description="'worker-<i> → worker-<i+1>'")
+    state: str = Field(description="up | reconnecting | down | unknown")
+    reconnects: int = Field(description="times the link reconnected within its grace")
+    down_s: float = Field(description="seconds it has been down (0 while up)")
+
+
+class IncidentModel(BaseModel):
+    """A worker or ring edge lost, from detection to recovery."""
+
+    id: int
+    kind: str = Field(description="worker lost | ring edge down | worker error")
+    what: str
+    rank: int | None
+    edge: str | None = Field(description="the ring edges involved")
+    round: int = Field(description="the round in flight when it was detected (0: none)")
+    detected_at: float = Field(description="unix time")
+    detection_s: float | None = Field(description="detection − the culprit's last sign of life")
+    state: str = Field(description="open | recovered | failed")
+    rollback_round: int | None = Field(description="the round every worker rolled back to")
+    steps_redone: int | None
+    recovered_at: float | None
+    recovery_s: float | None = Field(description="detection → training resumed")
+    rejoin_s: float | None = Field(
+        description="the lost worker's re-registration → training resumed"
+    )
 
 
 class StatusModel(BaseModel):
     """``GET /v1/status``: where the run stands (same document as gRPC ``GetStatus``)."""
 
     run_id: str
-    phase: str = Field(description="waiting | training | done | failed | stopped")
+    phase: str = Field(description="waiting | training | recovering | done | failed | stopped")
     round: int = Field(description="Flower rounds (step barriers) started")
     num_rounds: int
     step: int = Field(description="training steps completed")
@@ -91,6 +127,8 @@ class StatusModel(BaseModel):
     eval_loss: float | None = Field(None, description="latest validation loss (Eq. 8)")
     eval_origin_losses: list[float | None] | None = None
     server_time: float | None = Field(None, description="coordinator clock at this reply")
+    ring: list[EdgeModel] = Field(default_factory=list, description="every ring edge")
+    incidents: list[IncidentModel] = Field(default_factory=list)
     workers: list[WorkerModel]
 
 
@@ -111,6 +149,8 @@ class RoundModel(BaseModel):
     round: int
     seconds: float
     overhead_s: float = Field(description="round wall time not spent in the workers")
+    train_s: float = Field(0.0, description="the slowest worker's training time")
+    snapshot_s: float = Field(0.0, description="the slowest worker's barrier snapshot copy")
 
 
 class HistoryModel(BaseModel):
@@ -120,6 +160,7 @@ class HistoryModel(BaseModel):
     steps: list[StepLossModel]
     evals: list[EvalModel]
     rounds: list[RoundModel]
+    incidents: list[IncidentModel] = Field(default_factory=list)
 
 
 class HealthModel(BaseModel):

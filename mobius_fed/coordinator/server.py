@@ -46,6 +46,7 @@ from mobius_fed.transport.flower_wire import (
     set_task_identity,
     worker_node_id,
 )
+from mobius_fed.transport.safe_arrays import UnsafeArrayError, spec_of, validate_array_record
 from mobius_fed.transport.tls import GRPC_OPTIONS, add_port, check_node_secrets, worker_identity
 
 log = logging.getLogger("mobius.coordinator")
@@ -128,7 +129,9 @@ class Coordinator:
             strategy=cfg.strategy,
             num_rounds=self.plan.num_rounds,
         )
-        self.grid = ControlGrid(cfg.train.P)
+        replica = build_replica(cfg.train.model(), cfg.train.seed)
+        self.replica_spec = spec_of(replica.state_dict())
+        self.grid = ControlGrid(cfg.train.P, validate_reply=self._validate_reply)
         self.manifests = complete_manifests(cfg.out_dir, self.plan) if cfg.resume else []
         if cfg.resume is True and not self.manifests:
             raise FileNotFoundError(
@@ -155,6 +158,16 @@ class Coordinator:
         self._health = health.HealthServicer()
         self.rest = None
         self.port = 0
+
+    def _validate_reply(self, rank: int, reply: Message) -> None:
+        """E/R arrays from a worker must be exactly the replica's names, shapes, dtypes."""
+        if "arrays" in reply.content:
+            try:
+                validate_array_record(reply.content["arrays"], expected=self.replica_spec)
+            except UnsafeArrayError as exc:
+                raise RunFailed(
+                    f"worker-{rank} ({worker_identity(rank)}) sent bad arrays: {exc}"
+                ) from None
 
     # -------------------------------------------------------------- servers
     def start(self) -> None:
@@ -210,8 +223,8 @@ class Coordinator:
     def stop(self) -> None:
         if self.rest is not None:
             self.rest.stop()
-        if self._server is not None:
-            self._server.stop(grace=2).wait()
+        if self._server is not None:  # open worker sessions would use up any longer grace
+            self._server.stop(grace=0.5).wait()
 
     # ------------------------------------------------------------- run spec
     def _run_spec(self, rank: int) -> control_pb2.RunSpec:
@@ -258,6 +271,15 @@ class Coordinator:
         except (CheckpointError, RunFailed) as exc:
             return self._fail(str(exc))
         self.snapshots[start.round] = start
+        if start.round >= self.plan.num_rounds:  # resumed a finished run: nothing to train
+            self.state.finish("done")
+            log.info(
+                "run %s was already complete (round %d); serving its status",
+                self.cfg.run_id,
+                start.round,
+            )
+            self.grid.broadcast_stop("done")
+            return 0
         missing = self.grid.wait_for_sessions(self.cfg.registration_timeout)
         if missing:
             names = ", ".join(f"worker-{m}" for m in missing)
@@ -628,7 +650,9 @@ class Coordinator:
                 snap.manifest = self._write_checkpoint(rnd, replies, snap)
                 self.last_manifest_round = rnd
             self.snapshots[rnd] = snap
-            keep = {rnd, self.last_manifest_round}
+            # The two newest rounds (a worker may have finished one its peers did not)
+            # and the newest manifest's.
+            keep = {*sorted(self.snapshots, reverse=True)[:2], self.last_manifest_round}
             for old in [r for r in self.snapshots if r not in keep]:
                 del self.snapshots[old]
         self._round_started = time.perf_counter()

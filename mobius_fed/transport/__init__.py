@@ -1,51 +1,43 @@
-"""Ring-link transport: tensor codec, mutual TLS, certificates."""
+"""Ring-link transport: tensor codec, mutual TLS, certificates.
 
-from mobius_fed.transport.certs import CertLayout, identity_of, init_certs
-from mobius_fed.transport.codec import (
-    WIRE_DTYPES,
-    FrameError,
-    decode_tensor,
-    encode_tensor,
-    make_frame,
-    validate_frame,
-)
-from mobius_fed.transport.tls import (
-    COORDINATOR_IDENTITY,
-    GRPC_OPTIONS,
-    OPERATOR_IDENTITY,
-    NodeTLS,
-    add_port,
-    channel_credentials,
-    channel_options,
-    open_channel,
-    parse_identity,
-    peer_identity,
-    require_peer,
-    server_credentials,
-    worker_identity,
-)
+Names are imported on first use, so that a health probe that needs only TLS does not load
+torch (the codec does).
+"""
 
-__all__ = [
-    "COORDINATOR_IDENTITY",
-    "GRPC_OPTIONS",
-    "OPERATOR_IDENTITY",
-    "WIRE_DTYPES",
-    "CertLayout",
-    "FrameError",
-    "NodeTLS",
-    "add_port",
-    "channel_credentials",
-    "channel_options",
-    "decode_tensor",
-    "encode_tensor",
-    "identity_of",
-    "init_certs",
-    "make_frame",
-    "open_channel",
-    "parse_identity",
-    "peer_identity",
-    "require_peer",
-    "server_credentials",
-    "validate_frame",
-    "worker_identity",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "CertLayout": "certs",
+    "identity_of": "certs",
+    "init_certs": "certs",
+    "WIRE_DTYPES": "codec",
+    "FrameError": "codec",
+    "decode_tensor": "codec",
+    "encode_tensor": "codec",
+    "make_frame": "codec",
+    "validate_frame": "codec",
+    "COORDINATOR_IDENTITY": "tls",
+    "GRPC_OPTIONS": "tls",
+    "OPERATOR_IDENTITY": "tls",
+    "NodeTLS": "tls",
+    "add_port": "tls",
+    "channel_credentials": "tls",
+    "channel_options": "tls",
+    "open_channel": "tls",
+    "parse_identity": "tls",
+    "peer_identity": "tls",
+    "require_peer": "tls",
+    "server_credentials": "tls",
+    "worker_identity": "tls",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -7,6 +7,8 @@ from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Message as MessageProto
 from flwr.supercore.task_identity import TaskIdentity
 
+from mobius_fed.transport.safe_arrays import validate_message_arrays
+
 # Flower reserves node id 1 for the server side (SUPERLINK_NODE_ID); workers never get it.
 COORDINATOR_NODE_ID = 1
 FLOWER_RUN_ID = 1
@@ -38,4 +40,9 @@ def message_to_bytes(message: Message) -> bytes:
 
 
 def message_from_bytes(data: bytes) -> Message:
-    return message_from_proto(MessageProto.FromString(data))
+    """Parse a Flower Message; every array in it must be a plain numeric ``.npy`` whose
+    header matches its declaration (UnsafeArrayError otherwise; nothing is decoded)."""
+    message = message_from_proto(MessageProto.FromString(data))
+    if not message.has_error():  # an Error reply has no content
+        validate_message_arrays(message)
+    return message

@@ -14,7 +14,6 @@ import copy
 import hashlib
 import logging
 import re
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from flwr.clientapp import ClientApp
 
 from mobius_fed.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, sha256_of
 from mobius_fed.strategies import BARRIER_SNAPSHOT, CHECKPOINT, STATE_COPY, STEP_END, STEP_START
+from mobius_fed.transport.safe_arrays import array_record_to_torch, spec_of
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
 
 ARRAYS, METRICS, CONFIG = "arrays", "metrics", "config"
@@ -38,7 +38,8 @@ def replica_arrays(executor: RingExecutor) -> ArrayRecord:
 
 
 def load_replica(executor: RingExecutor, arrays: ArrayRecord) -> None:
-    state = arrays.to_torch_state_dict()
+    """Load the averaged E/R arrays; names, shapes and dtypes must be the replica's own."""
+    state = array_record_to_torch(arrays, expected=spec_of(executor.replica.state_dict()))
     with torch.no_grad():
         for name, p in executor.replica.state_dict().items():
             p.copy_(state[name])
@@ -55,54 +56,52 @@ def barrier_path(directory: Path, rnd: int) -> Path:
 class Snapshots:
     """This worker's state at recent barriers.
 
-    In memory: the last barrier and the last checkpointed round (a frozen or cut-off
-    worker, and every survivor of an incident, rolls back from here). On disk: every
-    checkpoint file it wrote, plus the last barrier's state written in the background
-    (``barrier-<round>.ckpt`` with its sha256 beside it), so that a process that crashed
-    comes back at the last barrier too."""
+    In memory: the two newest barriers and the last checkpointed round. Two, because a
+    worker can finish a round whose last frames never reached its neighbours (it froze, or
+    its link dropped): its newest barrier is then one its peers never reached. A frozen or
+    cut-off worker and every survivor of an incident roll back from memory. On disk: every
+    checkpoint file, plus the two newest barriers (``barrier-<round>.ckpt``, its sha256
+    beside it), written before the round's reply without an fsync, so that a process that
+    crashed comes back at the last barrier too.
+    """
+
+    KEEP_BARRIERS = 2
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.memory: dict[int, dict] = {}
         self.last_checkpoint = 0
-        self._writer: threading.Thread | None = None
-        self.write_error: str | None = None
 
     def keep(self, rnd: int, state: dict, checkpointed: bool) -> None:
         self.memory[rnd] = state
         if checkpointed:
             self.last_checkpoint = rnd
-        for old in [r for r in self.memory if r not in (rnd, self.last_checkpoint)]:
+        newest = sorted(self.memory, reverse=True)[: self.KEEP_BARRIERS]
+        for old in [r for r in self.memory if r not in (*newest, self.last_checkpoint)]:
             del self.memory[old]
 
     def write_barrier(self, rnd: int, state: dict) -> None:
-        """Write the barrier state of ``rnd`` in the background (one write at a time)."""
-        self.wait_written()
-
-        def write() -> None:
-            try:
-                path = save_checkpoint(barrier_path(self.directory, rnd), state)
-                digest = sha256_of(path)
-                side = path.with_suffix(".sha256")
-                tmp = side.with_name(f".{side.name}.tmp")
-                tmp.write_text(digest)
-                tmp.replace(side)
-                for old in self.directory.glob("barrier-*"):
-                    m = BARRIER_FILE.match(old.name.replace(".sha256", ".ckpt"))
-                    if m and int(m.group(1)) < rnd:
-                        old.unlink(missing_ok=True)
-                self.write_error = None
-            except (CheckpointError, OSError) as exc:  # only the fast path is lost
-                self.write_error = str(exc)
-                log.error("barrier snapshot of round %d not written: %s", rnd, exc)
-
-        self._writer = threading.Thread(target=write, daemon=True, name="barrier-writer")
-        self._writer.start()
-
-    def wait_written(self) -> None:
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+        """Write the barrier state of ``rnd`` (no fsync: it must survive the process)."""
+        try:
+            path = save_checkpoint(barrier_path(self.directory, rnd), state, durable=False)
+            side = path.with_suffix(".sha256")
+            tmp = side.with_name(f".{side.name}.tmp")
+            tmp.write_text(sha256_of(path))
+            tmp.replace(side)
+        except (CheckpointError, OSError) as exc:  # only the fast path is lost
+            log.error("barrier snapshot of round %d not written: %s", rnd, exc)
+            return
+        rounds = sorted(
+            (
+                int(m.group(1))
+                for p in self.directory.iterdir()
+                if (m := BARRIER_FILE.match(p.name))
+            ),
+            reverse=True,
+        )
+        for old in rounds[self.KEEP_BARRIERS :]:
+            barrier_path(self.directory, old).unlink(missing_ok=True)
+            barrier_path(self.directory, old).with_suffix(".sha256").unlink(missing_ok=True)
 
     def barrier_sha256(self, rnd: int) -> str | None:
         side = barrier_path(self.directory, rnd).with_suffix(".sha256")
@@ -125,8 +124,13 @@ class Snapshots:
     def prune_disk(self, keep: int) -> None:
         """Keep the ``keep`` newest checkpoint files (0: all)."""
         if keep:
-            for rnd in sorted(self.disk_rounds(), reverse=True)[keep:]:
+            for rnd in sorted(self.disk_rounds() - self._barriers(), reverse=True)[keep:]:
                 checkpoint_path(self.directory, rnd).unlink(missing_ok=True)
+
+    def _barriers(self) -> set[int]:
+        return {
+            int(m.group(1)) for p in self.directory.iterdir() if (m := BARRIER_FILE.match(p.name))
+        }
 
 
 def make_client_app(
@@ -182,7 +186,6 @@ def make_client_app(
         )
         checkpointed = bool(conf[CHECKPOINT])
         if checkpointed:
-            snapshots.wait_written()
             path = save_checkpoint(checkpoint_path(snapshots.directory, rnd), snap)
             ck = ConfigRecord({"path": str(path.resolve()), "sha256": sha256_of(path)})
             if bool(conf.get(STATE_COPY, False)):
@@ -253,7 +256,6 @@ def restore_round(executor: RingExecutor, snapshots: Snapshots, rnd: int, conf) 
     if rnd == 0:
         executor.load_state_dict(executor.initial_state())
         return "the seed"
-    snapshots.wait_written()
     expected = str(conf.get("sha256", "")) or None
     path = checkpoint_path(snapshots.directory, rnd)
     barrier = barrier_path(snapshots.directory, rnd)
