@@ -152,9 +152,21 @@ def channel_credentials(tls: NodeTLS) -> grpc.ChannelCredentials:
     )
 
 
+RECONNECT_BACKOFF_MS = (1_000, 1_000, 3_000)
+"""Initial, minimum and maximum reconnect backoff of every channel. gRPC's default maximum
+is 120 s: after a long network cut a worker would wait up to two minutes to reach the
+coordinator again although the network was back."""
+
+
 def channel_options(target_name: str | None = None) -> Options:
     """Channel options; ``target_name`` overrides the name checked against server SANs."""
-    opts = list(GRPC_OPTIONS)
+    initial, lowest, highest = RECONNECT_BACKOFF_MS
+    opts = [
+        *GRPC_OPTIONS,
+        ("grpc.initial_reconnect_backoff_ms", initial),
+        ("grpc.min_reconnect_backoff_ms", lowest),
+        ("grpc.max_reconnect_backoff_ms", highest),
+    ]
     if target_name:
         opts.append(("grpc.ssl_target_name_override", target_name))
     return opts
