@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,10 +31,15 @@ class Ring:
     train: dict
     ports: list[int] = field(default_factory=list)
     procs: list[subprocess.Popen] = field(default_factory=list)
+    dial: dict[int, int] = field(default_factory=dict)  # worker i dials this successor port
 
     @property
     def certs(self) -> Path:
         return self.root / "certs"
+
+    def bundle(self, i: int) -> Path:
+        """Worker i's own certificate directory: its key and nobody else's."""
+        return self.certs / "nodes" / f"worker-{i}"
 
     def site(self, i: int) -> Path:
         return self.root / "sites" / f"site-{i}"
@@ -47,7 +57,10 @@ class Ring:
         return self
 
     def worker_cmd(self, i: int, extra: list[str] = ()) -> list[str]:  # type: ignore[assignment]
-        peers = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        ports = list(self.ports)
+        if i in self.dial:  # e.g. through a proxy on the edge i → i+1
+            ports[(i + 1) % self.P] = self.dial[i]
+        peers = ",".join(f"127.0.0.1:{p}" for p in ports)
         cmd = [
             *WORKER,
             "--rank",
@@ -61,11 +74,11 @@ class Ring:
             "--out-dir",
             str(self.out(i)),
             "--ca",
-            str(self.certs / "ca.crt"),
+            str(self.bundle(i) / "ca.crt"),
             "--cert",
-            str(self.certs / f"worker-{i}.crt"),
+            str(self.bundle(i) / "tls.crt"),
             "--key",
-            str(self.certs / f"worker-{i}.key"),
+            str(self.bundle(i) / "tls.key"),
             "--threads",
             "1",
             "--peer-timeout",
@@ -144,3 +157,104 @@ class Ring:
             r = engine.train_step()
             losses.update({(r.step, s): v for s, v in enumerate(r.origin_losses)})
         return losses, engine.evaluate().origin_losses
+
+
+class CutProxy:
+    """A TCP proxy on loopback between a ring worker and its successor that can cut the
+    connection (RST both ways) and refuse new ones for a while, like a flaky WAN link.
+
+    ``bytes_up``: bytes forwarded client → server so far; ``on_bytes(n, action)`` runs
+    ``action`` (once) when that count first reaches ``n``.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.port = free_ports(1)[0]
+        self.bytes_up = 0
+        self.cuts = 0
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._trigger: tuple[int, Callable[[], None]] | None = None
+        self._closed = False
+        self._listener: socket.socket | None = None
+        self._listen()
+
+    def _listen(self) -> None:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", self.port))
+        s.listen(16)
+        self._listener = s
+        threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # listener closed
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._socks += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+                if up:
+                    self._count(len(data))
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def _count(self, n: int) -> None:
+        action = None
+        with self._lock:
+            self.bytes_up += n
+            if self._trigger is not None and self.bytes_up >= self._trigger[0]:
+                action, self._trigger = self._trigger[1], None
+        if action is not None:
+            threading.Thread(target=action, daemon=True).start()
+
+    def on_bytes(self, n: int, action: Callable[[], None]) -> None:
+        with self._lock:
+            self._trigger = (self.bytes_up + n, action)
+
+    def cut(self, refuse_s: float = 0.0) -> None:
+        """Reset every connection; refuse new ones for ``refuse_s`` seconds."""
+        with self._lock:
+            socks, self._socks = self._socks, []
+            listener, self._listener = self._listener, None
+            self.cuts += 1
+        if refuse_s and listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+            listener.close()
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.shutdown(socket.SHUT_RDWR)  # wakes the pump blocked in recv()
+            s.close()
+        if refuse_s:
+            time.sleep(refuse_s)
+            if not self._closed:
+                self._listen()
+        else:
+            self._listener = listener
+
+    def close(self) -> None:
+        self._closed = True
+        self.cut()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()

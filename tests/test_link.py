@@ -1,8 +1,11 @@
-"""RingLinks in-process over mTLS on loopback: chunked tensors, relays, bad pieces, capture."""
+"""RingLinks in-process over mTLS on loopback: chunked tensors, relays, bad pieces,
+capture, one session per edge, leftovers and replays, message limits, keepalive, and
+transient link faults (a TCP proxy that cuts the connection)."""
 
 from __future__ import annotations
 
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,12 +15,13 @@ import pytest
 import torch
 
 from mobius_fed.config import TrainConfig
-from mobius_fed.proto import ring_pb2, ring_pb2_grpc
+from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.certs import CertLayout, init_certs
 from mobius_fed.transport.codec import WIRE_DTYPES, chunk_count, encode_frames
 from mobius_fed.transport.tls import open_channel
-from mobius_fed.worker.frames import BACKWARD, FORWARD, TRAIN, FrameKey, FrameRules
-from mobius_fed.worker.link import RingLinks
+from mobius_fed.worker.frames import BACKWARD, FIN, FORWARD, TRAIN, FrameKey, FrameRules
+from mobius_fed.worker.link import LinkTimers, PeerError, RingLinks
+from tests.ring_harness import CutProxy
 
 RUN = "link-test"
 CHUNK = 256 << 10  # (8, 256, 192) fp32 = 1.5 MiB -> 6 pieces; bf16/fp16 -> 3 pieces
@@ -30,33 +34,42 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> CertLayout:
     return init_certs(tmp_path_factory.mktemp("certs"), workers=3)
 
 
-def _config(P: int, wire: str = "fp32") -> TrainConfig:
-    return TrainConfig(preset="cpu-base", batch_size=8, workers=P, wire_dtype=wire)
+def _config(P: int, wire: str = "fp32", order: str = "cyclic") -> TrainConfig:
+    return TrainConfig(preset="cpu-base", batch_size=8, workers=P, wire_dtype=wire, order=order)
 
 
-def _ring(
+def _links(
     certs: CertLayout,
     P: int,
     wire: str = "fp32",
     capture: Path | None = None,
     chunk_bytes: int = CHUNK,
+    order: str = "cyclic",
+    **kw,
 ) -> list[RingLinks]:
-    cfg = _config(P, wire)
+    """P RingLinks with their servers started and successors set, not yet connected."""
+    cfg = _config(P, wire, order)
     links = [
         RingLinks(
             FrameRules(cfg, r, RUN, lambda: 0),
             listen="127.0.0.1:0",
             successor="",
-            tls=certs.worker(r),
+            tls=certs.bundle(f"worker-{r}"),
             peer_timeout=TIMEOUT,
             capture=capture if r == 0 else None,
             chunk_bytes=chunk_bytes,
+            **kw,
         )
         for r in range(P)
     ]
     ports = [link.start_server() for link in links]
     for r, link in enumerate(links):
         link.successor_addr = f"127.0.0.1:{ports[(r + 1) % P]}"
+    return links
+
+
+def _ring(certs: CertLayout, P: int, *args, **kw) -> list[RingLinks]:
+    links = _links(certs, P, *args, **kw)
     for link in links:
         link.connect()
     return links
@@ -135,26 +148,27 @@ def test_tensor_within_chunk_size_is_one_frame(certs: CertLayout) -> None:
 
 
 def test_relay_forwards_pieces_through_the_middle_worker(certs: CertLayout) -> None:
-    links = _ring(certs, 3)
+    """Ordered mode relays: stream 1's embedding travels home 1 → 2 → 0 (its first group)."""
+    links = _ring(certs, 3, order="ordered")
     try:
         w0, w1, w2 = links
-        fwd = FrameKey(TRAIN, 0, FORWARD, 2, 3, 0)  # slot K of stream 2: home, worker 2
-        assert w0.rules.destination(_header(fwd)) == 2
+        fwd = FrameKey(TRAIN, 0, FORWARD, 1, 0, 0)
+        assert w1.rules.route(FORWARD, 1, 0) == [1, 2, 0]
         x = _x()
-        w0.send_tensor(fwd, x)
-        assert torch.equal(w2.inbox.get(fwd, TIMEOUT, "relayed forward"), x)
-        bwd = FrameKey(TRAIN, 0, BACKWARD, 0, 0, 0)  # slot 0 of stream 0: its embedding
-        assert w2.rules.destination(_header(bwd)) == 0
+        w1.send_tensor(fwd, x)
+        assert torch.equal(w0.inbox.get(fwd, TIMEOUT, "relayed forward"), x)
+        bwd = FrameKey(TRAIN, 0, BACKWARD, 1, 0, 0)  # its gradient: 0 → 2 → 1
         g = _x(1)
-        w2.send_tensor(bwd, g)
-        assert torch.equal(w0.inbox.get(bwd, TIMEOUT, "relayed backward"), g)
+        w0.send_tensor(bwd, g)
+        assert torch.equal(w1.inbox.get(bwd, TIMEOUT, "relayed backward"), g)
         n = chunk_count(x.numel(), 4, CHUNK)
         # The relay re-sent the very bytes it received: same frames, same byte count.
-        assert w1.forward_out.frames_sent == n and w1._backward_out is not None
-        assert w1.forward_out.bytes_sent == w0.forward_out.bytes_sent
-        assert w1._backward_out.frames_sent == n
-        assert w1._backward_out.bytes_sent == w2._backward_out.bytes_sent  # type: ignore[union-attr]
-        assert not w1.inbox._items, "a relay keeps nothing"
+        back1, back2 = w0.backward_out, w2.backward_out
+        assert back1 is not None and back2 is not None
+        assert w2.forward_out.frames_sent == n
+        assert w2.forward_out.bytes_sent == w1.forward_out.bytes_sent
+        assert back2.frames_sent == n and back2.bytes_sent == back1.bytes_sent
+        assert not w2.inbox._items, "a relay keeps nothing"
         assert not any(link.rejected for link in links)
     finally:
         _close(links)
@@ -290,24 +304,324 @@ BAD = {  # what is wrong -> (frames to send, words the refusal must contain)
 }
 
 
+HANDSHAKE = (("mobius-run", RUN), ("mobius-ack", "0"))  # opens a new ring session
+
+
+def _raw_stream(port: int, tls, frames, *, metadata=HANDSHAKE, timeout: float = TIMEOUT):
+    """Send ``frames`` (messages or bytes) on a Stream of our own; return the RpcError."""
+    ch = open_channel(f"127.0.0.1:{port}", tls, target_name="worker-1")
+    raw = [f if isinstance(f, bytes) else f.SerializeToString() for f in frames]
+    with ch, pytest.raises(grpc.RpcError) as err:
+        call = ch.stream_stream(
+            "/mobius_fed.ring.v1.RingLink/Stream",
+            request_serializer=None,
+            response_deserializer=None,
+        )
+        for _ in call(iter(raw), timeout=timeout, metadata=metadata):
+            pass
+    return err.value
+
+
 @pytest.mark.parametrize("what", list(BAD))
 def test_bad_pieces_are_refused(certs: CertLayout, what: str) -> None:
-    links = _ring(certs, 2)
+    """Bad pieces from the predecessor's identity, before the genuine link is up: refused,
+    named, and the genuine predecessor connects and delivers afterwards."""
+    links = _links(certs, 2)
     a, b = links
     try:
-        frames, words = BAD[what]
+        b.connect()
         port = int(a.successor_addr.rsplit(":", 1)[1])  # worker 1's server
-        ch = open_channel(f"127.0.0.1:{port}", certs.worker(0), target_name="worker-1")
-        with ch, pytest.raises(grpc.RpcError) as err:
-            for _ in ring_pb2_grpc.RingLinkStub(ch).Stream(iter(frames()), timeout=TIMEOUT):
-                pass
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, what
-        details = err.value.details()
+        frames, words = BAD[what]
+        err = _raw_stream(port, certs.bundle("worker-0"), frames())
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, what
+        details = err.details()
         assert "rejected" in details and words in details, (what, details)
+        assert "from mobius://worker/0 on edge worker-0 → worker-1" in details
         assert b.rejected == [details]
-        # The worker keeps serving: the genuine link still carries a chunked tensor.
+        # The worker keeps serving: the genuine link carries a chunked tensor.
+        a.connect()
         key = FrameKey(TRAIN, 1, FORWARD, 0, 1, 0)
         a.send_tensor(key, _x(5))
         assert torch.equal(b.inbox.get(key, TIMEOUT, "after the refusal"), _x(5))
     finally:
         _close(links)
+
+
+# ------------------------------------------------------------------ sessions and trust
+
+
+def test_one_live_stream_per_edge(certs: CertLayout) -> None:
+    links = _ring(certs, 2)
+    try:
+        a, b = links
+        port = int(a.successor_addr.rsplit(":", 1)[1])
+        t0 = time.monotonic()
+        err = _raw_stream(port, certs.bundle("worker-0"), [])
+        assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "already has a live ring stream from mobius://worker/0" in err.details()
+        assert time.monotonic() - t0 < 2.0, "refused at once"
+        bogus = (*HANDSHAKE[:1], ("mobius-session", "00" * 16), ("mobius-ack", "0"))
+        err = _raw_stream(port, certs.bundle("worker-0"), [], metadata=bogus)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        err = _raw_stream(port, certs.bundle("worker-0"), [], metadata=())
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a ring link client" in err.details()
+        wrong_run = (("mobius-run", "another-run"), ("mobius-ack", "0"))
+        err = _raw_stream(port, certs.bundle("worker-0"), [], metadata=wrong_run)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "another-run" in err.details()
+        # The genuine link is untouched.
+        key = FrameKey(TRAIN, 0, FORWARD, 0, 1, 0)
+        a.send_tensor(key, _x())
+        assert torch.equal(b.inbox.get(key, TIMEOUT, "genuine"), _x())
+        assert b.edge_states()["in"]["state"] == "up"
+    finally:
+        _close(links)
+
+
+def _frames_of(key: FrameKey, x: torch.Tensor, chunk: int = CHUNK) -> list[bytes]:
+    return list(
+        encode_frames(
+            run_id=RUN,
+            step=key.step,
+            origin=key.origin,
+            tick=key.tick,
+            micro=key.micro,
+            direction=key.direction,
+            phase=key.phase,
+            tensor=x,
+            chunk_bytes=chunk,
+        )
+    )
+
+
+def _session(port: int, tls, frames: list[bytes]):
+    """Open a session of our own, send ``frames`` and keep the request side open (no
+    half-close) until the call is cancelled; return (channel, call)."""
+    ch = open_channel(f"127.0.0.1:{port}", tls, target_name="worker-1")
+    done = threading.Event()
+
+    def requests() -> Iterator[bytes]:
+        yield from frames
+        done.wait()
+
+    call = ch.stream_stream(
+        "/mobius_fed.ring.v1.RingLink/Stream", request_serializer=None, response_deserializer=None
+    )(requests(), metadata=HANDSHAKE)
+    call.add_done_callback(lambda _: done.set())
+    md = dict(call.initial_metadata())
+    assert "mobius-session" in md, call.details()
+    return ch, call
+
+
+def test_a_closed_sessions_leftovers_never_block_the_genuine_frames(certs: CertLayout) -> None:
+    """A session that delivered a whole frame and half of another, then went away: both
+    are dropped when the genuine predecessor's session replaces it."""
+    links = _links(certs, 2)
+    a, b = links
+    try:
+        b.connect()
+        port = int(a.successor_addr.rsplit(":", 1)[1])
+        k1, k2 = FrameKey(TRAIN, 0, FORWARD, 0, 1, 0), FrameKey(TRAIN, 1, FORWARD, 0, 1, 0)
+        junk = torch.full(SHAPE, 7.0)
+        frames = _frames_of(k1, junk) + _frames_of(k2, junk)[:2]
+        ch, call = _session(port, certs.bundle("worker-0"), frames)
+        deadline = time.monotonic() + TIMEOUT
+        while k1 not in b.inbox._items:  # delivered, not consumed
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        call.cancel()
+        ch.close()
+        a.connect()  # a new session: the stale one and its leftovers are dropped
+        a.send_tensor(k1, _x(1))
+        a.send_tensor(k2, _x(2))
+        assert torch.equal(b.inbox.get(k1, TIMEOUT, "genuine k1"), _x(1))
+        assert torch.equal(b.inbox.get(k2, TIMEOUT, "genuine k2"), _x(2))
+        assert not b.rejected
+    finally:
+        _close(links)
+
+
+def test_a_consumed_key_is_never_accepted_again(certs: CertLayout) -> None:
+    links = _links(certs, 2)
+    a, b = links
+    try:
+        b.connect()
+        port = int(a.successor_addr.rsplit(":", 1)[1])
+        key = FrameKey(TRAIN, 0, FORWARD, 0, 1, 0)
+        frames = _frames_of(key, _x(3))
+        ch, call = _session(port, certs.bundle("worker-0"), [*frames])
+        assert torch.equal(b.inbox.get(key, TIMEOUT, "first copy"), _x(3))
+        call.cancel()
+        ch.close()
+        err = _raw_stream(port, certs.bundle("worker-0"), frames)  # the same bytes again
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "replay of TRAIN FORWARD step 0 origin 0 slot 1 micro 0" in err.details()
+        dup = _raw_stream(
+            port,
+            certs.bundle("worker-0"),
+            _frames_of(key.__class__(TRAIN, 1, FORWARD, 0, 1, 0), _x()) * 2,
+        )
+        assert "duplicate" in dup.details() or "duplicate chunk 0" in dup.details()
+    finally:
+        _close(links)
+
+
+def test_frames_off_their_route_are_refused_never_relayed(certs: CertLayout) -> None:
+    """Cyclic order never relays: worker 1 refuses, from worker 0, a frame that worker 2
+    (not 0) produces, and a frame it would have to pass on."""
+    links = _links(certs, 3)
+    w0, w1, w2 = links
+    try:
+        w1.connect()
+        w2.connect()
+        port = int(w0.successor_addr.rsplit(":", 1)[1])
+        cases = {  # key → words
+            FrameKey(TRAIN, 0, FORWARD, 1, 2, 0): "route is worker-2 → worker-0",
+            FrameKey(TRAIN, 0, FORWARD, 0, 2, 0): "route is worker-1 → worker-2",
+        }
+        for key, words in cases.items():
+            err = _raw_stream(port, certs.bundle("worker-0"), _frames_of(key, _x()))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words in err.details() and "cannot arrive from worker-0" in err.details()
+        assert w1.forward_out.frames_sent == 0, "nothing was relayed"
+        fin = ring_pb2.Frame(run_id=RUN, origin=1, direction=FIN)  # worker 1's own FIN
+        err = _raw_stream(port, certs.bundle("worker-0"), [fin])
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        fat = ring_pb2.Frame(run_id=RUN, origin=0, direction=FIN)
+        fat.tensor.shape.append(1)
+        err = _raw_stream(port, certs.bundle("worker-0"), [fat])
+        assert "FIN from origin 0 carries a tensor" in err.details()
+        assert len(w1.rejected) == 4
+    finally:
+        _close(links)
+
+
+def test_messages_larger_than_a_piece_are_refused(certs: CertLayout) -> None:
+    links = _ring(certs, 2)
+    try:
+        a, b = links
+        port = int(a.successor_addr.rsplit(":", 1)[1])
+        ch = open_channel(f"127.0.0.1:{port}", certs.bundle("worker-0"), target_name="worker-1")
+        big = b"\x0a" + b"\xff\xff\xff\x01" + b"\0" * (CHUNK + (128 << 10))  # > CHUNK + slack
+        ping = ch.unary_unary(
+            "/mobius_fed.ring.v1.RingLink/Ping", request_serializer=None, response_deserializer=None
+        )
+        with ch, pytest.raises(grpc.RpcError) as err:
+            ping(big, timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        key = FrameKey(TRAIN, 0, FORWARD, 0, 1, 0)
+        a.send_tensor(key, _x())
+        assert torch.equal(b.inbox.get(key, TIMEOUT, "after"), _x())
+    finally:
+        _close(links)
+
+
+# --------------------------------------------------------------------- link faults
+
+FAST = LinkTimers(
+    client_keepalive_ms=1000,
+    server_keepalive_ms=1000,
+    keepalive_timeout_ms=1000,
+    min_ping_interval_ms=500,
+)
+
+
+def _proxied(certs: CertLayout, **kw) -> tuple[list[RingLinks], CutProxy]:
+    """A P=2 ring whose edge worker-0 → worker-1 runs through a cutting proxy."""
+    links = _links(certs, 2, **kw)
+    proxy = CutProxy(int(links[0].successor_addr.rsplit(":", 1)[1]))
+    links[0].successor_addr = f"127.0.0.1:{proxy.port}"
+    for link in links:
+        link.connect()
+    return links, proxy
+
+
+def test_a_cut_edge_reconnects_and_resends_exactly_once(certs: CertLayout) -> None:
+    """The proxy resets the connection in the middle of a chunked tensor and refuses
+    connections for 2 s: the edge reconnects, each side resends what the other did not
+    receive, and every tensor arrives once, bit for bit, in both directions."""
+    links, proxy = _proxied(certs, link_grace=20.0)
+    a, b = links
+    try:
+        sent: dict[FrameKey, torch.Tensor] = {}
+
+        def exchange(step: int) -> None:
+            fwd, bwd = (
+                FrameKey(TRAIN, step, FORWARD, 0, 1, 0),
+                FrameKey(TRAIN, step, BACKWARD, 0, 1, 0),
+            )
+            sent[fwd], sent[bwd] = _x(10 + step), _x(20 + step)
+            a.send_tensor(fwd, sent[fwd])
+            b.send_tensor(bwd, sent[bwd])
+            assert torch.equal(b.inbox.get(fwd, TIMEOUT, "forward"), sent[fwd])
+            assert torch.equal(a.inbox.get(bwd, TIMEOUT, "backward"), sent[bwd])
+
+        exchange(0)
+        proxy.on_bytes(3 * CHUNK, lambda: proxy.cut(refuse_s=2.0))  # half-way into step 1
+        t0 = time.monotonic()
+        exchange(1)
+        assert time.monotonic() - t0 >= 2.0, "the tensors crossed the cut"
+        assert proxy.cuts == 1
+        out, inn = a.edge_states()["out"], b.edge_states()["in"]
+        assert out["reconnects"] == 1 == inn["reconnects"]
+        assert out["state"] == "up" == inn["state"]
+        assert a.forward_out.resent > 0, "worker 0 resent what worker 1 had not received"
+        assert not a.rejected and not b.rejected
+    finally:
+        _close(links)
+        proxy.close()
+
+
+def test_a_cut_longer_than_the_grace_names_the_edge(certs: CertLayout) -> None:
+    links, proxy = _proxied(certs, link_grace=1.5)
+    a, b = links
+    try:
+        k = FrameKey(TRAIN, 0, FORWARD, 0, 1, 0)
+        a.send_tensor(k, _x())
+        b.inbox.get(k, TIMEOUT, "before the cut")  # the edge now carries the ring
+        t0 = time.monotonic()
+        threading.Thread(target=proxy.cut, args=(30.0,), daemon=True).start()
+        for link, key in ((a, FrameKey(TRAIN, 0, BACKWARD, 0, 1, 0)), (b, k)):
+            with pytest.raises(PeerError, match="ring edge worker-0 → worker-1 down for 2s"):
+                link.inbox.get(key, TIMEOUT, "a frame across the dead edge")
+        assert time.monotonic() - t0 < 6.0
+        assert a.edge_states()["out"]["state"] == "down"
+        assert b.edge_states()["in"]["state"] == "down"
+    finally:
+        _close(links)
+        proxy.close()
+
+
+def test_an_idle_link_outlives_many_keepalive_periods(certs: CertLayout) -> None:
+    """Keepalive every second both ways, nothing else for 6 s: no "too_many_pings"
+    GOAWAY, no reconnect; the same stream then carries a frame."""
+    links = _ring(certs, 2, timers=FAST)
+    try:
+        a, b = links
+        time.sleep(6.0)
+        key = FrameKey(TRAIN, 0, FORWARD, 0, 1, 0)
+        a.send_tensor(key, _x())
+        assert torch.equal(b.inbox.get(key, TIMEOUT, "after idling"), _x())
+        for link in links:
+            for edge in link.edge_states().values():
+                assert edge["state"] == "up" and edge["reconnects"] == 0, edge
+    finally:
+        _close(links)
+
+
+def test_close_releases_the_port_for_a_new_incarnation(certs: CertLayout) -> None:
+    links = _ring(certs, 2)
+    port = int(links[0].successor_addr.rsplit(":", 1)[1])
+    t0 = time.monotonic()
+    _close(links)
+    assert time.monotonic() - t0 < 5.0
+    cfg = _config(2)
+    fresh = RingLinks(
+        FrameRules(cfg, 1, "link-test/e2", lambda: 0),
+        listen=f"127.0.0.1:{port}",
+        successor="127.0.0.1:1",
+        tls=certs.bundle("worker-1"),
+        peer_timeout=TIMEOUT,
+    )
+    assert fresh.start_server() == port
+    fresh.close()

@@ -16,7 +16,7 @@ from mobius_fed.proto import ring_pb2, ring_pb2_grpc
 from mobius_fed.transport.certs import init_certs
 from mobius_fed.transport.codec import make_frame
 from mobius_fed.transport.tls import NodeTLS, open_channel
-from tests.ring_harness import Ring
+from tests.ring_harness import CutProxy, Ring
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +31,8 @@ def assert_matches_reference(ring: Ring, tol: float = 1e-5) -> float:
     assert worst <= tol, f"ring differs from the reference engine by {worst:.3g}"
     ring_eval = ring.eval_losses()
     assert max(abs(ring_eval[s] - v) for s, v in enumerate(ref_eval)) <= tol
+    for i in range(ring.P):  # and the ring shut down cleanly: every FIN went round
+        assert "not every peer finished" not in ring.log(i, tail=None), ring.log(i)
     return worst
 
 
@@ -75,7 +77,12 @@ def test_ring_with_muon_equals_reference_and_no_raw_data_leaves_home(tmp_path: P
 
 
 def _tls(certs: Path, name: str) -> NodeTLS:
-    return NodeTLS(certs / "ca.crt", certs / f"{name}.crt", certs / f"{name}.key")
+    """Node ``name``'s own bundle (a daemon refuses a directory holding others' keys)."""
+    d = certs / "nodes" / name
+    return NodeTLS(d / "ca.crt", d / "tls.crt", d / "tls.key")
+
+
+HANDSHAKE = (("mobius-run", "test-run"), ("mobius-ack", "0"))  # a new ring session
 
 
 def _wait_listening(port: int, certs: Path, timeout: float = 60) -> None:
@@ -103,7 +110,8 @@ def _send(
         ch = open_channel(f"127.0.0.1:{port}", tls, target_name="worker-1")
     try:
         with pytest.raises(grpc.RpcError) as info:
-            for _ in ring_pb2_grpc.RingLinkStub(ch).Stream(iter(frames), timeout=20):
+            stream = ring_pb2_grpc.RingLinkStub(ch).Stream
+            for _ in stream(iter(frames), timeout=20, metadata=HANDSHAKE):
                 pass
         return info.value
     finally:
@@ -173,15 +181,52 @@ def test_strangers_and_bad_frames_are_refused_while_the_ring_trains(tmp_path: Pa
             assert "rejected" in err.details() and words in err.details(), (what, err.details())
 
         # --- the genuine ring still trains, equal to the reference ------------
+        # Once worker 0's stream is live, a second stream with its key is refused outright;
+        # until then a bad frame is refused as above.
         ring.start(only=(0,))
-        time.sleep(1.0)
-        for what in ("run", "step", "origin"):  # header rejections during training
-            err = _send(port, pred, [cases[what][0]])
-            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        late_refusals, deadline = 0, time.monotonic() + 60
+        while True:
+            err = _send(port, pred, [cases["step"][0]])
+            if err.code() == grpc.StatusCode.ALREADY_EXISTS:
+                break
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+            late_refusals += 1
+            assert time.monotonic() < deadline, "worker 0's stream never came up"
+            time.sleep(0.2)
+        assert "already has a live ring stream from mobius://worker/0" in err.details()
         ring.wait()
     finally:
         ring.stop()
     assert_matches_reference(ring)
     log1 = ring.log(1, tail=None)
-    assert log1.count(" rejected: ") == len(cases) + 3, "each bad frame is logged once"
+    refused = log1.count(" rejected from mobius://worker/0 on edge worker-0 → worker-1: ")
+    assert refused == len(cases) + late_refusals, "each bad frame is logged once, by culprit"
     assert "refused stream" in log1 and "mobius://worker/3" in log1
+
+
+def test_a_cut_ring_edge_reconnects_and_the_run_equals_the_reference(tmp_path: Path):
+    """A proxy on the edge worker-0 → worker-1 resets the connection in the middle of a
+    step and refuses connections for 3 s: the edge reconnects within its grace, both ends
+    resend what the other did not receive, and the losses are those of an undisturbed run."""
+    train = {**BASE, "steps": 6, "order": "cyclic", "optimizer": "adamw"}
+    ring = Ring(tmp_path, 3, train).prepare()
+    proxy = CutProxy(ring.ports[1])
+    ring.dial[0] = proxy.port  # worker 0 reaches worker 1 through the proxy
+    cut_at = []
+    # About 3 steps' worth of forward frames, then cut in the middle of the next one.
+    proxy.on_bytes(150_000, lambda: (cut_at.append(time.monotonic()), proxy.cut(refuse_s=3.0)))
+    try:
+        ring.start().wait()
+    finally:
+        proxy.close()
+    assert proxy.cuts >= 1 and cut_at, "the proxy never cut the edge"
+    assert_matches_reference(ring, tol=0.0)
+    log0, log1 = ring.log(0, tail=None), ring.log(1, tail=None)
+    assert (
+        "ring edge worker-0 → worker-1 down" in log0
+        and "ring edge worker-0 → worker-1 back" in log0
+    )
+    assert (
+        "ring edge worker-0 → worker-1 down" in log1
+        and "ring edge worker-0 → worker-1 back" in log1
+    )

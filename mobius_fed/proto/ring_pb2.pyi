@@ -13,6 +13,8 @@ class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FORWARD: _ClassVar[Direction]
     BACKWARD: _ClassVar[Direction]
     FIN: _ClassVar[Direction]
+    ACK: _ClassVar[Direction]
+    CLOSE: _ClassVar[Direction]
 
 class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -29,6 +31,8 @@ DIRECTION_UNSPECIFIED: Direction
 FORWARD: Direction
 BACKWARD: Direction
 FIN: Direction
+ACK: Direction
+CLOSE: Direction
 TRAIN: Phase
 EVAL: Phase
 DTYPE_UNSPECIFIED: DType
@@ -51,7 +55,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("run_id", "step", "origin", "tick", "micro", "direction", "tensor", "phase", "chunk", "chunks")
+    __slots__ = ("run_id", "step", "origin", "tick", "micro", "direction", "tensor", "phase", "chunk", "chunks", "ack")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +66,7 @@ class Frame(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     origin: int
@@ -72,7 +77,8 @@ class Frame(_message.Message):
     phase: Phase
     chunk: int
     chunks: int
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., origin: _Optional[int] = ..., tick: _Optional[int] = ..., micro: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., chunk: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+    ack: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., origin: _Optional[int] = ..., tick: _Optional[int] = ..., micro: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., chunk: _Optional[int] = ..., chunks: _Optional[int] = ..., ack: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

@@ -233,6 +233,17 @@ def make_frame(
 CHUNK_BYTES = 1 << 20
 """Default largest tensor payload per frame: bigger tensors travel as several pieces."""
 
+HEADER_SLACK = 64 << 10
+"""Room for a frame's header fields (run id, key, shape, CRC, framing) next to its piece."""
+
+
+def max_message_bytes(chunk_bytes: int = CHUNK_BYTES) -> int:
+    """The largest ring message a link accepts: one piece of ``chunk_bytes`` plus headers."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    return chunk_bytes + HEADER_SLACK
+
+
 MAX_PENDING = 16
 """Most tensors one stream may have partially received at once (a sender interleaves at
 most a few: its step executor and its relays)."""

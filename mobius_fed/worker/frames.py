@@ -1,8 +1,17 @@
-"""What a worker accepts on its ring links: frame keys, routing and header rules.
+"""What a worker accepts on its ring links: frame keys, routes and header rules.
 
 Slot τ of stream s is the hidden state entering application τ (τ = K: entering the head
-at home). A FORWARD frame (s, τ) carries slot τ to its consumer; a BACKWARD frame (s, τ)
-carries the gradient of slot τ back to its producer (τ = 0: the embedding at home).
+at home). A FORWARD frame (s, τ) carries slot τ from its producer to its consumer; a
+BACKWARD frame (s, τ) carries the gradient of slot τ back from the consumer to the
+producer (τ = 0: the embedding at home).
+
+Every frame has exactly one legitimate producer and one route on the physical ring, both
+computed from the schedule: FORWARD frames move i → i+1 from the producer to the
+consumer, BACKWARD frames move i+1 → i along the same edges in reverse, FIN frames of
+origin o move forward from o to o-1. A worker accepts a frame only when the edge it
+arrived on lies on that route; it delivers it when the route ends here and relays it
+when this worker is an intermediate (only ordered mode relays; a cyclic route is always
+one edge long).
 """
 
 from __future__ import annotations
@@ -16,7 +25,21 @@ from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.codec import FrameError
 
 FORWARD, BACKWARD, FIN = ring_pb2.FORWARD, ring_pb2.BACKWARD, ring_pb2.FIN
+ACK, CLOSE = ring_pb2.ACK, ring_pb2.CLOSE  # link control (see ring.proto)
 TRAIN, EVAL = ring_pb2.TRAIN, ring_pb2.EVAL
+DELIVER, RELAY = "deliver", "relay"
+
+
+def direction_name(value: int) -> str:
+    try:
+        return ring_pb2.Direction.Name(value)
+    except ValueError:
+        return str(value)
+
+
+def edge_name(a: int, b: int) -> str:
+    """A ring edge as operators read it: ``worker-1 → worker-2``."""
+    return f"worker-{a} → worker-{b}"
 
 
 @dataclass(frozen=True)
@@ -33,8 +56,11 @@ class FrameKey:
         return cls(frame.phase, frame.step, frame.direction, frame.origin, frame.tick, frame.micro)
 
     def describe(self) -> str:
-        d = ring_pb2.Direction.Name(self.direction)
-        p = ring_pb2.Phase.Name(self.phase)
+        d = direction_name(self.direction)
+        try:
+            p = ring_pb2.Phase.Name(self.phase)
+        except ValueError:
+            p = str(self.phase)
         return f"{p} {d} step {self.step} origin {self.origin} slot {self.tick} micro {self.micro}"
 
 
@@ -49,6 +75,7 @@ class FrameRules:
         self.shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, mc.d_model)
         self.current_step = current_step
 
+    # ----------------------------------------------------------------- routes
     def consumer(self, origin: int, slot: int) -> int:
         """The worker that reads slot τ forward: the group applied there, or home."""
         return self.paths[origin][slot] if slot < self.K else origin
@@ -58,28 +85,73 @@ class FrameRules:
         return self.paths[origin][slot - 1] if slot > 0 else origin
 
     def destination(self, frame: ring_pb2.Frame) -> int:
+        if frame.direction == FIN:
+            return (frame.origin - 1) % self.P
         if frame.direction == FORWARD:
             return self.consumer(frame.origin, frame.tick)
         return self.producer(frame.origin, frame.tick)
 
+    def route(self, direction: int, origin: int, slot: int = 0) -> list[int]:
+        """The workers a frame visits, in travel order, from its producer to its consumer.
+
+        One element means the frame never leaves its producer (it is passed locally).
+        """
+        if direction == FIN:
+            return schedule.ring_route(origin, (origin - 1) % self.P, self.P)
+        a, b = self.producer(origin, slot), self.consumer(origin, slot)
+        path = schedule.ring_route(a, b, self.P)
+        return path if direction == FORWARD else path[::-1]
+
+    def arrival(self, frame: ring_pb2.Frame, side: int) -> str:
+        """:data:`DELIVER` or :data:`RELAY` for a frame that arrived on ``side``.
+
+        ``side`` FORWARD: on the stream from the predecessor (edge rank-1 → rank);
+        BACKWARD: on the response side of the stream to the successor (edge rank → rank+1,
+        travelled backwards). Raises :class:`FrameError` when that hop is not on the frame's
+        route: the sender is not the frame's producer nor a relay of it.
+        """
+        route = self.route(frame.direction, frame.origin, frame.tick)
+        sender = (self.rank - 1) % self.P if side == FORWARD else (self.rank + 1) % self.P
+        for k in range(1, len(route)):
+            if route[k] == self.rank and route[k - 1] == sender:
+                return DELIVER if k == len(route) - 1 else RELAY
+        shown = " → ".join(f"worker-{w}" for w in route)
+        what = (
+            f"FIN of worker-{frame.origin}"
+            if frame.direction == FIN
+            else FrameKey.of(frame).describe()
+        )
+        why = f"its route is {shown}" if len(route) > 1 else f"it never leaves worker-{route[0]}"
+        raise FrameError(
+            f"frame rejected: {what} cannot arrive from worker-{sender} ({why}; "
+            f"producer worker-{route[0]})"
+        )
+
     def micro_count(self, phase: int) -> int:
         return self.M * (self.cfg.eval_batches if phase == EVAL else 1)
 
-    def check_header(self, frame: ring_pb2.Frame, direction: int) -> None:
-        """Raise :class:`FrameError` naming the first field that does not fit this run."""
+    # ----------------------------------------------------------------- checks
+    def check_header(self, frame: ring_pb2.Frame, direction: int) -> str:
+        """Check a frame that arrived on side ``direction``; return DELIVER or RELAY.
+
+        Raise :class:`FrameError` naming the first field that does not fit this run, or
+        the hop when the frame may not arrive from this neighbour.
+        """
         if frame.run_id != self.run_id:
             raise FrameError(f"frame rejected: run_id {frame.run_id!r} (expected {self.run_id!r})")
+        if frame.ack:
+            raise FrameError(f"frame rejected: ack {frame.ack} on a non-ACK frame")
         if frame.direction == FIN:
-            if direction != FORWARD or frame.origin >= self.P or frame.origin == self.rank:
-                raise FrameError(f"frame rejected: FIN from origin {frame.origin}")
-            return
+            return self._check_fin(frame, direction)
         if frame.direction != direction:
             raise FrameError(
-                f"frame rejected: direction {ring_pb2.Direction.Name(frame.direction)} "
-                f"(expected {ring_pb2.Direction.Name(direction)} on this side of the link)"
+                f"frame rejected: direction {direction_name(frame.direction)} "
+                f"(expected {direction_name(direction)} on this side of the link)"
             )
         if frame.phase not in (TRAIN, EVAL):
             raise FrameError(f"frame rejected: phase {frame.phase}")
+        if frame.phase == EVAL and frame.direction != FORWARD:
+            raise FrameError("frame rejected: EVAL frames only travel FORWARD")
         if frame.origin >= self.P:
             raise FrameError(f"frame rejected: origin {frame.origin} (expected < P={self.P})")
         if frame.tick > self.K:
@@ -88,13 +160,53 @@ class FrameRules:
             raise FrameError(
                 f"frame rejected: micro {frame.micro} (expected < {self.micro_count(frame.phase)})"
             )
+        verdict = self.arrival(frame, direction)
         # Frames for this worker belong to its current step or the next one; a relay may
         # still carry the previous step while this worker has moved on.
         now = self.current_step()
-        lo = now - 1 if self.destination(frame) != self.rank else now
+        lo = now - 1 if verdict == RELAY else now
         if not lo <= frame.step <= now + 1:
             raise FrameError(
                 f"frame rejected: step {frame.step} (expected {max(lo, 0)}..{now + 1})"
             )
         if not frame.HasField("tensor"):
             raise FrameError("frame rejected: no tensor")
+        if frame.chunks == 0:
+            raise FrameError("frame rejected: chunks 0 on a tensor frame (expected ≥ 1)")
+        return verdict
+
+    def _check_fin(self, frame: ring_pb2.Frame, direction: int) -> str:
+        if direction != FORWARD:
+            raise FrameError("frame rejected: FIN on the BACKWARD side (FIN travels forward)")
+        if frame.origin >= self.P:
+            raise FrameError(f"frame rejected: FIN from origin {frame.origin} (expected < P)")
+        extra = [
+            f"{name} {getattr(frame, name)}"
+            for name in ("step", "tick", "micro", "phase", "chunk", "chunks")
+            if getattr(frame, name)
+        ]
+        if frame.HasField("tensor"):
+            extra.insert(0, "a tensor")
+        if extra:
+            raise FrameError(
+                f"frame rejected: FIN from origin {frame.origin} carries {', '.join(extra)} "
+                "(a FIN has none)"
+            )
+        return self.arrival(frame, FORWARD)
+
+    def check_control(self, frame: ring_pb2.Frame) -> int:
+        """Check a link-control frame (ACK, CLOSE); return an ACK's count (CLOSE: 0)."""
+        what = direction_name(frame.direction)
+        if frame.run_id != self.run_id:
+            raise FrameError(f"frame rejected: run_id {frame.run_id!r} (expected {self.run_id!r})")
+        names = ("step", "origin", "tick", "micro", "phase", "chunk", "chunks")
+        extra = [name for name in names if getattr(frame, name)]
+        if frame.direction != ACK and frame.ack:
+            extra.append("ack")
+        if frame.HasField("tensor"):
+            extra.insert(0, "tensor")
+        if extra:
+            raise FrameError(
+                f"frame rejected: {what} with {', '.join(extra)} set (a {what} has none)"
+            )
+        return frame.ack
