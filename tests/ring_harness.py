@@ -161,7 +161,8 @@ class Ring:
 
 class CutProxy:
     """A TCP proxy on loopback between a ring worker and its successor that can cut the
-    connection (RST both ways) and refuse new ones for a while, like a flaky WAN link.
+    connection (RST both ways) and refuse new ones for a while, or silently stop
+    forwarding on it (:meth:`freeze`), like a flaky WAN link.
 
     ``bytes_up``: bytes forwarded client → server so far; ``on_bytes(n, action)`` runs
     ``action`` (once) when that count first reaches ``n``.
@@ -176,6 +177,8 @@ class CutProxy:
         self._socks: list[socket.socket] = []
         self._trigger: tuple[int, Callable[[], None]] | None = None
         self._closed = False
+        self._gen = 0  # connections accepted after freeze() have a higher generation
+        self._frozen = -1
         self._listener: socket.socket | None = None
         self._listen()
 
@@ -200,12 +203,15 @@ class CutProxy:
                 continue
             with self._lock:
                 self._socks += [client, server]
-            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+                gen = self._gen
+            for a, b, up in ((client, server, True), (server, client, False)):
+                threading.Thread(target=self._pump, args=(a, b, up, gen), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, up: bool, gen: int) -> None:
         try:
             while data := src.recv(1 << 16):
+                while gen <= self._frozen and not self._closed:  # a black hole: hold it
+                    time.sleep(0.05)
                 dst.sendall(data)
                 if up:
                     self._count(len(data))
@@ -250,6 +256,12 @@ class CutProxy:
                 self._listen()
         else:
             self._listener = listener
+
+    def freeze(self) -> None:
+        """Stop forwarding on every open connection without closing it (a half-open link:
+        only keepalive can tell); new connections pass."""
+        with self._lock:
+            self._frozen, self._gen = self._gen, self._gen + 1
 
     def close(self) -> None:
         self._closed = True

@@ -572,6 +572,40 @@ def test_a_cut_edge_reconnects_and_resends_exactly_once(certs: CertLayout) -> No
         proxy.close()
 
 
+def test_a_half_open_edge_is_taken_over_by_the_resumed_session(
+    certs: CertLayout, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The proxy silently stops forwarding (no RST): the client's keepalive notices, it
+    re-dials, and its session token takes over the stream the server still thinks live."""
+    links = _links(certs, 2, link_grace=20.0)
+    a, b = links
+    proxy = CutProxy(int(a.successor_addr.rsplit(":", 1)[1]))
+    a.successor_addr = f"127.0.0.1:{proxy.port}"
+    a.timers = FAST  # the client pings every second; the server keeps its 5 s + 5 s
+    try:
+        for link in links:
+            link.connect()
+        sent = {}
+        for step in (0, 1):
+            if step == 1:
+                proxy.freeze()
+            fwd, bwd = (
+                FrameKey(TRAIN, step, FORWARD, 0, 1, 0),
+                FrameKey(TRAIN, step, BACKWARD, 0, 1, 0),
+            )
+            sent[fwd], sent[bwd] = _x(30 + step), _x(40 + step)
+            a.send_tensor(fwd, sent[fwd])
+            b.send_tensor(bwd, sent[bwd])
+            assert torch.equal(b.inbox.get(fwd, TIMEOUT, "forward"), sent[fwd])
+            assert torch.equal(a.inbox.get(bwd, TIMEOUT, "backward"), sent[bwd])
+        assert a.edge_states()["out"]["reconnects"] == 1 == b.edge_states()["in"]["reconnects"]
+        assert "resumed its session on edge worker-0 → worker-1; the old stream" in caplog.text
+        assert not a.rejected and not b.rejected
+    finally:
+        _close(links)
+        proxy.close()
+
+
 def test_a_cut_longer_than_the_grace_names_the_edge(certs: CertLayout) -> None:
     links, proxy = _proxied(certs, link_grace=1.5)
     a, b = links

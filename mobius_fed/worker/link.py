@@ -111,10 +111,10 @@ class LinkTimers:
     without a FIN/RST is noticed within ``*_keepalive_ms + keepalive_timeout_ms``.
     """
 
-    client_keepalive_ms: int = 10_000
-    server_keepalive_ms: int = 10_000
+    client_keepalive_ms: int = 5_000
+    server_keepalive_ms: int = 5_000
     keepalive_timeout_ms: int = 5_000
-    min_ping_interval_ms: int = 5_000
+    min_ping_interval_ms: int = 4_000
     first_backoff_s: float = 0.1
     max_backoff_s: float = 2.0
 
@@ -495,6 +495,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         self._out_reconnects = 0
         self._channel: grpc.Channel | None = None
         self._call = None
+        self._dialing = None
         self._out_stream: _Stream | None = None
         self._client_thread: threading.Thread | None = None
 
@@ -897,6 +898,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
 
         md = ((MD_RUN, self.rules.run_id), (MD_SESSION, s.token), (MD_ACK, str(end.rx)))
         call = stream(requests(), metadata=md)
+        self._dialing = call  # close() cancels it
         watchdog = threading.Timer(handshake_s, call.cancel)
         watchdog.daemon = True
         watchdog.start()
@@ -1241,9 +1243,9 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             with end.cond:
                 end.cond.wait_for(lambda: end.done, 2.0)
         end.close()
-        call = self._call
-        if call is not None:
-            call.cancel()
+        for call in (self._call, self._dialing):
+            if call is not None:
+                call.cancel()
         with self._lock:
             s = self._in
             if s is not None:
