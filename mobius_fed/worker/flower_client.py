@@ -167,8 +167,11 @@ def make_client_app(
             seconds += r.seconds
             if on_step:
                 on_step(r)
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # the barrier snapshot's cost on the critical path
         snap = copy.deepcopy(executor.state_dict())
+        checkpointed = bool(conf[CHECKPOINT])
+        if not checkpointed and bool(conf.get(BARRIER_SNAPSHOT, False)):
+            snapshots.write_barrier(rnd, snap)
         snapshot_s = time.perf_counter() - t0
         reply = RecordDict(
             {
@@ -184,7 +187,6 @@ def make_client_app(
                 ),
             }
         )
-        checkpointed = bool(conf[CHECKPOINT])
         if checkpointed:
             path = save_checkpoint(checkpoint_path(snapshots.directory, rnd), snap)
             ck = ConfigRecord({"path": str(path.resolve()), "sha256": sha256_of(path)})
@@ -192,8 +194,6 @@ def make_client_app(
                 ck["copy"] = path.read_bytes()
             reply["checkpoint"] = ck
             snapshots.prune_disk(int(conf.get("keep-checkpoints", 0)))
-        elif bool(conf.get(BARRIER_SNAPSHOT, False)):
-            snapshots.write_barrier(rnd, snap)
         snapshots.keep(rnd, snap, checkpointed)
         state("ready")
         return Message(reply, reply_to=msg)
