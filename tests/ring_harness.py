@@ -210,15 +210,15 @@ class CutProxy:
     def _pump(self, src: socket.socket, dst: socket.socket, up: bool, gen: int) -> None:
         try:
             while data := src.recv(1 << 16):
-                while gen <= self._frozen and not self._closed:  # a black hole: hold it
-                    time.sleep(0.05)
+                if gen <= self._frozen:
+                    continue  # a black hole: bytes go in, nothing comes out, nothing closes
                 dst.sendall(data)
                 if up:
                     self._count(len(data))
         except OSError:
             pass
-        finally:
-            for s in (src, dst):
+        finally:  # a black hole does not pass on a close either
+            for s in (src,) if gen <= self._frozen and not self._closed else (src, dst):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
 
@@ -258,7 +258,7 @@ class CutProxy:
             self._listener = listener
 
     def freeze(self) -> None:
-        """Stop forwarding on every open connection without closing it (a half-open link:
+        """Swallow everything on the open connections without closing them (a black hole:
         only keepalive can tell); new connections pass."""
         with self._lock:
             self._frozen, self._gen = self._gen, self._gen + 1

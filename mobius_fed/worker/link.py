@@ -523,6 +523,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                 ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
                 ("grpc.keepalive_time_ms", t.server_keepalive_ms),
                 ("grpc.keepalive_timeout_ms", t.keepalive_timeout_ms),
+                ("grpc.http2.ping_timeout_ms", t.keepalive_timeout_ms),
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.max_pings_without_data", 0),
                 ("grpc.http2.min_ping_interval_without_data_ms", t.min_ping_interval_ms),
@@ -806,6 +807,9 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             ("grpc.max_send_message_length", self.max_message),
             ("grpc.keepalive_time_ms", t.client_keepalive_ms),
             ("grpc.keepalive_timeout_ms", t.keepalive_timeout_ms),
+            # grpcio ≥ 1.6x waits this long for any ping's ack (default: a minute or more);
+            # without it an unanswered keepalive ping does not end the connection.
+            ("grpc.http2.ping_timeout_ms", t.keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.enable_retries", 0),
