@@ -60,9 +60,9 @@ class Snapshots:
     worker can finish a round whose last frames never reached its neighbours (it froze, or
     its link dropped): its newest barrier is then one its peers never reached. A frozen or
     cut-off worker and every survivor of an incident roll back from memory. On disk: every
-    checkpoint file, plus the two newest barriers (``barrier-<round>.ckpt``, its sha256
-    beside it), written before the round's reply without an fsync, so that a process that
-    crashed comes back at the last barrier too.
+    checkpoint file, plus the two newest barriers (``barrier-<round>.ckpt``, which carries
+    its payload's sha256), written before the round's reply without an fsync, so that a
+    process that crashed comes back at the last barrier too.
     """
 
     KEEP_BARRIERS = 2
@@ -83,40 +83,20 @@ class Snapshots:
     def write_barrier(self, rnd: int, state: dict) -> None:
         """Write the barrier state of ``rnd`` (no fsync: it must survive the process)."""
         try:
-            path = save_checkpoint(barrier_path(self.directory, rnd), state, durable=False)
-            side = path.with_suffix(".sha256")
-            tmp = side.with_name(f".{side.name}.tmp")
-            tmp.write_text(sha256_of(path))
-            tmp.replace(side)
-        except (CheckpointError, OSError) as exc:  # only the fast path is lost
+            save_checkpoint(barrier_path(self.directory, rnd), state, durable=False)
+        except CheckpointError as exc:  # only the fast path is lost
             log.error("barrier snapshot of round %d not written: %s", rnd, exc)
             return
-        rounds = sorted(
-            (
-                int(m.group(1))
-                for p in self.directory.iterdir()
-                if (m := BARRIER_FILE.match(p.name))
-            ),
-            reverse=True,
-        )
-        for old in rounds[self.KEEP_BARRIERS :]:
+        for old in sorted(self._matching(BARRIER_FILE), reverse=True)[self.KEEP_BARRIERS :]:
             barrier_path(self.directory, old).unlink(missing_ok=True)
-            barrier_path(self.directory, old).with_suffix(".sha256").unlink(missing_ok=True)
 
-    def barrier_sha256(self, rnd: int) -> str | None:
-        side = barrier_path(self.directory, rnd).with_suffix(".sha256")
-        return side.read_text().strip() if side.is_file() else None
-
-    def disk_rounds(self) -> set[int]:
+    def _matching(self, pattern: re.Pattern) -> set[int]:
         if not self.directory.is_dir():
             return set()
-        found = set()
-        for p in self.directory.iterdir():
-            m = CHECKPOINT_FILE.match(p.name)
-            b = BARRIER_FILE.match(p.name)
-            if m or (b and self.barrier_sha256(int(b.group(1)))):
-                found.add(int((m or b).group(1)))  # type: ignore[union-attr]
-        return found
+        return {int(m.group(1)) for p in self.directory.iterdir() if (m := pattern.match(p.name))}
+
+    def disk_rounds(self) -> set[int]:
+        return self._matching(CHECKPOINT_FILE) | self._matching(BARRIER_FILE)
 
     def rounds(self) -> set[int]:
         return set(self.memory) | self.disk_rounds() | {0}
@@ -124,13 +104,8 @@ class Snapshots:
     def prune_disk(self, keep: int) -> None:
         """Keep the ``keep`` newest checkpoint files (0: all)."""
         if keep:
-            for rnd in sorted(self.disk_rounds() - self._barriers(), reverse=True)[keep:]:
+            for rnd in sorted(self._matching(CHECKPOINT_FILE), reverse=True)[keep:]:
                 checkpoint_path(self.directory, rnd).unlink(missing_ok=True)
-
-    def _barriers(self) -> set[int]:
-        return {
-            int(m.group(1)) for p in self.directory.iterdir() if (m := BARRIER_FILE.match(p.name))
-        }
 
 
 def make_client_app(
@@ -259,8 +234,8 @@ def restore_round(executor: RingExecutor, snapshots: Snapshots, rnd: int, conf) 
     expected = str(conf.get("sha256", "")) or None
     path = checkpoint_path(snapshots.directory, rnd)
     barrier = barrier_path(snapshots.directory, rnd)
-    if not path.is_file() and barrier.is_file() and snapshots.barrier_sha256(rnd):
-        executor.load_state_dict(load_checkpoint(barrier, snapshots.barrier_sha256(rnd)))
+    if not path.is_file() and barrier.is_file():
+        executor.load_state_dict(load_checkpoint(barrier))  # checks its own payload hash
         snapshots.keep(rnd, copy.deepcopy(executor.state_dict()), False)
         return str(barrier)
     if path.is_file():
