@@ -152,7 +152,8 @@ def test_status_live_and_final_over_rest_and_grpc(tmp_path: Path):
         else:
             raise AssertionError(f"never saw a live training status: {fed.tail('coordinator')}")
         assert doc["run_id"] == "local-up" and len(doc["workers"]) == 4
-        assert all(w["state"] in ("ready", "training", "evaluating") for w in doc["workers"]), [w["state"] for w in doc["workers"]]
+        states = [w["state"] for w in doc["workers"]]
+        assert all(s in ("ready", "training", "evaluating") for s in states), states
         assert all(w["address"].startswith("127.0.0.1:") for w in doc["workers"])
         live = fed.rest("/v1/status")
         assert live["phase"] == "training" and live["step"] >= doc["step"]

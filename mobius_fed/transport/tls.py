@@ -78,7 +78,11 @@ GRPC_OPTIONS: Options = [
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_RECV_PING_INTERVAL_MS),
+    # The server's name for it (gRPC silently ignores unknown option names): without it the
+    # server keeps its 5 min default and answers 30 s pings with GOAWAY "too_many_pings".
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_RECV_PING_INTERVAL_MS),
+    # grpcio 1.85 closes a connection whose keepalive ping goes unanswered only with this.
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 ]
 """Options shared by servers and channels (ring links are long-lived and large)."""
 

@@ -14,6 +14,7 @@ import copy
 import hashlib
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,8 +62,8 @@ class Snapshots:
     its link dropped): its newest barrier is then one its peers never reached. A frozen or
     cut-off worker and every survivor of an incident roll back from memory. On disk: every
     checkpoint file, plus the two newest barriers (``barrier-<round>.ckpt``, which carries
-    its payload's sha256), written before the round's reply without an fsync, so that a
-    process that crashed comes back at the last barrier too.
+    its payload's sha256), written in the background without an fsync, so that a process
+    that crashed comes back at one of the last two barriers too.
     """
 
     KEEP_BARRIERS = 2
@@ -71,6 +72,7 @@ class Snapshots:
         self.directory = directory
         self.memory: dict[int, dict] = {}
         self.last_checkpoint = 0
+        self._writer: threading.Thread | None = None
 
     def keep(self, rnd: int, state: dict, checkpointed: bool) -> None:
         self.memory[rnd] = state
@@ -81,14 +83,26 @@ class Snapshots:
             del self.memory[old]
 
     def write_barrier(self, rnd: int, state: dict) -> None:
-        """Write the barrier state of ``rnd`` (no fsync: it must survive the process)."""
-        try:
-            save_checkpoint(barrier_path(self.directory, rnd), state, durable=False)
-        except CheckpointError as exc:  # only the fast path is lost
-            log.error("barrier snapshot of round %d not written: %s", rnd, exc)
-            return
-        for old in sorted(self._matching(BARRIER_FILE), reverse=True)[self.KEEP_BARRIERS :]:
-            barrier_path(self.directory, old).unlink(missing_ok=True)
+        """Write the barrier state of ``rnd`` in the background (one write at a time; no
+        fsync: it must survive the process, the file carries its payload's sha256)."""
+        self.wait_written()
+
+        def write() -> None:
+            try:
+                save_checkpoint(barrier_path(self.directory, rnd), state, durable=False)
+            except CheckpointError as exc:  # only the fast path is lost
+                log.error("barrier snapshot of round %d not written: %s", rnd, exc)
+                return
+            for old in sorted(self._matching(BARRIER_FILE), reverse=True)[self.KEEP_BARRIERS :]:
+                barrier_path(self.directory, old).unlink(missing_ok=True)
+
+        self._writer = threading.Thread(target=write, daemon=True, name="barrier-writer")
+        self._writer.start()
+
+    def wait_written(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
 
     def _matching(self, pattern: re.Pattern) -> set[int]:
         if not self.directory.is_dir():
@@ -163,6 +177,7 @@ def make_client_app(
             }
         )
         if checkpointed:
+            snapshots.wait_written()
             path = save_checkpoint(checkpoint_path(snapshots.directory, rnd), snap)
             ck = ConfigRecord({"path": str(path.resolve()), "sha256": sha256_of(path)})
             if bool(conf.get(STATE_COPY, False)):
@@ -231,6 +246,7 @@ def restore_round(executor: RingExecutor, snapshots: Snapshots, rnd: int, conf) 
     if rnd == 0:
         executor.load_state_dict(executor.initial_state())
         return "the seed"
+    snapshots.wait_written()
     expected = str(conf.get("sha256", "")) or None
     path = checkpoint_path(snapshots.directory, rnd)
     barrier = barrier_path(snapshots.directory, rnd)
