@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def finish(fed: LocalFederation, timeout: float = 240) -> dict:
 
 
 def test_killed_worker_is_restarted_and_the_run_heals(tmp_path: Path):
-    fed = federation(tmp_path).prepare().start()
+    fed = federation(tmp_path, keep_checkpoints=2).prepare().start()
     wait_for_step(fed, 5)
     os.kill(fed.procs["worker-2"].pid, signal.SIGKILL)
     final = finish(fed)
@@ -62,6 +63,12 @@ def test_killed_worker_is_restarted_and_the_run_heals(tmp_path: Path):
     assert inc["detection_s"] is not None and inc["detection_s"] < 2.5, inc
     assert inc["steps_redone"] <= 1, "a crash redoes at most the round in flight"
     assert fed.restarts.get("worker-2") == 1
+    # --keep-checkpoints 2: two manifests; workers keep one file more
+    rounds = sorted(p.name for p in (fed.coordinator_out / "checkpoints").iterdir())
+    assert rounds == ["round-000012", "round-000014"], rounds
+    for i in range(4):
+        files = list((fed.worker_out(i) / "checkpoints").glob("round-*.ckpt"))
+        assert 2 <= len(files) <= 3, files
 
 
 def test_frozen_worker_past_the_heartbeat_timeout_heals(tmp_path: Path):
@@ -80,6 +87,25 @@ def test_frozen_worker_past_the_heartbeat_timeout_heals(tmp_path: Path):
         assert rest["incidents"][0]["rank"] == 1 and rest["workers"][1]["state"] == "lost"
         assert [e["edge"] for e in rest["ring"]][1] == "worker-1 → worker-2"
         assert 'mobius_incidents_total{run_id="local-up"} 1' in fed.rest("/metrics")
+        shown = subprocess.run(  # and for a person: mobius-fed status
+            [
+                sys.executable,
+                "-m",
+                "mobius_fed.cli.main",
+                "status",
+                "--coordinator",
+                f"127.0.0.1:{fed.coord_port}",
+                "--certs",
+                str(fed.certs),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        assert shown.returncode == 0, shown.stderr
+        for text in ("recovering", "ring edges", "incidents", "no heartbeat", "lost"):
+            assert text in shown.stdout, shown.stdout
         time.sleep(2.0)
     finally:
         os.kill(pid, signal.SIGCONT)

@@ -209,8 +209,29 @@ def _age(worker: dict[str, Any], doc: dict[str, Any]) -> str:
     return _num(age, "{:.1f}")
 
 
-_STATE_STYLE = {"lost": "bold red", "expected": "dim", "done": "green", "training": "cyan"}
-_PHASE_STYLE = {"failed": "bold red", "stopped": "yellow", "done": "green", "training": "cyan"}
+_STATE_STYLE = {
+    "lost": "bold red",
+    "rejoining": "yellow",
+    "restoring": "yellow",
+    "recovered": "green",
+    "expected": "dim",
+    "done": "green",
+    "training": "cyan",
+}
+_PHASE_STYLE = {
+    "failed": "bold red",
+    "stopped": "yellow",
+    "recovering": "bold yellow",
+    "done": "green",
+    "training": "cyan",
+}
+_EDGE_STYLE = {"down": "bold red", "reconnecting": "yellow", "up": "green"}
+_INCIDENT_STYLE = {"open": "bold yellow", "failed": "bold red", "recovered": "green"}
+
+
+def _styled(text: str, styles: dict[str, str]) -> str:
+    style = styles.get(text)
+    return f"[{style}]{text}[/]" if style else text
 
 
 def render_status(doc: dict[str, Any], console: Console) -> None:
@@ -251,3 +272,30 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
             _num(w.get("tokens_per_s"), "{:,.0f}"),
         )
     console.print(workers)
+    if doc.get("ring"):
+        ring = Table(title="ring edges", show_header=True, header_style="bold")
+        for col in ("edge", "state", "reconnects", "down (s)"):
+            ring.add_column(col)
+        for e in doc["ring"]:
+            ring.add_row(
+                str(e.get("edge", "?")),
+                _styled(str(e.get("state", "?")), _EDGE_STYLE),
+                str(e.get("reconnects", 0)),
+                _num(e.get("down_s"), "{:.1f}"),
+            )
+        console.print(ring)
+    if doc.get("incidents"):
+        log = Table(title="incidents", show_header=True, header_style="bold")
+        for col in ("#", "state", "what", "detected (s)", "recovered (s)", "rollback", "redone"):
+            log.add_column(col, overflow="fold")
+        for i in doc["incidents"]:
+            log.add_row(
+                str(i.get("id", "?")),
+                _styled(str(i.get("state", "?")), _INCIDENT_STYLE),
+                str(i.get("what", "")),
+                _num(i.get("detection_s"), "{:.2f}"),
+                _num(i.get("recovery_s"), "{:.2f}"),
+                "-" if i.get("rollback_round") is None else f"round {i['rollback_round']}",
+                "-" if i.get("steps_redone") is None else f"{i['steps_redone']} steps",
+            )
+        console.print(log)

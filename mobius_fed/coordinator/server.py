@@ -488,7 +488,10 @@ class Coordinator:
 
     def _ask_rounds(self) -> dict[int, set[int]]:
         replies = self._send_all(
-            "query.state", lambda rank: RecordDict({"config": ConfigRecord({})}), 60, "report"
+            "query.state",
+            lambda rank: RecordDict({"config": ConfigRecord({})}),
+            self.cfg.restore_timeout,
+            "report the rounds it can restore",
         )
         return {
             rank_of_node(r.metadata.src_node_id): {int(x) for x in r.content["config"]["rounds"]}
