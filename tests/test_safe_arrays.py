@@ -73,7 +73,10 @@ def test_pickled_object_array_is_refused_never_executed(tmp_path: Path) -> None:
     marker = tmp_path / "PWNED"
     buf = io.BytesIO()
     np.save(buf, np.array([_Marker(str(marker))], dtype=object), allow_pickle=True)
-    evil = _over_the_wire(ArrayRecord({"w": _raw(buf.getvalue(), "object", (1,))}))
+    evil_record = ArrayRecord({"w": _raw(buf.getvalue(), "object", (1,))})
+    with pytest.raises(UnsafeArrayError, match=r"'w'.*not a plain numeric dtype"):
+        _over_the_wire(evil_record)  # refused when the message is parsed
+    evil = evil_record
     with pytest.raises(UnsafeArrayError, match=r"'w'.*not a plain numeric dtype"):
         validate_array_record(evil)
     with pytest.raises(UnsafeArrayError):

@@ -50,7 +50,10 @@ def restrict_grpc_to_tls13() -> bool:
     return "grpc._cython.cygrpc" not in sys.modules or before == GRPC_TLS13_CIPHER_SUITES
 
 
-_HANDSHAKE_TLS13 = restrict_grpc_to_tls13()
+from mobius_fed import TLS13_HANDSHAKES  # noqa: E402
+
+restrict_grpc_to_tls13()  # already done by the package's __init__, which knows if it took
+_HANDSHAKE_TLS13 = TLS13_HANDSHAKES
 
 import grpc  # noqa: E402  (after the environment above: gRPC reads it at import)
 
