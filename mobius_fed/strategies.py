@@ -113,24 +113,28 @@ class BarrierRounds:
         config["round"] = rnd
         if self.hooks is not None and hasattr(self.hooks, "before_train"):
             self.hooks.before_train(rnd)
-        return list(super().configure_train(server_round, arrays, config, grid))  # type: ignore[misc]
+        # Flower sees the run's round number, not start()'s count since the last (re)start:
+        # FedAdam's bias correction depends on it.
+        return list(super().configure_train(rnd, arrays, config, grid))  # type: ignore[misc]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
-        arrays, metrics = super().aggregate_train(server_round, replies)  # type: ignore[misc]
+        rnd = self.global_round(server_round)
+        arrays, metrics = super().aggregate_train(rnd, replies)  # type: ignore[misc]
         if self.hooks is not None:
-            self.hooks.after_train(self.global_round(server_round), replies, arrays)
+            self.hooks.after_train(rnd, replies, arrays)
         return arrays, metrics
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         replies = list(replies)
-        metrics = super().aggregate_evaluate(server_round, replies)  # type: ignore[misc]
+        rnd = self.global_round(server_round)
+        metrics = super().aggregate_evaluate(rnd, replies)  # type: ignore[misc]
         if self.hooks is not None and replies:
-            self.hooks.after_evaluate(self.global_round(server_round), replies)
+            self.hooks.after_evaluate(rnd, replies)
         return metrics
 
     def configure_evaluate(
@@ -141,7 +145,7 @@ class BarrierRounds:
             return []
         config["round"] = rnd
         config[STEP_END] = self.plan.steps_of(rnd)[1]
-        return list(super().configure_evaluate(server_round, arrays, config, grid))  # type: ignore[misc]
+        return list(super().configure_evaluate(rnd, arrays, config, grid))  # type: ignore[misc]
 
 
 def make_strategy(

@@ -47,7 +47,7 @@ def finish(fed: LocalFederation, timeout: float = 240) -> dict:
     finally:
         fed.stop()
     assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 40))
-    ref, _ = reference(fed)
+    ref, _ = reference(fed, fed.strategy, fed.strategy_options)
     assert max_diff(got, ref) <= 1e-5, "recovery must not change the losses"
     return final
 
@@ -69,6 +69,17 @@ def test_killed_worker_is_restarted_and_the_run_heals(tmp_path: Path):
     for i in range(4):
         files = list((fed.worker_out(i) / "checkpoints").glob("round-*.ckpt"))
         assert 2 <= len(files) <= 3, files
+
+
+def test_a_rollback_keeps_a_stateful_server_optimizer_exact(tmp_path: Path):
+    """FedAdam's moments and its bias correction (which counts rounds) survive a rollback."""
+    options = {"eta": 1e-3, "tau": 1e-3}
+    fed = federation(tmp_path, strategy="fedadam", strategy_options=options)
+    fed.prepare().start()
+    wait_for_step(fed, 5)
+    os.kill(fed.procs["worker-1"].pid, signal.SIGKILL)
+    final = finish(fed)  # equal to the reference engine under the same FedAdam
+    assert [i["state"] for i in final["incidents"]] == ["recovered"]
 
 
 def test_frozen_worker_past_the_heartbeat_timeout_heals(tmp_path: Path):

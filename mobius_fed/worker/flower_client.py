@@ -38,9 +38,17 @@ def replica_arrays(executor: RingExecutor) -> ArrayRecord:
     return ArrayRecord({k: v.detach().clone() for k, v in executor.replica.state_dict().items()})
 
 
+_FLOATS = ("float16", "float32", "float64")
+
+
 def load_replica(executor: RingExecutor, arrays: ArrayRecord) -> None:
-    """Load the averaged E/R arrays; names, shapes and dtypes must be the replica's own."""
-    state = array_record_to_torch(arrays, expected=spec_of(executor.replica.state_dict()))
+    """Load the averaged E/R arrays: exactly the replica's names and shapes, any float dtype
+    (a server optimizer such as FedAdam computes in float64; cast as the reference does)."""
+    spec = spec_of(executor.replica.state_dict())
+    for name, array in arrays.items():
+        if name in spec and spec[name][1] in _FLOATS and str(array.dtype) in _FLOATS:
+            spec[name] = (spec[name][0], str(array.dtype))
+    state = array_record_to_torch(arrays, expected=spec)
     with torch.no_grad():
         for name, p in executor.replica.state_dict().items():
             p.copy_(state[name])
