@@ -137,14 +137,17 @@ class ControlService(control_pb2_grpc.ControlServicer):
             log.warning("worker-%d: heartbeat refused: %s", rank, problem)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"heartbeat refused: {problem}")
         fields: dict = dict(last_heartbeat=time.time(), step=request.step)
-        if w.state not in ("rejoining",) and request.state:
-            fields["state"] = request.state
         if request.step:
             fields["last_loss"] = request.last_loss
         fields["tokens_per_s"] = request.tokens_per_s
         if request.links_json:
             fields["edges"] = json.loads(request.links_json)
-        self.state.update_worker(rank, **fields)
+        with self._cond:  # never over a "lost" that mark_lost wrote meanwhile
+            if w.state in ("lost", "expected"):
+                return control_pb2.HeartbeatReply(stop=False, rejoin=True, reason="register again")
+            if w.state != "rejoining" and request.state:
+                fields["state"] = request.state
+            self.state.update_worker(rank, **fields)
         failure = self.grid.failure
         if failure:
             return control_pb2.HeartbeatReply(stop=True, reason=failure)
@@ -197,15 +200,15 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 return
             last_seen = w.last_heartbeat
             self.state.update_worker(rank, state="lost", incidents=w.incidents + 1)
+        reason = f"worker-{rank} ({worker_identity(rank)}) lost: {why}"
+        log.error(reason)
+        if self.state.phase in ("training", "recovering"):  # before the session goes, so a
+            incident = IncidentRaised("worker lost", reason, rank)  # round sees an incident
+            incident.last_seen = last_seen  # type: ignore[attr-defined]
+            self.grid.raise_incident(incident)
         box = self.grid.close_session(rank)
         if box is not None:
             box.put(_END)
-        reason = f"worker-{rank} ({worker_identity(rank)}) lost: {why}"
-        log.error(reason)
-        if self.state.phase in ("training", "recovering"):
-            incident = IncidentRaised("worker lost", reason, rank)
-            incident.last_seen = last_seen  # type: ignore[attr-defined]
-            self.grid.raise_incident(incident)
 
     def expire_silent(self, timeout: float) -> None:
         """Count lost every worker whose last heartbeat is older than ``timeout`` seconds."""

@@ -11,6 +11,7 @@ an abandoned round are dropped when they arrive late.
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 import uuid
@@ -31,6 +32,8 @@ from mobius_fed.transport.flower_wire import (
     rank_of_node,
     worker_node_id,
 )
+
+_EDGE = re.compile(r"worker-\d+ → worker-\d+")
 
 
 class RunFailed(RuntimeError):
@@ -147,7 +150,10 @@ class ControlGrid(Grid):
                     self.fail(f"worker-{rank} failed: {err.reason}")
                     self._raise_if_failed()
                 kind = "ring edge down" if err.code == ERROR_RING else "worker error"
-                self.raise_incident(IncidentRaised(kind, f"worker-{rank}: {err.reason}", rank))
+                edges = ", ".join(dict.fromkeys(_EDGE.findall(err.reason))) or None
+                self.raise_incident(
+                    IncidentRaised(kind, f"worker-{rank} reports: {err.reason}", rank, edges)
+                )
                 self._raise_if_failed()
         self.last_replies = replies
         return replies

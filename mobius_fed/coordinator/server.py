@@ -149,6 +149,7 @@ class Coordinator:
             registration_timeout=cfg.registration_timeout,
         )
         self.snapshots: dict[int, RoundState] = {}
+        self._fresh = False  # a fresh start: workers set an earlier run's files aside
         self.last_manifest_round = 0
         self.in_flight = 0  # the train round in flight (0: none)
         self.ring_epoch = 0
@@ -160,14 +161,21 @@ class Coordinator:
         self.port = 0
 
     def _validate_reply(self, rank: int, reply: Message) -> None:
-        """E/R arrays from a worker must be exactly the replica's names, shapes, dtypes."""
-        if "arrays" in reply.content:
+        """What a worker answers must be well formed before the strategy or status sees it:
+        E/R arrays exactly the replica's names, shapes and dtypes; losses finite; the
+        records each message type needs. RunFailed names the worker."""
+        who = f"worker-{rank} ({worker_identity(rank)})"
+        content = reply.content
+        if "arrays" in content:
             try:
-                validate_array_record(reply.content["arrays"], expected=self.replica_spec)
+                validate_array_record(content["arrays"], expected=self.replica_spec)
             except UnsafeArrayError as exc:
-                raise RunFailed(
-                    f"worker-{rank} ({worker_identity(rank)}) sent bad arrays: {exc}"
-                ) from None
+                raise RunFailed(f"{who} sent bad arrays: {exc}") from None
+        problem = reply_problem(reply.metadata.message_type, content)
+        if problem:
+            raise RunFailed(
+                f"{who} sent an unusable {reply.metadata.message_type} reply: {problem}"
+            )
 
     # -------------------------------------------------------------- servers
     def start(self) -> None:
@@ -304,6 +312,9 @@ class Coordinator:
                     return self._fail(str(failed))
             except (RunFailed, CheckpointError) as exc:
                 return self._fail(str(exc))
+            except Exception as exc:  # a bug must end the run with a status, not a traceback
+                log.exception("run %s: internal error", self.cfg.run_id)
+                return self._fail(f"internal error in the coordinator: {exc!r}")
         self.state.finish("done")
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.grid.broadcast_stop("done")
@@ -335,6 +346,18 @@ class Coordinator:
             raise RunFailed(
                 f"--resume: no manifest under {checkpoint_dir(self.cfg.out_dir)} could be loaded"
             )
+        # A fresh run: an earlier run's files (here and on the workers) are moved aside,
+        # never reused, never pruned as this run's own.
+        self._fresh = True
+        ckpts = checkpoint_dir(self.cfg.out_dir)
+        if ckpts.is_dir() and any(ckpts.iterdir()):
+            aside = ckpts.with_name(f"{ckpts.name}.{int(time.time())}")
+            ckpts.rename(aside)
+            log.warning("an earlier run's checkpoints moved to %s", aside)
+        return self._seed_state()
+
+    def _seed_state(self) -> RoundState:
+        """Round 0: E/R from the seed, a strategy with no server state yet."""
         replica = build_replica(self.train.model(), self.train.seed)
         arrays = ArrayRecord({k: v.detach().clone() for k, v in replica.state_dict().items()})
         return RoundState(0, arrays, {})
@@ -451,7 +474,7 @@ class Coordinator:
             log.info("restoring round %d (%s)", rnd, sources)
             replies = self._send_all(
                 "query.restore",
-                lambda rank, rnd=rnd: self._restore_content(rank, rnd),
+                lambda rank, rnd=rnd: self._restore_content(rank, rnd, rnd in have[rank]),
                 self.cfg.restore_timeout,
                 "load the rollback state",
             )
@@ -476,10 +499,16 @@ class Coordinator:
             "join the ring",
         )
         snap = self.snapshots.get(rnd)
-        if snap is None:  # an older manifest from disk
-            manifest = next(m for m in self.manifests if int(m.parent.name[6:]) == rnd)
+        if snap is None and rnd == 0:
+            snap = self._seed_state()
+        elif snap is None:  # an older manifest from disk
+            manifest = next((m for m in self.manifests if int(m.parent.name[6:]) == rnd), None)
+            if manifest is None:
+                raise RunFailed(f"round {rnd}: its manifest disappeared during the restore")
             snap = self._load_round(manifest, json.loads(manifest.read_text()))
-            self.snapshots[rnd] = snap
+        self.snapshots = {r: v for r, v in self.snapshots.items() if r <= rnd}  # a redo
+        self.snapshots[rnd] = snap
+        self._fresh = False
         end = self.plan.steps_of(rnd)[1] if rnd else 0
         self.state.rollback(end, rnd)
         self.state.set(phase="training")
@@ -529,7 +558,8 @@ class Coordinator:
                     break
             else:
                 return rnd, ", ".join(sources)
-        raise RunFailed("no round every worker can restore (not even the start)")
+        why = "; ".join(f"worker-{r} refused round(s) {sorted(v)}" for r, v in refused.items() if v)
+        raise RunFailed(f"no round every worker can restore, not even the start ({why})")
 
     def _manifest_doc(self, rnd: int) -> dict[str, Any] | None:
         snap = self.snapshots.get(rnd)
@@ -540,14 +570,15 @@ class Coordinator:
                 return {**json.loads(m.read_text()), "dir": str(m.parent)}
         return None
 
-    def _restore_content(self, rank: int, rnd: int) -> RecordDict:
-        conf = ConfigRecord({"round": rnd, "sha256": ""})
+    def _restore_content(self, rank: int, rnd: int, has_it: bool) -> RecordDict:
+        end = self.plan.steps_of(rnd)[1] if rnd else 0
+        conf = ConfigRecord({"round": rnd, "step": end, "sha256": "", "fresh": self._fresh})
         manifest = self._manifest_doc(rnd)
         entry = manifest["workers"].get(str(rank)) if manifest else None
         if entry:
             conf["sha256"] = entry["sha256"]
             conf["file"] = Path(entry["path"]).name
-            if entry.get("copy"):
+            if entry.get("copy") and not has_it:  # only to a worker that needs it
                 copy = Path(manifest["dir"]) / entry["copy"]
                 conf["copy-sha256"] = entry["copy_sha256"]
                 if copy.is_file():
@@ -774,3 +805,33 @@ def _edges(ranks, P: int) -> str:
     for r in ranks:
         edges += [f"worker-{(r - 1) % P} → worker-{r}", f"worker-{r} → worker-{(r + 1) % P}"]
     return ", ".join(dict.fromkeys(edges))
+
+
+def _finite_loss(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e4
+
+
+def reply_problem(kind: str, content: Any) -> str | None:
+    """Why a worker's reply of message type ``kind`` is unusable (None: it is fine)."""
+    try:
+        if kind == "train":
+            m = content["metrics"]
+            losses = list(m["losses"])
+            if not losses or not all(_finite_loss(v) for v in losses):
+                return "losses must be a non-empty list of finite losses in [0, 1e4)"
+            if not float(m["num-examples"]) > 0 or not float(m["train-seconds"]) >= 0:
+                return "num-examples must be > 0 and train-seconds ≥ 0"
+        elif kind == "evaluate":
+            if not _finite_loss(content["metrics"]["eval-loss"]):
+                return "eval-loss must be a finite loss in [0, 1e4)"
+        elif kind == "query.state":
+            rounds = list(content["config"]["rounds"])
+            if not all(isinstance(r, int) and r >= 0 for r in rounds):
+                return "rounds must be non-negative integers"
+        elif kind == "query.restore":
+            if not isinstance(content["config"]["ok"], bool):
+                return "ok must be a boolean"
+            str(content["config"]["reason"])
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"missing or malformed field ({exc!r})"
+    return None

@@ -21,7 +21,7 @@ WORKER_STATES = (
     "recovered",  # back in the ring after an incident (until its next heartbeat)
     "done",
 )
-REPORTED_STATES = ("registered", "ready", "training", "evaluating", "restoring", "done")
+REPORTED_STATES = ("registered", "ready", "training", "evaluating", "restoring")
 """States a worker may report about itself in a heartbeat (the rest are the coordinator's)."""
 
 

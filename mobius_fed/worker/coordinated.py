@@ -39,7 +39,7 @@ from mobius_fed.transport.flower_wire import (
 )
 from mobius_fed.transport.tls import check_node_secrets, open_channel
 from mobius_fed.worker.config import WorkerConfig
-from mobius_fed.worker.daemon import open_ring
+from mobius_fed.worker.daemon import make_links
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
 from mobius_fed.worker.flower_client import Snapshots, make_client_app
 from mobius_fed.worker.link import PeerError, RingLinks
@@ -66,6 +66,9 @@ def register(
     noticed that this worker's previous session is gone."""
     own = cfg.train.fingerprint() if cfg.verify_train else ""
     deadline = time.monotonic() + cfg.peer_timeout
+    # A replacement process (a rescheduled pod, a host that vanished without closing its
+    # connections) waits until the coordinator counts the old one lost.
+    duplicate_until = time.monotonic() + min(cfg.peer_timeout, 45.0)
     delay = 0.2
     while True:
         try:
@@ -76,7 +79,9 @@ def register(
                 timeout=30,
             )
         except grpc.RpcError as exc:
-            retry = rejoin and exc.code() == grpc.StatusCode.ALREADY_EXISTS
+            retry = exc.code() == grpc.StatusCode.ALREADY_EXISTS and (
+                rejoin or time.monotonic() < duplicate_until
+            )
             if exc.code() in _FATAL and not retry:
                 raise ConfigError(f"coordinator refused registration: {exc.details()}") from exc
             if time.monotonic() > deadline:
@@ -102,6 +107,7 @@ class _Heartbeats(threading.Thread):
         while not self.done.is_set():
             links = node.links
             edges = getattr(links, "edge_states", None) if links is not None else None
+            generation = node.generation
             try:
                 reply = node.stub.Heartbeat(
                     control_pb2.HeartbeatRequest(
@@ -115,8 +121,10 @@ class _Heartbeats(threading.Thread):
                 )
             except grpc.RpcError as exc:
                 log.warning("heartbeat failed: %s", exc.code().name)
+            except Exception:  # never let the heartbeats die with the process alive
+                log.exception("heartbeat failed")
             else:
-                node.on_reply(reply)
+                node.on_reply(reply, generation)
             self.done.wait(self.interval)
 
 
@@ -141,6 +149,7 @@ class WorkerNode:
         self.state, self.loss, self.tps = "registered", 0.0, 0.0
         self._links_lock = threading.Lock()
         self._session_end = None  # ends the current session: (outcome, reason)
+        self.generation = 0  # registrations so far: a reply to an older one is stale
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
@@ -149,11 +158,18 @@ class WorkerNode:
         try:
             while True:
                 spec = register(self.stub, self.cfg, rejoin=rejoin)
+                self.generation += 1
                 if beats is None:  # from now on the coordinator expects heartbeats
                     beats = _Heartbeats(self, spec.heartbeat_interval_s or 1.0)
                     beats.start()
                 if self.executor is None:
                     self._build(spec)
+                elif spec.config_fingerprint != self.executor.cfg.fingerprint():
+                    raise ConfigError(
+                        f"the coordinator now runs config {spec.config_fingerprint}, this "
+                        f"worker's state is for {self.executor.cfg.fingerprint()}; restart "
+                        "the worker to join that run"
+                    )
                 log.info(
                     "worker-%d %s run %s",
                     self.cfg.rank,
@@ -174,10 +190,13 @@ class WorkerNode:
             self.close_links()
             self.channel.close()
 
-    def on_reply(self, reply: control_pb2.HeartbeatReply) -> None:
-        """A heartbeat's answer: end the session to rejoin, or because the run ended."""
+    def on_reply(self, reply: control_pb2.HeartbeatReply, generation: int) -> None:
+        """A heartbeat's answer: end the session to rejoin, or because the run ended. A
+        ``rejoin`` sent before this worker registered again is stale and ignored."""
         end = self._session_end
         if end is None:
+            return
+        if reply.rejoin and generation != self.generation:
             return
         if reply.rejoin:
             end("rejoin", reply.reason or "the coordinator counts this worker lost")
@@ -201,8 +220,14 @@ class WorkerNode:
         self.close_links()
         self.executor.set_run_id(ring_id)
         self.cfg = self.cfg.model_copy(update={"peers": peers})
-        with self._links_lock:
-            self.links = open_ring(self.cfg, self.executor)
+        links = make_links(self.cfg, self.executor)
+        if links is None:
+            return
+        links.start_server()
+        with self._links_lock:  # published before the dial, so that an abort can cancel it
+            self.links = links
+        links.connect()
+        self.executor.links = links
 
     def close_links(self) -> None:
         with self._links_lock:
@@ -213,9 +238,11 @@ class WorkerNode:
             self.executor.links = None
 
     def _abort(self, why: str) -> None:
+        """Abandon the round in flight: wake the executor and close the ring links."""
         links = self.links
         if links is not None:
             links.inbox.fail(PeerError(f"round abandoned: {why}"))
+        self.close_links()
 
     # -------------------------------------------------------------- session
     def _serve(self, spec: control_pb2.RunSpec) -> tuple[str, str]:
@@ -254,6 +281,9 @@ class WorkerNode:
                 end("rejoin", "the coordinator closed the session")
             except grpc.RpcError as exc:
                 end("rejoin", f"lost the coordinator: {exc.code().name} {exc.details()}")
+            except Exception as exc:  # never leave the main loop waiting
+                log.exception("worker-%d: session reader failed", self.cfg.rank)
+                end("rejoin", f"session reader failed: {exc!r}")
 
         def on_step(r: WorkerStep) -> None:
             self.loss = r.loss

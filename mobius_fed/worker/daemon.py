@@ -24,9 +24,19 @@ log = logging.getLogger("mobius.worker")
 
 def open_ring(cfg: WorkerConfig, executor: RingExecutor) -> RingLinks | None:
     """Serve the predecessor and connect to the successor (nothing to do when P = 1)."""
+    links = make_links(cfg, executor)
+    if links is not None:
+        links.start_server()
+        links.connect()
+        executor.links = links
+    return links
+
+
+def make_links(cfg: WorkerConfig, executor: RingExecutor) -> RingLinks | None:
+    """The ring links of ``executor`` for ``cfg`` (not started; None when P = 1)."""
     if cfg.train.workers == 1:
         return None
-    links = RingLinks(
+    return RingLinks(
         executor.rules,
         listen=cfg.listen_address,
         successor=cfg.successor,
@@ -36,10 +46,6 @@ def open_ring(cfg: WorkerConfig, executor: RingExecutor) -> RingLinks | None:
         capture=cfg.capture_frames,
         link_grace=cfg.link_grace,
     )
-    links.start_server()
-    links.connect()
-    executor.links = links
-    return links
 
 
 def run_static_ring(cfg: WorkerConfig) -> Path:

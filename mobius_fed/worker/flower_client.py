@@ -29,6 +29,7 @@ from mobius_fed.transport.safe_arrays import array_record_to_torch, spec_of
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
 
 ARRAYS, METRICS, CONFIG = "arrays", "metrics", "config"
+COPY_LIMIT_BYTES = 192 << 20  # a state copy rides in one control message (limit 256 MiB)
 CHECKPOINT_FILE = re.compile(r"^round-(\d{6})\.ckpt$")
 BARRIER_FILE = re.compile(r"^barrier-(\d{6})\.ckpt$")
 log = logging.getLogger("mobius.worker")
@@ -112,6 +113,17 @@ class Snapshots:
             self._writer.join()
             self._writer = None
 
+    def set_aside(self) -> None:
+        """A fresh run: move an earlier run's files out of the way (never reused, never
+        deleted) and forget what is in memory."""
+        self.wait_written()
+        self.memory.clear()
+        self.last_checkpoint = 0
+        if self.directory.is_dir() and any(self.directory.iterdir()):
+            aside = self.directory.with_name(f"{self.directory.name}.{int(time.time())}")
+            self.directory.rename(aside)
+            log.warning("an earlier run's checkpoints moved to %s", aside)
+
     def _matching(self, pattern: re.Pattern) -> set[int]:
         if not self.directory.is_dir():
             return set()
@@ -189,7 +201,18 @@ def make_client_app(
             path = save_checkpoint(checkpoint_path(snapshots.directory, rnd), snap)
             ck = ConfigRecord({"path": str(path.resolve()), "sha256": sha256_of(path)})
             if bool(conf.get(STATE_COPY, False)):
-                ck["copy"] = path.read_bytes()
+                size = path.stat().st_size
+                if size <= COPY_LIMIT_BYTES:
+                    ck["copy"] = path.read_bytes()
+                else:
+                    log.warning(
+                        "worker-%d: no copy of round %d for the coordinator: %d bytes exceed "
+                        "the control channel's %d",
+                        executor.rank,
+                        rnd,
+                        size,
+                        COPY_LIMIT_BYTES,
+                    )
             reply["checkpoint"] = ck
             snapshots.prune_disk(int(conf.get("keep-checkpoints", 0)))
         snapshots.keep(rnd, snap, checkpointed)
@@ -220,7 +243,14 @@ def make_client_app(
         state("restoring")
         try:
             source = restore_round(executor, snapshots, rnd, conf)
-        except (CheckpointError, ValueError, KeyError) as exc:
+            want = int(conf.get("step", executor.step))
+            if executor.step != want:
+                raise CheckpointError(
+                    f"the state loaded from {source} is at step {executor.step}, round {rnd} "
+                    f"ends at step {want}"
+                )
+        except Exception as exc:  # any failure is a refusal, so an earlier round is tried
+            executor.abandon_step()
             log.error("worker-%d cannot restore round %d: %s", executor.rank, rnd, exc)
             reply = ConfigRecord({"ok": False, "reason": str(exc)})
             return Message(RecordDict({CONFIG: reply}), reply_to=msg)
@@ -246,8 +276,17 @@ def make_client_app(
 
 
 def restore_round(executor: RingExecutor, snapshots: Snapshots, rnd: int, conf) -> str:
-    """Load this worker's state at round ``rnd``; return where it came from."""
+    """Load this worker's state at round ``rnd``; return where it came from.
+
+    Order: memory; then, for a round with a manifest (its sha256 given), only the verified
+    checkpoint file or the coordinator's copy; for a round without one, the barrier file
+    (which checks its own payload hash). Snapshots of later rounds are forgotten: they
+    belong to a timeline that is being redone."""
     executor.abandon_step()
+    for later in [r for r in snapshots.memory if r > rnd]:
+        del snapshots.memory[later]
+    if bool(conf.get("fresh", False)):
+        snapshots.set_aside()
     if rnd in snapshots.memory:
         executor.load_state_dict(copy.deepcopy(snapshots.memory[rnd]))
         return "memory"
@@ -258,7 +297,7 @@ def restore_round(executor: RingExecutor, snapshots: Snapshots, rnd: int, conf) 
     expected = str(conf.get("sha256", "")) or None
     path = checkpoint_path(snapshots.directory, rnd)
     barrier = barrier_path(snapshots.directory, rnd)
-    if not path.is_file() and barrier.is_file():
+    if expected is None and barrier.is_file():
         executor.load_state_dict(load_checkpoint(barrier))  # checks its own payload hash
         snapshots.keep(rnd, copy.deepcopy(executor.state_dict()), False)
         return str(barrier)
