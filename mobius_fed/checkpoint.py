@@ -258,6 +258,25 @@ def save_checkpoint(path: Path, state: dict, durable: bool = True) -> Path:
     return path
 
 
+def write_bytes_atomic(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` via a temporary file and a rename; on an error (a full
+    disk…) remove the temporary file, keep what was there and raise naming the path."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise _oserror(path, exc) from exc
+    return path
+
+
 def prune_checkpoints(directory: Path, pattern: str, keep: int) -> list[Path]:
     """Delete all but the ``keep`` newest (by name) entries matching ``pattern``; return them.
 

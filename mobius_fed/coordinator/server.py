@@ -11,7 +11,6 @@ import copy
 import hashlib
 import json
 import logging
-import os
 import secrets
 import shutil
 import threading
@@ -25,7 +24,13 @@ import grpc
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mobius_fed.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, sha256_of
+from mobius_fed.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+    sha256_of,
+    write_bytes_atomic,
+)
 from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.control import ControlService
 from mobius_fed.coordinator.grid import ControlGrid, GridTimeout, IncidentRaised, RunFailed
@@ -776,23 +781,6 @@ class Coordinator:
                     self.state.record_losses(origin, row["step"], [loss])
         for ev in history.get("evals", []):
             self.state.record_eval(ev["round"], ev["step"], dict(enumerate(ev["origin_losses"])))
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` via a temporary file and a rename; on an error (a full
-    disk…) remove the temporary file, keep what was there and raise naming the path."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    return path
 
 
 def _names(ranks) -> str:

@@ -23,7 +23,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from mobius_fed.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, sha256_of
+from mobius_fed.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+    sha256_of,
+    write_bytes_atomic,
+)
 from mobius_fed.strategies import BARRIER_SNAPSHOT, CHECKPOINT, STATE_COPY, STEP_END, STEP_START
 from mobius_fed.transport.safe_arrays import array_record_to_torch, spec_of
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
@@ -321,8 +327,7 @@ def restore_round(executor: RingExecutor, snapshots: Snapshots, rnd: int, conf) 
             f"the coordinator's copy of round {rnd}: sha256 {digest}, expected "
             f"{conf['copy-sha256']}"
         )
-    snapshots.directory.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)  # becomes this worker's own file again
+    write_bytes_atomic(path, data)  # becomes this worker's own file again
     executor.load_state_dict(load_checkpoint(path, digest))
     snapshots.keep(rnd, copy.deepcopy(executor.state_dict()), True)
     return "the coordinator's copy"
