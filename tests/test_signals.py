@@ -308,15 +308,8 @@ def test_supervise_restarts_a_crashed_child_up_to_the_cap(tmp_path: Path) -> Non
     fed.stop(grace=2)
 
 
-def _recovery_landed() -> bool:
-    from mobius_fed.coordinator.config import CoordinatorConfig
-
-    return "rejoin_timeout" in CoordinatorConfig.model_fields
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _recovery_landed(), reason="needs the coordinator's incident recovery")
-def test_up_restarts_a_killed_worker(tmp_path: Path) -> None:
+def test_up_restarts_a_killed_worker_and_shows_the_recovery(tmp_path: Path) -> None:
     up = _Up(tmp_path / "up", "--steps", "10000", "--max-restarts", "2")
     try:
         up.wait_for(up.training, "training")
@@ -326,6 +319,9 @@ def test_up_restarts_a_killed_worker(tmp_path: Path) -> None:
         line = "worker-1 exited with -9; restarting (1/2)"
         up.wait_for(lambda: line in " ".join(up.log().split()), "the restart line", 30)
         up.wait_for(lambda: up.child("worker-1") not in (None, victim), "a new worker-1")
+        said = lambda: " ".join(up.log().split())  # noqa: E731
+        up.wait_for(lambda: "incident 1: worker-1" in said(), "the incident line", 30)
+        up.wait_for(lambda: "incident 1 recovered in" in said(), "the recovery line", 60)
         up.proc.send_signal(signal.SIGTERM)
         up.proc.communicate(timeout=20)
     finally:

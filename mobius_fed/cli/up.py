@@ -447,8 +447,23 @@ def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
         console=console,
     ) as bar:
         task = bar.add_task("train", total=train.steps, info="waiting for workers")
+        told: dict[int, str] = {}  # incident id → the state already printed
 
         def show(doc: dict[str, Any]) -> None:
+            for inc in doc.get("incidents", []):  # recovery, as it happens
+                if told.get(inc["id"]) == inc["state"]:
+                    continue
+                told[inc["id"]] = inc["state"]
+                if inc["state"] == "open":
+                    bar.console.print(f"[yellow]incident {inc['id']}[/]: {inc['what']}")
+                elif inc["state"] == "recovered":
+                    bar.console.print(
+                        f"[green]incident {inc['id']} recovered[/] in {inc['recovery_s']:.1f}s: "
+                        f"rolled back to round {inc['rollback_round']}, "
+                        f"{inc['steps_redone']} step(s) redone"
+                    )
+                else:
+                    bar.console.print(f"[red]incident {inc['id']} {inc['state']}[/]")
             losses = [w["last_loss"] for w in doc["workers"] if w["last_loss"] is not None]
             info = doc["phase"]
             if losses:
