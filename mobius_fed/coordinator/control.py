@@ -127,11 +127,6 @@ class ControlService(control_pb2_grpc.ControlServicer):
     def Heartbeat(self, request, context):
         rank = self._worker_rank(context)
         w = self.state.workers[rank]
-        if w.state in ("lost", "expected"):
-            # A frozen or cut-off worker coming back: it must register again.
-            return control_pb2.HeartbeatReply(
-                stop=False, rejoin=True, reason=f"worker-{rank} was counted lost; register again"
-            )
         problem = heartbeat_problem(request, self.state.steps)
         if problem:
             log.warning("worker-%d: heartbeat refused: %s", rank, problem)
@@ -143,8 +138,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
         if request.links_json:
             fields["edges"] = json.loads(request.links_json)
         with self._cond:  # never over a "lost" that mark_lost wrote meanwhile
-            if w.state in ("lost", "expected"):
-                return control_pb2.HeartbeatReply(stop=False, rejoin=True, reason="register again")
+            if w.state in ("lost", "expected"):  # a frozen or cut-off worker coming back
+                return control_pb2.HeartbeatReply(
+                    stop=False,
+                    rejoin=True,
+                    reason=f"worker-{rank} was counted lost; register again",
+                )
             if w.state != "rejoining" and request.state:
                 fields["state"] = request.state
             self.state.update_worker(rank, **fields)

@@ -434,7 +434,7 @@ class Coordinator:
 
     def _close_incidents(self, rnd: int) -> None:
         now = time.time()
-        end = self.plan.steps_of(rnd)[1] if rnd else 0
+        end = self.plan.steps_of(rnd)[1]  # round 0 ends at step 0
         for inc in self.state.incidents:
             if inc.state != "open":
                 continue
@@ -507,14 +507,14 @@ class Coordinator:
         if snap is None and rnd == 0:
             snap = self._seed_state()
         elif snap is None:  # an older manifest from disk
-            manifest = next((m for m in self.manifests if int(m.parent.name[6:]) == rnd), None)
+            manifest = self._manifest_path(rnd)
             if manifest is None:
                 raise RunFailed(f"round {rnd}: its manifest disappeared during the restore")
             snap = self._load_round(manifest, json.loads(manifest.read_text()))
         self.snapshots = {r: v for r, v in self.snapshots.items() if r <= rnd}  # a redo
         self.snapshots[rnd] = snap
         self._fresh = False
-        end = self.plan.steps_of(rnd)[1] if rnd else 0
+        end = self.plan.steps_of(rnd)[1]  # round 0 ends at step 0
         self.state.rollback(end, rnd)
         self.state.set(phase="training")
         self._round_state = snap
@@ -534,7 +534,7 @@ class Coordinator:
         }
 
     def _coordinator_rounds(self) -> list[int]:
-        disk = {int(m.parent.name[6:]) for m in self.manifests}
+        disk = {_round_of(m) for m in self.manifests}
         return sorted(set(self.snapshots) | disk | {0}, reverse=True)
 
     def _choose_round(
@@ -570,13 +570,14 @@ class Coordinator:
         snap = self.snapshots.get(rnd)
         if snap is not None and snap.manifest is not None:
             return snap.manifest
-        for m in self.manifests:
-            if int(m.parent.name[6:]) == rnd:
-                return {**json.loads(m.read_text()), "dir": str(m.parent)}
-        return None
+        m = self._manifest_path(rnd)
+        return None if m is None else {**json.loads(m.read_text()), "dir": str(m.parent)}
+
+    def _manifest_path(self, rnd: int) -> Path | None:
+        return next((m for m in self.manifests if _round_of(m) == rnd), None)
 
     def _restore_content(self, rank: int, rnd: int, has_it: bool) -> RecordDict:
-        end = self.plan.steps_of(rnd)[1] if rnd else 0
+        end = self.plan.steps_of(rnd)[1]  # round 0 ends at step 0
         conf = ConfigRecord({"round": rnd, "step": end, "sha256": "", "fresh": self._fresh})
         manifest = self._manifest_doc(rnd)
         entry = manifest["workers"].get(str(rank)) if manifest else None
@@ -781,6 +782,11 @@ class Coordinator:
                     self.state.record_losses(origin, row["step"], [loss])
         for ev in history.get("evals", []):
             self.state.record_eval(ev["round"], ev["step"], dict(enumerate(ev["origin_losses"])))
+
+
+def _round_of(manifest: Path) -> int:
+    """The round of ``checkpoints/round-<r>/manifest.json``."""
+    return int(manifest.parent.name.removeprefix("round-"))
 
 
 def _names(ranks) -> str:
