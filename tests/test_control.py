@@ -3,6 +3,7 @@ a client holding a real worker bundle that sends what a compromised worker could
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -19,28 +20,31 @@ from mobius_fed.transport.tls import open_channel
 pytestmark = pytest.mark.slow
 
 
-def _stub(fed: LocalFederation, rank: int) -> tuple[grpc.Channel, control_pb2_grpc.ControlStub]:
-    ch = open_channel(
-        f"127.0.0.1:{fed.coord_port}", fed.bundle(f"worker-{rank}"), target_name="coordinator"
-    )
-    return ch, control_pb2_grpc.ControlStub(ch)
-
-
-def _wait_up(fed: LocalFederation) -> None:
-    deadline = time.monotonic() + 60
-    while fed.status() is None:
-        assert time.monotonic() < deadline, fed.tail("coordinator")
-        time.sleep(0.2)
+@contextlib.contextmanager
+def registered_as(tmp_path: Path, train: TrainConfig, rank: int):
+    """A real coordinator (no workers) and a client registered with worker ``rank``'s key."""
+    fed = LocalFederation(tmp_path, train).prepare().start(workers=False)
+    ch = None
+    try:
+        deadline = time.monotonic() + 60
+        while fed.status() is None:
+            assert time.monotonic() < deadline, fed.tail("coordinator")
+            time.sleep(0.2)
+        ch = open_channel(
+            f"127.0.0.1:{fed.coord_port}", fed.bundle(f"worker-{rank}"), target_name="coordinator"
+        )
+        stub = control_pb2_grpc.ControlStub(ch)
+        stub.Register(control_pb2.RegisterRequest(listen_address="127.0.0.1:9"), timeout=10)
+        yield fed, stub
+    finally:
+        if ch is not None:
+            ch.close()
+        fed.stop()
 
 
 def test_heartbeats_with_impossible_values_never_reach_status(tmp_path: Path):
     train = TrainConfig(workers=4, preset="cpu-tiny", steps=20, batch_size=4)
-    fed = LocalFederation(tmp_path, train).prepare().start(workers=False)
-    ch = None
-    try:
-        _wait_up(fed)
-        ch, stub = _stub(fed, 1)
-        stub.Register(control_pb2.RegisterRequest(listen_address="127.0.0.1:9"), timeout=10)
+    with registered_as(tmp_path, train, 1) as (fed, stub):
         bad = {
             "NaN loss": dict(step=3, last_loss=math.nan),
             "huge loss": dict(step=3, last_loss=1e300),
@@ -64,10 +68,6 @@ def test_heartbeats_with_impossible_values_never_reach_status(tmp_path: Path):
         assert not stub.Heartbeat(ok, timeout=10).stop
         w = fed.status()["workers"][1]
         assert (w["state"], w["step"], w["last_loss"], w["tokens_per_s"]) == ("ready", 2, 3.5, 10)
-    finally:
-        if ch is not None:
-            ch.close()
-        fed.stop()
 
 
 def test_a_worker_that_never_answers_is_named_by_the_watchdog(tmp_path: Path, monkeypatch):
@@ -75,12 +75,7 @@ def test_a_worker_that_never_answers_is_named_by_the_watchdog(tmp_path: Path, mo
     the run fails within the restore timeout, naming it, instead of hanging."""
     monkeypatch.setenv("MOBIUS_RESTORE_TIMEOUT", "3")
     train = TrainConfig(workers=1, preset="cpu-tiny", steps=4, batch_size=4)
-    fed = LocalFederation(tmp_path, train).prepare().start(workers=False)
-    ch = None
-    try:
-        _wait_up(fed)
-        ch, stub = _stub(fed, 0)
-        stub.Register(control_pb2.RegisterRequest(listen_address="127.0.0.1:9"), timeout=10)
+    with registered_as(tmp_path, train, 0) as (fed, stub):
         hello = iter([control_pb2.Envelope(note="hello")])
 
         def silent():  # say hello, then never answer anything
@@ -88,8 +83,7 @@ def test_a_worker_that_never_answers_is_named_by_the_watchdog(tmp_path: Path, mo
             time.sleep(60)
 
         session = stub.Session(silent())
-        started = time.monotonic()
-        deadline = started + 30
+        deadline = time.monotonic() + 30
         while (doc := fed.status())["phase"] != "failed":
             assert time.monotonic() < deadline, doc
             stub.Heartbeat(control_pb2.HeartbeatRequest(state="ready"), timeout=10)
@@ -97,7 +91,3 @@ def test_a_worker_that_never_answers_is_named_by_the_watchdog(tmp_path: Path, mo
         assert "worker-0 did not report the rounds it can restore within 3s" in doc["error"]
         assert "watchdog" in doc["error"]
         session.cancel()
-    finally:
-        if ch is not None:
-            ch.close()
-        fed.stop()
