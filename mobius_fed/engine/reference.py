@@ -19,6 +19,7 @@ from mobius_fed import schedule
 from mobius_fed.checkpoint import load_checkpoint, save_checkpoint
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
+from mobius_fed.engine.hops import HopContext, build_hops
 from mobius_fed.model import BlockGroup, Replica, build_group, build_replica
 from mobius_fed.model.training import (
     average_parameters,
@@ -60,6 +61,25 @@ class ReferenceEngine:
         self.step = 0
         self.average_replicas = True  # False when a Flower strategy averages (federated.py)
         self._table = schedule.tick_table(cfg.order, cfg.P, cfg.loops)
+        self._paths = [schedule.path(cfg.order, s, cfg.P, cfg.loops) for s in range(cfg.P)]
+        self.hops = build_hops(cfg, "reference")
+
+    def _hop(self, phase: str, direction: str, step: int, s: int, slot: int, m: int) -> HopContext:
+        """Slot ``slot`` of stream s: written by the previous group (or home), read by the next."""
+        path, K = self._paths[s], self.cfg.K
+        producer = path[slot - 1] if slot > 0 else s
+        consumer = path[slot] if slot < K else s
+        return HopContext(phase, direction, step, s, slot, m, producer, consumer)  # type: ignore[arg-type]
+
+    def _forward_hop(self, h: Tensor, phase: str, step: int, s: int, slot: int, m: int) -> Tensor:
+        if not self.hops:
+            return h
+        return self.hops.forward(h, self._hop(phase, "forward", step, s, slot, m))
+
+    def _backward_hop(self, g: Tensor, step: int, s: int, slot: int, m: int) -> Tensor:
+        if not self.hops:
+            return g
+        return self.hops.backward(g, self._hop("train", "backward", step, s, slot, m))
 
     # ------------------------------------------------------------------ data
     def _micro(self, split: str, s: int, step: int) -> list[tuple[Tensor, Tensor]]:
@@ -98,23 +118,23 @@ class ReferenceEngine:
         replica s holds the gradient of its own origin's loss (scaled by 1/M). Returns the
         per-origin losses.
         """
-        P, M = self.cfg.P, self.cfg.micro_batches
-        batches = [self._micro("train", s, self.step) for s in range(P)]
+        P, M, K, n = self.cfg.P, self.cfg.micro_batches, self.cfg.K, self.step
+        batches = [self._micro("train", s, n) for s in range(P)]
         embedded: dict[tuple[int, int], Tensor] = {}
         hidden: dict[tuple[int, int], Tensor] = {}
         for s in range(P):
             for m, (x, _) in enumerate(batches[s]):
                 embedded[s, m] = self.replicas[s].embed(x)
-                hidden[s, m] = embedded[s, m].detach()
-        applications: list[tuple[int, int, Tensor, Tensor]] = []
-        for row in self._table:  # tick t
+                hidden[s, m] = self._forward_hop(embedded[s, m].detach(), "train", n, s, 0, m)
+        applications: list[tuple[int, int, int, Tensor, Tensor]] = []
+        for t, row in enumerate(self._table):
             for i, streams in row.items():
                 for s in streams:
                     for m in range(M):
                         inp = hidden[s, m].requires_grad_()
-                        out = self.groups[i](inp)
-                        applications.append((s, m, inp, out))
-                        hidden[s, m] = out.detach()
+                        out = self.groups[i](inp, t)
+                        applications.append((t, s, m, inp, out))
+                        hidden[s, m] = self._forward_hop(out.detach(), "train", n, s, t + 1, m)
         grads: dict[tuple[int, int], Tensor] = {}
         origin_losses = []
         for s in range(P):
@@ -123,12 +143,12 @@ class ReferenceEngine:
                 h = hidden[s, m].requires_grad_()
                 loss = self.replicas[s].loss(h, y)
                 loss.backward()
-                grads[s, m] = h.grad
+                grads[s, m] = self._backward_hop(h.grad, n, s, K, m)
                 losses.append(loss)
             origin_losses.append(mean_loss(losses))
-        for s, m, inp, out in reversed(applications):
+        for t, s, m, inp, out in reversed(applications):
             out.backward(grads[s, m])
-            grads[s, m] = inp.grad
+            grads[s, m] = self._backward_hop(inp.grad, n, s, t, m)
         for s in range(P):
             for m in range(M):
                 embedded[s, m].backward(grads[s, m])
@@ -147,12 +167,12 @@ class ReferenceEngine:
         for s in range(cfg.P):
             route = schedule.path(cfg.order, s, cfg.P, cfg.loops)
             losses = []
-            for b in range(cfg.eval_batches):
-                for x, y in self._micro("val", s, b):
-                    h = self.replicas[s].embed(x)
-                    for i in route:
-                        h = self.groups[i](h)
-                    losses.append(self.replicas[s].loss(h, y))
+            micro = [mb for b in range(cfg.eval_batches) for mb in self._micro("val", s, b)]
+            for j, (x, y) in enumerate(micro):
+                h = self._forward_hop(self.replicas[s].embed(x), "eval", self.step, s, 0, j)
+                for t, i in enumerate(route):
+                    h = self._forward_hop(self.groups[i](h, t), "eval", self.step, s, t + 1, j)
+                losses.append(self.replicas[s].loss(h, y))
             per_origin.append(mean_loss(losses))
         return EvalResult(step=self.step, loss=sum(per_origin) / cfg.P, origin_losses=per_origin)
 

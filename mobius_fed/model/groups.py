@@ -25,7 +25,9 @@ class BlockGroup(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers_per_group))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, t: int = 0) -> Tensor:
+        """Apply the group at application index t (0..K-1) of a stream's path."""
+        del t  # the paper's groups do not depend on where in the path they run
         for block in self.blocks:
             x = block(x)
         return x

@@ -18,6 +18,7 @@ from torch import Tensor
 from mobius_fed import schedule
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
+from mobius_fed.engine.hops import HopContext, build_hops
 from mobius_fed.model import build_group, build_replica
 from mobius_fed.model.training import make_optimizers, mean_loss, scale_grads, step_optimizers
 from mobius_fed.worker.frames import BACKWARD, EVAL, FORWARD, TRAIN, FrameKey, FrameRules
@@ -51,6 +52,7 @@ class RingExecutor:
         self.applications = [(t, s, m) for t, s in self.ticks for m in range(cfg.micro_batches)]
         self.links: RingLinks | None = None
         self.peer_timeout = peer_timeout
+        self.hops = build_hops(cfg, "ring", rank)
         self._local: dict[FrameKey, Tensor] = {}
         self._wait = 0.0
 
@@ -72,12 +74,28 @@ class RingExecutor:
         self._wait += time.perf_counter() - start
         return tensor
 
+    def _hop(self, phase: int, direction: str, step: int, s: int, slot: int, m: int) -> HopContext:
+        return HopContext(
+            "train" if phase == TRAIN else "eval",
+            direction,  # type: ignore[arg-type]
+            step,
+            s,
+            slot,
+            m,
+            self.rules.producer(s, slot),
+            self.rules.consumer(s, slot),
+        )
+
     def _send_forward(self, phase: int, step: int, s: int, slot: int, m: int, h: Tensor) -> None:
         key = FrameKey(phase, step, FORWARD, s, slot, m)
+        if self.hops:
+            h = self.hops.forward(h, self._hop(phase, "forward", step, s, slot, m))
         self._emit(key, h, self.rules.consumer(s, slot))
 
     def _send_backward(self, step: int, s: int, slot: int, m: int, g: Tensor) -> None:
         key = FrameKey(TRAIN, step, BACKWARD, s, slot, m)
+        if self.hops:
+            g = self.hops.backward(g, self._hop(TRAIN, "backward", step, s, slot, m))
         self._emit(key, g, self.rules.producer(s, slot))
 
     # ---------------------------------------------------------------- train
@@ -98,7 +116,7 @@ class RingExecutor:
         saved: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
         for t, s, m in self.applications:
             inp = self._take(FrameKey(TRAIN, n, FORWARD, s, t, m)).requires_grad_()
-            out = self.group(inp)
+            out = self.group(inp, t)
             saved[t, s, m] = (inp, out)
             self._send_forward(TRAIN, n, s, t + 1, m, out.detach())
         losses = []
@@ -134,7 +152,7 @@ class RingExecutor:
         for t, s in self.ticks:
             for j in range(count):
                 h = self._take(FrameKey(EVAL, n, FORWARD, s, t, j))
-                self._send_forward(EVAL, n, s, t + 1, j, self.group(h))
+                self._send_forward(EVAL, n, s, t + 1, j, self.group(h, t))
         losses = [
             self.replica.loss(self._take(FrameKey(EVAL, n, FORWARD, self.rank, K, j)), y)
             for j, (_, y) in enumerate(micro)
