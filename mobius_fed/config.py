@@ -18,7 +18,10 @@ from pydantic import (
 )
 
 from mobius_fed.model.config import PRESETS, ModelConfig, make_model_config
+from mobius_fed.model.knobs import LoopKnobs
+from mobius_fed.privacy.config import PrivacyConfig
 from mobius_fed.schedule import ORDERS, Order
+from mobius_fed.transport.wire_config import WireConfig
 
 ENCODING_VOCAB = {"bytes": 257, "gpt2": 50257}
 WIRE_DTYPES = ("fp32", "bf16", "fp16")
@@ -51,6 +54,15 @@ class TrainConfig(BaseModel):
     eval_every: int = Field(40, ge=0, description="0 = only at the end")
     eval_batches: int = Field(2, ge=1)
     wire_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = Field(
+        "original", description="torch.optim.Muon's adjust_lr_fn"
+    )
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        "cpu", description="where blocks run; auto = cuda when available"
+    )
+    wire: WireConfig = Field(default_factory=WireConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    knobs: LoopKnobs = Field(default_factory=LoopKnobs)
 
     @field_validator("preset")
     @classmethod
@@ -119,7 +131,9 @@ class TrainConfig(BaseModel):
 
     def training_math(self) -> dict[str, Any]:
         """The fields that change the trained weights (not run length or evaluation)."""
-        return self.model_dump(mode="json", exclude={"steps", "eval_every", "eval_batches"})
+        return self.model_dump(
+            mode="json", exclude={"steps", "eval_every", "eval_batches", "device"}
+        )
 
     def fingerprint(self) -> str:
         """Hash of the whole config; peers refuse a run whose hash differs."""

@@ -68,8 +68,9 @@ def mean_loss(losses: Sequence[Tensor]) -> float:
 
 @torch.no_grad()
 def average_parameters(modules: Sequence[nn.Module]) -> None:
-    """Plain FedAvg of replicas in place: every parameter becomes the mean over modules."""
-    for params in zip(*(m.parameters() for m in modules)):
+    """Plain FedAvg of replicas in place: every shared parameter becomes the mean over modules."""
+    shared = [getattr(m, "shared_parameters", m.parameters)() for m in modules]
+    for params in zip(*shared):
         mean = torch.stack(list(params)).mean(0)
         for p in params:
             p.copy_(mean)
