@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -17,16 +18,37 @@ Split = Literal["train", "val"]
 SPLITS: tuple[Split, ...] = ("train", "val")
 
 
-def batch_seed(seed: int, split: str, step: int) -> int:
-    """Stable 63-bit generator seed derived from (seed, split, step) only."""
-    digest = hashlib.blake2b(f"{seed}:{split}:{step}".encode(), digest_size=8).digest()
+_SITE_DIR = re.compile(r"site-(\d+)")
+
+
+def batch_seed(seed: int, split: str, step: int, site: int | None = None) -> int:
+    """Stable 63-bit generator seed derived from (seed, site, split, step) only.
+
+    ``site=None`` gives the seed every site shared before batches were made per-site
+    (every origin drew the same window offsets); it is kept to reproduce those runs.
+    """
+    text = f"{seed}:{split}:{step}" if site is None else f"{seed}:site{site}:{split}:{step}"
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 class SiteData:
-    """One site's ``train_*.bin`` / ``val_*.bin`` shards, sampled in windows of ``seq_len``."""
+    """One site's ``train_*.bin`` / ``val_*.bin`` shards, sampled in windows of ``seq_len``.
 
-    def __init__(self, directory: Path, seq_len: int, encoding: str | None = None) -> None:
+    ``site`` (the site's index) enters every batch seed, so two sites never draw the same
+    window offsets. By default it is read from ``meta.json`` (``prepare`` writes it) or
+    from a ``site-<i>`` directory name; setting ``self.site = None`` restores the old
+    batches shared by all sites.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        seq_len: int,
+        encoding: str | None = None,
+        *,
+        site: int | None = None,
+    ) -> None:
         self.directory = Path(directory)
         self.seq_len = int(seq_len)
         if self.seq_len < 1:
@@ -39,6 +61,7 @@ class SiteData:
                 f"{self.directory}: encoding mismatch: meta.json says "
                 f"{self.meta['encoding']!r}, expected {encoding!r}"
             )
+        self.site: int | None = self._site_index() if site is None else int(site)
         self._tokens: dict[str, np.ndarray] = {s: self._load(s) for s in SPLITS}
         self._window = np.arange(self.seq_len + 1, dtype=np.int64)
 
@@ -53,6 +76,18 @@ class SiteData:
         if not isinstance(meta, dict):
             raise DataError(f"{path}: meta.json must hold a JSON object")
         return meta
+
+    def _site_index(self) -> int | None:
+        value = self.meta.get("site")
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise DataError(
+                    f"{self.directory / 'meta.json'}: 'site' must be a non-negative integer "
+                    f"(got {value!r})"
+                )
+            return value
+        match = _SITE_DIR.fullmatch(self.directory.resolve().name)
+        return int(match.group(1)) if match else None
 
     def _load(self, split: str) -> np.ndarray:
         files = sorted(self.directory.glob(f"{split}_*.bin"))
@@ -85,10 +120,11 @@ class SiteData:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (x, y), int64 ``[batch_size, seq_len]``; y is x shifted by one token.
 
-        Depends only on (seed, split, step), so a resumed run sees the same batches.
+        Depends only on (seed, site, split, step), so a resumed run sees the same batches
+        and every site samples independently of the others.
         """
         tokens = self._split(split)
-        gen = torch.Generator().manual_seed(batch_seed(seed, split, step))
+        gen = torch.Generator().manual_seed(batch_seed(seed, split, step, self.site))
         high = len(tokens) - self.seq_len  # offsets in [0, n - seq_len - 1]
         offsets = torch.randint(0, high, (batch_size,), generator=gen).numpy()
         windows = torch.from_numpy(tokens[offsets[:, None] + self._window].astype(np.int64))
