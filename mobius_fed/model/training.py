@@ -24,6 +24,9 @@ def make_optimizers(
     """Muon for the 2-D matrices of block groups, AdamW for everything else.
 
     ``cfg.optimizer == "adamw"`` uses AdamW for every parameter (no bf16 Newton–Schulz).
+    ``cfg.muon_adjust_lr`` is torch's ``adjust_lr_fn``: "original" scales a matrix's step by
+    sqrt(max(1, rows/cols)) (Keller Jordan's Muon, as in modded-nanogpt and the paper);
+    "match_rms_adamw" by 0.2·sqrt(max(rows, cols)) (Moonshot's, to match AdamW's update RMS).
     """
     params = [p for p in module.parameters() if p.requires_grad]
     matrices = [p for p in params if blocks and p.ndim == 2 and cfg.optimizer == "muon"]
@@ -31,7 +34,13 @@ def make_optimizers(
     opts: list[torch.optim.Optimizer] = []
     if matrices:
         opts.append(
-            torch.optim.Muon(matrices, lr=cfg.lr_muon, weight_decay=cfg.weight_decay, momentum=0.95)
+            torch.optim.Muon(
+                matrices,
+                lr=cfg.lr_muon,
+                weight_decay=cfg.weight_decay,
+                momentum=0.95,
+                adjust_lr_fn=cfg.muon_adjust_lr,
+            )
         )
     if rest:
         opts.append(
