@@ -2,10 +2,60 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class PrivacyConfig(BaseModel):
     """Defences against an honest-but-curious neighbour on the ring."""
 
     model_config = ConfigDict(extra="forbid")
+
+    label_noise: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "label defence: Gaussian noise multiplier sigma on the gradient the home returns "
+            "for the final hidden state (each token's gradient clipped to label_clip first); "
+            "0 = off"
+        ),
+    )
+    label_clip: float = Field(
+        0.05,
+        gt=0,
+        description="label defence: L2 bound C of one token's gradient of its own loss",
+    )
+    input_noise: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "input defence: Gaussian noise on the hidden state of a stream's first remote hop, "
+            "std = input_noise x each token's RMS; 0 = off"
+        ),
+    )
+    noise_key_dir: str | None = Field(
+        None,
+        description=(
+            "directory of site-<s>.key files: each site keys its noise with its own secret "
+            "(a worker reads only its own file); unset = keyed by the public seed, which any "
+            "worker can regenerate and subtract"
+        ),
+    )
+    accountant: Literal["rdp", "prv"] = Field(
+        "rdp", description="Opacus accountant for the label defence's (epsilon, delta)"
+    )
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta of the reported (epsilon, delta)")
+    sample_rate: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description=(
+            "accounting: chance that a given target is in one step's batch (Poisson "
+            "assumption); 1 = no amplification by sampling"
+        ),
+    )
+
+    def any_on(self) -> bool:
+        """True when at least one defence changes what crosses the ring."""
+        return self.label_noise > 0 or self.input_noise > 0

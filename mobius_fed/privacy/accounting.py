@@ -1,0 +1,52 @@
+"""(ε, δ) of the label defence, from Opacus' accountants (optional extra ``privacy``).
+
+One step releases every target of the home's batch once, through a Gaussian mechanism:
+each token's gradient of its own loss is clipped to L2 norm C and noise N(0, σ²C²) is
+added. Changing one target moves that token's clipped gradient by at most 2C, so under
+replace-one adjacency the effective noise multiplier is σ/2 (we account with it). Steps
+compose; ``sample_rate`` < 1 claims amplification by Poisson sampling.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mobius_fed.privacy.config import PrivacyConfig
+
+EXTRA_HINT = (
+    "the label defence's (epsilon, delta) needs Opacus' accountants: "
+    "pip install 'mobius-fed[privacy]' (or: pip install opacus)"
+)
+ACCOUNTANT_NAMES = {
+    "rdp": "opacus.accountants.RDPAccountant",
+    "prv": "opacus.accountants.PRVAccountant",
+}
+
+
+class PrivacyExtraMissing(RuntimeError):
+    """Opacus is not installed (the ``privacy`` extra)."""
+
+
+def _accountant_class(kind: str) -> type:
+    try:
+        from opacus.accountants import PRVAccountant, RDPAccountant
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise PrivacyExtraMissing(EXTRA_HINT) from exc
+    return {"rdp": RDPAccountant, "prv": PRVAccountant}[kind]
+
+
+def effective_multiplier(pc: PrivacyConfig) -> float:
+    """σ for replace-one adjacency of one target (sensitivity 2C, noise σC)."""
+    return pc.label_noise / 2.0
+
+
+def epsilon_spent(pc: PrivacyConfig, steps: int) -> float:
+    """ε after ``steps`` steps at ``pc.delta`` (0 steps: 0; no noise: infinity)."""
+    if steps <= 0:
+        return 0.0
+    if pc.label_noise <= 0:
+        return float("inf")
+    accountant = _accountant_class(pc.accountant)()
+    accountant.history = [(effective_multiplier(pc), pc.sample_rate, steps)]
+    return float(accountant.get_epsilon(delta=pc.delta))

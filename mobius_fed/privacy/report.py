@@ -1,0 +1,67 @@
+"""The privacy block of the coordinator's status: defences on and the (ε, δ) spent."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from mobius_fed.privacy.accounting import (
+    ACCOUNTANT_NAMES,
+    PrivacyExtraMissing,
+    epsilon_spent,
+)
+
+if TYPE_CHECKING:
+    from mobius_fed.config import TrainConfig
+
+
+def defences(cfg: TrainConfig) -> list[dict[str, Any]]:
+    """One entry per defence that is on, with its parameters and the hop it guards."""
+    pc = cfg.privacy
+    out: list[dict[str, Any]] = []
+    if pc.label_noise > 0:
+        out.append(
+            {
+                "name": "label_noise",
+                "hop": "gradient returned by the home for the final hidden state",
+                "sigma": pc.label_noise,
+                "clip": pc.label_clip,
+            }
+        )
+    if pc.input_noise > 0:
+        out.append(
+            {
+                "name": "input_noise",
+                "hop": "hidden state of a stream's first remote hop",
+                "sigma": pc.input_noise,
+            }
+        )
+    return out
+
+
+def status_block(cfg: TrainConfig, step: int) -> dict[str, Any] | None:
+    """None when no defence is on; else the defences, the noise key and (ε, δ) spent.
+
+    ``step`` is the number of training steps done. ``epsilon`` covers the label defence's
+    hop only (see docs/privacy.md); it is None when the label defence is off, or when the
+    ``privacy`` extra is missing (``error`` then says what to install).
+    """
+    pc = cfg.privacy
+    if not pc.any_on():
+        return None
+    block: dict[str, Any] = {
+        "defences": defences(cfg),
+        "noise_key": "site secrets" if pc.noise_key_dir else "public seed (removable)",
+        "steps": step,
+        "delta": pc.delta,
+        "epsilon": None,
+    }
+    if pc.label_noise > 0:
+        block["accountant"] = ACCOUNTANT_NAMES[pc.accountant]
+        block["sample_rate"] = pc.sample_rate
+        try:
+            eps = epsilon_spent(pc, step)
+            block["epsilon"] = eps if math.isfinite(eps) else None
+        except PrivacyExtraMissing as exc:
+            block["error"] = str(exc)
+    return block
