@@ -3,6 +3,8 @@
 Reads the status document over the coordinator's mTLS gRPC control service (default) or
 its REST API (``--rest URL``), both with the operator certificate; ``--rest`` also takes a
 plain ``http://127.0.0.1:PORT`` URL of a coordinator serving REST in local mode.
+Without ``--coordinator``/``--rest`` it finds the coordinator of ``--run DIR`` (default
+``./runs/up``) from the ``endpoints.json`` that ``mobius-fed up`` writes there.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mobius_fed.cli.common import CliError
+from mobius_fed.coordinator.endpoints import EndpointsError, find_endpoints
 from mobius_fed.transport.tls import NodeTLS
 
 DEFAULT_COORDINATOR = "127.0.0.1:7300"
@@ -28,26 +31,36 @@ COORDINATOR_NAME = "coordinator"
 """Name checked against the coordinator certificate's DNS SANs (gRPC and REST alike)."""
 
 
-def add_status_parser(subparsers: Any) -> None:
+def register(subparsers: Any) -> None:
     """Register ``status`` on an ``argparse`` subparsers object."""
     p = subparsers.add_parser(
         "status",
         help="show a running coordinator's status",
-        description="Show run phase, round, step, losses and every worker's state.",
+        description="Show run phase, round, step, losses and every worker's state. "
+        "Finds the coordinator of --run DIR (default ./runs/up) unless --coordinator or "
+        "--rest is given.",
+    )
+    p.add_argument(
+        "--run",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a `mobius-fed up --out DIR` run: address and operator certs from "
+        "DIR/endpoints.json (default: ./runs/up when it exists)",
     )
     p.add_argument(
         "--coordinator",
-        default=DEFAULT_COORDINATOR,
+        default=None,
         metavar="ADDR",
-        help=f"coordinator gRPC control address (default {DEFAULT_COORDINATOR})",
+        help=f"coordinator gRPC control address (default: from --run, else {DEFAULT_COORDINATOR})",
     )
     p.add_argument(
         "--certs",
         type=Path,
-        default=Path("certs"),
+        default=None,
         metavar="DIR",
         help="directory with ca.crt, operator.crt, operator.key, or the operator's bundle "
-        "with ca.crt, tls.crt, tls.key (default: certs)",
+        "with ca.crt, tls.crt, tls.key (default: from --run, else certs)",
     )
     p.add_argument(
         "--rest",
@@ -60,15 +73,27 @@ def add_status_parser(subparsers: Any) -> None:
     p.set_defaults(func=status_main)
 
 
+add_status_parser = register  # the former name, until every caller uses register
+
+
 def status_main(args: argparse.Namespace) -> int:
     """Fetch and print the status; CliError (exit 2) when it cannot be read."""
     timeout = float(getattr(args, "timeout", 5.0) or 5.0)
     rest = getattr(args, "rest", None)
-    certs = Path(getattr(args, "certs", None) or "certs")
+    addr = getattr(args, "coordinator", None)
+    certs_flag = getattr(args, "certs", None)
+    run = getattr(args, "run", None)
+    ep = None
+    if run is not None or not (rest or addr):
+        try:
+            ep = find_endpoints(run)
+        except EndpointsError as exc:
+            raise CliError(str(exc)) from None
+    certs = Path(certs_flag or (ep.certs_dir if ep else "certs"))
     if rest:
         doc = fetch_rest_status(rest, certs, timeout)
     else:
-        addr = getattr(args, "coordinator", None) or DEFAULT_COORDINATOR
+        addr = addr or (ep.grpc if ep else DEFAULT_COORDINATOR)
         doc = fetch_grpc_status(addr, certs, timeout)
     console = Console(soft_wrap=True)
     if getattr(args, "json", False):

@@ -14,6 +14,7 @@ has not exited 5 s later is killed. The last complete checkpoint stays intact.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import json
@@ -26,18 +27,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from mobius_fed.cli.common import CliError, GracefulStop, Terminated, add_resume_flag, console
+from mobius_fed.coordinator.endpoints import write_endpoints
+from mobius_fed.transport.tls import NodeTLS
 
-from mobius_fed.cli.common import CliError, GracefulStop, Terminated, console
-from mobius_fed.config import TrainConfig
-from mobius_fed.coordinator.server import latest_manifest
-from mobius_fed.data import embedded_corpus, prepare_sites
-from mobius_fed.proto import control_pb2, control_pb2_grpc
-from mobius_fed.transport.certs import init_certs
-from mobius_fed.transport.tls import NodeTLS, open_channel
+if TYPE_CHECKING:  # torch loads only when up runs, not when `mobius-fed` builds its parser
+    from mobius_fed.config import TrainConfig
 
 ENDED = ("done", "failed", "stopped")
 BUNDLE_FILES = ("ca.crt", "tls.crt", "tls.key")
@@ -92,6 +89,8 @@ class LocalFederation:
     # Restarts per child before giving up (0: no supervision; wait() fails when the
     # coordinator exits, and a dead worker stays dead).
     max_restarts: int = 0
+    rest_mode: str = "tls"  # the coordinator's REST: tls (operator cert) or local (plain)
+    metrics: bool = True  # the plain /metrics + /healthz listener, when the coordinator has it
     on_event: Callable[[str], None] | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
@@ -101,8 +100,9 @@ class LocalFederation:
         self.certs = self.root / "certs"
         self.sites = self.root / "sites"
         self.logs = self.root / "logs"
-        ports = free_ports(self.train.P + 2)
-        self.coord_port, self.rest_port, self.worker_ports = ports[0], ports[1], ports[2:]
+        ports = free_ports(self.train.P + 3)
+        self.coord_port, self.rest_port, self.metrics_port = ports[:3]
+        self.worker_ports = ports[3:]
         self._cmds: dict[str, list[str]] = {}
         self._env: dict[str, str] = {}
         self._settled: set[str] = set()  # exited, and will not be restarted
@@ -125,6 +125,9 @@ class LocalFederation:
         return all(p.is_file() for p in top + bundles)
 
     def prepare(self) -> LocalFederation:
+        from mobius_fed.data import embedded_corpus, prepare_sites
+        from mobius_fed.transport.certs import init_certs
+
         P = self.train.P
         if not self._certs_complete():  # none yet, or made for fewer workers: all new ones
             init_certs(self.certs, P, overwrite=True)
@@ -166,7 +169,7 @@ class LocalFederation:
             "--listen",
             f"127.0.0.1:{self.coord_port}",
             "--rest-mode",
-            "local",
+            self.rest_mode,
             "--rest-listen",
             f"127.0.0.1:{self.rest_port}",
             "--ca",
@@ -194,6 +197,8 @@ class LocalFederation:
         ]
         for k, v in self.strategy_options.items():
             cmd += ["--strategy-option", f"{k}={json.dumps(v)}"]
+        if self.metrics_url:
+            cmd += ["--metrics-listen", f"127.0.0.1:{self.metrics_port}"]
         for flag, value in (
             ("--rejoin-timeout", self.rejoin_timeout),
             ("--max-incidents", self.max_incidents),
@@ -239,13 +244,53 @@ class LocalFederation:
             self._spawn(f"worker-{i}", self.worker_cmd(i))
         return self
 
-    def rest(self, path: str) -> Any:
-        """GET a local-mode REST endpoint of the coordinator (JSON or text)."""
-        import httpx
+    @property
+    def rest_url(self) -> str:
+        scheme = "http" if self.rest_mode == "local" else "https"
+        return f"{scheme}://127.0.0.1:{self.rest_port}"
 
-        r = httpx.get(f"http://127.0.0.1:{self.rest_port}{path}", timeout=5)
-        r.raise_for_status()
-        return r.json() if r.headers["content-type"].startswith("application/json") else r.text
+    @property
+    def metrics_url(self) -> str | None:
+        """The plain metrics listener's /metrics (None: off, or the coordinator lacks it)."""
+        if not self.metrics:
+            return None
+        from mobius_fed.coordinator.config import CoordinatorConfig
+
+        if "metrics_listen" not in CoordinatorConfig.model_fields:  # an older coordinator
+            return None
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def rest(self, path: str) -> Any:
+        """GET a REST endpoint of the coordinator as the operator (JSON or text)."""
+        from mobius_fed.coordinator.rest_client import rest_get
+
+        tls = None if self.rest_mode == "local" else self.operator_tls()
+        return rest_get(self.rest_url, path, tls)
+
+    def endpoints(self) -> dict[str, Any]:
+        """What ``endpoints.json`` says about this federation (see coordinator/endpoints)."""
+        c = self.operator_tls()
+        return {
+            "run_id": "local-up",
+            "pid": os.getpid(),
+            "grpc": f"127.0.0.1:{self.coord_port}",
+            "rest": self.rest_url,
+            "rest_mode": self.rest_mode,
+            "server_name": "coordinator",
+            "metrics": self.metrics_url,
+            "dashboard": self.rest_url + "/",
+            "certs": {
+                "dir": str(self.certs.resolve()),
+                "ca": str(c.ca.resolve()),
+                "cert": str(c.cert.resolve()),
+                "key": str(c.key.resolve()),
+            },
+            "out_dir": str(self.coordinator_out.resolve()),
+            "logs": str(self.logs.resolve()),
+        }
+
+    def write_endpoints(self) -> Path:
+        return write_endpoints(self.root, self.endpoints())
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         self._cmds[name] = cmd
@@ -321,6 +366,11 @@ class LocalFederation:
 
     def status(self, timeout: float = 3.0) -> dict[str, Any] | None:
         """The coordinator's status over gRPC with the operator's certificate."""
+        import grpc
+
+        from mobius_fed.proto import control_pb2, control_pb2_grpc
+        from mobius_fed.transport.tls import open_channel
+
         channel = open_channel(
             f"127.0.0.1:{self.coord_port}", self.operator_tls(), target_name="coordinator"
         )
@@ -400,11 +450,20 @@ def cmd_up(args, train: TrainConfig) -> int:
         keep_checkpoints=args.keep_checkpoints,
         max_restarts=args.max_restarts,
     )
+    final: dict[str, Any] | None = None
+    linger = getattr(args, "linger", 0.0)
     try:
         final = _up(fed, args, train)
+        _report(final)
+        if linger:
+            _linger(fed, linger)
     except (KeyboardInterrupt, Terminated) as exc:
         stop.ignore()  # a second signal changes nothing: every child is being stopped
         signum = exc.signum if isinstance(exc, Terminated) else int(signal.SIGINT)
+        if final is not None:  # the run had ended: this only ends the status service
+            fed.stop(grace=STOP_GRACE, sig=signum)
+            console.print(f"{signal.Signals(signum).name}: coordinator stopped")
+            return 0 if final["phase"] == "done" else 1
         console.print(
             f"[yellow]{signal.Signals(signum).name}: forwarded to every process; "
             f"SIGKILL for any still running after {STOP_GRACE:.0f}s[/]"
@@ -412,6 +471,8 @@ def cmd_up(args, train: TrainConfig) -> int:
         codes = fed.stop(grace=STOP_GRACE, sig=signum)
         if codes:
             console.print("exit status: " + ", ".join(f"{n} {c}" for n, c in codes.items()))
+        from mobius_fed.coordinator.server import latest_manifest
+
         manifest = latest_manifest(fed.coordinator_out)
         print(f"last complete checkpoint: {manifest or 'none'}")
         return 128 + signum
@@ -419,18 +480,61 @@ def cmd_up(args, train: TrainConfig) -> int:
         stop.ignore()
         fed.stop(grace=STOP_GRACE)  # nothing left running, whatever happened
         stop.settle()
-    if final["phase"] != "done":
-        raise CliError(f"run {final['phase']}: {final['error']}")
-    per = ", ".join(f"s{s}={v:.4f}" for s, v in enumerate(final["eval_origin_losses"] or []))
-    print(f"final validation loss (Eq. 8): {final['eval_loss']:.4f}  per origin: {per}")
-    print(f"checkpoint: {final['checkpoint']}")
     if fed.restarts:
         print("restarts: " + ", ".join(f"{n} {c}" for n, c in sorted(fed.restarts.items())))
+    if final["phase"] != "done":
+        raise CliError(f"run {final['phase']}: {final['error']}")
     return 0
+
+
+def _report(final: dict[str, Any]) -> None:
+    """The run's result, printed when it ends (before any linger)."""
+    if final["phase"] != "done":
+        console.print(f"[red]run {final['phase']}[/]: {final['error']}")
+        return
+    per = ", ".join(f"s{s}={v:.4f}" for s, v in enumerate(final["eval_origin_losses"] or []))
+    if final.get("eval_loss") is not None:
+        print(f"final validation loss (Eq. 8): {final['eval_loss']:.4f}  per origin: {per}")
+    print(f"checkpoint: {final['checkpoint']}", flush=True)
+
+
+def _linger(fed: LocalFederation, seconds: float) -> None:
+    """Keep the coordinator serving the final status for ``seconds`` (< 0: until a signal)."""
+    run = fed.root
+    how = "until Ctrl-C / SIGTERM" if seconds < 0 else f"for {seconds:.0f}s (--linger)"
+    console.print(
+        f"run ended; the coordinator keeps serving its status {how}: "
+        f"mobius-fed status --run {run} | mobius-fed dashboard --run {run}"
+    )
+    deadline = None if seconds < 0 else time.monotonic() + seconds
+    while deadline is None or time.monotonic() < deadline:
+        if fed.procs["coordinator"].poll() is not None:
+            console.print("the coordinator exited; nothing left to serve")
+            return
+        time.sleep(0.2)
+
+
+def _print_endpoints(fed: LocalFederation) -> None:
+    ep = fed.endpoints()
+    lines = [
+        f"coordinator gRPC  {ep['grpc']}  (status, grpc.health.v1; mTLS)",
+        f"REST + dashboard  {ep['rest']}/  (mutual TLS, operator cert {ep['certs']['cert']})",
+    ]
+    if ep["metrics"]:
+        lines.append(f"metrics           {ep['metrics']}  (plain HTTP, also /healthz /readyz)")
+    lines.append(f"endpoints file    {fed.root / 'endpoints.json'}")
+    lines.append(
+        f"look at it with   mobius-fed status --run {fed.root}  |  "
+        f"mobius-fed dashboard --run {fed.root}"
+    )
+    for line in lines:
+        console.print(line, highlight=False)
 
 
 def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
     """Prepare, start and watch the federation; the final status."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
     fed.prepare()
     console.print(
         f"[bold]mobius-fed up[/]: coordinator + {train.P} workers on 127.0.0.1, "
@@ -438,6 +542,8 @@ def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
         f"{args.strategy} every {train.sync_every} step(s); logs in {fed.logs}"
     )
     fed.start()
+    fed.write_endpoints()
+    _print_endpoints(fed)
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -474,3 +580,105 @@ def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
 
         fed.on_event = bar.console.print
         return fed.wait(on_status=show)
+
+
+# --------------------------------------------------------------------------- the command
+def linger_value(text: str) -> float:
+    """``--linger`` values: seconds (0: exit at once), or ``forever`` / -1."""
+    if text.strip().lower() in ("forever", "inf", "-1"):
+        return -1.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'forever', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected seconds ≥ 0 or 'forever', got {text!r}")
+    return value
+
+
+def _train_flag_api():
+    """(add_train_flags, config_from_args): cli.common's when it has them, else cli.main's."""
+    from mobius_fed.cli import common
+
+    if hasattr(common, "train_config_from_args") and hasattr(common, "add_train_flags"):
+        return common.add_train_flags, common.train_config_from_args
+    from mobius_fed.cli import main
+
+    def from_args(args: argparse.Namespace) -> TrainConfig:
+        from mobius_fed.config import load_train_config
+
+        keys = [v[0] for v in main.TRAIN_FLAGS.values()] + ["loops", "order", "tied"]
+        return load_train_config(args.config, main.train_overrides(args, keys))
+
+    return main.add_train_flags, from_args
+
+
+def up_main(args: argparse.Namespace) -> int:
+    """``mobius-fed up``: build the train config from TOML/env/flags and run."""
+    from mobius_fed.cli.coordinator import parse_options
+
+    train = _train_flag_api()[1](args)
+    args.strategy_options = parse_options(args.strategy_option)
+    return cmd_up(args, train)
+
+
+def register(sub) -> None:
+    """Add ``up`` to the ``mobius-fed`` subcommands."""
+    p = sub.add_parser(
+        "up",
+        help="coordinator + P workers as processes on this machine",
+        description="A whole federation on 127.0.0.1: certificates, per-site data, the "
+        "coordinator and P workers, supervised. Writes OUT/endpoints.json (addresses, "
+        "operator certs) for `mobius-fed status|health|dashboard --run OUT`; after the run "
+        "the coordinator keeps serving status until Ctrl-C (see --linger).",
+    )
+    _train_flag_api()[0](p)
+    p.add_argument(
+        "--out", default="runs/up", help="certs, sites, logs, checkpoints (default runs/up)"
+    )
+    p.add_argument(
+        "--strategy", default="fedavg", help="fedavg, fedavgm, fedadam, fedyogi, … (default fedavg)"
+    )
+    p.add_argument(
+        "--strategy-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a strategy option (repeatable), e.g. server_learning_rate=0.5",
+    )
+    p.add_argument(
+        "--checkpoint-every", type=int, default=0, help="rounds between checkpoints (0: at the end)"
+    )
+    p.add_argument(
+        "--keep-checkpoints", type=int, help="complete manifests to keep (coordinator's default)"
+    )
+    p.add_argument(
+        "--rejoin-timeout",
+        type=float,
+        help="seconds an incident waits for a lost worker to come back (coordinator's default)",
+    )
+    p.add_argument(
+        "--max-incidents",
+        type=int,
+        help="incidents the run recovers from before it fails (coordinator's default)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="times up restarts each crashed process (0: never); a worker comes back with the "
+        "same command, the coordinator with --resume auto (default 5)",
+    )
+    p.add_argument(
+        "--linger",
+        type=linger_value,
+        default=-1.0,
+        metavar="SECONDS",
+        help="after the run, keep the coordinator serving status, dashboard and metrics for "
+        "SECONDS (0: exit at once; default: forever, until Ctrl-C / SIGTERM)",
+    )
+    add_resume_flag(
+        p,
+        "continue from the newest complete manifest; --resume auto: only if there is one",
+    )
+    p.set_defaults(func=up_main)
