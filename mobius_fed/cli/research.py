@@ -1,0 +1,229 @@
+"""``mobius-fed experiment``, ``sweep`` and ``analyze``: the paper's comparison and beyond."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mobius_fed.cli.common import CliError, console, resolve_sites
+
+if TYPE_CHECKING:
+    from mobius_fed.config import TrainConfig
+
+GRID_FIELDS = ("workers", "loops", "order", "seed")
+
+
+def _add_train_flags(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """Flags for every TrainConfig field (the shared CLI layer's when it exists)."""
+    try:
+        from mobius_fed.cli.common import add_train_flags  # type: ignore[attr-defined]
+    except ImportError:
+        _fallback_train_flags(p, skip)
+    else:
+        add_train_flags(p, skip=skip)
+
+
+def _fallback_train_flags(p: argparse.ArgumentParser, skip: tuple[str, ...]) -> None:
+    from mobius_fed.cli.main import TRAIN_FLAGS
+    from mobius_fed.model.knobs import LoopKnobs
+
+    p.add_argument("--config", type=Path, help="TOML file with a [train] table")
+    for flag, (key, typ, help_) in TRAIN_FLAGS.items():
+        if key not in skip:
+            p.add_argument(flag, dest=key, type=typ, help=help_)
+    p.add_argument("--untied", dest="tied", action="store_false", default=None)
+    p.add_argument("--muon-adjust-lr", dest="muon_adjust_lr", help="original | match_rms_adamw")
+    for name, field in LoopKnobs.model_fields.items():
+        p.add_argument(
+            f"--knobs-{name.replace('_', '-')}",
+            dest=f"knobs__{name}",
+            type=str,
+            help=field.description,
+        )
+
+
+def _train_config(args: argparse.Namespace) -> TrainConfig:
+    try:
+        from mobius_fed.cli.common import train_config_from_args  # type: ignore[attr-defined]
+    except ImportError:
+        pass
+    else:
+        return train_config_from_args(args)
+    from mobius_fed.config import load_train_config
+
+    flat = {k: v for k, v in vars(args).items() if v is not None}
+    from mobius_fed.config import TrainConfig
+
+    overrides = {k: flat[k] for k in TrainConfig.model_fields if k in flat and k not in ("knobs",)}
+    knobs = {k.split("__", 1)[1]: v for k, v in flat.items() if k.startswith("knobs__")}
+    if knobs:
+        overrides["knobs"] = knobs
+    return load_train_config(getattr(args, "config", None), overrides)
+
+
+# ------------------------------------------------------------------------------- sweep
+def _sweep_sites(cfg: TrainConfig, data: list[Path] | None, out: Path) -> Path:
+    """Directory of P prepared sites for this P (prepared once, reused on resume)."""
+    from mobius_fed.cli.common import site_dirs
+    from mobius_fed.data import embedded_corpus, prepare_sites
+
+    if data and len(data) == 1 and Path(data[0]).is_dir():
+        site_dirs(Path(data[0]), cfg.P)  # raises naming what is missing
+        return Path(data[0])
+    root = out / f"sites-P{cfg.P}"
+    if all((root / f"site-{i}" / "meta.json").is_file() for i in range(cfg.P)):
+        return root
+    for f in data or ():
+        if not Path(f).exists():
+            raise CliError(f"data path not found: {f}")
+    text = None if data else embedded_corpus()
+    prepare_sites(
+        [Path(f) for f in data or ()], root, cfg.P, cfg.encoding, text=text, overwrite=True
+    )
+    return root
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from mobius_fed.research.cell import read_result
+    from mobius_fed.research.report import write_report
+    from mobius_fed.research.sweep import grid, prepare_cell, run_cells
+
+    base = _train_config(args)
+    out = Path(args.out)
+    seeds = args.seed_list or [base.seed + k for k in range(args.seeds)]
+    cells = grid(base, args.grid_workers, args.grid_loops, args.grid_orders, seeds, out)
+    if not args.report_only:
+        todo = []
+        for cell in cells:
+            sites = _sweep_sites(cell.cfg, args.data, out)
+            if prepare_cell(
+                cell, sites, coupled=args.coupled_batches, checkpoint_every=args.checkpoint_every
+            ):
+                todo.append(cell.directory)
+        console.print(
+            f"sweep: {len(cells)} cells ({len(cells) - len(todo)} finished already), "
+            f"{min(args.threads, max(len(todo), 1))} at a time, 1 thread each → {out}"
+        )
+        done = [len(cells) - len(todo)]
+
+        def on_done(d: Path, result: dict | None, seconds: float) -> None:
+            done[0] += result is not None
+            what = f"{result['final']:.4f}" if result else f"FAILED (see {d / 'cell.log'})"
+            console.print(f"[{done[0]}/{len(cells)}] {d.name}: {what} ({seconds:.0f} s)")
+
+        failed = run_cells(todo, parallel=args.threads, on_done=on_done)
+        if failed:
+            console.print(f"[red]{len(failed)} cell(s) failed[/]; rerun the same command to retry")
+    results = [r for c in cells if (r := read_result(c.directory)) is not None]
+    if not results:
+        raise CliError(f"no finished cells under {out / 'cells'}")
+    report = write_report(results, out, command=shlex.join(["mobius-fed", *sys.argv[1:]]))
+    print((out / "table.md").read_text())
+    print(f"report: {report}")
+    return 0 if len(results) == len(cells) else 1
+
+
+# -------------------------------------------------------------------------- experiment
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from mobius_fed.engine.experiment import markdown_table, plot_curves, run_experiment
+    from mobius_fed.schedule import ORDERS
+
+    cfg = _train_config(args)
+    for order in args.grid_orders:
+        if order not in ORDERS:
+            raise CliError(f"unknown order {order!r} (expected one of {', '.join(ORDERS)})")
+    for L in args.grid_loops:
+        if L < 1:
+            raise CliError(f"--loops: L must be ≥ 1, got {L}")
+    if args.seeds < 1:
+        raise CliError(f"--seeds must be ≥ 1, got {args.seeds}")
+    out = Path(args.out)
+    sites = resolve_sites(cfg, args.data, out)
+    arms = run_experiment(
+        cfg, sites, args.grid_loops, args.grid_orders, out, seeds=args.seeds, progress=console
+    )
+    table = markdown_table(arms, cfg.P)
+    (out / "table.md").write_text(table)
+    print(table)
+    png = plot_curves(arms, out / "validation.png", cfg)
+    print(f"table: {out / 'table.md'}; curves: {png or 'matplotlib not installed, no PNG'}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- analyze
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from mobius_fed.research.analyze import analyze_paths
+
+    report = analyze_paths(
+        [Path(p) for p in args.runs],
+        Path(args.out) if args.out else None,
+        data=args.data,
+        batches=args.batches,
+    )
+    print(f"report: {report}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``experiment``, ``sweep`` and ``analyze`` to ``mobius-fed``."""
+    p = sub.add_parser("experiment", help="the paper's Table 1: ordered-loop vs Möbius")
+    _add_train_flags(p, skip=("loops", "order"))
+    p.add_argument("--loops", dest="grid_loops", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--orders", dest="grid_orders", nargs="+", default=["ordered", "cyclic"])
+    p.add_argument("--seeds", type=int, default=1, help="seeds per arm (seed, seed+1, …)")
+    p.add_argument("--data", type=Path, nargs="+")
+    p.add_argument("--out", default="runs/experiment")
+    p.set_defaults(func=cmd_experiment)
+
+    p = sub.add_parser(
+        "sweep",
+        help="grid over P, L, order and seeds as parallel processes (resumable)",
+        description="Train every (P, L, order, seed) cell with the reference engine, one "
+        "process and one thread per cell, and report Δ = Möbius − ordered with 95 % intervals.",
+    )
+    _add_train_flags(p, skip=GRID_FIELDS)
+    p.add_argument(
+        "--workers", dest="grid_workers", type=int, nargs="+", default=[4], help="P values"
+    )
+    p.add_argument("--loops", dest="grid_loops", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--orders", dest="grid_orders", nargs="+", default=["ordered", "cyclic"])
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    p.add_argument("--seed-list", type=int, nargs="+", help="explicit seeds instead of --seeds")
+    p.add_argument("--threads", type=int, default=2, help="thread budget = cells run at once")
+    p.add_argument("--data", type=Path, nargs="+", help="text files or a prepared directory")
+    p.add_argument("--out", default="runs/sweep")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument(
+        "--coupled-batches",
+        action="store_true",
+        help="every site draws the same window offsets (the old sampling, for comparison)",
+    )
+    p.add_argument("--report-only", action="store_true", help="only rewrite the report")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser(
+        "analyze",
+        help="depth roles inside the block groups (logit lens, update sizes, CKA)",
+    )
+    p.add_argument("runs", nargs="+", help="run directories or checkpoint files (cyclic, ordered)")
+    p.add_argument("--data", type=Path, nargs="+", help="validation data (default: the run's)")
+    p.add_argument("--batches", type=int, default=2, help="validation batches per origin")
+    p.add_argument("--out", help="report directory (default: <first run>/analysis)")
+    p.set_defaults(func=cmd_analyze)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mobius_fed.cli.research …``: these commands without the rest of the CLI."""
+    from mobius_fed.cli.common import run_guarded
+
+    parser = argparse.ArgumentParser(prog="mobius-fed")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return run_guarded(args.func, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""A grid of reference-engine runs over P, L, order and seed, run as parallel processes.
+
+Each cell is one process with one torch thread (``python -m mobius_fed.research.cell``);
+as many run at once as the thread budget allows. A cell with a ``result.json`` is skipped,
+so an interrupted sweep continues where it stopped (a cell in progress resumes from its
+checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mobius_fed.config import TrainConfig
+from mobius_fed.research.cell import CELL, RESULT, read_result, write_json
+from mobius_fed.schedule import ORDERS
+
+SWEEP = "sweep.json"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the grid: its configuration and its directory."""
+
+    cfg: TrainConfig
+    directory: Path
+
+    @property
+    def name(self) -> str:
+        return self.directory.name
+
+
+def cell_name(cfg: TrainConfig) -> str:
+    return f"P{cfg.P}-L{cfg.loops}-{cfg.order}-s{cfg.seed}"
+
+
+def grid(
+    base: TrainConfig,
+    workers: Sequence[int],
+    loops: Sequence[int],
+    orders: Sequence[str],
+    seeds: Sequence[int],
+    out: Path,
+) -> list[Cell]:
+    """Every (P, L, order, seed) cell; a bad value raises ValueError naming it."""
+    for name, values in (("workers", workers), ("loops", loops), ("seeds", seeds)):
+        if not values:
+            raise ValueError(f"sweep: no {name} given")
+    for order in orders:
+        if order not in ORDERS:
+            raise ValueError(
+                f"sweep: unknown order {order!r} (expected one of {', '.join(ORDERS)})"
+            )
+    for L in loops:
+        if L < 1:
+            raise ValueError(f"sweep: L must be ≥ 1, got {L}")
+    n_layer = base.model().n_layer
+    for P in workers:
+        if P < 1 or n_layer % P:
+            divisors = ", ".join(str(d) for d in range(1, n_layer + 1) if n_layer % d == 0)
+            raise ValueError(
+                f"sweep: P={P} does not divide the {n_layer} layers (divisors: {divisors})"
+            )
+    cells = []
+    for P in workers:
+        for L in loops:
+            for seed in seeds:
+                for order in orders:
+                    update = {"workers": P, "loops": L, "order": order, "seed": seed}
+                    cfg = TrainConfig.model_validate({**base.model_dump(), **update})
+                    cells.append(Cell(cfg, Path(out) / "cells" / cell_name(cfg)))
+    return cells
+
+
+def prepare_cell(cell: Cell, sites: Path, *, coupled: bool, checkpoint_every: int) -> bool:
+    """Write the cell's spec; False when it has finished already (same config)."""
+    cell.directory.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "train": cell.cfg.model_dump(mode="json"),
+        "sites": str(sites),
+        "coupled_batches": coupled,
+        "checkpoint_every": checkpoint_every,
+    }
+    path = cell.directory / CELL
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old != spec:
+            raise ValueError(
+                f"sweep: {cell.directory} holds a cell with another configuration; "
+                "use a new --out (or delete that directory)"
+            )
+        if read_result(cell.directory) is not None:
+            return False
+    write_json(path, spec)
+    return True
+
+
+def run_cells(
+    dirs: Sequence[Path],
+    *,
+    parallel: int,
+    on_done: Callable[[Path, dict[str, Any] | None, float], None] | None = None,
+) -> list[Path]:
+    """Run ``python -m mobius_fed.research.cell`` for each directory, ``parallel`` at a time.
+
+    Returns the directories whose process failed (their log is ``cell.log``).
+    """
+    if parallel < 1:
+        raise ValueError(f"sweep: thread budget must be ≥ 1, got {parallel}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    pending = list(dirs)
+    running: dict[subprocess.Popen, tuple[Path, float]] = {}
+    failed: list[Path] = []
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                d = pending.pop(0)
+                log = (d / "cell.log").open("ab")
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "mobius_fed.research.cell", str(d)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )
+                log.close()
+                running[proc] = (d, time.perf_counter())
+            time.sleep(0.2)
+            for proc in [p for p in running if p.poll() is not None]:
+                d, t0 = running.pop(proc)
+                if proc.returncode != 0:
+                    failed.append(d)
+                if on_done:
+                    on_done(d, read_result(d), time.perf_counter() - t0)
+    finally:
+        for proc in running:
+            proc.terminate()
+        for proc in running:
+            proc.wait()
+    return failed
+
+
+def load_results(out: Path) -> list[dict[str, Any]]:
+    """Every finished cell's result under ``out/cells``."""
+    return [json.loads(p.read_text()) for p in sorted((Path(out) / "cells").glob(f"*/{RESULT}"))]
