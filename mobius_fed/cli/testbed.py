@@ -2,6 +2,7 @@
 service, until the coordinator reports the run finished; then tear everything down.
 
     mobius-fed testbed up -f docker/compose.yaml --root runs/tb --set coordinator:MOBIUS_STEPS=10
+    mobius-fed testbed up --wan-rate 1gbit --wan-delay 25ms --wan-site worker-3:rate=100mbit
     mobius-fed testbed cleanup mtb1a2b3c     # leftovers of a testbed that was killed
 """
 
@@ -56,6 +57,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.fresh and (root / "volumes").exists():
         shutil.rmtree(root / "volumes")
     overrides = parse_sets(args.set)
+    wan = _wan_shapes(args, compose)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
     logging.basicConfig(level=logging.INFO, format="testbed: %(message)s", stream=sys.stderr)
@@ -72,7 +74,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 highlight=False,
             )
 
-    with Testbed(compose, root, env_overrides=overrides, prefix=args.prefix) as tb:
+    with Testbed(compose, root, env_overrides=overrides, prefix=args.prefix, wan=wan) as tb:
         console.print(
             f"testbed [bold]{tb.prefix}[/]: {len(tb.project.services)} services from {compose}, "
             f"logs in {tb.logs_dir}",
@@ -89,6 +91,30 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0 if final.get("phase") == "done" else 1
 
 
+def _wan_shapes(args: argparse.Namespace, compose: Path) -> dict[str, Any]:
+    """Every service's access-link shape from --wan-rate/--wan-delay/--wan-site."""
+    from mobius_fed.testbed import load_compose
+    from mobius_fed.testbed.wan import (
+        WanError,
+        WanShape,
+        parse_delay,
+        parse_rate,
+        parse_site_shapes,
+    )
+
+    if args.wan_rate is None and args.wan_delay is None and not args.wan_site:
+        return {}
+    try:
+        default = WanShape(
+            parse_rate(args.wan_rate) if args.wan_rate else None,
+            parse_delay(args.wan_delay) if args.wan_delay else 0.0,
+        )
+        services = list(load_compose(compose).services)
+        return parse_site_shapes(default, args.wan_site, services)
+    except WanError as exc:
+        raise CliError(str(exc)) from exc
+
+
 def cmd_cleanup(args: argparse.Namespace) -> int:
     from mobius_fed.testbed import cleanup_stale, netns_available
 
@@ -100,7 +126,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_testbed_parser(subparsers: Any) -> None:
+def register(subparsers: Any) -> None:
     """Register ``testbed`` (``up``, ``cleanup``) on an ``argparse`` subparsers object."""
     p = subparsers.add_parser(
         "testbed",
@@ -136,15 +162,35 @@ def add_testbed_parser(subparsers: Any) -> None:
     u.add_argument("--prefix", help="namespace name prefix (default: a fresh mtbXXXXXX)")
     u.add_argument("--fresh", action="store_true", help="delete root/volumes first")
     u.add_argument("--json", action="store_true", help="print the final status as JSON")
+    u.add_argument(
+        "--wan-rate",
+        metavar="RATE",
+        help="shape every site's link to RATE each way with tc tbf (e.g. 1gbit, 100mbit)",
+    )
+    u.add_argument(
+        "--wan-delay",
+        metavar="DELAY",
+        help="one-way delay of what every site sends (e.g. 25ms: 50 ms round trip), "
+        "emulated by a delay line in each site's namespace",
+    )
+    u.add_argument(
+        "--wan-site",
+        action="append",
+        metavar="SERVICE:rate=R,delay=D",
+        help="override one site's rate and/or delay (repeatable)",
+    )
     u.set_defaults(func=cmd_up)
     c = sub.add_parser("cleanup", help="remove namespaces <PREFIX>-* left by a killed testbed")
     c.add_argument("prefix")
     c.set_defaults(func=cmd_cleanup)
 
 
+add_testbed_parser = register  # the name this function had before
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mobius-fed")
-    add_testbed_parser(parser.add_subparsers(dest="command", required=True))
+    register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["testbed", *(sys.argv[1:] if argv is None else argv)])
     return run_guarded(args.func, args)
 

@@ -39,8 +39,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mobius_fed.testbed.compose import ComposeProject, Healthcheck, Mount, Service, load_compose
+
+if TYPE_CHECKING:  # wan is imported where used: `python -m mobius_fed.testbed.wan` runs it
+    from mobius_fed.testbed.wan import WanShape
 
 log = logging.getLogger("mobius_fed.testbed")
 
@@ -179,7 +183,9 @@ class Testbed:
     """A compose project running as hosts in network namespaces on this machine.
 
     ``env_overrides`` maps a service to environment variables that replace or extend its
-    compose environment (e.g. ``{"coordinator": {"MOBIUS_STEPS": "8"}}``).
+    compose environment (e.g. ``{"coordinator": {"MOBIUS_STEPS": "8"}}``). ``wan`` maps a
+    service to the shape of its access link (rate and one-way delay, see
+    :mod:`mobius_fed.testbed.wan`); services not named are unshaped.
     """
 
     __test__ = False  # not a pytest test class
@@ -193,6 +199,7 @@ class Testbed:
         env_overrides: Mapping[str, Mapping[str, str]] | None = None,
         prefix: str | None = None,
         environ: Mapping[str, str] | None = None,
+        wan: Mapping[str, WanShape] | None = None,
     ) -> None:
         self.compose_file = Path(compose_file)
         self.project: ComposeProject = load_compose(compose_file, environ=environ, project=project)
@@ -201,6 +208,9 @@ class Testbed:
             if svc not in self.project.services:
                 raise TestbedError(f"override for unknown service {svc!r}")
             self.project.services[svc].environment.update({k: str(v) for k, v in env.items()})
+        self.wan = {svc: shape for svc, shape in (wan or {}).items() if shape.shaped}
+        for svc in self.wan:
+            self._service(svc)
         self.prefix = prefix or self._fresh_prefix()
         if len(self.prefix) > 12 or not self.prefix.replace("-", "").isalnum():
             raise TestbedError(f"bad prefix {self.prefix!r} (≤ 12 letters/digits)")
@@ -211,6 +221,7 @@ class Testbed:
         self._created: list[str] = []  # namespaces, in creation order
         self._etc_dirs: list[Path] = []
         self._host_dirs: list[Path] = []  # mountpoints this testbed made on the host
+        self._relays: list[subprocess.Popen[bytes]] = []  # delay lines (see wan.py)
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -330,9 +341,54 @@ class Testbed:
                 _ip("-n", self.switch_namespace, "link", "set", port, "master", f"br{k}", "up")
                 _ip("-n", ns, "addr", "add", f"{self._addresses[svc.name][net]}/24", "dev", eth)
                 _ip("-n", ns, "link", "set", eth, "up")
+                shape = self.wan.get(svc.name)
+                if shape is not None and shape.rate is not None:
+                    from mobius_fed.testbed.wan import shape_device
+
+                    shape_device(ns, eth, shape.rate)  # upload
+                    shape_device(self.switch_namespace, port, shape.rate)  # download
             self._write_etc(svc)
             addrs = ", ".join(f"{n} {a}" for n, a in self._addresses[svc.name].items())
-            self._say(f"host {svc.name}: namespace {ns}, {addrs or 'loopback only'}")
+            shaped = f"; WAN {self.wan[svc.name].describe()}" if svc.name in self.wan else ""
+            self._say(f"host {svc.name}: namespace {ns}, {addrs or 'loopback only'}{shaped}")
+        if any(shape.delay > 0 for shape in self.wan.values()):
+            self._start_delay_lines()
+
+    def _start_delay_lines(self) -> None:
+        """One delay-line relay per networked service; its outgoing TCP goes through it."""
+        from mobius_fed.testbed.wan import WanShape, redirect_rules, relay_argv
+
+        none = WanShape()
+        for svc in self.project.services.values():
+            if not self._addresses[svc.name]:
+                continue
+            ns = self.namespace(svc.name)
+            peers = {
+                addr: self.wan.get(other, none)
+                for other, addrs in self._addresses.items()
+                if other != svc.name
+                for addr in addrs.values()
+            }
+            argv = relay_argv(self.wan.get(svc.name, none), peers)
+            log_path = self.logs_dir / f"delay-line-{svc.name}.log"
+            with open(log_path, "ab") as err:
+                p = subprocess.Popen(
+                    ["ip", "netns", "exec", ns, *argv],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    start_new_session=True,
+                    cwd="/",
+                    env={**self._env(svc), "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+                )
+            line = p.stdout.readline().decode(errors="replace").strip() if p.stdout else ""
+            if line != "ready":
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+                raise TestbedError(
+                    f"delay line of {svc.name} did not start (exit {p.poll()}): {' | '.join(tail)}"
+                )
+            self._relays.append(p)
+            redirect_rules(ns, f"{SUBNET}.0.0/16")
 
     def _make_namespace(self, ns: str) -> None:
         if ns in list_netns():
@@ -753,7 +809,7 @@ class Testbed:
                     os.killpg(p.pid, signal.SIGTERM)
         ours = [ns for ns in self._created if ns in set(list_netns())]
         _kill_netns_processes(ours, grace=5.0)
-        for p in popens:
+        for p in popens + self._relays:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -1,0 +1,378 @@
+"""Shaped WAN links for the namespace testbed: bandwidth with ``tc tbf``, delay with a
+userspace delay line (kernel ``netem`` is not available on these machines).
+
+Each site (service namespace) has one access link: its veth. ``rate`` shapes both
+directions of it with a token bucket (``tbf``) — on the site's ``eth*`` (upload) and on
+its bridge port in the switch namespace (download) — so a path between two sites runs at
+the smaller of their rates. ``delay`` is the one-way delay of the bytes a site sends: a
+path A → B is delayed by A's delay, B → A by B's, and the round-trip time is their sum.
+
+The delay is an emulation. Every TCP connection a site opens to a testbed address is
+redirected (``iptables -t nat OUTPUT REDIRECT``) to a relay in the site's own namespace;
+the relay dials the original destination with a socket mark the redirect skips and copies
+bytes both ways, holding each chunk until its due time (``read + delay``): the site's own
+delay on the way out, the peer's on the way back. What this models faithfully: every
+byte and every application-level acknowledgement (HTTP/2 WINDOW_UPDATE, gRPC flow control,
+ring ACK frames) arrives one delay later, and bandwidth × delay bytes are in flight. What
+it does not: TCP's own congestion window sees the short local hop, not the long one (no
+slow-start over the long RTT, no loss recovery across it). The relay holds at most
+``hold_bytes`` per direction (default: twice rate × delay, at least 4 MiB) and then stops
+reading, so a fast sender feels back-pressure as on a real path.
+
+:func:`serve_probe` and :func:`probe` measure what a link delivers (round-trip time of
+small messages and one stream's throughput); ``python -m mobius_fed.testbed.wan`` runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import re
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+RELAY_PORT = 47990
+"""Port of the delay-line relay inside every site namespace (redirect target)."""
+RELAY_MARK = 0x4D42
+"""Socket mark of the relay's own outgoing connections: the redirect lets them pass."""
+SO_ORIGINAL_DST = 80
+CHUNK = 256 << 10
+MIN_HOLD = 4 << 20
+
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+class WanError(ValueError):
+    """A bad WAN shape: the message names the value."""
+
+
+def parse_rate(text: str) -> int:
+    """``"1gbit"``, ``"100mbit"``, ``"500kbit"`` or plain bits/s → bits per second."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text.lower())
+    if not m or m.group(2) not in ("", *_RATE_UNITS):
+        raise WanError(f"rate {text!r}: expected e.g. 1gbit, 100mbit, 500kbit")
+    bits = float(m.group(1)) * _RATE_UNITS.get(m.group(2) or "bit", 1)
+    if bits < 8_000:
+        raise WanError(f"rate {text!r}: at least 8kbit")
+    return int(bits)
+
+
+def parse_delay(text: str) -> float:
+    """``"25ms"``, ``"0.5s"``, ``"300us"`` → seconds (one way)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(us|ms|s)\s*", text.lower())
+    if not m:
+        raise WanError(f"delay {text!r}: expected e.g. 25ms, 0.1s, 300us")
+    delay = float(m.group(1)) * _DELAY_UNITS[m.group(2)]
+    if delay > 10:
+        raise WanError(f"delay {text!r}: at most 10s")
+    return delay
+
+
+@dataclass(frozen=True)
+class WanShape:
+    """One site's access link: ``rate`` bits/s each way (None: unshaped) and the one-way
+    ``delay`` (seconds) of what it sends."""
+
+    rate: int | None = None
+    delay: float = 0.0
+
+    @property
+    def shaped(self) -> bool:
+        return self.rate is not None or self.delay > 0
+
+    def describe(self) -> str:
+        rate = f"{self.rate / 1e6:g} Mbit/s" if self.rate else "unshaped"
+        return f"{rate}, {self.delay * 1e3:g} ms one way"
+
+    def with_overrides(self, text: str) -> WanShape:
+        """Apply ``"rate=100mbit,delay=50ms"`` (either part optional) to this shape."""
+        rate, delay = self.rate, self.delay
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise WanError(f"{item!r}: expected rate=… or delay=…")
+            if key == "rate":
+                rate = parse_rate(value)
+            elif key == "delay":
+                delay = parse_delay(value)
+            else:
+                raise WanError(f"{item!r}: unknown key {key!r} (rate, delay)")
+        return WanShape(rate, delay)
+
+
+def parse_site_shapes(
+    default: WanShape, items: list[str] | None, services: list[str]
+) -> dict[str, WanShape]:
+    """Every service's shape: ``default`` unless ``SERVICE:rate=…,delay=…`` overrides it."""
+    shapes = dict.fromkeys(services, default)
+    for item in items or []:
+        svc, sep, rest = item.partition(":")
+        if not sep:
+            raise WanError(f"--wan-site {item!r}: expected SERVICE:rate=…,delay=…")
+        if svc not in shapes:
+            raise WanError(f"--wan-site {item!r}: no service {svc!r} ({', '.join(services)})")
+        shapes[svc] = shapes[svc].with_overrides(rest)
+    return shapes
+
+
+# ----------------------------------------------------------------------- tc / iptables
+
+
+def hold_bytes(shape: WanShape) -> int:
+    """Bytes the delay line holds per direction before it stops reading."""
+    bdp = (shape.rate or 10**10) / 8 * shape.delay
+    return max(MIN_HOLD, int(2 * bdp))
+
+
+def tbf_args(rate: int) -> list[str]:
+    """``tc qdisc … tbf`` parameters for ``rate`` bits/s: a burst of 4 ms of traffic (at
+    least 128 KiB, so a 64 KiB GSO packet always fits) and a 50 ms queue."""
+    per_s = rate / 8
+    burst = max(128 << 10, int(per_s * 0.004))
+    limit = burst + int(per_s * 0.05)
+    return ["tbf", "rate", f"{rate}bit", "burst", str(burst), "limit", str(limit)]
+
+
+def shape_device(netns: str, dev: str, rate: int) -> None:
+    """Shape the egress of ``dev`` in ``netns`` to ``rate`` bits/s."""
+    tc = ["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root"]
+    _run([*tc, *tbf_args(rate)])
+
+
+def redirect_rules(netns: str, subnet: str) -> None:
+    """Send the namespace's outgoing TCP to ``subnet`` through its delay-line relay."""
+    rule = ["-p", "tcp", "-d", subnet, "-m", "mark", "!", "--mark", hex(RELAY_MARK)]
+    target = ["-j", "REDIRECT", "--to-ports", str(RELAY_PORT)]
+    _run(["ip", "netns", "exec", netns, "iptables", "-t", "nat", "-A", "OUTPUT", *rule, *target])
+
+
+def _run(argv: list[str]) -> None:
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise WanError(f"{' '.join(argv)}: {r.stderr.strip() or r.returncode}")
+
+
+def relay_argv(own: WanShape, peers: Mapping[str, WanShape]) -> list[str]:
+    """The command that runs one site's delay line (inside its namespace)."""
+    argv = [sys.executable, "-m", "mobius_fed.testbed.wan", "relay", "--delay", str(own.delay)]
+    argv += ["--hold", str(hold_bytes(own))]
+    for addr, shape in peers.items():
+        argv += ["--peer", f"{addr}={shape.delay}"]
+    return argv
+
+
+# --------------------------------------------------------------------------- delay line
+
+
+class _DelayPipe:
+    """One direction of a relayed connection: bytes read from ``src`` are written to
+    ``dst`` ``delay`` seconds later, at most ``hold`` bytes held at once."""
+
+    def __init__(self, src: socket.socket, dst: socket.socket, delay: float, hold: int) -> None:
+        self.src, self.dst, self.delay, self.hold = src, dst, delay, hold
+        self.queue: collections.deque[tuple[float, bytes | None]] = collections.deque()
+        self.held = 0
+        self.cond = threading.Condition()
+        self.dead = False
+
+    def start(self) -> None:
+        for fn in (self._read, self._write):
+            threading.Thread(target=fn, daemon=True).start()
+
+    def _stop(self) -> None:
+        with self.cond:
+            self.dead = True
+            self.cond.notify_all()
+        for s in (self.src, self.dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def _read(self) -> None:
+        buf = bytearray(CHUNK)
+        try:
+            while True:
+                n = self.src.recv_into(buf)
+                chunk = bytes(buf[:n]) if n else None
+                with self.cond:
+                    self.cond.wait_for(lambda: self.held < self.hold or self.dead)
+                    if self.dead:
+                        return
+                    self.queue.append((time.monotonic() + self.delay, chunk))
+                    self.held += n
+                    self.cond.notify_all()
+                if not n:
+                    return
+        except OSError:
+            self._stop()
+
+    def _write(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    self.cond.wait_for(lambda: self.queue or self.dead)
+                    if self.dead:
+                        return
+                    due, chunk = self.queue[0]
+                wait = due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                with self.cond:
+                    self.queue.popleft()
+                if chunk is None:
+                    self.dst.shutdown(socket.SHUT_WR)
+                    return
+                self.dst.sendall(chunk)
+                with self.cond:
+                    self.held -= len(chunk)
+                    self.cond.notify_all()
+        except OSError:
+            self._stop()
+
+
+def _original_destination(conn: socket.socket) -> tuple[str, int]:
+    raw = conn.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+    port, packed = struct.unpack_from("!2xH4s", raw)
+    return socket.inet_ntoa(packed), port
+
+
+def _relay_one(conn: socket.socket, delay: float, peers: dict[str, float], hold: int) -> None:
+    try:
+        host, port = _original_destination(conn)
+        out = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        out.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, RELAY_MARK)
+        out.connect((host, port))
+    except OSError:
+        conn.close()
+        return
+    for s in (conn, out):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    _DelayPipe(conn, out, delay, hold).start()
+    _DelayPipe(out, conn, peers.get(host, 0.0), hold).start()
+
+
+def run_relay(delay: float, peers: dict[str, float], hold: int, port: int = RELAY_PORT) -> None:
+    """Serve the delay line of one site until killed."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", port))
+    srv.listen(128)
+    print("ready", flush=True)
+    while True:
+        conn, _ = srv.accept()
+        _relay_one(conn, delay, peers, hold)
+
+
+# ------------------------------------------------------------------------------- probe
+
+
+def serve_probe(port: int) -> None:
+    """Answer :func:`probe`: echo 1-byte pings, swallow bulk bytes and report their count."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", port))
+    srv.listen(16)
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=_probe_session, args=(conn,), daemon=True).start()
+
+
+def _probe_session(conn: socket.socket) -> None:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with conn:
+        mode = conn.recv(1)
+        if mode == b"p":  # ping-pong
+            while conn.recv(1) == b"x":
+                conn.sendall(b"y")
+        elif mode == b"b":  # bulk: count bytes until EOF; answer the count and the span
+            buf, total, first = bytearray(CHUNK), 0, 0.0
+            while n := conn.recv_into(buf):
+                first = first or time.perf_counter()
+                total += n
+            conn.sendall(struct.pack("!Qd", total, time.perf_counter() - first))
+
+
+def probe(host: str, port: int, seconds: float = 3.0, pings: int = 10) -> dict[str, float]:
+    """Median round trip of ``pings`` 1-byte messages (ms) and the throughput (Mbit/s) of
+    one TCP stream sending for ``seconds``, as the receiver saw it (bytes over the span
+    from its first to its last byte)."""
+    deadline = time.monotonic() + 10
+    while True:  # the server may still be starting (a relay accepts, then drops us)
+        try:
+            rtts = _pings(host, port, pings)
+            break
+        except (ConnectionError, WanError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    with socket.create_connection((host, port)) as s:
+        s.sendall(b"b")
+        data = bytes(CHUNK)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        total, span = struct.unpack("!Qd", _recv_exact(s, 16))
+    return {"rtt_ms": rtts[len(rtts) // 2] * 1e3, "mbit_s": total * 8 / span / 1e6}
+
+
+def _pings(host: str, port: int, count: int) -> list[float]:
+    with socket.create_connection((host, port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(b"p")
+        rtts = []
+        for _ in range(count):
+            t = time.perf_counter()
+            s.sendall(b"x")
+            if s.recv(1) != b"y":
+                raise WanError("probe: the server did not answer")
+            rtts.append(time.perf_counter() - t)
+        s.sendall(b".")
+    return sorted(rtts)
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = s.recv(n - len(out))
+        if not got:
+            raise WanError("probe: the server closed the connection early")
+        out += got
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mobius_fed.testbed.wan")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("relay", help="run a site's delay line (inside its namespace)")
+    r.add_argument("--delay", type=float, required=True, help="own one-way delay, seconds")
+    r.add_argument("--peer", action="append", default=[], metavar="ADDR=SECONDS")
+    r.add_argument("--hold", type=int, default=MIN_HOLD, help="bytes held per direction")
+    r.add_argument("--port", type=int, default=RELAY_PORT)
+    s = sub.add_parser("probe-server", help="answer probes on PORT")
+    s.add_argument("--port", type=int, required=True)
+    c = sub.add_parser("probe", help="measure RTT and one stream's rate to HOST:PORT")
+    c.add_argument("target", help="HOST:PORT")
+    c.add_argument("--seconds", type=float, default=3.0)
+    args = p.parse_args(argv)
+    if args.cmd == "relay":
+        peers = {a: float(d) for a, _, d in (x.partition("=") for x in args.peer)}
+        run_relay(args.delay, peers, args.hold, args.port)
+    elif args.cmd == "probe-server":
+        serve_probe(args.port)
+    else:
+        host, _, port = args.target.rpartition(":")
+        print(json.dumps(probe(host, int(port), args.seconds)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""Shaped WAN links in the namespace testbed: tbf holds the rate, the delay line the RTT."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mobius_fed.testbed import Testbed, netns_available
+from mobius_fed.testbed.wan import (
+    WanError,
+    WanShape,
+    parse_delay,
+    parse_rate,
+    parse_site_shapes,
+    tbf_args,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+_REASON = netns_available()
+needs_netns = pytest.mark.skipif(_REASON is not None, reason=f"no namespace testbed: {_REASON}")
+
+
+def test_parse_shapes_and_overrides():
+    assert parse_rate("1gbit") == 10**9 and parse_rate("100mbit") == 10**8
+    assert parse_delay("25ms") == pytest.approx(0.025) and parse_delay("1s") == 1.0
+    base = WanShape(parse_rate("1gbit"), parse_delay("25ms"))
+    shapes = parse_site_shapes(base, ["b:rate=100mbit,delay=50ms"], ["a", "b"])
+    assert shapes == {"a": base, "b": WanShape(10**8, 0.05)}
+    assert "burst" in tbf_args(10**9)
+    for bad, call in (
+        ("fast", lambda: parse_rate("fast")),
+        ("25 parsecs", lambda: parse_delay("25 parsecs")),
+        ("no service 'c'", lambda: parse_site_shapes(base, ["c:rate=1gbit"], ["a", "b"])),
+        ("unknown key 'jitter'", lambda: parse_site_shapes(base, ["a:jitter=1ms"], ["a"])),
+    ):
+        with pytest.raises(WanError, match=bad):
+            call()
+
+
+@needs_netns
+def test_shaping_holds(tmp_path):
+    """100 Mbit/s each way and 20 ms one way per site: one stream measures 100 Mbit/s
+    and a round trip 40 ms, both within 10 %."""
+    compose = tmp_path / "compose.yaml"
+    compose.write_text(
+        textwrap.dedent(
+            f"""
+            name: tbwan
+            services:
+              a:
+                command: ["sleep", "300"]
+              b:
+                command: ["{sys.executable}", "-m", "mobius_fed.testbed.wan",
+                          "probe-server", "--port", "7100"]
+                environment:
+                  PYTHONPATH: "{REPO}"
+            """
+        )
+    )
+    shape = WanShape(parse_rate("100mbit"), parse_delay("20ms"))
+    with Testbed(compose, tmp_path / "root", wan={"a": shape, "b": shape}) as tb:
+        tb.up(timeout=60)
+        r = tb.exec(
+            "a",
+            [sys.executable, "-m", "mobius_fed.testbed.wan", "probe", "b:7100", "--seconds", "3"],
+            timeout=60,
+            env={"PYTHONPATH": str(REPO)},
+            check=True,
+        )
+    got = json.loads(r.stdout)
+    assert got["rtt_ms"] == pytest.approx(40.0, rel=0.10), got
+    assert got["mbit_s"] == pytest.approx(100.0, rel=0.10), got
