@@ -160,7 +160,7 @@ def test_operator_reads_everything(tls_server: RestServer, certs: CertLayout) ->
         r = c.get(tls_server.url + "/metrics")
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
-        assert 'mobius_step{run_id="run-\\"7\\""} 3' in r.text
+        assert 'mobius_step{run_id="run-\\"7\\""} 3.0' in r.text
 
         r = c.get(tls_server.url + "/healthz")
         assert r.status_code == 200 and r.json() == {"status": "ok", "phase": "training"}
@@ -360,10 +360,16 @@ def strict_parse(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
             assert state == "type" and name == current, f"TYPE out of place: {line}"
             assert kind in ("gauge", "counter", "untyped", "summary", "histogram"), line
             state = "samples"
+            suffixes = {"histogram": ("_bucket", "_sum", "_count", "_created")}.get(kind, ())
+            if kind == "counter":
+                suffixes = ("_created",)
         else:
             m = _SAMPLE.match(line)
             assert m, f"bad sample line: {line!r}"
-            assert state == "samples" and m["name"] == current, f"sample out of family: {line}"
+            names = {current, *(f"{current}{x}" for x in suffixes)}
+            if current and current.endswith("_total"):  # a counter's _created sample
+                names.add(current.removesuffix("_total") + "_created")
+            assert state == "samples" and m["name"] in names, f"sample out of family: {line}"
             labels = {}
             for lm in re.finditer(
                 r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m["labels"] or ""
@@ -413,7 +419,8 @@ def test_status_parser_registers() -> None:
     add_status_parser(parser.add_subparsers(dest="cmd"))
     args = parser.parse_args(["status", "--rest", "http://127.0.0.1:9", "--json"])
     assert args.func is status_main and args.json and args.rest == "http://127.0.0.1:9"
-    assert args.coordinator == "127.0.0.1:7300" and args.certs == Path("certs")
+    # Unset: status_main takes them from --run's endpoints.json, else 127.0.0.1:7300, certs/.
+    assert args.coordinator is None and args.certs is None and args.run is None
 
 
 def test_status_cli_rest_local(

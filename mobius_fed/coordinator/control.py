@@ -144,9 +144,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
                     rejoin=True,
                     reason=f"worker-{rank} was counted lost; register again",
                 )
-            if w.state != "rejoining" and request.state:
-                fields["state"] = request.state
+            if w.state != "rejoining" and request.state and not self.state.ended:
+                fields["state"] = request.state  # after the end it shows finished/stopped
             self.state.update_worker(rank, **fields)
+        self.state.count_heartbeat()
         failure = self.grid.failure
         if failure:
             return control_pb2.HeartbeatReply(stop=True, reason=failure)
@@ -163,7 +164,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             box = self.grid.open_session(rank)
         except RunFailed as exc:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        if self.state.workers[rank].state != "rejoining":
+        if self.state.workers[rank].state != "rejoining" and not self.state.ended:
             self.state.update_worker(rank, state="ready", last_heartbeat=time.time())
         log.info("worker-%d session open", rank)
 
@@ -195,7 +196,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         incident if a round may be waiting for it."""
         with self._cond:
             w = self.state.workers[rank]
-            if w.state in ("lost", "expected", "done"):
+            if w.state in ("lost", "expected", "done", "finished", "stopped"):
                 return
             last_seen = w.last_heartbeat
             self.state.update_worker(rank, state="lost", incidents=w.incidents + 1)
@@ -213,7 +214,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
         """Count lost every worker whose last heartbeat is older than ``timeout`` seconds."""
         now = time.time()
         for w in list(self.state.workers.values()):
-            if w.state in ("lost", "expected", "done") or w.last_heartbeat is None:
+            if (
+                w.state in ("lost", "expected", "done", "finished", "stopped")
+                or w.last_heartbeat is None
+            ):
                 continue
             if now - w.last_heartbeat > timeout:
                 self.mark_lost(

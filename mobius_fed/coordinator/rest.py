@@ -1,9 +1,11 @@
 """The coordinator's REST status API (FastAPI + uvicorn): JSON, OpenAPI, metrics, health.
 
-Routes (all GET): ``/v1/status``, ``/v1/history``, ``/metrics`` (Prometheus text),
-``/healthz``, ``/docs`` and ``/openapi.json``.
+Routes (all GET): ``/`` (the dashboard, assets under ``/static``), ``/v1/status``,
+``/v1/history``, ``/metrics`` (Prometheus, by ``prometheus_client``), ``/healthz``,
+``/readyz``, ``/docs`` (Swagger UI), ``/redoc`` and ``/openapi.json``. Every asset ships in
+the package (``static/``); nothing is loaded from a CDN.
 
-:class:`RestServer` serves them from a background thread in one of two modes:
+:class:`RestServer` serves them from a background thread in one of three modes:
 
 * **TLS** (the normal one): mutual TLS 1.3 only, with the coordinator's certificate; the
   handshake requires a client certificate signed by our CA, and the caller's one
@@ -13,6 +15,10 @@ Routes (all GET): ``/v1/status``, ``/v1/history``, ``/metrics`` (Prometheus text
   per-connection ASGI ``scope["state"]`` where :class:`_AccessMiddleware` reads it.
 * **local**: plain HTTP bound to a loopback address only, read-only, unauthenticated,
   with a warning in the log. For debugging on the coordinator's own machine.
+* **metrics** (``metrics_listen``, explicit opt-in): plain HTTP on any address for
+  Prometheus scrapers and Kubernetes httpGet probes: ``/metrics``, ``/healthz``,
+  ``/readyz`` and the read-only dashboard (``/``, ``/static``, ``/v1/status``,
+  ``/v1/history``). No docs, nothing else.
 """
 
 from __future__ import annotations
@@ -27,20 +33,24 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from mobius_fed.coordinator.state import RunState, json_safe
+from mobius_fed.coordinator.metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
+from mobius_fed.coordinator.state import ENDED_PHASES, RunState, json_safe
 from mobius_fed.transport.tls import NodeTLS, identity_or_reason
 
 log = logging.getLogger(__name__)
 
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+STATIC_DIR = Path(__file__).with_name("static")
 PEER_CERT_KEY = "mobius_peer_cert"
 """Key of the verified client certificate (``SSLSocket.getpeercert()`` dict) in
 ``scope["state"]``; absent on plain connections."""
@@ -62,7 +72,8 @@ class WorkerModel(BaseModel):
     address: str = Field(description="host:port of the worker's ring link ('' until registered)")
     state: str = Field(
         description="expected | registered | ready | training | evaluating | lost | "
-        "rejoining | restoring | recovered | done"
+        "rejoining | restoring | recovered | finished (run done) | stopped (run failed or "
+        "stopped)"
     )
     step: int = Field(description="last step the worker reported")
     last_heartbeat: float | None = Field(description="unix time of the last heartbeat")
@@ -78,15 +89,33 @@ class WorkerModel(BaseModel):
     edges: dict[str, Any] = Field(
         default_factory=dict, description="its ring links as it reports them ('in', 'out')"
     )
+    train_s: float | None = Field(None, description="its latest round's training seconds")
+    wait_s: float | None = Field(
+        None, description="seconds of its latest round spent waiting for frames (if reported)"
+    )
+    compute_s: float | None = Field(None, description="compute seconds (if reported)")
+    wait_share: float | None = Field(None, description="wait_s / train_s of its latest round")
+    bytes_per_s: float | None = Field(
+        None, description="bytes it sent per training second (if reported)"
+    )
+    train_s_total: float = Field(0.0, description="training seconds over the run")
+    wait_s_total: float = Field(0.0, description="wait seconds over the run")
+    bytes_sent_total: float = Field(0.0, description="bytes sent over the run (if reported)")
 
 
 class EdgeModel(BaseModel):
     """One ring edge i → i+1, as its sender reports it."""
 
     edge: str = Field(description="'worker-<i> → worker-<i+1>'")
-    state: str = Field(description="up | reconnecting | down | unknown")
+    state: str = Field(description="up | reconnecting | down | unknown | closed (run ended)")
     reconnects: int = Field(description="times the link reconnected within its grace")
     down_s: float = Field(description="seconds it has been down (0 while up)")
+    bytes_per_s: float | None = Field(
+        None, description="bytes/s its sender reported for its latest round"
+    )
+    wait_share: float | None = Field(
+        None, description="share of its receiver's latest round spent waiting for frames"
+    )
 
 
 class IncidentModel(BaseModel):
@@ -129,6 +158,13 @@ class StatusModel(BaseModel):
     server_time: float | None = Field(None, description="coordinator clock at this reply")
     ring: list[EdgeModel] = Field(default_factory=list, description="every ring edge")
     incidents: list[IncidentModel] = Field(default_factory=list)
+    train_loss: float | None = Field(
+        None, description="training loss of the latest step every origin reported (mean)"
+    )
+    config: dict[str, Any] | None = Field(None, description="the run's configuration")
+    privacy: dict[str, Any] | None = Field(
+        None, description="privacy defences and their accounting (when reported)"
+    )
     workers: list[WorkerModel]
 
 
@@ -151,6 +187,12 @@ class RoundModel(BaseModel):
     overhead_s: float = Field(description="round wall time not spent in the workers")
     train_s: float = Field(0.0, description="the slowest worker's training time")
     snapshot_s: float = Field(0.0, description="the slowest worker's barrier snapshot copy")
+    steps: int = Field(0, description="training steps in the round")
+    workers: dict[str, dict[str, float | None]] = Field(
+        default_factory=dict,
+        description="rank → its figures: train_s, and where reported wait_s, compute_s, "
+        "bytes_sent, frames_sent",
+    )
 
 
 class HistoryModel(BaseModel):
@@ -168,19 +210,43 @@ class HealthModel(BaseModel):
     phase: str
 
 
+class ReadyModel(BaseModel):
+    ready: bool = Field(description="false once the run failed or was stopped")
+    phase: str
+
+
 class ErrorModel(BaseModel):
     detail: str
 
 
 # --------------------------------------------------------------------------- app
-def make_app(state: RunState) -> FastAPI:
-    """The FastAPI application serving ``state`` (no transport security of its own)."""
+Routes = Literal["full", "metrics"]
+
+
+def make_app(state: RunState, routes: Routes = "full") -> FastAPI:
+    """The FastAPI application serving ``state`` (no transport security of its own).
+
+    ``routes="metrics"``: only what the plain metrics listener serves (see the module doc).
+    """
+    full = routes == "full"
     app = FastAPI(
         title="mobius-fed coordinator",
         version="1",
         description="Status of a Möbius Learning run: workers, rounds, losses, metrics.",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if full else None,
     )
     denied = {403: {"model": ErrorModel, "description": "caller's identity not enrolled"}}
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon() -> FileResponse:
+        return FileResponse(STATIC_DIR / "favicon.svg", media_type="image/svg+xml")
 
     @app.get("/v1/status", response_model=StatusModel, responses=denied, tags=["status"])
     def get_status() -> Any:
@@ -194,18 +260,53 @@ def make_app(state: RunState) -> FastAPI:
 
     @app.get(
         "/metrics",
-        response_class=PlainTextResponse,
+        response_class=Response,
         responses={200: {"content": {PROMETHEUS_CONTENT_TYPE: {}}}, **denied},
         tags=["status"],
     )
-    def get_metrics() -> PlainTextResponse:
-        """Prometheus text exposition format 0.0.4."""
-        return PlainTextResponse(state.prometheus(), media_type=PROMETHEUS_CONTENT_TYPE)
+    def get_metrics() -> Response:
+        """Prometheus text exposition format 0.0.4 (``prometheus_client``)."""
+        return Response(state.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/healthz", response_model=HealthModel, responses=denied, tags=["health"])
     def get_health() -> Any:
         """Liveness: 200 whenever the server answers, whatever the run's phase."""
         return {"status": "ok", "phase": state.phase}
+
+    @app.get(
+        "/readyz",
+        response_model=ReadyModel,
+        responses={503: {"model": ReadyModel, "description": "run failed or stopped"}, **denied},
+        tags=["health"],
+    )
+    def get_ready() -> Any:
+        """Readiness: 200 while the run waits, trains, recovers or is done; 503 once it
+        failed or was stopped."""
+        phase = state.phase
+        ready = phase not in ENDED_PHASES or phase == "done"
+        return JSONResponse({"ready": ready, "phase": phase}, status_code=200 if ready else 503)
+
+    if full:
+
+        @app.get("/docs", include_in_schema=False)
+        def swagger() -> HTMLResponse:
+            return get_swagger_ui_html(
+                openapi_url="/openapi.json",
+                title="mobius-fed coordinator — Swagger UI",
+                swagger_js_url="/static/vendor/swagger-ui/swagger-ui-bundle.js",
+                swagger_css_url="/static/vendor/swagger-ui/swagger-ui.css",
+                swagger_favicon_url="/static/favicon.svg",
+            )
+
+        @app.get("/redoc", include_in_schema=False)
+        def redoc() -> HTMLResponse:
+            return get_redoc_html(
+                openapi_url="/openapi.json",
+                title="mobius-fed coordinator — ReDoc",
+                redoc_js_url="/static/vendor/redoc/redoc.standalone.js",
+                redoc_favicon_url="/static/favicon.svg",
+                with_google_fonts=False,
+            )
 
     return app
 
@@ -248,8 +349,10 @@ def _json(status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = 
 class _AccessMiddleware:
     """Read-only guard, plus identity authorization (TLS) or a Host check (local)."""
 
-    def __init__(self, app: Any, *, allowed: Allowed | None, local: bool) -> None:
-        self.app, self.allowed, self.local = app, allowed, local
+    def __init__(
+        self, app: Any, *, allowed: Allowed | None, local: bool, public: bool = False
+    ) -> None:
+        self.app, self.allowed, self.local, self.public = app, allowed, local, public
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -266,6 +369,8 @@ class _AccessMiddleware:
     def _check(self, scope: dict) -> tuple[int, list, bytes] | None:
         if scope["method"] not in READ_METHODS:
             return _json(405, "read-only API: only GET is allowed", [(b"allow", b"GET, HEAD")])
+        if self.public:  # the metrics listener: read-only figures, for scrapers and probes
+            return None
         if self.local:
             host = _host_header(scope)
             if host not in LOCAL_HOSTS:  # DNS-rebinding guard: only loopback names
@@ -346,6 +451,8 @@ class RestServer:
     TLS mode (``tls`` given): mutual TLS, client certificates must chain to ``tls.ca``,
     and ``allowed(identity)`` decides who may read (None: any ``mobius://`` identity our CA
     signed). Local mode (``local=True``, ``tls`` None): plain HTTP on a loopback host only.
+    Metrics mode (``metrics=True``, ``tls`` None): plain HTTP on any address, only the
+    metrics listener's routes (:func:`make_app` ``routes="metrics"``), nobody authenticated.
     ``port=0`` picks a free port; read it from :attr:`port` after :meth:`start`.
     """
 
@@ -358,10 +465,13 @@ class RestServer:
         tls: NodeTLS | None,
         allowed: Allowed | None,
         local: bool = False,
+        metrics: bool = False,
     ) -> None:
+        if metrics and (tls is not None or local):
+            raise ValueError("the metrics listener is plain HTTP: pass tls=None, local=False")
         if local and tls is not None:
             raise ValueError("local mode is plain HTTP; pass tls=None with local=True")
-        if not local and tls is None:
+        if not local and not metrics and tls is None:
             raise ValueError("REST status needs TLS material, or an explicit local=True")
         if local and not _is_loopback(host):
             raise ValueError(
@@ -369,14 +479,14 @@ class RestServer:
                 f"not {host!r}"
             )
         self.state, self.host, self.port = state, host, port
-        self.tls, self.allowed, self.local = tls, allowed, local
+        self.tls, self.allowed, self.local, self.metrics = tls, allowed, local, metrics
         self._server: _ThreadServer | None = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
 
     @property
     def url(self) -> str:
-        scheme = "http" if self.local else "https"
+        scheme = "https" if self.tls is not None else "http"
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{scheme}://{host}:{self.port}"
 
@@ -393,7 +503,12 @@ class RestServer:
             raise RuntimeError("RestServer already started")
         if self.tls is not None:
             self.tls.load()  # FileNotFoundError naming the missing file, in the caller
-        app = _AccessMiddleware(make_app(self.state), allowed=self.allowed, local=self.local)
+        app = _AccessMiddleware(
+            make_app(self.state, "metrics" if self.metrics else "full"),
+            allowed=self.allowed,
+            local=self.local,
+            public=self.metrics,
+        )
         kwargs: dict[str, Any] = {}
         if self.tls is not None:
             kwargs = dict(
@@ -437,7 +552,13 @@ class RestServer:
                 self.stop()
                 raise TimeoutError(f"REST status server not up after {timeout} s")
             time.sleep(0.01)
-        if self.local:
+        if self.metrics:
+            log.warning(
+                "metrics listener on %s: plain HTTP, no authentication, read-only "
+                "(/metrics /healthz /readyz and the dashboard)",
+                self.url,
+            )
+        elif self.local:
             log.warning(
                 "!!! REST status in LOCAL mode: plain HTTP, NO authentication, read-only, "
                 "bound to %s only. Local debugging only. !!!",

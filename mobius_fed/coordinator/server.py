@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib
 import json
 import logging
 import secrets
@@ -34,7 +35,7 @@ from mobius_fed.checkpoint import (
 from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.control import ControlService
 from mobius_fed.coordinator.grid import ControlGrid, GridTimeout, IncidentRaised, RunFailed
-from mobius_fed.coordinator.state import Incident, RunState
+from mobius_fed.coordinator.state import Incident, RunState, json_safe
 from mobius_fed.model import build_replica
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.strategies import (
@@ -57,6 +58,14 @@ from mobius_fed.transport.tls import GRPC_OPTIONS, add_port, check_node_secrets,
 log = logging.getLogger("mobius.coordinator")
 MANIFEST = "manifest.json"
 ER_FILE = "er.ckpt"
+METRICS_FILE = "metrics.jsonl"
+HISTORY_FILE = "history.json"
+OPTIONAL_FIGURES = {  # a worker's train reply metric → the coordinator's name for it
+    "wait-seconds": "wait_s",
+    "compute-seconds": "compute_s",
+    "bytes-sent": "bytes_sent",
+    "frames-sent": "frames_sent",
+}
 
 
 def checkpoint_dir(out_dir: Path) -> Path:
@@ -134,6 +143,10 @@ class Coordinator:
             strategy=cfg.strategy,
             num_rounds=self.plan.num_rounds,
         )
+        self.state.config = run_config_doc(cfg)
+        self.state.privacy = privacy_source(cfg.train)
+        self.state.metrics  # noqa: B018 - histograms exist before the first round ends
+        self._pending_line: dict[str, Any] | None = None
         replica = build_replica(cfg.train.model(), cfg.train.seed)
         self.replica_spec = spec_of(replica.state_dict())
         self.grid = ControlGrid(cfg.train.P, validate_reply=self._validate_reply)
@@ -163,6 +176,7 @@ class Coordinator:
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
         self.rest = None
+        self.metrics_server = None
         self.port = 0
 
     def _validate_reply(self, rank: int, reply: Message) -> None:
@@ -206,6 +220,8 @@ class Coordinator:
         )
         if self.cfg.rest_mode != "off":
             self._start_rest()
+        if getattr(self.cfg, "metrics_listen", None):
+            self._start_metrics_listener(self.cfg.metrics_listen)  # type: ignore[attr-defined]
         threading.Thread(target=self._watch_heartbeats, daemon=True, name="heartbeats").start()
 
     def _start_rest(self) -> None:
@@ -229,6 +245,18 @@ class Coordinator:
             self.rest.port,
         )
 
+    def _start_metrics_listener(self, listen: str) -> None:
+        """The opt-in plain listener: /metrics, /healthz, /readyz, read-only dashboard."""
+        from mobius_fed.coordinator.rest import RestServer
+
+        host, port = listen.rsplit(":", 1)
+        host = host.strip("[]")
+        self.metrics_server = RestServer(
+            self.state, host, int(port), tls=None, allowed=None, metrics=True
+        )
+        self.metrics_server.start()
+        log.info("metrics on http://%s:%s/metrics", host, self.metrics_server.port)
+
     def _set_health(self, status: int) -> None:
         for name in ("", "mobius_fed.control.v1.Control"):
             self._health.set(name, status)
@@ -236,6 +264,8 @@ class Coordinator:
     def stop(self) -> None:
         if self.rest is not None:
             self.rest.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         if self._server is not None:  # open worker sessions would use up any longer grace
             self._server.stop(grace=0.5).wait()
 
@@ -321,6 +351,7 @@ class Coordinator:
                 log.exception("run %s: internal error", self.cfg.run_id)
                 return self._fail(f"internal error in the coordinator: {exc!r}")
         self.state.finish("done")
+        self._flush_line()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.grid.broadcast_stop("done")
         self._await_workers_leaving(timeout=30)
@@ -359,6 +390,12 @@ class Coordinator:
             aside = ckpts.with_name(f"{ckpts.name}.{int(time.time())}")
             ckpts.rename(aside)
             log.warning("an earlier run's checkpoints moved to %s", aside)
+        for name in (METRICS_FILE, HISTORY_FILE):
+            old = Path(self.cfg.out_dir) / name
+            if old.is_file():
+                aside = old.with_name(f"{name}.{int(time.time())}")
+                old.rename(aside)
+                log.warning("an earlier run's %s moved to %s", name, aside)
         return self._seed_state()
 
     def _seed_state(self) -> RoundState:
@@ -653,6 +690,7 @@ class Coordinator:
         log.error("run %s failed: %s", self.cfg.run_id, reason)
         self.grid.fail(reason)
         self.state.finish("failed", reason)
+        self._flush_line()
         for inc in self.state.incidents:
             if inc.state == "open":
                 self.state.update_incident(inc, state="failed")
@@ -672,7 +710,8 @@ class Coordinator:
     def after_train(self, rnd: int, replies: list[Message], arrays: ArrayRecord | None) -> None:
         seconds = time.perf_counter() - self._round_started
         start, end = self.plan.steps_of(rnd)
-        worker_seconds = snapshot_seconds = 0.0
+        worker_seconds = snapshot_seconds = tokens = 0.0
+        figures: dict[int, dict[str, float]] = {}
         for reply in replies:
             rank = rank_of_node(reply.metadata.src_node_id)
             metrics = reply.content["metrics"]
@@ -681,8 +720,22 @@ class Coordinator:
             self.state.update_worker(rank, last_loss=losses[-1], step=end)
             worker_seconds = max(worker_seconds, float(metrics["train-seconds"]))
             snapshot_seconds = max(snapshot_seconds, float(metrics.get("snapshot-seconds", 0.0)))
-        self.state.record_round(rnd, seconds, worker_seconds, snapshot_seconds)
+            tokens += float(metrics["num-examples"])
+            figures[rank] = {"train_s": float(metrics["train-seconds"])}
+            for key, name in OPTIONAL_FIGURES.items():
+                if key in metrics:
+                    figures[rank][name] = float(metrics[key])  # type: ignore[arg-type]
+        self.state.record_round(
+            rnd,
+            seconds,
+            worker_seconds,
+            snapshot_seconds,
+            workers=figures,
+            steps=end - start,
+            tokens=tokens,
+        )
         self.state.set(round=rnd, step=end)
+        self._round_line(rnd, start, end, seconds, figures)
         self.in_flight = 0
         if arrays is not None:
             snap = RoundState(rnd, copy.deepcopy(arrays), server_state(self.strategy))
@@ -704,7 +757,54 @@ class Coordinator:
         }
         self.state.record_eval(rnd, self.plan.steps_of(rnd)[1], per)
         log.info("round %d: validation loss (Eq. 8) %.4f", rnd, sum(per.values()) / len(per))
+        self._eval_line(rnd, per)
         self._round_started = time.perf_counter()
+
+    # ------------------------------------------------------ metrics on disk
+    def _round_line(
+        self, rnd: int, start: int, end: int, seconds: float, figures: dict[int, dict[str, float]]
+    ) -> None:
+        """metrics.jsonl: one line per round; an evaluating round's waits for its Eq. 8."""
+        self._flush_line()
+        hist = self.state.history_doc()
+        steps = [row for row in hist["steps"] if start <= row["step"] < end]
+        self._pending_line = {
+            "round": rnd,
+            "step": end,
+            "time": time.time(),
+            "seconds": seconds,
+            "losses": [row["loss"] for row in steps],
+            "origin_losses": [row["origin_losses"] for row in steps],
+            "loss": steps[-1]["loss"] if steps else None,
+            "workers": {str(r): f for r, f in sorted(figures.items())},
+        }
+        if not self.plan.evaluates(rnd):
+            self._flush_line()
+
+    def _eval_line(self, rnd: int, per: dict[int, float]) -> None:
+        line = self._pending_line
+        if line is None or line["round"] != rnd:  # an evaluation redone after a restore
+            self._flush_line()
+            line = self._pending_line = {"round": rnd, "step": self.plan.steps_of(rnd)[1]}
+        line["eval_loss"] = sum(per.values()) / len(per)
+        line["eval_origin_losses"] = [per[s] for s in sorted(per)]
+        self._flush_line()
+
+    def _flush_line(self) -> None:
+        """Append the pending round line to metrics.jsonl and rewrite history.json."""
+        line, self._pending_line = self._pending_line, None
+        out = Path(self.cfg.out_dir)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            if line is not None:
+                with open(out / METRICS_FILE, "a") as f:
+                    f.write(json.dumps(json_safe(line), allow_nan=False) + "\n")
+            doc = {**self.state.history_doc(), "status": self.state.status_doc()}
+            write_bytes_atomic(
+                out / HISTORY_FILE, json.dumps(json_safe(doc), allow_nan=False).encode()
+            )
+        except OSError as exc:  # metrics on disk never end a run
+            log.error("cannot write %s: %s", out / METRICS_FILE, exc)
 
     # ---------------------------------------------------------- checkpoints
     def _write_checkpoint(
@@ -805,6 +905,10 @@ def _finite_loss(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e4
 
 
+def _finite_figure(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e18
+
+
 def reply_problem(kind: str, content: Any) -> str | None:
     """Why a worker's reply of message type ``kind`` is unusable (None: it is fine)."""
     try:
@@ -815,6 +919,9 @@ def reply_problem(kind: str, content: Any) -> str | None:
                 return "losses must be a non-empty list of finite losses in [0, 1e4)"
             if not float(m["num-examples"]) > 0 or not float(m["train-seconds"]) >= 0:
                 return "num-examples must be > 0 and train-seconds ≥ 0"
+            for key in OPTIONAL_FIGURES:
+                if key in m and not _finite_figure(m[key]):
+                    return f"{key} must be a finite number ≥ 0"
         elif kind == "evaluate":
             if not _finite_loss(content["metrics"]["eval-loss"]):
                 return "eval-loss must be a finite loss in [0, 1e4)"
@@ -829,3 +936,27 @@ def reply_problem(kind: str, content: Any) -> str | None:
     except (KeyError, TypeError, ValueError) as exc:
         return f"missing or malformed field ({exc!r})"
     return None
+
+
+def run_config_doc(cfg: CoordinatorConfig) -> dict[str, Any]:
+    """The run's configuration as status and the dashboard show it (no key material)."""
+    return {
+        "run_id": cfg.run_id,
+        "strategy": cfg.strategy,
+        "strategy_options": dict(cfg.strategy_options),
+        "checkpoint_every": cfg.checkpoint_every,
+        "fingerprint": cfg.train.fingerprint(),
+        "train": cfg.train.model_dump(mode="json"),
+    }
+
+
+def privacy_source(train: Any):
+    """``step → privacy status block`` from ``mobius_fed.privacy.report`` if it exists."""
+    try:
+        report = importlib.import_module("mobius_fed.privacy.report")
+    except ImportError:
+        return None
+    block = getattr(report, "status_block", None)
+    if block is None:
+        return None
+    return lambda step: block(train, step)

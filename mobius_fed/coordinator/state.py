@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+log = logging.getLogger("mobius.coordinator")
 
 PHASES = ("waiting", "training", "recovering", "done", "failed", "stopped")
 WORKER_STATES = (
@@ -20,7 +24,10 @@ WORKER_STATES = (
     "restoring",  # loading the rollback state
     "recovered",  # back in the ring after an incident (until its next heartbeat)
     "done",
+    "finished",  # the run ended done: the worker was told to stop
+    "stopped",  # the run failed or was stopped: the worker was told to stop
 )
+ENDED_PHASES = ("done", "failed", "stopped")
 REPORTED_STATES = ("registered", "ready", "training", "evaluating", "restoring")
 """States a worker may report about itself in a heartbeat (the rest are the coordinator's)."""
 
@@ -58,6 +65,16 @@ class WorkerStatus:
     tokens_per_s: float = 0.0
     incidents: int = 0  # incidents in which this worker was the one lost
     edges: dict[str, Any] = field(default_factory=dict)  # its ring links as it reports them
+    # Its latest training round, as it reported it (None: not reported).
+    train_s: float | None = None
+    wait_s: float | None = None
+    compute_s: float | None = None
+    wait_share: float | None = None  # wait_s / train_s
+    bytes_per_s: float | None = None  # bytes it sent / train_s
+    # Totals over the run (redone rounds included).
+    train_s_total: float = 0.0
+    wait_s_total: float = 0.0
+    bytes_sent_total: float = 0.0
 
 
 @dataclass
@@ -81,6 +98,14 @@ class RunState:
     evals: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
     incidents: list[Incident] = field(default_factory=list)
+    config: dict[str, Any] | None = None  # the run's configuration, for status and dashboard
+    privacy: Callable[[int], dict[str, Any] | None] | None = None  # step → status block
+    totals: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(
+            ("rounds", "evaluations", "tokens", "heartbeats", "steps_redone"), 0.0
+        )
+    )
+    _metrics: Any = field(default=None, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def __post_init__(self) -> None:
@@ -111,10 +136,23 @@ class RunState:
             self.evals.append(
                 {"round": rnd, "step": step, "loss": sum(per) / len(per), "origin_losses": per}
             )
+            self.totals["evaluations"] += 1
 
     def record_round(
-        self, rnd: int, seconds: float, worker_seconds: float, snapshot_s: float = 0.0
+        self,
+        rnd: int,
+        seconds: float,
+        worker_seconds: float,
+        snapshot_s: float = 0.0,
+        *,
+        workers: dict[int, dict[str, Any]] | None = None,
+        steps: int = 0,
+        tokens: float = 0.0,
     ) -> None:
+        """A training round ended; ``workers``: rank → figures it reported for the round
+        (``train_s``, and where it reports them ``wait_s``, ``compute_s``, ``bytes_sent``,
+        ``frames_sent``)."""
+        workers = workers or {}
         with self._lock:
             self.rounds.append(
                 {
@@ -123,8 +161,32 @@ class RunState:
                     "train_s": worker_seconds,
                     "overhead_s": max(0.0, seconds - worker_seconds),
                     "snapshot_s": snapshot_s,  # the slowest worker's in-memory barrier copy
+                    "steps": steps,
+                    "workers": {str(r): dict(v) for r, v in sorted(workers.items())},
                 }
             )
+            self.totals["rounds"] += 1
+            self.totals["tokens"] += tokens
+            for rank, fig in workers.items():
+                w = self.workers[rank]
+                train_s = fig.get("train_s")
+                w.train_s, w.wait_s = train_s, fig.get("wait_s")
+                w.compute_s = fig.get("compute_s")
+                w.wait_share = w.bytes_per_s = None
+                if train_s:
+                    if w.wait_s is not None:
+                        w.wait_share = min(1.0, w.wait_s / train_s)
+                    if fig.get("bytes_sent") is not None:
+                        w.bytes_per_s = fig["bytes_sent"] / train_s
+                w.train_s_total += train_s or 0.0
+                w.wait_s_total += w.wait_s or 0.0
+                w.bytes_sent_total += fig.get("bytes_sent") or 0.0
+        if self._metrics is not None:
+            self._metrics.observe_round(seconds, steps, workers)
+
+    def count_heartbeat(self) -> None:
+        with self._lock:
+            self.totals["heartbeats"] += 1
 
     def open_incident(self, **fields: Any) -> Incident:
         with self._lock:
@@ -146,8 +208,19 @@ class RunState:
             self.round, self.step = rnd, end_step
 
     def finish(self, phase: str, error: str | None = None) -> None:
+        """The run ended: every worker not lost shows ``finished`` (done) or ``stopped``."""
         with self._lock:
             self.phase, self.error, self.finished_at = phase, error, time.time()
+            final = "finished" if phase == "done" else "stopped"
+            for w in self.workers.values():
+                if w.state not in ("lost", "expected"):
+                    w.state = final
+                elif w.state == "expected" and phase != "done":
+                    w.state = "stopped"
+
+    @property
+    def ended(self) -> bool:
+        return self.phase in ENDED_PHASES
 
     # ------------------------------------------------------------- reports
     def status_doc(self) -> dict[str, Any]:
@@ -171,6 +244,9 @@ class RunState:
                 "server_time": now,
                 "ring": self._ring_doc(),
                 "incidents": [asdict(i) for i in self.incidents],
+                "config": self.config,
+                "privacy": self._privacy_block(),
+                "train_loss": self._train_loss(),
                 "workers": [
                     {
                         **asdict(w),
@@ -182,6 +258,23 @@ class RunState:
                 ],
             }
 
+    def _privacy_block(self) -> dict[str, Any] | None:
+        if self.privacy is None:
+            return None
+        try:
+            return self.privacy(self.step)
+        except Exception as exc:  # status must answer whatever the report does
+            log.warning("privacy status block failed: %r", exc)
+            return {"error": f"privacy report failed: {exc!r}"}
+
+    def _train_loss(self) -> float | None:
+        """Mean over origins of the latest step every origin reported."""
+        for n in sorted(self.losses, reverse=True):
+            per = self.losses[n]
+            if len(per) == self.P:
+                return sum(per.values()) / self.P
+        return None
+
     def _ring_doc(self) -> list[dict[str, Any]]:
         """Each ring edge i → i+1 as its sender reports it (unknown until it does)."""
         edges = []
@@ -191,12 +284,16 @@ class RunState:
             state = out.get("state", "unknown")
             if w.state in ("lost", "rejoining") or self.workers[j].state in ("lost", "rejoining"):
                 state = "down"
+            if self.phase in ENDED_PHASES and state in ("up", "unknown"):
+                state = "closed"
             edges.append(
                 {
                     "edge": f"worker-{i} → worker-{j}",
                     "state": state,
                     "reconnects": out.get("reconnects", 0),
                     "down_s": out.get("down_s", 0.0),
+                    "bytes_per_s": w.bytes_per_s,  # what its sender reported
+                    "wait_share": self.workers[j].wait_share,  # its receiver waiting on it
                 }
             )
         return edges
@@ -217,107 +314,51 @@ class RunState:
                 "incidents": [asdict(i) for i in self.incidents],
             }
 
-    def prometheus(self) -> str:
-        """Prometheus text exposition format (version 0.0.4).
+    @property
+    def metrics(self) -> Any:
+        """This run's :class:`~mobius_fed.coordinator.metrics.CoordinatorMetrics`."""
+        with self._lock:
+            if self._metrics is None:
+                from mobius_fed.coordinator.metrics import CoordinatorMetrics
 
-        Every family is ``# HELP``, ``# TYPE``, then all of its samples, contiguously;
-        label values and help texts are escaped and non-finite values spelled as
-        Prometheus expects (``NaN``, ``+Inf``, ``-Inf``).
-        """
+                self._metrics = CoordinatorMetrics(self)
+            return self._metrics
+
+    def metrics_doc(self) -> dict[str, Any]:
+        """What the Prometheus collector reads, in one consistent snapshot."""
         with self._lock:
             now = time.time()
-            run = (("run_id", self.run_id),)
-            workers = [self.workers[i] for i in sorted(self.workers)]
-            fams: list[tuple[str, str, list[tuple[tuple[tuple[str, object], ...], object]]]] = [
-                ("mobius_step", "Training steps completed.", [(run, self.step)]),
-                ("mobius_steps_target", "Training steps the run will take.", [(run, self.steps)]),
-                ("mobius_round", "Flower rounds (step barriers) started.", [(run, self.round)]),
-                ("mobius_num_rounds", "Flower rounds the run will take.", [(run, self.num_rounds)]),
-                (
-                    "mobius_phase",
-                    "Run phase (1 for the current one).",
-                    [((*run, ("phase", p)), int(p == self.phase)) for p in PHASES],
-                ),
-                (
-                    "mobius_worker_up",
-                    "Worker alive (1) or lost / not yet registered (0).",
-                    [
-                        ((*run, ("rank", w.rank)), int(w.state not in ("lost", "expected")))
-                        for w in workers
-                    ],
-                ),
-                (
-                    "mobius_worker_step",
-                    "Last step the worker reported.",
-                    [((*run, ("rank", w.rank)), w.step) for w in workers],
-                ),
-                (
-                    "mobius_worker_loss",
-                    "Last training loss of the worker's own origin.",
-                    [
-                        ((*run, ("rank", w.rank)), w.last_loss)
-                        for w in workers
-                        if w.last_loss is not None
-                    ],
-                ),
-                (
-                    "mobius_worker_tokens_per_second",
-                    "Worker throughput.",
-                    [((*run, ("rank", w.rank)), w.tokens_per_s) for w in workers],
-                ),
-                (
-                    "mobius_worker_heartbeat_age_seconds",
-                    "Seconds since the last heartbeat.",
-                    [
-                        ((*run, ("rank", w.rank)), round(now - w.last_heartbeat, 3))
-                        for w in workers
-                        if w.last_heartbeat is not None
-                    ],
-                ),
+            doc = self.status_doc()
+            doc["phases"] = {p: int(p == self.phase) for p in PHASES}
+            doc["totals"] = {
+                **self.totals,
+                "incidents": len(self.incidents),
+                "recovered": sum(i.state == "recovered" for i in self.incidents),
+                "steps_redone": sum(i.steps_redone or 0 for i in self.incidents),
+            }
+            doc["workers"] = [
+                {
+                    "rank": w.rank,
+                    "state": w.state,
+                    "up": int(w.state not in ("lost", "expected", "finished", "stopped")),
+                    "step": w.step,
+                    "loss": w.last_loss,
+                    "tokens_per_s": w.tokens_per_s,
+                    "heartbeat_age_s": None
+                    if w.last_heartbeat is None
+                    else round(now - w.last_heartbeat, 3),
+                    "wait_share": w.wait_share,
+                    "train_s": w.train_s_total,
+                    "wait_s": w.wait_s_total if w.wait_s is not None else None,
+                    "bytes_sent": w.bytes_sent_total if w.bytes_per_s is not None else None,
+                }
+                for w in (self.workers[i] for i in sorted(self.workers))
             ]
-            recovered = sum(i.state == "recovered" for i in self.incidents)
-            counters = [
-                (
-                    "mobius_incidents_total",
-                    "Incidents (a worker or ring edge lost).",
-                    [(run, len(self.incidents))],
-                ),
-                (
-                    "mobius_incidents_recovered_total",
-                    "Incidents the run recovered from.",
-                    [(run, recovered)],
-                ),
-                (
-                    "mobius_steps_redone_total",
-                    "Training steps redone after rollbacks.",
-                    [(run, sum(i.steps_redone or 0 for i in self.incidents))],
-                ),
-            ]
-            if self.evals:
-                fams.append(
-                    (
-                        "mobius_eval_loss",
-                        "Latest validation loss (paper Eq. 8).",
-                        [(run, self.evals[-1]["loss"])],
-                    )
-                )
-            if self.rounds:
-                fams.append(
-                    (
-                        "mobius_round_seconds",
-                        "Wall time of the latest round.",
-                        [(run, self.rounds[-1]["seconds"])],
-                    )
-                )
-        lines: list[str] = []
-        typed = [(f, "gauge") for f in fams] + [(f, "counter") for f in counters]
-        for (name, help_, samples), kind in typed:
-            lines.append(f"# HELP {name} {escape_help(help_)}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                lbl = ",".join(f'{k}="{escape_label_value(str(v))}"' for k, v in labels)
-                lines.append(f"{name}{{{lbl}}} {format_sample(value)}")
-        return "\n".join(lines) + "\n"
+            return doc
+
+    def prometheus(self) -> str:
+        """Prometheus text exposition format (version 0.0.4), by ``prometheus_client``."""
+        return self.metrics.render().decode()
 
 
 def escape_label_value(value: str) -> str:

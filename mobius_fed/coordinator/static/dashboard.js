@@ -1,0 +1,252 @@
+// mobius-fed dashboard: polls /v1/status and /v1/history and draws them as SVG.
+// No dependencies. Every figure shown is also in a data-* attribute, for tests and scripts.
+"use strict";
+
+const SVG = "http://www.w3.org/2000/svg";
+const POLL_MS = 2000;
+const ENDED_POLL_MS = 5000;
+const PALETTE = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#db2777", "#0891b2",
+  "#65a30d"];
+
+window.addEventListener("error", () => {
+  document.body.dataset.errors = String(Number(document.body.dataset.errors || 0) + 1);
+});
+
+function el(tag, attrs, parent, text) {
+  const isSvg = ["svg", "g", "path", "line", "circle", "text", "rect", "title"].includes(tag);
+  const node = isSvg ? document.createElementNS(SVG, tag) : document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v !== undefined && v !== null) node.setAttribute(k, String(v));
+  }
+  if (text !== undefined) node.textContent = text;
+  if (parent) parent.appendChild(node);
+  return node;
+}
+
+function fmt(v, digits = 4) {
+  if (v === null || v === undefined) return "–";
+  if (typeof v !== "number") return String(v);
+  return Number.isInteger(v) ? String(v) : v.toFixed(digits);
+}
+
+function fmtBytes(v) {
+  if (v === null || v === undefined) return "–";
+  const units = ["B", "KB", "MB", "GB"];
+  let i = 0;
+  while (v >= 1000 && i < units.length - 1) { v /= 1000; i += 1; }
+  return `${v.toFixed(v < 10 ? 1 : 0)} ${units[i]}`;
+}
+
+// A line chart: series = [{name, points: [[x, y]], color, origin}]
+function chart(container, series, opts) {
+  const W = 720, H = 240, L = 52, R = 110, T = 10, B = 28;
+  container.textContent = "";
+  const svg = el("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": opts.title },
+    container);
+  const all = series.flatMap((s) => s.points);
+  if (!all.length) {
+    el("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "tick" }, svg,
+      opts.empty || "no data yet");
+  }
+  const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
+  let x0 = Math.min(...xs, 0), x1 = Math.max(...xs, 1);
+  let y0 = Math.min(...ys), y1 = Math.max(...ys);
+  if (!isFinite(y0)) { y0 = 0; y1 = 1; }
+  if (y1 - y0 < 1e-9) { y0 -= 0.5; y1 += 0.5; }
+  const pad = (y1 - y0) * 0.05; y0 -= pad; y1 += pad;
+  if (x1 === x0) x1 = x0 + 1;
+  const sx = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
+  const sy = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
+  for (let k = 0; k <= 4; k++) {
+    const y = y0 + ((y1 - y0) * k) / 4;
+    el("line", { x1: L, x2: W - R, y1: sy(y), y2: sy(y), class: "grid" }, svg);
+    el("text", { x: L - 4, y: sy(y) + 3, "text-anchor": "end", class: "tick" }, svg,
+      y.toFixed(Math.abs(y1 - y0) < 1 ? 3 : 2));
+    const x = x0 + ((x1 - x0) * k) / 4;
+    el("text", { x: sx(x), y: H - B + 14, "text-anchor": "middle", class: "tick" }, svg,
+      String(Math.round(x)));
+  }
+  el("line", { x1: L, x2: L, y1: T, y2: H - B, class: "axis" }, svg);
+  el("line", { x1: L, x2: W - R, y1: H - B, y2: H - B, class: "axis" }, svg);
+  el("text", { x: (L + W - R) / 2, y: H - 2, "text-anchor": "middle", class: "tick" }, svg,
+    opts.xlabel || "step");
+  series.forEach((s, i) => {
+    const d = s.points.map((p, k) => `${k ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`)
+      .join("");
+    const last = s.points.length ? s.points[s.points.length - 1][1] : null;
+    el("path", {
+      d: d || "M0,0", class: `curve${s.origin ? " origin" : ""}`, stroke: s.color,
+      "data-series": s.name, "data-points": s.points.length,
+      "data-last": last === null ? "" : String(last),
+    }, svg);
+    el("text", { x: W - R + 8, y: T + 12 + i * 13, class: "legend", fill: s.color }, svg,
+      `${s.label || s.name}${last === null ? "" : " " + fmt(last)}`);
+  });
+}
+
+function drawRing(container, status) {
+  const W = 420, H = 360, cx = W / 2, cy = H / 2 - 6, r = 120, nr = 26;
+  container.textContent = "";
+  const svg = el("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "ring" },
+    container);
+  const P = status.workers.length;
+  const pos = (i) => {
+    const a = -Math.PI / 2 + (2 * Math.PI * i) / Math.max(P, 1);
+    return [cx + r * Math.cos(a), cy + r * Math.sin(a)];
+  };
+  (status.ring || []).forEach((e, i) => {
+    const [xa, ya] = pos(i), [xb, yb] = pos((i + 1) % P);
+    const g = el("g", {
+      class: "edge", "data-edge": e.edge, "data-state": e.state,
+      "data-bytes-per-s": e.bytes_per_s ?? "", "data-wait-share": e.wait_share ?? "",
+    }, svg);
+    const mx = (xa + xb) / 2, my = (ya + yb) / 2;
+    const bend = P === 2 ? (i ? 40 : -40) : 0;  // two workers: two arcs, not one line
+    const qx = mx + ((mx - cx) * 0.25) + bend, qy = my + ((my - cy) * 0.25);
+    el("path", { d: `M${xa},${ya} Q${qx},${qy} ${xb},${yb}`, class: `edge-line state-${e.state}` },
+      g);
+    const lx = mx + (mx - cx) * 0.45 + bend * 1.4, ly = my + (my - cy) * 0.45;
+    const share = e.wait_share === null || e.wait_share === undefined ? "–"
+      : `${Math.round(e.wait_share * 100)}% wait`;
+    el("text", { x: lx, y: ly, class: "edge-label" }, g, `${fmtBytes(e.bytes_per_s)}/s`);
+    el("text", { x: lx, y: ly + 12, class: "edge-label" }, g, share);
+    el("title", {}, g, `${e.edge}: ${e.state}, ${e.reconnects} reconnects`);
+  });
+  status.workers.forEach((w, i) => {
+    const [x, y] = pos(i);
+    const g = el("g", {
+      class: "worker", "data-rank": w.rank, "data-state": w.state, "data-step": w.step,
+      "data-last-loss": w.last_loss ?? "",
+    }, svg);
+    el("circle", { cx: x, cy: y, r: nr, class: `state-${w.state}` }, g);
+    el("text", { x, y: y + 4, class: "node-label" }, g, `w${w.rank}`);
+    const below = y > cy ? nr + 14 : -nr - 6;
+    el("text", { x, y: y + below, class: "edge-label" }, g, `${w.state} · step ${w.step}`);
+    el("title", {}, g, `worker-${w.rank} ${w.address || ""}: ${w.state}`);
+  });
+}
+
+function table(tbl, header, rows) {
+  tbl.textContent = "";
+  const tr = el("tr", {}, tbl);
+  header.forEach((h) => el("th", {}, tr, h));
+  rows.forEach((row) => {
+    const r = el("tr", row.attrs || {}, tbl);
+    row.cells.forEach((c) => el("td", c.cls ? { class: c.cls } : {}, r, fmt(c.v ?? c)));
+  });
+}
+
+function flatten(obj, prefix, out) {
+  for (const [k, v] of Object.entries(obj || {})) {
+    const key = prefix ? `${prefix}.${k}` : k;
+    if (v && typeof v === "object" && !Array.isArray(v)) flatten(v, key, out);
+    else out.push([key, Array.isArray(v) ? JSON.stringify(v) : v]);
+  }
+  return out;
+}
+
+function render(status, history) {
+  const body = document.body;
+  body.dataset.phase = status.phase;
+  body.dataset.step = status.step;
+  body.dataset.round = status.round;
+  body.dataset.runId = status.run_id;
+  body.dataset.workers = status.workers.length;
+  document.getElementById("run-id").textContent = status.run_id;
+  const summary = document.getElementById("summary");
+  summary.textContent = "";
+  const items = [
+    ["phase", status.phase, `phase-${status.phase}`],
+    ["step", `${status.step}/${status.steps}`],
+    ["round", `${status.round}/${status.num_rounds}`],
+    ["strategy", status.strategy],
+    ["train_loss", status.train_loss],
+    ["eval_loss", status.eval_loss],
+  ];
+  const raw = { step: status.step, round: status.round };
+  for (const [name, value, cls] of items) {
+    const span = el("span", { "data-field": name,
+      "data-value": raw[name] ?? (value === null || value === undefined ? "" : String(value)) },
+      summary);
+    span.appendChild(document.createTextNode(`${name.replace("_", " ")} `));
+    el("b", cls ? { class: cls } : {}, span, fmt(value));
+  }
+  if (status.error) el("span", { class: "state-failed" }, summary, `error: ${status.error}`);
+
+  const P = status.workers.length;
+  const evalSeries = [{ name: "eval", label: "Eq. 8", color: "#111827",
+    points: history.evals.filter((e) => e.loss !== null).map((e) => [e.step, e.loss]) }];
+  for (let s = 0; s < P; s++) {
+    evalSeries.push({ name: `val-origin-${s}`, label: `origin ${s}`, origin: true,
+      color: PALETTE[s % PALETTE.length],
+      points: history.evals.filter((e) => e.origin_losses[s] !== null)
+        .map((e) => [e.step, e.origin_losses[s]]) });
+  }
+  chart(document.getElementById("chart-eval"), evalSeries,
+    { title: "validation loss", empty: "no evaluation yet" });
+
+  const trainSeries = [{ name: "train", label: "mean", color: "#111827",
+    points: history.steps.filter((r) => r.loss !== null).map((r) => [r.step + 1, r.loss]) }];
+  for (let s = 0; s < P; s++) {
+    trainSeries.push({ name: `train-origin-${s}`, label: `origin ${s}`, origin: true,
+      color: PALETTE[s % PALETTE.length],
+      points: history.steps.filter((r) => r.origin_losses[s] !== null)
+        .map((r) => [r.step + 1, r.origin_losses[s]]) });
+  }
+  chart(document.getElementById("chart-train"), trainSeries, { title: "training loss" });
+
+  const rounds = history.rounds.filter((r) => r.steps > 0);
+  chart(document.getElementById("chart-step"), [
+    { name: "step-time", label: "s/step", color: "#2563eb",
+      points: rounds.map((r) => [r.round, r.train_s / r.steps]) },
+    { name: "overhead", label: "barrier s", color: "#d97706", origin: true,
+      points: rounds.map((r) => [r.round, r.overhead_s]) },
+  ], { title: "step time", xlabel: "round" });
+
+  drawRing(document.getElementById("ring"), status);
+  table(document.getElementById("workers"),
+    ["rank", "state", "step", "loss", "tokens/s", "train s", "wait share"],
+    status.workers.map((w) => ({ attrs: { class: "worker-row", "data-rank": w.rank },
+      cells: [w.rank, { v: w.state, cls: `state-${w.state}` }, w.step, w.last_loss,
+        w.tokens_per_s, w.train_s, w.wait_share === null ? null
+          : `${Math.round(w.wait_share * 100)}%`] })));
+  table(document.getElementById("incidents"),
+    ["#", "state", "what", "detected (s)", "recovered (s)", "rollback", "redone"],
+    status.incidents.map((i) => ({ attrs: { class: "incident", "data-id": i.id,
+      "data-state": i.state },
+      cells: [i.id, { v: i.state, cls: `state-${i.state}` }, i.what, i.detection_s,
+        i.recovery_s, i.rollback_round, i.steps_redone] })));
+  const cfg = flatten(status.config || {}, "", []);
+  table(document.getElementById("config"), ["key", "value"],
+    cfg.map(([k, v]) => ({ attrs: { "data-key": k }, cells: [k, v] })));
+  const priv = document.getElementById("privacy");
+  priv.textContent = status.privacy ? JSON.stringify(status.privacy, null, 2) : "none reported";
+  priv.dataset.present = status.privacy ? "1" : "0";
+}
+
+async function getJSON(path) {
+  const r = await fetch(path, { cache: "no-store", headers: { accept: "application/json" } });
+  if (!r.ok) throw new Error(`${path}: HTTP ${r.status}`);
+  return r.json();
+}
+
+async function poll() {
+  let wait = POLL_MS;
+  const banner = document.getElementById("error");
+  try {
+    const [status, history] = await Promise.all([getJSON("/v1/status"),
+      getJSON("/v1/history")]);
+    render(status, history);
+    banner.hidden = true;
+    document.getElementById("updated").textContent =
+      `updated ${new Date().toLocaleTimeString()}`;
+    document.body.dataset.ready = "1";
+    if (["done", "failed", "stopped"].includes(status.phase)) wait = ENDED_POLL_MS;
+  } catch (err) {
+    banner.hidden = false;
+    banner.textContent = `cannot read the coordinator's status: ${err.message} (retrying)`;
+  }
+  setTimeout(poll, wait);
+}
+
+poll();
