@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mobius_fed.model.knobs import LoopKnobs, ResidualScale
+
 
 class ModelConfig(BaseModel):
     """Shape of the modded GPT-2 split into P block groups."""
@@ -20,6 +22,9 @@ class ModelConfig(BaseModel):
     tied: bool = True
     mlp_ratio: int = 4
     logit_cap: float = 30.0
+    loops: int = Field(1, ge=1, description="L: passes, so K = L·P applications per path")
+    depth_embedding: bool = False
+    residual_scale: ResidualScale = "off"
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -35,6 +40,11 @@ class ModelConfig(BaseModel):
     @property
     def layers_per_group(self) -> int:
         return self.n_layer // self.groups
+
+    @property
+    def applications(self) -> int:
+        """K = L·P: block-group applications on every stream's path."""
+        return self.loops * self.groups
 
 
 # vocab_size None = derived from the encoding (padded to a multiple of 64).
@@ -62,8 +72,14 @@ def make_model_config(
     tied: bool = True,
     seq_len: int | None = None,
     n_layer: int | None = None,
+    loops: int = 1,
+    knobs: LoopKnobs | None = None,
 ) -> ModelConfig:
-    """Resolve a preset name into a ModelConfig; unknown names raise ValueError."""
+    """Resolve a preset name into a ModelConfig; unknown names raise ValueError.
+
+    ``loops`` and ``knobs`` matter only when a loop knob is on (the groups' extra
+    parameters depend on K = loops · groups).
+    """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (expected one of {', '.join(PRESETS)})")
     spec = dict(PRESETS[preset])
@@ -75,4 +91,12 @@ def make_model_config(
         spec["seq_len"] = seq_len
     if n_layer is not None:
         spec["n_layer"] = n_layer
-    return ModelConfig(groups=groups, tied=tied, **spec)
+    knobs = knobs or LoopKnobs()
+    return ModelConfig(
+        groups=groups,
+        tied=tied,
+        loops=loops,
+        depth_embedding=knobs.depth_embedding,
+        residual_scale=knobs.residual_scale,
+        **spec,
+    )

@@ -2,22 +2,45 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from mobius_fed.model.config import ModelConfig
+from mobius_fed.model.knobs import residual_epsilon
 from mobius_fed.model.layers import Block
+
+# Group parameters that are not weight matrices of a layer (AdamW, never Muon).
+LOOP_PARAMETERS = ("depth_embedding",)
 
 
 class BlockGroup(nn.Module):
-    """F_i: ``layers_per_group`` consecutive blocks, owned by worker i."""
+    """F_i: ``layers_per_group`` consecutive blocks, owned by worker i.
+
+    With the loop knobs on (``ModelConfig.depth_embedding`` / ``residual_scale``) the group
+    also owns a ``[K, d]`` table of depth vectors and scales each visit's update; both are
+    functions of the application index t alone, so any engine computes the same thing.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers_per_group))
+        self.applications = cfg.applications
+        self.epsilon = residual_epsilon(cfg.residual_scale, cfg.loops)
+        self.depth_embedding = (
+            nn.Parameter(torch.zeros(cfg.applications, cfg.d_model))
+            if cfg.depth_embedding
+            else None
+        )
 
     def forward(self, x: Tensor, t: int = 0) -> Tensor:
         """Apply the group at application index t (0..K-1) of a stream's path."""
-        del t  # the paper's groups do not depend on where in the path they run
+        h = x
+        if self.depth_embedding is not None:
+            if not 0 <= t < self.applications:
+                raise ValueError(f"application index t={t} outside 0..{self.applications - 1}")
+            h = h + self.depth_embedding[t]
         for block in self.blocks:
-            x = block(x)
-        return x
+            h = block(h)
+        if self.epsilon != 1.0:
+            h = x + self.epsilon * (h - x)
+        return h

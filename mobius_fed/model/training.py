@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from mobius_fed.model.group import LOOP_PARAMETERS
+
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig
 
@@ -21,15 +23,21 @@ ADAM_BETAS = (0.9, 0.95)
 def make_optimizers(
     module: nn.Module, cfg: TrainConfig, *, blocks: bool
 ) -> list[torch.optim.Optimizer]:
-    """Muon for the 2-D matrices of block groups, AdamW for everything else.
+    """Muon for the 2-D weight matrices of block groups, AdamW for everything else
+    (embedding, head, gains and the loop knobs' depth vectors).
 
     ``cfg.optimizer == "adamw"`` uses AdamW for every parameter (no bf16 Newton–Schulz).
     ``cfg.muon_adjust_lr`` is torch's ``adjust_lr_fn``: "original" scales a matrix's step by
     sqrt(max(1, rows/cols)) (Keller Jordan's Muon, as in modded-nanogpt and the paper);
     "match_rms_adamw" by 0.2·sqrt(max(rows, cols)) (Moonshot's, to match AdamW's update RMS).
     """
-    params = [p for p in module.parameters() if p.requires_grad]
-    matrices = [p for p in params if blocks and p.ndim == 2 and cfg.optimizer == "muon"]
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    matrices = [
+        p
+        for n, p in named
+        if blocks and p.ndim == 2 and cfg.optimizer == "muon" and n not in LOOP_PARAMETERS
+    ]
     rest = [p for p in params if not any(p is q for q in matrices)]
     opts: list[torch.optim.Optimizer] = []
     if matrices:
