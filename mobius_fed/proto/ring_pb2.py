@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmobius_fed/proto/ring.proto\x12\x12mobius_fed.ring.v1\"n\n\x06Tensor\x12(\n\x05\x64type\x18\x01 \x01(\x0e\x32\x19.mobius_fed.ring.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\"\x86\x02\n\x05\x46rame\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06origin\x18\x03 \x01(\r\x12\x0c\n\x04tick\x18\x04 \x01(\r\x12\r\n\x05micro\x18\x05 \x01(\r\x12\x30\n\tdirection\x18\x06 \x01(\x0e\x32\x1d.mobius_fed.ring.v1.Direction\x12*\n\x06tensor\x18\x07 \x01(\x0b\x32\x1a.mobius_fed.ring.v1.Tensor\x12(\n\x05phase\x18\x08 \x01(\x0e\x32\x19.mobius_fed.ring.v1.Phase\x12\r\n\x05\x63hunk\x18\t \x01(\r\x12\x0e\n\x06\x63hunks\x18\n \x01(\r\x12\x0b\n\x03\x61\x63k\x18\x0b \x01(\x04\"\r\n\x0bPingRequest\"+\n\tPingReply\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\x0c\n\x04peer\x18\x02 \x01(\t*^\n\tDirection\x12\x19\n\x15\x44IRECTION_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46ORWARD\x10\x01\x12\x0c\n\x08\x42\x41\x43KWARD\x10\x02\x12\x07\n\x03\x46IN\x10\x03\x12\x07\n\x03\x41\x43K\x10\x04\x12\t\n\x05\x43LOSE\x10\x05*\x1c\n\x05Phase\x12\t\n\x05TRAIN\x10\x00\x12\x08\n\x04\x45VAL\x10\x01*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x32\x96\x01\n\x08RingLink\x12\x42\n\x06Stream\x12\x19.mobius_fed.ring.v1.Frame\x1a\x19.mobius_fed.ring.v1.Frame(\x01\x30\x01\x12\x46\n\x04Ping\x12\x1f.mobius_fed.ring.v1.PingRequest\x1a\x1d.mobius_fed.ring.v1.PingReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmobius_fed/proto/ring.proto\x12\x12mobius_fed.ring.v1\"}\n\x06Tensor\x12(\n\x05\x64type\x18\x01 \x01(\x0e\x32\x19.mobius_fed.ring.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\r\n\x05\x63odec\x18\x06 \x01(\t\"\x86\x02\n\x05\x46rame\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06origin\x18\x03 \x01(\r\x12\x0c\n\x04tick\x18\x04 \x01(\r\x12\r\n\x05micro\x18\x05 \x01(\r\x12\x30\n\tdirection\x18\x06 \x01(\x0e\x32\x1d.mobius_fed.ring.v1.Direction\x12*\n\x06tensor\x18\x07 \x01(\x0b\x32\x1a.mobius_fed.ring.v1.Tensor\x12(\n\x05phase\x18\x08 \x01(\x0e\x32\x19.mobius_fed.ring.v1.Phase\x12\r\n\x05\x63hunk\x18\t \x01(\r\x12\x0e\n\x06\x63hunks\x18\n \x01(\r\x12\x0b\n\x03\x61\x63k\x18\x0b \x01(\x04\"\r\n\x0bPingRequest\"+\n\tPingReply\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\x0c\n\x04peer\x18\x02 \x01(\t*^\n\tDirection\x12\x19\n\x15\x44IRECTION_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46ORWARD\x10\x01\x12\x0c\n\x08\x42\x41\x43KWARD\x10\x02\x12\x07\n\x03\x46IN\x10\x03\x12\x07\n\x03\x41\x43K\x10\x04\x12\t\n\x05\x43LOSE\x10\x05*\x1c\n\x05Phase\x12\t\n\x05TRAIN\x10\x00\x12\x08\n\x04\x45VAL\x10\x01*R\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\n\n\x06PACKED\x10\x04\x32\x96\x01\n\x08RingLink\x12\x42\n\x06Stream\x12\x19.mobius_fed.ring.v1.Frame\x1a\x19.mobius_fed.ring.v1.Frame(\x01\x30\x01\x12\x46\n\x04Ping\x12\x1f.mobius_fed.ring.v1.PingRequest\x1a\x1d.mobius_fed.ring.v1.PingReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mobius_fed.proto.ring_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DIRECTION']._serialized_start=488
-  _globals['_DIRECTION']._serialized_end=582
-  _globals['_PHASE']._serialized_start=584
-  _globals['_PHASE']._serialized_end=612
-  _globals['_DTYPE']._serialized_start=614
-  _globals['_DTYPE']._serialized_end=684
+  _globals['_DIRECTION']._serialized_start=503
+  _globals['_DIRECTION']._serialized_end=597
+  _globals['_PHASE']._serialized_start=599
+  _globals['_PHASE']._serialized_end=627
+  _globals['_DTYPE']._serialized_start=629
+  _globals['_DTYPE']._serialized_end=711
   _globals['_TENSOR']._serialized_start=51
-  _globals['_TENSOR']._serialized_end=161
-  _globals['_FRAME']._serialized_start=164
-  _globals['_FRAME']._serialized_end=426
-  _globals['_PINGREQUEST']._serialized_start=428
-  _globals['_PINGREQUEST']._serialized_end=441
-  _globals['_PINGREPLY']._serialized_start=443
-  _globals['_PINGREPLY']._serialized_end=486
-  _globals['_RINGLINK']._serialized_start=687
-  _globals['_RINGLINK']._serialized_end=837
+  _globals['_TENSOR']._serialized_end=176
+  _globals['_FRAME']._serialized_start=179
+  _globals['_FRAME']._serialized_end=441
+  _globals['_PINGREQUEST']._serialized_start=443
+  _globals['_PINGREQUEST']._serialized_end=456
+  _globals['_PINGREPLY']._serialized_start=458
+  _globals['_PINGREPLY']._serialized_end=501
+  _globals['_RINGLINK']._serialized_start=714
+  _globals['_RINGLINK']._serialized_end=864
 # @@protoc_insertion_point(module_scope)

@@ -27,6 +27,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT32: _ClassVar[DType]
     BFLOAT16: _ClassVar[DType]
     FLOAT16: _ClassVar[DType]
+    PACKED: _ClassVar[DType]
 DIRECTION_UNSPECIFIED: Direction
 FORWARD: Direction
 BACKWARD: Direction
@@ -39,20 +40,23 @@ DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 BFLOAT16: DType
 FLOAT16: DType
+PACKED: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data", "crc32", "offset")
+    __slots__ = ("dtype", "shape", "data", "crc32", "offset", "codec")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     crc32: int
     offset: int
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    codec: str
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., offset: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("run_id", "step", "origin", "tick", "micro", "direction", "tensor", "phase", "chunk", "chunks", "ack")

@@ -1,15 +1,71 @@
-"""Lossy wire codecs as hop stages (see :mod:`mobius_fed.engine.hops`)."""
+"""Lossy wire codecs as hop stages (see :mod:`mobius_fed.engine.hops`).
+
+:class:`CodecStage` applies ``TrainConfig.wire``'s codec of each direction to every hop
+that leaves a machine (``ctx.remote``): the receiver gets ``decode(encode(x))``. In the
+reference engine that is all. On a ring worker the stage also keeps the payload it
+encoded, keyed by the hop, so the step executor ships exactly those bytes
+(:meth:`CodecStage.take_payload`) and the receiver's decode reproduces the stage's output
+bit for bit.
+"""
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from mobius_fed.transport.compress import Codec
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig
-    from mobius_fed.engine.hops import Engine, HopStage
+    from mobius_fed.engine.hops import Engine, HopContext, HopStage
+
+
+def codecs(cfg: TrainConfig) -> tuple[Codec, Codec]:
+    """The (forward, backward) codecs of ``cfg``."""
+    w = cfg.wire
+    return Codec(w.fwd, w.group, w.rank), Codec(w.bwd, w.group, w.rank)
+
+
+class CodecStage:
+    """decode(encode(·)) of the direction's codec on remote hops."""
+
+    def __init__(self, fwd: Codec, bwd: Codec, keep_payloads: bool) -> None:
+        self.fwd, self.bwd, self.keep = fwd, bwd, keep_payloads
+        self._payloads: dict[HopContext, tuple[Tensor, Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def _apply(self, codec: Codec, x: Tensor, ctx: HopContext) -> Tensor:
+        if codec.lossless or not ctx.remote:
+            return x
+        payload = codec.encode(x)
+        out = codec.decode(payload, tuple(x.shape)).to(x.dtype)
+        if self.keep:
+            with self._lock:
+                self._payloads[ctx] = (out, payload)
+        return out
+
+    def forward(self, h: Tensor, ctx: HopContext) -> Tensor:
+        return self._apply(self.fwd, h, ctx)
+
+    def backward(self, g: Tensor, ctx: HopContext) -> Tensor:
+        return self._apply(self.bwd, g, ctx)
+
+    def take_payload(self, ctx: HopContext, sent: Tensor) -> Tensor | None:
+        """The payload encoded at hop ``ctx`` if ``sent`` is still the tensor it decoded
+        to (no later stage changed it), else None; forgotten either way."""
+        with self._lock:
+            kept = self._payloads.pop(ctx, None)
+        if kept is None or kept[0] is not sent:
+            return None
+        return kept[1]
 
 
 def build_stages(cfg: TrainConfig, engine: Engine, rank: int | None) -> list[HopStage]:
-    """The codec stages ``cfg`` selects (none yet: fp32/bf16/fp16 are cast in the link)."""
-    del cfg, engine, rank
-    return []
+    """The codec stage ``cfg`` selects (none when both directions are ``none``)."""
+    del rank
+    fwd, bwd = codecs(cfg)
+    if fwd.lossless and bwd.lossless:
+        return []
+    return [CodecStage(fwd, bwd, keep_payloads=engine == "ring")]

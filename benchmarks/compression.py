@@ -1,0 +1,184 @@
+"""Wire compression: bytes on ring hops vs fp32 and the price in validation loss (Eq. 8).
+
+Each arm trains the reference engine (which applies every codec exactly as a ring does,
+see mobius_fed/transport/wire_stages.py) for ``--steps`` steps on cpu-small, P = 4, from
+the same seed and data, and evaluates Eq. 8 at the end. Δ is the arm's Eq. 8 minus the
+fp32 arm's with the same order and L, from the same run of this script. Bytes are the
+payloads of one training step's remote hops (forward + backward) against fp32.
+
+    python benchmarks/compression.py --steps 300 --wire none fwd=int3,bwd=int4 ...
+    python benchmarks/compression.py --jobs 2 --out runs/compression.json   # every arm
+
+Arms run as separate one-thread processes (``--jobs`` at once); results are appended to
+``--out`` as JSON lines, so an interrupted sweep resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_WIRES = (
+    "none",
+    "both=int8",
+    "both=fp8",
+    "fwd=int4,bwd=int8",
+    "both=int4",
+    "fwd=int3,bwd=int4",
+    "both=int3",
+    "fwd=int2,bwd=int4",
+    "both=int2",
+    "fwd=lowrank,bwd=int8,rank=16",
+)
+ARMS = (("cyclic", 1), ("ordered", 1), ("cyclic", 2), ("ordered", 2))
+
+
+def step_bytes(cfg) -> tuple[int, int]:
+    """(codec bytes, fp32 bytes) of one training step's remote hops, both directions."""
+    from mobius_fed import schedule
+    from mobius_fed.transport.wire_stages import codecs
+
+    fwd, bwd = codecs(cfg)
+    mc = cfg.model()
+    shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, mc.d_model)
+    fp32 = 4 * shape[0] * shape[1] * shape[2]
+    remote = 0
+    for s in range(cfg.P):
+        path = schedule.path(cfg.order, s, cfg.P, cfg.loops)
+        nodes = [s, *path, s]
+        remote += sum(a != b for a, b in itertools.pairwise(nodes))
+    hops = remote * cfg.micro_batches
+    size = lambda c: fp32 if c.lossless else c.payload_bytes(shape)  # noqa: E731
+    return hops * (size(fwd) + size(bwd)), hops * 2 * fp32
+
+
+def run_arm(order: str, loops: int, wire: str, steps: int, preset: str, seed: int) -> dict:
+    import torch
+
+    from mobius_fed.config import TrainConfig
+    from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+    from mobius_fed.engine import ReferenceEngine
+    from mobius_fed.transport.wire_config import WireConfig
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(
+        preset=preset,
+        workers=4,
+        loops=loops,
+        order=order,
+        steps=steps,
+        seed=seed,
+        eval_every=0,
+        eval_batches=4,
+        wire=WireConfig.parse_flag(wire) if wire != "none" else WireConfig(),
+    )
+    mc = cfg.model()
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = prepare_sites(None, Path(tmp), cfg.P, cfg.encoding, text=embedded_corpus())
+        sites = [SiteData(d, mc.seq_len, cfg.encoding) for d in dirs]
+        engine = ReferenceEngine(cfg, sites)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.train_step()
+        seconds = time.perf_counter() - t0
+        eq8 = engine.evaluate().loss
+    sent, fp32 = step_bytes(cfg)
+    return {
+        "order": order,
+        "loops": loops,
+        "wire": wire,
+        "steps": steps,
+        "preset": preset,
+        "seed": seed,
+        "eq8": eq8,
+        "ratio": fp32 / sent,
+        "seconds": round(seconds, 1),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    base = {(r["order"], r["loops"]): r["eq8"] for r in rows if r["wire"] == "none"}
+    heads = " | ".join(f"Δ {o} L={L}" for o, L in ARMS)
+    lines = [
+        f"| wire | bytes vs fp32 | {heads} | max abs Δ |",
+        "|---|---|" + "---|" * (len(ARMS) + 1),
+    ]
+    for wire in dict.fromkeys(r["wire"] for r in rows):
+        got = {(r["order"], r["loops"]): r for r in rows if r["wire"] == wire}
+        ratio = next(iter(got.values()))["ratio"]
+        cells, deltas = [], []
+        for arm in ARMS:
+            if arm in got and arm in base:
+                d = got[arm]["eq8"] - base[arm]
+                deltas.append(abs(d))
+                cells.append(f"{d:+.4f} ({got[arm]['eq8']:.4f})")
+            else:
+                cells.append("—")
+        worst = f"{max(deltas):.4f}" if deltas else "—"
+        lines.append(f"| {wire} | {ratio:.1f}× | " + " | ".join(cells) + f" | {worst} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--preset", default="cpu-small")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wire", nargs="+", default=list(DEFAULT_WIRES), help="--wire values")
+    p.add_argument("--arms", nargs="+", default=[f"{o}:{L}" for o, L in ARMS])
+    p.add_argument("--jobs", type=int, default=1, help="arms trained at once")
+    p.add_argument("--out", default="runs/compression.jsonl", help="results (JSON lines)")
+    p.add_argument("--one", nargs=3, metavar=("ORDER", "L", "WIRE"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        order, loops, wire = args.one
+        print(json.dumps(run_arm(order, int(loops), wire, args.steps, args.preset, args.seed)))
+        return 0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = []
+    if out.exists():
+        done = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    key = lambda o, L, w: (o, int(L), w, args.steps, args.preset, args.seed)  # noqa: E731
+    have = {key(r["order"], r["loops"], r["wire"]) for r in done}
+    todo = [
+        (o, L, w)
+        for w in args.wire
+        for o, L in (a.split(":") for a in args.arms)
+        if key(o, L, w) not in have
+    ]
+    running: list[tuple[subprocess.Popen, tuple]] = []
+    env_cmd = [sys.executable, __file__, "--steps", str(args.steps), "--preset", args.preset]
+    env_cmd += ["--seed", str(args.seed), "--one"]
+    while todo or running:
+        while todo and len(running) < args.jobs:
+            arm = todo.pop(0)
+            proc = subprocess.Popen([*env_cmd, *arm], stdout=subprocess.PIPE, text=True)
+            running.append((proc, arm))
+        time.sleep(1)
+        for proc, arm in list(running):
+            if proc.poll() is None:
+                continue
+            running.remove((proc, arm))
+            text = proc.stdout.read() if proc.stdout else ""
+            if proc.returncode != 0:
+                print(f"arm {arm} failed (exit {proc.returncode})", file=sys.stderr)
+                continue
+            row = json.loads(text.strip().splitlines()[-1])
+            print(json.dumps(row), flush=True)
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            done.append(row)
+    rows = [r for r in done if r["steps"] == args.steps and r["preset"] == args.preset]
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
