@@ -5,22 +5,24 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mobius_fed.model.config import PRESETS, ModelConfig, make_model_config
 from mobius_fed.model.knobs import LoopKnobs
 from mobius_fed.privacy.config import PrivacyConfig
 from mobius_fed.schedule import ORDERS, Order
+from mobius_fed.settings import (  # noqa: F401 - re-exported: the config API lives here
+    ENV_PREFIX,
+    ConfigError,
+    describe_validation_error,
+    layered_config,
+    read_toml,
+    settings_of,
+)
 from mobius_fed.transport.wire_config import WireConfig
 
 ENCODING_VOCAB = {"bytes": 257, "gpt2": 50257}
@@ -32,28 +34,46 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    preset: str = "cpu-small"
+    preset: str = Field(
+        "cpu-small",
+        description="model preset (layers, width, heads, sequence length)",
+        json_schema_extra={"choices": list(PRESETS)},
+    )
     workers: int = Field(4, ge=1, description="P: workers = block groups = origins")
     loops: int = Field(1, ge=1, description="L: complete passes over the P groups")
-    order: Order = "cyclic"
-    steps: int = Field(120, ge=1)
+    order: Order = Field("cyclic", description="cyclic (Möbius) or ordered (the baseline)")
+    steps: int = Field(120, ge=1, description="optimizer steps")
     batch_size: int = Field(8, ge=1, description="sequences per origin per step")
-    seq_len: int | None = Field(None, ge=2, description="default: the preset's")
-    n_layer: int | None = Field(None, ge=1, description="default: the preset's")
-    micro_batches: int = Field(1, ge=1)
-    tied: bool = True
-    encoding: str = "bytes"
-    optimizer: Literal["muon", "adamw"] = "muon"
-    lr_adam: float = Field(8e-3, gt=0)
-    lr_muon: float = Field(0.02, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(10, ge=0)
-    cooldown_frac: float = Field(0.3, ge=0, le=1)
+    seq_len: int | None = Field(None, ge=2, description="tokens per sequence; unset: the preset's")
+    n_layer: int | None = Field(None, ge=1, description="transformer blocks; unset: the preset's")
+    micro_batches: int = Field(
+        1, ge=1, description="micro-batches per stream (overlap sending and computing)"
+    )
+    tied: bool = Field(True, description="embedding and head share weights (--no-tied: untied)")
+    encoding: str = Field(
+        "bytes",
+        description="tokenizer: bytes (no download) or gpt2 (tiktoken's)",
+        json_schema_extra={"choices": list(ENCODING_VOCAB)},
+    )
+    optimizer: Literal["muon", "adamw"] = Field(
+        "muon", description="muon: Muon for block matrices + AdamW for the rest; adamw: AdamW only"
+    )
+    lr_adam: float = Field(8e-3, gt=0, description="AdamW learning rate")
+    lr_muon: float = Field(0.02, gt=0, description="Muon learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
+    warmup_steps: int = Field(10, ge=0, description="linear learning-rate warmup steps")
+    cooldown_frac: float = Field(
+        0.3, ge=0, le=1, description="fraction of the steps with a linear cooldown to 0"
+    )
     sync_every: int = Field(1, ge=0, description="average E/R replicas every k steps; 0 = never")
-    seed: int = 0
-    eval_every: int = Field(40, ge=0, description="0 = only at the end")
-    eval_batches: int = Field(2, ge=1)
-    wire_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = Field(0, description="seed of the weights, data order and noise")
+    eval_every: int = Field(
+        40, ge=0, description="validate (Eq. 8) every k steps; 0 = only at the end"
+    )
+    eval_batches: int = Field(2, ge=1, description="validation batches per origin")
+    wire_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="dtype of hidden states and gradients on ring hops"
+    )
     muon_adjust_lr: Literal["original", "match_rms_adamw"] = Field(
         "original", description="torch.optim.Muon's adjust_lr_fn"
     )
@@ -141,88 +161,15 @@ class TrainConfig(BaseModel):
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-ENV_PREFIX = "MOBIUS_"
-# MOBIUS_<NAME> → TrainConfig field, read by both daemons.
-TRAIN_ENV_KEYS = {
-    "PRESET": "preset",
-    "WORKERS": "workers",
-    "LOOPS": "loops",
-    "ORDER": "order",
-    "SEED": "seed",
-    "STEPS": "steps",
-    "WIRE_DTYPE": "wire_dtype",
-    "SYNC_EVERY": "sync_every",
-    "EVAL_EVERY": "eval_every",
-    "BATCH_SIZE": "batch_size",
-}
-
-
-class ConfigError(ValueError):
-    """A configuration problem, phrased for the person who wrote the config."""
-
-
-def describe_validation_error(exc: Exception) -> str:
-    """Turn a pydantic ValidationError into 'field: problem' lines."""
-    errors = getattr(exc, "errors", None)
-    if errors is None:
-        return str(exc)
-    parts = []
-    for err in errors():
-        loc = ".".join(str(x) for x in err.get("loc", ())) or "config"
-        msg = str(err.get("msg", "")).removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}")
-    return "; ".join(parts)
-
-
-def read_toml(path: Path) -> dict[str, Any]:
-    """Read a TOML file, with a clear error for a missing or malformed file."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
-
-
 def load_train_config(
-    path: Path | None = None, overrides: dict[str, Any] | None = None, *, section: str = "train"
+    path: Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> TrainConfig:
-    """TrainConfig from an optional TOML file (its ``[train]`` table) plus overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        doc = read_toml(path)
-        data.update(doc.get(section, {}) if section in doc else doc)
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    try:
-        return TrainConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(f"invalid configuration: {describe_validation_error(exc)}") from exc
-    except ValueError as exc:
-        raise ConfigError(f"invalid configuration: {exc}") from exc
+    """TrainConfig from a TOML file's ``[train]`` table, then ``MOBIUS_*`` variables (when
+    ``environ`` is given), then ``overrides`` ({setting dest: value}; None = not given)."""
+    return layered_config(TrainConfig, section="train", path=path, environ=environ, flags=overrides)
 
 
-def env_values(keys: dict[str, str], environ: dict[str, str]) -> dict[str, Any]:
-    """``{field: value}`` for every ``MOBIUS_<NAME>`` of ``keys`` present in ``environ``."""
-    return {key: environ[ENV_PREFIX + n] for n, key in keys.items() if ENV_PREFIX + n in environ}
-
-
-def layered_settings(
-    path: Path | None,
-    section: str,
-    env_keys: dict[str, str],
-    flags: dict[str, Any],
-    train_flags: dict[str, Any],
-    environ: dict[str, str],
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A daemon's settings and its ``[train]`` table: TOML, then MOBIUS_* env, then flags."""
-    doc = read_toml(path) if path else {}
-    top = {**doc.get(section, {}), **env_values(env_keys, environ)}
-    train = {**doc.get("train", {}), **env_values(TRAIN_ENV_KEYS, environ)}
-    top.update({k: v for k, v in flags.items() if v is not None})
-    train.update({k: v for k, v in train_flags.items() if v is not None})
-    return top, train
+# MOBIUS_<NAME> → TrainConfig setting key, for every field (nested ones with ``__``).
+TRAIN_ENV_KEYS = {s.env.removeprefix(ENV_PREFIX): s.key for s in settings_of(TrainConfig)}

@@ -196,7 +196,8 @@ def test_code_defaults_are_the_deployment_ports() -> None:
     assert _port(cfg.listen) == GRPC_PORT
     assert _port(cfg.rest_listen) == REST_PORT
     worker = worker_config.WorkerConfig(
-        coordinator="coordinator:7300", data_dir=Path("d"), insecure=True
+        coordinator="coordinator:7300", data_dir=Path("d"), ca=Path("ca"), cert=Path("c"),
+        key=Path("k"),
     )
     assert worker.listen_address == f"0.0.0.0:{WORKER_PORT}"
     assert _port(status_cli.DEFAULT_COORDINATOR) == GRPC_PORT

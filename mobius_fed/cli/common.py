@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 
 if TYPE_CHECKING:  # torch-free at import: `mobius-fed health` runs as a frequent healthcheck
     from mobius_fed.config import TrainConfig
@@ -24,38 +25,150 @@ if TYPE_CHECKING:  # torch-free at import: `mobius-fed health` runs as a frequen
 console = Console(stderr=True, soft_wrap=True)
 
 
-# Training flags shared by the daemons: flag → (TrainConfig field, type).
-DAEMON_TRAIN_FLAGS: dict[str, tuple[str, type]] = {
-    "--preset": ("preset", str),
-    "--workers": ("workers", int),
-    "--loops": ("loops", int),
-    "--order": ("order", str),
-    "--seed": ("seed", int),
-    "--steps": ("steps", int),
-    "--wire-dtype": ("wire_dtype", str),
-    "--batch-size": ("batch_size", int),
-    "--micro-batches": ("micro_batches", int),
-    "--optimizer": ("optimizer", str),
-    "--sync-every": ("sync_every", int),
-    "--eval-every": ("eval_every", int),
-    "--eval-batches": ("eval_batches", int),
-    "--lr-adam": ("lr_adam", float),
-    "--lr-muon": ("lr_muon", float),
-    "--encoding": ("encoding", str),
-}
+# ------------------------------------------------------------------ settings flags
+def add_config_flag(parser: argparse.ArgumentParser, tables: str = "a [train] table") -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE.toml",
+        help=f"TOML file with {tables}, read before MOBIUS_* variables and flags "
+        "(env MOBIUS_CONFIG)",
+    )
 
 
-def add_flags(
-    parser: argparse.ArgumentParser,
-    flags: dict[str, tuple[str, type]],
-    helps: dict[str, str] | None = None,
-) -> None:
-    for flag, (key, typ) in flags.items():
-        parser.add_argument(flag, dest=key, type=typ, help=(helps or {}).get(flag))
+def config_path(args: argparse.Namespace) -> Path | None:
+    """``--config``, else ``MOBIUS_CONFIG``, else None."""
+    path = getattr(args, "config", None) or os.environ.get("MOBIUS_CONFIG") or None
+    return Path(path) if path else None
 
 
-def flag_values(args: argparse.Namespace, flags: dict[str, tuple[str, type]]) -> dict:
-    return {key: getattr(args, key) for key, _ in flags.values()}
+def add_train_flags(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()) -> None:
+    """``--config`` plus one flag per TrainConfig setting (nested ones as ``--<sub>-<field>``)
+    except the keys in ``skip`` (a sub-config name skips all its fields)."""
+    from mobius_fed.cli.flags import add_settings_flags
+    from mobius_fed.config import TrainConfig
+
+    if not any("--config" in a.option_strings for a in parser._actions):
+        add_config_flag(parser)
+    group = parser.add_argument_group("training (TrainConfig)")
+    add_settings_flags(group, TrainConfig, skip=skip)
+    if "tied" not in skip:
+        group.add_argument("--untied", dest="tied", action="store_false", help="same as --no-tied")
+
+
+def train_flag_values(args: argparse.Namespace) -> dict:
+    """``{dest: value}`` of the TrainConfig flags given (absent ones are None)."""
+    from mobius_fed.cli.flags import flag_values
+    from mobius_fed.config import TrainConfig
+
+    return flag_values(args, TrainConfig)
+
+
+def train_config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
+    """TrainConfig from ``--config``'s ``[train]`` table, then ``MOBIUS_*``, then flags
+    (``overrides`` win over everything: values a command sets itself). Errors name the
+    setting and where its value came from."""
+    from mobius_fed.config import TrainConfig
+    from mobius_fed.settings import layered_config
+
+    flags = {**train_flag_values(args), **overrides}
+    return layered_config(
+        TrainConfig,
+        section="train",
+        path=config_path(args),
+        environ=os.environ,
+        flags=flags,
+        what="training configuration",
+    )
+
+
+def add_data_flag(parser: argparse.ArgumentParser) -> None:
+    """``--data``: the same meaning in every command that trains on several sites."""
+    parser.add_argument(
+        "--data",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="a prepared directory of site-<i>/ folders, or .txt/.jsonl/.parquet files split "
+        "into P sites (default: the embedded corpus)",
+    )
+
+
+def add_checkpoint_flag(parser: argparse.ArgumentParser, default: int) -> None:
+    """``--checkpoint-every``: counted in optimizer STEPS in every command."""
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=default,
+        metavar="STEPS",
+        help="optimizer steps between checkpoints (0: at the end only; coordinated runs: a "
+        f"multiple of --sync-every) (default: {default})",
+    )
+
+
+# ------------------------------------------------------------------------- threads
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def default_threads(processes: int = 1) -> int:
+    """Threads for one of ``processes`` training processes on this machine:
+    available cores // processes, at least 1."""
+    return max(1, available_cores() // max(1, processes))
+
+
+def threads_value(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number ≥ 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number ≥ 1, got {n}")
+    return n
+
+
+def add_threads_flag(parser: argparse.ArgumentParser, default_help: str = "all cores") -> None:
+    parser.add_argument(
+        "--threads",
+        type=threads_value,
+        default=None,
+        metavar="N",
+        help=f"torch intra-op threads per training process (default: {default_help}; "
+        "env MOBIUS_THREADS)",
+    )
+
+
+def threads_from(args: argparse.Namespace | None = None, processes: int = 1) -> int:
+    """``--threads``, else ``MOBIUS_THREADS``, else :func:`default_threads` (processes)."""
+    n = getattr(args, "threads", None) if args is not None else None
+    if n is None and os.environ.get("MOBIUS_THREADS", "").strip():
+        text = os.environ["MOBIUS_THREADS"]
+        try:
+            n = threads_value(text)
+        except argparse.ArgumentTypeError as exc:
+            raise CliError(f"MOBIUS_THREADS={text!r}: {exc}") from None
+    return n if n is not None else default_threads(processes)
+
+
+def apply_threads(
+    args: argparse.Namespace | None = None, *, processes: int = 1, torch_now: bool = True
+) -> int:
+    """Set this process's torch intra-op threads (see :func:`threads_from`) and return the
+    number. ``OMP_NUM_THREADS`` is set too, for a torch loaded later; ``torch_now=False``
+    leaves torch unloaded when it is not loaded yet."""
+    n = threads_from(args, processes)
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    if torch_now or "torch" in sys.modules:
+        import torch
+
+        torch.set_num_threads(n)
+    return n
 
 
 def resume_value(text: str) -> bool | str:
@@ -89,7 +202,7 @@ class CliError(Exception):
 
 
 def fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     sys.exit(2)
 
 

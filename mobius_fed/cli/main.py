@@ -1,62 +1,55 @@
-"""``mobius-fed``: local training, the paper's experiment, data preparation, certificates."""
+"""mobius-fed: train one transformer across machines with Möbius Learning.
+
+Commands for one machine (local, experiment, up), for operators (status, health,
+dashboard, certs, prepare) and for testing and research (testbed, audit, sweep, analyze).
+The daemons are separate programs: mobius-coordinator and mobius-worker.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mobius_fed import __version__
 from mobius_fed.cli.common import (
     CliError,
-    add_resume_flag,
+    add_checkpoint_flag,
+    add_data_flag,
+    add_threads_flag,
+    add_train_flags,
+    apply_threads,
     console,
     resolve_sites,
     run_guarded,
+    train_config_from_args,
 )
 
-if TYPE_CHECKING:  # torch loads only for the commands that train
-    from mobius_fed.config import TrainConfig
+EPILOG = """\
+settings: every training setting is a flag (--steps), a MOBIUS_* variable (MOBIUS_STEPS,
+nested: MOBIUS_PRIVACY__LABEL_NOISE) and a key of a TOML file's [train] table (--config);
+flags win over variables, variables over the file. See docs/configuration.md.
 
-TRAIN_FLAGS = {
-    # flag: (config key, type, help)
-    "--preset": ("preset", str, "model preset (cpu-tiny, cpu-small, cpu-base, gpt2-small)"),
-    "--workers": ("workers", int, "P: workers / block groups / origins"),
-    "--steps": ("steps", int, "training steps"),
-    "--batch-size": ("batch_size", int, "sequences per origin per step"),
-    "--seq-len": ("seq_len", int, "sequence length (default: the preset's)"),
-    "--micro-batches": ("micro_batches", int, "micro-batches per stream"),
-    "--optimizer": ("optimizer", str, "muon (blocks) + adamw, or adamw for everything"),
-    "--lr-adam": ("lr_adam", float, "AdamW learning rate"),
-    "--lr-muon": ("lr_muon", float, "Muon learning rate"),
-    "--sync-every": ("sync_every", int, "average E/R replicas every k steps (0 = never)"),
-    "--eval-every": ("eval_every", int, "evaluate (Eq. 8) every k steps"),
-    "--eval-batches": ("eval_batches", int, "validation batches per origin"),
-    "--seed": ("seed", int, "random seed"),
-    "--encoding": ("encoding", str, "tokenizer: bytes (no download) or gpt2"),
+examples:
+  mobius-fed local --preset cpu-tiny --steps 50
+  mobius-fed up --workers 4 --steps 200 && mobius-fed status
+  mobius-coordinator --help; mobius-worker --help
+"""
+
+# Subcommands defined by their own modules: module → the commands it registers.
+PLUGINS: dict[str, tuple[str, ...]] = {
+    "up": ("up",),
+    "status": ("status",),
+    "health": ("health",),
+    "dashboard": ("dashboard",),
+    "testbed": ("testbed",),
+    "audit": ("audit",),
+    "research": ("experiment", "sweep", "analyze"),
 }
-
-
-def add_train_flags(p: argparse.ArgumentParser, *, with_loops: bool = True) -> None:
-    p.add_argument("--config", type=Path, help="TOML file with a [train] table")
-    for flag, (key, typ, help_) in TRAIN_FLAGS.items():
-        p.add_argument(flag, dest=key, type=typ, help=help_)
-    if with_loops:
-        p.add_argument("--loops", dest="loops", type=int, help="L: passes over the P groups")
-        p.add_argument("--order", dest="order", help="cyclic (Möbius) or ordered (baseline)")
-    p.add_argument(
-        "--untied",
-        dest="tied",
-        action="store_false",
-        default=None,
-        help="separate embedding and head",
-    )
-
-
-def train_overrides(args: argparse.Namespace, keys: list[str]) -> dict:
-    return {k: getattr(args, k, None) for k in keys}
 
 
 def _progress() -> Progress:
@@ -72,12 +65,11 @@ def _progress() -> Progress:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from mobius_fed.config import load_train_config
     from mobius_fed.engine import ReferenceEngine
     from mobius_fed.engine.trainer import CHECKPOINT, train
 
-    keys = [v[0] for v in TRAIN_FLAGS.values()] + ["loops", "order", "tied"]
-    cfg = load_train_config(args.config, train_overrides(args, keys))
+    cfg = train_config_from_args(args)
+    threads = apply_threads(args)
     out = Path(args.out)
     if args.resume and not (out / CHECKPOINT).is_file():
         raise CliError(f"--resume: no checkpoint at {out / CHECKPOINT}")
@@ -87,7 +79,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     console.print(
         f"[bold]mobius-fed local[/]: {cfg.preset} ({mc.n_layer} layers, d={mc.d_model}), "
         f"P={cfg.P} L={cfg.loops} K={cfg.K} order={cfg.order}, {cfg.steps} steps, "
-        f"data: {', '.join(str(s.directory) for s in sites)}"
+        f"{threads} thread(s), data: {', '.join(str(s.directory) for s in sites)}"
     )
     start = time.perf_counter()
     with _progress() as bar:
@@ -117,12 +109,11 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
-    from mobius_fed.config import load_train_config
     from mobius_fed.engine.experiment import markdown_table, plot_curves, run_experiment
     from mobius_fed.schedule import ORDERS
 
-    keys = [v[0] for v in TRAIN_FLAGS.values()] + ["tied"]
-    cfg = load_train_config(args.config, train_overrides(args, keys))
+    cfg = train_config_from_args(args)
+    apply_threads(args)
     for order in args.orders:
         if order not in ORDERS:
             raise CliError(f"unknown order {order!r} (expected one of {', '.join(ORDERS)})")
@@ -132,7 +123,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     out = Path(args.out)
     sites = resolve_sites(cfg, args.data, out)
 
-    def on_arm(c: TrainConfig) -> None:
+    def on_arm(c) -> None:
         console.print(f"training L={c.loops} order={c.order} (K={c.K}, {c.steps} steps)")
 
     arms = run_experiment(cfg, sites, args.loops, args.orders, out, on_arm=on_arm)
@@ -208,100 +199,134 @@ def cmd_certs_rotate(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from mobius_fed.cli.coordinator import parse_options
     from mobius_fed.cli.up import cmd_up as run_up
-    from mobius_fed.config import load_train_config
 
-    keys = [v[0] for v in TRAIN_FLAGS.values()] + ["loops", "order", "tied"]
-    cfg = load_train_config(args.config, train_overrides(args, keys))
+    cfg = train_config_from_args(args)
     args.strategy_options = parse_options(args.strategy_option)
     return run_up(args, cfg)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mobius-fed", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("local", help="train with the single-process reference engine")
-    add_train_flags(p)
-    p.add_argument(
-        "--data",
-        type=Path,
-        nargs="+",
-        help="a prepared directory of site-<i>/ folders, or .txt/.jsonl files "
-        "(default: the embedded corpus)",
+def _add_local_parser(sub) -> None:
+    p = sub.add_parser(
+        "local",
+        help="train with the single-process reference engine",
+        description="Train every block group and origin in this process: the oracle the "
+        "distributed ring reproduces bit for bit, and the quickest way to try a config.",
+        epilog="settings: flags > MOBIUS_* variables > --config's [train] table > defaults",
     )
-    p.add_argument("--out", default="runs/local", help="run directory (checkpoint, metrics)")
-    p.add_argument("--checkpoint-every", type=int, default=50)
+    add_train_flags(p)
+    add_data_flag(p)
+    add_threads_flag(p)
+    p.add_argument(
+        "--out",
+        default="runs/local",
+        help="run directory: checkpoint, metrics (default: %(default)s)",
+    )
+    add_checkpoint_flag(p, default=50)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.set_defaults(func=cmd_local)
 
+
+def _legacy_experiment_parser(sub) -> None:
+    """``experiment`` until mobius_fed.cli.research registers it."""
     p = sub.add_parser("experiment", help="the paper's Table 1: ordered-loop vs Möbius")
-    add_train_flags(p, with_loops=False)
-    p.add_argument("--loops", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--orders", nargs="+", default=["ordered", "cyclic"])
-    p.add_argument("--data", type=Path, nargs="+")
-    p.add_argument("--out", default="runs/experiment")
+    add_train_flags(p, skip=("loops", "order"))
+    p.add_argument("--loops", type=int, nargs="+", default=[1, 2, 4], help="L values")
+    p.add_argument("--orders", nargs="+", default=["ordered", "cyclic"], help="orders to compare")
+    add_data_flag(p)
+    add_threads_flag(p)
+    p.add_argument("--out", default="runs/experiment", help="default: %(default)s")
     p.set_defaults(func=cmd_experiment)
+
+
+def _legacy_up_parser(sub) -> None:
+    """``up`` until mobius_fed.cli.up registers it."""
+    from mobius_fed.cli.common import add_resume_flag
 
     p = sub.add_parser("up", help="coordinator + P workers as processes on this machine")
     add_train_flags(p)
     p.add_argument("--out", default="runs/up", help="certs, sites, logs, checkpoints")
     p.add_argument("--strategy", default="fedavg", help="fedavg, fedavgm, fedadam, fedyogi, …")
     p.add_argument("--strategy-option", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="rounds (0: at the end)")
-    p.add_argument(
-        "--keep-checkpoints", type=int, help="complete manifests to keep (coordinator's default)"
-    )
-    p.add_argument(
-        "--rejoin-timeout",
-        type=float,
-        help="seconds an incident waits for a lost worker to come back (coordinator's default)",
-    )
-    p.add_argument(
-        "--max-incidents",
-        type=int,
-        help="incidents the run recovers from before it fails (coordinator's default)",
-    )
-    p.add_argument(
-        "--max-restarts",
-        type=int,
-        default=5,
-        help="times up restarts each crashed process (0: never); a worker comes back with the "
-        "same command, the coordinator with --resume auto",
-    )
-    add_resume_flag(
-        p,
-        "continue from the newest complete manifest; --resume auto: only if there is one",
-    )
+    add_checkpoint_flag(p, default=0)
+    p.add_argument("--keep-checkpoints", type=int, help="complete manifests to keep")
+    p.add_argument("--rejoin-timeout", type=float, help="seconds to wait for a lost worker")
+    p.add_argument("--max-incidents", type=int, help="incidents the run recovers from")
+    p.add_argument("--max-restarts", type=int, default=5, help="restarts per crashed process")
+    add_resume_flag(p, "continue from the newest complete manifest; auto: only if one exists")
     p.set_defaults(func=cmd_up)
 
-    from mobius_fed.cli.health import add_health_parser
-    from mobius_fed.cli.status import add_status_parser
-    from mobius_fed.cli.testbed import add_testbed_parser
 
-    add_status_parser(sub)
-    add_health_parser(sub)
-    add_testbed_parser(sub)
+LEGACY = {
+    "up": _legacy_up_parser,
+    "research": _legacy_experiment_parser,
+    "status": lambda sub: importlib.import_module("mobius_fed.cli.status").add_status_parser(sub),
+    "health": lambda sub: importlib.import_module("mobius_fed.cli.health").add_health_parser(sub),
+    "testbed": lambda sub: importlib.import_module("mobius_fed.cli.testbed").add_testbed_parser(
+        sub
+    ),
+}
 
+
+def _plugins_for(argv: Sequence[str] | None) -> list[str]:
+    """The plugin modules to load: only the one that defines the command asked for (so a
+    quick command such as ``health`` loads nothing else), all of them for the overview."""
+    words = [a for a in (argv or []) if not a.startswith("-")]
+    if words:
+        for module, commands in PLUGINS.items():
+            if words[0] in commands:
+                return [module]
+        if words[0] in BUILTIN:
+            return []
+    return list(PLUGINS)
+
+
+def _register(sub, module_name: str) -> None:
+    try:
+        module = importlib.import_module(f"mobius_fed.cli.{module_name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"mobius_fed.cli.{module_name}":
+            raise
+        module = None
+    register = getattr(module, "register", None)
+    if register is not None:
+        register(sub)
+    elif module_name in LEGACY:
+        LEGACY[module_name](sub)
+
+
+def _add_prepare_parser(sub) -> None:
     p = sub.add_parser("prepare", help="split text into per-site shard directories")
     p.add_argument("inputs", type=Path, nargs="*", help=".txt/.jsonl/.parquet (default: embedded)")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--sites", type=int, default=4)
-    p.add_argument("--encoding", default="bytes")
-    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--out", type=Path, required=True, help="directory for site-<i>/ folders")
+    p.add_argument("--sites", type=int, default=4, help="number of sites (default: %(default)s)")
+    p.add_argument(
+        "--encoding",
+        default="bytes",
+        choices=("bytes", "gpt2"),
+        help="tokenizer (default: %(default)s)",
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        help="share of each site held out for validation (default: %(default)s)",
+    )
     p.add_argument("--site", type=int, help="write only site I (same split)")
     p.add_argument(
         "--if-missing", action="store_true", help="do nothing when the site(s) exist already"
     )
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace existing site folders")
     p.set_defaults(func=cmd_prepare)
 
+
+def _add_certs_parser(sub) -> None:
     p = sub.add_parser("certs", help="certificate authority and node certificates")
-    csub = p.add_subparsers(dest="certs_command", required=True)
+    csub = p.add_subparsers(dest="certs_command", required=True, metavar="ACTION")
     c = csub.add_parser("init", help="make a CA and certificates for every node")
-    c.add_argument("--workers", type=int, required=True)
-    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--workers", type=int, required=True, help="P: one certificate per worker")
+    c.add_argument("--out", type=Path, required=True, help="directory for the CA and bundles")
     c.add_argument("--host", action="append", help="extra DNS name or IP for every node")
-    c.add_argument("--overwrite", action="store_true")
+    c.add_argument("--overwrite", action="store_true", help="replace existing certificates")
     c.add_argument(
         "--if-missing",
         action="store_true",
@@ -321,11 +346,34 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--host", action="append", help="extra DNS name or IP for every node")
     c.add_argument("--days", type=int, default=365, help="validity (default: 365)")
     c.set_defaults(func=cmd_certs_rotate)
+
+
+BUILTIN = {"local": _add_local_parser, "prepare": _add_prepare_parser, "certs": _add_certs_parser}
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``mobius-fed`` parser; with ``argv``, only the plugin its command needs."""
+    parser = argparse.ArgumentParser(
+        prog="mobius-fed",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    BUILTIN["local"](sub)
+    for module in _plugins_for(argv):
+        _register(sub, module)
+    BUILTIN["prepare"](sub)
+    BUILTIN["certs"](sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return run_guarded(args.func, args)
 
 

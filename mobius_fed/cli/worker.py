@@ -4,78 +4,71 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 
-from mobius_fed.cli.common import DAEMON_TRAIN_FLAGS as TRAIN_FLAGS
-from mobius_fed.cli.common import GracefulStop, add_flags, flag_values, run_daemon
+from mobius_fed import __version__
+from mobius_fed.cli.common import GracefulStop, add_config_flag, run_daemon
 
-FLAGS = {
-    "--rank": ("rank", int),
-    "--peers": ("peers", str),
-    "--listen": ("listen", str),
-    "--coordinator": ("coordinator", str),
-    "--advertise": ("advertise", str),
-    "--data-dir": ("data_dir", Path),
-    "--out-dir": ("out_dir", Path),
-    "--run-id": ("run_id", str),
-    "--ca": ("ca", Path),
-    "--cert": ("cert", Path),
-    "--key": ("key", Path),
-    "--peer-timeout": ("peer_timeout", float),
-    "--threads": ("threads", int),
-    "--capture-frames": ("capture_frames", Path),
-    "--link-grace": ("link_grace", float),
-}
+DESCRIPTION = """\
+Run one Möbius ring worker: its private data, one block group, a ring link to each
+neighbour. Coordinated (--coordinator): the rank comes from the certificate and the
+training config from the coordinator. Static ring: --rank and --peers.
 
-HELP = {
-    "--rank": "static ring only: this worker's rank (coordinated: from its certificate)",
-    "--peers": "static ring only: host:port of every worker in ring order, comma-separated",
-    "--listen": "ring bind address (default 0.0.0.0:7000)",
-    "--coordinator": "host:port of mobius-coordinator",
-    "--advertise": "the ring address the predecessor dials (default: the listen address)",
-    "--data-dir": "this worker's site: train_*.bin, val_*.bin, meta.json",
-    "--out-dir": "worker checkpoints and metrics",
-    "--run-id": "static ring only (a coordinated worker takes the coordinator's)",
-    "--ca": "CA certificate (the node bundle's ca.crt)",
-    "--cert": "this worker's certificate (tls.crt); it decides the rank",
-    "--key": "this worker's key (tls.key)",
-    "--peer-timeout": "seconds to wait for the coordinator and ring peers",
-    "--threads": "torch intra-op threads",
-    "--capture-frames": "append every ring frame this worker sends to this file (audit)",
-    "--link-grace": "seconds a dropped ring link may take to reconnect and resend before "
-    "it counts as a lost peer",
-}
+Settings come from --config (TOML with [worker] and [train] tables), then MOBIUS_*
+environment variables, then flags; every flag below names its variable."""
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mobius_fed.cli.flags import add_settings_flags
+    from mobius_fed.worker.config import WorkerConfig
+
     p = argparse.ArgumentParser(
         prog="mobius-worker",
-        description="Run one Möbius ring worker. Settings come from --config (TOML with "
-        "[worker] and [train] tables), then MOBIUS_* environment variables, then flags.",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", type=Path, help="TOML file with [worker] and [train]")
-    add_flags(p, {**FLAGS, **TRAIN_FLAGS}, HELP)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    add_config_flag(p, "[worker] and [train] tables")
     p.add_argument(
-        "--insecure",
-        action="store_true",
-        default=None,
-        help="plaintext gRPC, no authentication (local debugging only)",
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="log verbosity (default: INFO)",
     )
-    p.add_argument("--log-level", default="INFO")
+    own = p.add_argument_group("worker")
+    add_settings_flags(own, WorkerConfig, skip=("train", "verify_train"))
+    own.add_argument(
+        "--data",
+        dest="data_dir",
+        default=None,
+        metavar="PATH",
+        help="same as --data-dir (this worker's site directory)",
+    )
+    train = p.add_argument_group(
+        "training (coordinated: checked against the coordinator's; static: the run's)"
+    )
+    add_settings_flags(train, WorkerConfig, flatten=("train",), skip=_own_keys())
+    train.add_argument("--untied", dest="tied", action="store_false", help="same as --no-tied")
     return p
 
 
+def _own_keys() -> set[str]:
+    from mobius_fed.worker.config import SETTINGS
+
+    return {s.key for s in SETTINGS if s.path[0] != "train"}
+
+
 def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
-    from mobius_fed.worker.config import load_worker_config
+    from mobius_fed.cli.common import apply_threads, config_path
+    from mobius_fed.cli.flags import flag_values
+    from mobius_fed.worker.config import WorkerConfig, load_worker_config
     from mobius_fed.worker.coordinated import run_with_coordinator
     from mobius_fed.worker.daemon import run_static_ring
 
-    flags = flag_values(args, FLAGS)
-    flags["insecure"] = args.insecure
-    if flags["peers"] is not None:
-        flags["peers"] = [p.strip() for p in flags["peers"].split(",") if p.strip()]
-    train = flag_values(args, TRAIN_FLAGS)
-    cfg = load_worker_config(args.config, flags, train)
+    flags = flag_values(args, WorkerConfig, flatten=("train",))
+    cfg = load_worker_config(config_path(args), flags)
+    threads = apply_threads(argparse.Namespace(threads=cfg.threads))
+    logging.getLogger("mobius").info("mobius-worker: %d torch thread(s)", threads)
     if cfg.coordinator:
         rc = run_with_coordinator(cfg)
     else:
@@ -92,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     128 + signal otherwise (143 for SIGTERM); ring links close on the way out."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     stop = GracefulStop("mobius-worker").install()

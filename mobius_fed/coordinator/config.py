@@ -3,44 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mobius_fed.config import (  # noqa: F401 - TRAIN_ENV_KEYS: the coordinator's training vars
-    TRAIN_ENV_KEYS,
-    ConfigError,
-    TrainConfig,
-    describe_validation_error,
-    layered_settings,
-)
+from mobius_fed.config import ENV_PREFIX, ConfigError, TrainConfig
+from mobius_fed.settings import layered_config, settings_of
 from mobius_fed.transport.tls import NodeTLS
-
-ENV_KEYS = {
-    "LISTEN": "listen",
-    "REST_LISTEN": "rest_listen",
-    "REST_MODE": "rest_mode",
-    "RUN_ID": "run_id",
-    "CA": "ca",
-    "CERT": "cert",
-    "KEY": "key",
-    "OUT_DIR": "out_dir",
-    "STRATEGY": "strategy",
-    "CHECKPOINT_EVERY": "checkpoint_every",
-    "HEARTBEAT_INTERVAL": "heartbeat_interval",
-    "HEARTBEAT_TIMEOUT": "heartbeat_timeout",
-    "REGISTRATION_TIMEOUT": "registration_timeout",
-    "RESUME": "resume",
-    "REJOIN_TIMEOUT": "rejoin_timeout",
-    "MAX_INCIDENTS": "max_incidents",
-    "KEEP_CHECKPOINTS": "keep_checkpoints",
-    "STATE_COPY": "state_copy",
-    "RESTORE_TIMEOUT": "restore_timeout",
-    "BARRIER_SNAPSHOTS": "barrier_snapshots",
-    "INSECURE": "insecure",
-    "LINGER": "linger",
-}
 
 
 class CoordinatorConfig(BaseModel):
@@ -48,24 +19,46 @@ class CoordinatorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    listen: str = Field("0.0.0.0:7300", description="gRPC control + status + health (mTLS)")
-    rest_listen: str = Field("0.0.0.0:7380", description="REST status (host:port)")
-    rest_mode: Literal["tls", "local", "off"] = Field(
-        "tls", description="tls: mutual TLS; local: read-only plain HTTP on 127.0.0.1"
+    listen: str = Field(
+        "0.0.0.0:7300", description="gRPC bind address: control, status, grpc.health.v1 (mTLS)"
     )
-    run_id: str = "mobius"
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
-    insecure: bool = False
-    out_dir: Path = Path("runs/coordinator")
-    strategy: str = "fedavg"
-    strategy_options: dict[str, float] = Field(default_factory=dict)
-    checkpoint_every: int = Field(0, ge=0, description="rounds between checkpoints (0: end only)")
-    heartbeat_interval: float = Field(1.0, gt=0)
-    heartbeat_timeout: float = Field(10.0, gt=0)
-    registration_timeout: float = Field(600.0, gt=0)
-    round_timeout: float = Field(3600.0, gt=0)
+    rest_listen: str = Field("0.0.0.0:7380", description="REST status bind address (host:port)")
+    rest_mode: Literal["tls", "local", "off"] = Field(
+        "tls", description="tls: mutual TLS; local: read-only plain HTTP on 127.0.0.1; off"
+    )
+    metrics_listen: str | None = Field(
+        None,
+        description="opt-in plain-HTTP listener (host:port) for /metrics and /healthz, for "
+        "Prometheus scrapers and Kubernetes probes without a client certificate; unset: none",
+    )
+    run_id: str = Field("mobius", description="run name, carried in every ring frame")
+    ca: Path | None = Field(None, description="CA certificate (the node bundle's ca.crt)")
+    cert: Path | None = Field(None, description="this coordinator's certificate (tls.crt)")
+    key: Path | None = Field(None, description="this coordinator's key (tls.key)")
+    out_dir: Path = Field(
+        Path("runs/coordinator"), description="checkpoint manifests, metrics and history"
+    )
+    strategy: str = Field(
+        "fedavg", description="Flower strategy: fedavg, fedavgm, fedadam, fedyogi, ..."
+    )
+    strategy_options: dict[str, float] = Field(
+        default_factory=dict,
+        description="strategy keyword arguments, e.g. server_momentum=0.9",
+    )
+    checkpoint_every: int = Field(
+        0,
+        ge=0,
+        description="optimizer steps between checkpoints, a multiple of train.sync_every "
+        "(0: at the end only)",
+    )
+    heartbeat_interval: float = Field(1.0, gt=0, description="seconds between worker heartbeats")
+    heartbeat_timeout: float = Field(
+        10.0, gt=0, description="seconds without a heartbeat before a worker counts as lost"
+    )
+    registration_timeout: float = Field(
+        600.0, gt=0, description="seconds to wait for all P workers to register"
+    )
+    round_timeout: float = Field(3600.0, gt=0, description="seconds one round may take")
     resume: bool | Literal["auto"] = Field(
         False, description="continue from the newest complete manifest; auto: if there is one"
     )
@@ -90,40 +83,69 @@ class CoordinatorConfig(BaseModel):
         "host replaced without its disk can rejoin; off: they keep it to themselves",
     )
     linger: float = Field(
-        0.0, description="seconds to keep serving status after the run ends (-1: until interrupted)"
+        0.0, description="seconds to keep serving status after the run ends (-1: until stopped)"
     )
     train: TrainConfig = Field(default_factory=TrainConfig)
 
     @model_validator(mode="after")
     def _check(self) -> CoordinatorConfig:
-        if self.insecure:
+        missing = [n for n in ("ca", "cert", "key") if getattr(self, n) is None]
+        if missing:
             raise ValueError(
-                "the coordinator has no insecure mode: it knows workers by their certificate "
-                "identity (--insecure exists for static rings of mobius-worker only)"
+                f"{', '.join(missing)} required: the coordinator knows workers by their "
+                "certificate identity (it has no plaintext mode)"
             )
-        if None in (self.ca, self.cert, self.key):
-            raise ValueError("ca, cert and key are required")
         if self.train.sync_every < 1:
             raise ValueError("train.sync_every must be ≥ 1: each Flower round is one barrier")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
+        self.checkpoint_round_interval(self.train)
         return self
 
-    def tls(self) -> NodeTLS | None:
-        return None if self.insecure else NodeTLS(self.ca, self.cert, self.key)  # type: ignore[arg-type]
+    @property
+    def insecure(self) -> bool:
+        """Always False: the coordinator has no plaintext mode."""
+        return False
+
+    def checkpoint_round_interval(self, train: TrainConfig | None = None) -> int:
+        """``checkpoint_every`` (steps) as Flower rounds: steps / sync_every (0: end only)."""
+        train = self.train if train is None else train
+        every, sync = self.checkpoint_every, max(1, train.sync_every)
+        if every % sync:
+            raise ValueError(
+                f"checkpoint_every={every} steps is not a multiple of train.sync_every={sync}: "
+                "checkpoints are taken at barriers (every sync_every steps)"
+            )
+        return every // sync
+
+    def tls(self) -> NodeTLS:
+        return NodeTLS(self.ca, self.cert, self.key)  # type: ignore[arg-type]
+
+
+SETTINGS = settings_of(CoordinatorConfig, flatten=("train",))
+# MOBIUS_<NAME> → setting key (coordinator's own and, flattened, the [train] ones).
+ENV_KEYS = {s.env.removeprefix(ENV_PREFIX): s.key for s in SETTINGS if s.path[0] != "train"}
+TRAIN_ENV_KEYS = {s.env.removeprefix(ENV_PREFIX): s.key for s in SETTINGS if s.path[0] == "train"}
 
 
 def load_coordinator_config(
-    path: Path | None,
-    flags: dict[str, Any],
-    train_flags: dict[str, Any],
-    environ: dict[str, str] | None = None,
+    path: Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    train_flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> CoordinatorConfig:
-    """File, then ``MOBIUS_*`` environment, then flags (later wins)."""
+    """File, then ``MOBIUS_*`` environment, then flags (later wins). ``flags`` and
+    ``train_flags`` map setting dests (``listen``, ``steps``, ``privacy__label_noise``) to
+    values; None means not given."""
     environ = dict(os.environ if environ is None else environ)
-    top, train = layered_settings(path, "coordinator", ENV_KEYS, flags, train_flags, environ)
-    try:
-        return CoordinatorConfig.model_validate({**top, "train": train})
-    except ValidationError as exc:
-        problem = describe_validation_error(exc)
-        raise ConfigError(f"invalid coordinator configuration: {problem}") from exc
+    return layered_config(
+        CoordinatorConfig,
+        section="coordinator",
+        path=path,
+        environ=environ,
+        flags={**(train_flags or {}), **(flags or {})},
+        what="coordinator configuration",
+    )
+
+
+__all__ = ["ENV_KEYS", "TRAIN_ENV_KEYS", "ConfigError", "CoordinatorConfig"]

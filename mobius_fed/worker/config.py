@@ -3,39 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mobius_fed.config import (  # noqa: F401 - TRAIN_ENV_KEYS: the worker's training vars
-    TRAIN_ENV_KEYS,
-    ConfigError,
-    TrainConfig,
-    describe_validation_error,
-    layered_settings,
-)
+from mobius_fed.config import ENV_PREFIX, ConfigError, TrainConfig
+from mobius_fed.settings import layered_config, settings_of
 from mobius_fed.transport.tls import NodeTLS
-
-# Environment variables the worker reads (name without the prefix → config key).
-ENV_KEYS = {
-    "RANK": "rank",
-    "PEERS": "peers",
-    "LISTEN": "listen",
-    "DATA_DIR": "data_dir",
-    "OUT_DIR": "out_dir",
-    "RUN_ID": "run_id",
-    "CA": "ca",
-    "CERT": "cert",
-    "KEY": "key",
-    "INSECURE": "insecure",
-    "PEER_TIMEOUT": "peer_timeout",
-    "THREADS": "threads",
-    "COORDINATOR": "coordinator",
-    "ADVERTISE": "advertise",
-    "CAPTURE_FRAMES": "capture_frames",
-    "LINK_GRACE": "link_grace",
-}
 
 
 class WorkerConfig(BaseModel):
@@ -43,25 +19,42 @@ class WorkerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rank: int | None = Field(None, ge=0, description="static ring only; else from the cert")
+    rank: int | None = Field(
+        None, ge=0, description="static ring only: this worker's rank (else: from its cert)"
+    )
     peers: list[str] = Field(
         default_factory=list, description="static ring: host:port of every worker in ring order"
     )
     coordinator: str | None = Field(None, description="host:port of mobius-coordinator")
-    listen: str | None = Field(None, description="ring bind address")
-    advertise: str | None = Field(None, description="ring address peers dial (coordinated)")
-    data_dir: Path
-    out_dir: Path = Path("runs/worker")
-    run_id: str = "mobius"
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
-    insecure: bool = False
-    peer_timeout: float = Field(120.0, gt=0)
+    listen: str | None = Field(
+        None, description="ring bind address (unset: 0.0.0.0 and the port in peers, or 7000)"
+    )
+    advertise: str | None = Field(
+        None, description="the ring address the predecessor dials (unset: the listen address)"
+    )
+    data_dir: Path = Field(description="this worker's site: train_*.bin, val_*.bin, meta.json")
+    out_dir: Path = Field(Path("runs/worker"), description="worker checkpoints and metrics")
+    run_id: str = Field(
+        "mobius", description="static ring only (a coordinated worker takes the coordinator's)"
+    )
+    ca: Path | None = Field(None, description="CA certificate (the node bundle's ca.crt)")
+    cert: Path | None = Field(
+        None, description="this worker's certificate (tls.crt); it decides the rank"
+    )
+    key: Path | None = Field(None, description="this worker's key (tls.key)")
+    insecure: bool = Field(
+        False,
+        description="static ring only: plaintext gRPC, no authentication (local debugging)",
+    )
+    peer_timeout: float = Field(
+        120.0, gt=0, description="seconds to wait for the coordinator and ring peers"
+    )
     link_grace: float = Field(
         60.0, ge=0, description="seconds a dropped ring edge may take to reconnect"
     )
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+    threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads (unset: all cores of this host)"
+    )
     capture_frames: Path | None = Field(None, description="audit: append every sent frame here")
     train: TrainConfig = Field(default_factory=TrainConfig)
     verify_train: bool = Field(
@@ -83,6 +76,11 @@ class WorkerConfig(BaseModel):
             if self.rank >= self.train.workers:
                 raise ValueError(f"rank {self.rank} out of range for P={self.train.workers}")
         tls = (self.ca, self.cert, self.key)
+        if self.insecure and self.coordinator is not None:
+            raise ValueError(
+                "insecure is for static rings only: the coordinator knows workers by their "
+                "certificate identity"
+            )
         if not self.insecure and None in tls:
             raise ValueError("ca, cert and key are required (or --insecure for local debugging)")
         return self
@@ -112,21 +110,39 @@ class WorkerConfig(BaseModel):
         return NodeTLS(ca=self.ca, cert=self.cert, key=self.key)  # type: ignore[arg-type]
 
 
+SETTINGS = settings_of(WorkerConfig, flatten=("train",))
+# MOBIUS_<NAME> → setting key (the worker's own and, flattened, the [train] ones).
+ENV_KEYS = {s.env.removeprefix(ENV_PREFIX): s.key for s in SETTINGS if s.path[0] != "train"}
+TRAIN_ENV_KEYS = {s.env.removeprefix(ENV_PREFIX): s.key for s in SETTINGS if s.path[0] == "train"}
+
+
 def load_worker_config(
-    path: Path | None,
-    flags: dict[str, Any],
-    train_flags: dict[str, Any],
-    environ: dict[str, str] | None = None,
+    path: Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    train_flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> WorkerConfig:
-    """File, then ``MOBIUS_*`` environment, then flags (later wins)."""
+    """File, then ``MOBIUS_*`` environment, then flags (later wins). Training settings
+    given anywhere make a coordinated worker check the coordinator's config against them."""
     environ = dict(os.environ if environ is None else environ)
-    top, train = layered_settings(path, "worker", ENV_KEYS, flags, train_flags, environ)
-    if isinstance(top.get("peers"), str):  # MOBIUS_PEERS=host:port,host:port
-        top["peers"] = [p.strip() for p in top["peers"].split(",") if p.strip()]
-    top.setdefault("verify_train", bool(train))
-    try:
-        return WorkerConfig.model_validate({**top, "train": train})
-    except ValidationError as exc:
-        raise ConfigError(
-            f"invalid worker configuration: {describe_validation_error(exc)}"
-        ) from exc
+    flags = {**(train_flags or {}), **(flags or {})}
+    train_given = any(v is not None for k, v in flags.items() if k in TRAIN_DESTS) or any(
+        ENV_PREFIX + n in environ for n in TRAIN_ENV_KEYS
+    )
+    if path is not None and not train_given:
+        from mobius_fed.settings import read_toml
+
+        train_given = bool(read_toml(path).get("train"))
+    return layered_config(
+        WorkerConfig,
+        section="worker",
+        path=path,
+        environ=environ,
+        flags=flags,
+        extra={"verify_train": True} if train_given else None,
+        what="worker configuration",
+    )
+
+
+TRAIN_DESTS = {s.dest for s in SETTINGS if s.path[0] == "train"}
+__all__ = ["ENV_KEYS", "TRAIN_ENV_KEYS", "ConfigError", "WorkerConfig"]

@@ -1,0 +1,159 @@
+"""Command-line flags generated from the config models (see :mod:`mobius_fed.settings`).
+
+Every setting becomes ``--<name>`` with its help (the field's description), default, env
+name and choices (a Literal's values); booleans get ``--<name>`` / ``--no-<name>``. A
+sub-config class that defines ``parse_flag(text) -> dict`` also gets one compact flag,
+``--<sub> TEXT``, whose values the per-field flags override. Flags default to None, so
+that a value given nowhere on the command line leaves the file and environment in charge.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from mobius_fed.settings import Setting, has_type, settings_of, submodel
+
+COMPACT_SUFFIX = "__compact"
+
+
+class BoolFlag(argparse.Action):
+    """``--x`` sets True, ``--no-x`` sets False; absent leaves None."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        names = list(option_strings)
+        names += [f"--no-{o[2:]}" for o in option_strings if o.startswith("--")]
+        super().__init__(names, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[override]
+        setattr(namespace, self.dest, not str(option_string).startswith("--no-"))
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list | tuple):
+        return ",".join(map(str, value)) or "none"
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items()) or "none"
+    return str(value)
+
+
+def _metavar(s: Setting) -> str:
+    ann = s.annotation
+    if has_type(ann, int) and not has_type(ann, bool):
+        return "N"
+    if has_type(ann, float):
+        return "X"
+    if has_type(ann, list):
+        return "A,B,..."
+    if has_type(ann, dict):
+        return "K=V,..."
+    if has_type(ann, Path):
+        return "PATH"
+    return s.name[-1].upper()
+
+
+def help_text(s: Setting, note: str = "") -> str:
+    parts = [s.description.rstrip(".") or s.key.replace("_", " ")]
+    if note:
+        parts.append(note)
+    default = "required" if s.required else f"default: {_show(s.default)}"
+    return (f"{'; '.join(parts)} ({default}; env {s.env})").replace("%", "%%")
+
+
+def add_settings_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    model: type[BaseModel],
+    *,
+    flatten: Iterable[str] = (),
+    skip: Iterable[str] = (),
+    notes: dict[str, str] | None = None,
+) -> list[Setting]:
+    """One flag per setting of ``model`` (keys in ``skip`` left out); the settings added."""
+    skip = set(skip)
+    added: list[Setting] = []
+    for s in settings_of(model, flatten=flatten):
+        if s.key in skip or s.name[0] in skip:
+            continue
+        kwargs: dict[str, Any] = {"dest": s.dest, "default": None}
+        kwargs["help"] = help_text(s, (notes or {}).get(s.key, ""))
+        if has_type(s.annotation, bool) and not s.choices():
+            parser.add_argument(s.flag, action=BoolFlag, **kwargs)
+        else:
+            choices = s.choices()
+            if choices:
+                kwargs["choices"] = choices
+            else:
+                kwargs["metavar"] = _metavar(s)
+            parser.add_argument(s.flag, **kwargs)
+        added.append(s)
+    _add_compact_flags(parser, model, flatten=tuple(flatten), skip=skip)
+    return added
+
+
+def _add_compact_flags(parser, model: type[BaseModel], *, flatten: tuple, skip: set) -> None:
+    for field, info in model.model_fields.items():
+        sub = submodel(info.annotation)
+        if sub is None or field in skip:
+            continue
+        if field in flatten:
+            _add_compact_flags(parser, sub, flatten=(), skip=skip)
+        elif callable(getattr(sub, "parse_flag", None)):
+            doc = (getattr(sub.parse_flag, "__doc__", None) or "").strip().splitlines()
+            parser.add_argument(
+                f"--{field.replace('_', '-')}",
+                dest=field + COMPACT_SUFFIX,
+                default=None,
+                metavar="SPEC",
+                help=(
+                    f"{(doc[0] if doc else sub.__name__)} (the --{field}-* flags override it)"
+                ).replace("%", "%%"),
+            )
+
+
+def flag_values(
+    args: argparse.Namespace,
+    model: type[BaseModel],
+    *,
+    flatten: Iterable[str] = (),
+) -> dict[str, Any]:
+    """``{dest: value}`` of the settings flags given on the command line (None elsewhere),
+    compact ``--<sub> SPEC`` flags expanded into their fields."""
+    flatten = tuple(flatten)
+    settings = settings_of(model, flatten=flatten)
+    values = {s.dest: getattr(args, s.dest, None) for s in settings}
+    for s in settings:
+        sub_dest = s.dest.rsplit("__", 1)[0] if "__" in s.dest else None
+        if sub_dest is None:
+            continue
+        text = getattr(args, sub_dest + COMPACT_SUFFIX, None)
+        if text is None:
+            continue
+        parsed = _compact(model, s.path[:-1], text)
+        if values[s.dest] is None and s.name[-1] in parsed:
+            values[s.dest] = parsed[s.name[-1]]
+    return values
+
+
+_compact_cache: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def _compact(model: type[BaseModel], path: tuple[str, ...], text: str) -> dict[str, Any]:
+    """The fields a compact flag sets, via the sub-config's ``parse_flag``."""
+    key = (".".join(path), text)
+    if key not in _compact_cache:
+        cls: Any = model
+        for part in path:
+            cls = submodel(cls.model_fields[part].annotation)
+        _compact_cache[key] = dict(cls.parse_flag(text))
+    return _compact_cache[key]
