@@ -108,3 +108,19 @@ def register(sub) -> None:
 
 
 add_health_parser = register  # the former name, until every caller uses register
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mobius_fed.cli.health``: the probe alone (a healthcheck's command)."""
+    import sys
+
+    from mobius_fed.cli.common import run_guarded
+
+    parser = argparse.ArgumentParser(prog="mobius-fed")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["health", *(sys.argv[1:] if argv is None else argv)])
+    return run_guarded(args.func, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -71,6 +71,21 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def toml_table(name: str, doc: dict[str, Any]) -> list[str]:
+    """``doc`` as TOML lines under ``[name]``; nested dicts become sub-tables, None is left
+    out (TOML has no null). Strings and numbers are written as JSON, which TOML reads."""
+    lines = [f"[{name}]"]
+    subs = []
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            subs.append((key, value))
+        elif value is not None:
+            lines.append(f"{key} = {json.dumps(value)}")
+    for key, value in subs:
+        lines += toml_table(f"{name}.{key}", value)
+    return lines
+
+
 @dataclass
 class LocalFederation:
     """A coordinator and P workers as child processes of this one, all on 127.0.0.1."""
@@ -150,10 +165,7 @@ class LocalFederation:
 
     def write_train_toml(self) -> Path:
         """The run's [train] table, handed to the coordinator with --config."""
-        lines = ["[train]"]
-        for key, value in self.train.model_dump(mode="json").items():
-            if value is not None:
-                lines.append(f"{key} = {json.dumps(value)}")
+        lines = toml_table("train", self.train.model_dump(mode="json"))
         path = self.root / "train.toml"
         path.write_text("\n".join(lines) + "\n")
         return path
@@ -613,6 +625,27 @@ def _train_flag_api():
     return main.add_train_flags, from_args
 
 
+class _LazyTrainFlagsParser(argparse.ArgumentParser):
+    """``up``'s parser: the training flags are generated from TrainConfig (which loads
+    torch) on first use — parsing or help — not when ``mobius-fed`` builds its parser, so
+    ``mobius-fed health`` stays torch-free."""
+
+    populated = True
+
+    def _populate(self) -> None:
+        if not self.populated:
+            self.populated = True
+            _train_flag_api()[0](self)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self._populate()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._populate()
+        return super().format_help()
+
+
 def up_main(args: argparse.Namespace) -> int:
     """``mobius-fed up``: build the train config from TOML/env/flags and run."""
     from mobius_fed.cli.coordinator import parse_options
@@ -624,15 +657,19 @@ def up_main(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Add ``up`` to the ``mobius-fed`` subcommands."""
-    p = sub.add_parser(
-        "up",
-        help="coordinator + P workers as processes on this machine",
-        description="A whole federation on 127.0.0.1: certificates, per-site data, the "
-        "coordinator and P workers, supervised. Writes OUT/endpoints.json (addresses, "
-        "operator certs) for `mobius-fed status|health|dashboard --run OUT`; after the run "
-        "the coordinator keeps serving status until Ctrl-C (see --linger).",
-    )
-    _train_flag_api()[0](p)
+    parser_class, sub._parser_class = sub._parser_class, _LazyTrainFlagsParser
+    try:
+        p = sub.add_parser(
+            "up",
+            help="coordinator + P workers as processes on this machine",
+            description="A whole federation on 127.0.0.1: certificates, per-site data, the "
+            "coordinator and P workers, supervised. Writes OUT/endpoints.json (addresses, "
+            "operator certs) for `mobius-fed status|health|dashboard --run OUT`; after the "
+            "run the coordinator keeps serving status until Ctrl-C (see --linger).",
+        )
+    finally:
+        sub._parser_class = parser_class
+    p.populated = False  # the training flags come on first use
     p.add_argument(
         "--out", default="runs/up", help="certs, sites, logs, checkpoints (default runs/up)"
     )

@@ -282,10 +282,13 @@ class RunState:
             w, j = self.workers[i], (i + 1) % self.P
             out = w.edges.get("out", {}) if w.state not in ("lost", "rejoining") else {}
             state = out.get("state", "unknown")
-            if w.state in ("lost", "rejoining") or self.workers[j].state in ("lost", "rejoining"):
-                state = "down"
-            if self.phase in ENDED_PHASES and state in ("up", "unknown"):
-                state = "closed"
+            lost = w.state in ("lost", "rejoining") or self.workers[j].state in (
+                "lost",
+                "rejoining",
+            )
+            state = "down" if lost else state
+            if self.phase in ENDED_PHASES and not lost:
+                state = "closed"  # the run ended: links were closed on purpose
             edges.append(
                 {
                     "edge": f"worker-{i} → worker-{j}",
