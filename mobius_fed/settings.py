@@ -34,6 +34,7 @@ PROCESS_ENV = {
     "MOBIUS_CONFIG": "TOML file read before the environment and flags (--config)",
     "MOBIUS_THREADS": "torch intra-op threads of a process that trains (--threads)",
     "MOBIUS_TIKTOKEN_TIMEOUT": "seconds to wait for tiktoken's gpt2 files (default 60)",
+    "MOBIUS_LOG_LEVEL": "daemon log verbosity: DEBUG, INFO, WARNING or ERROR (--log-level)",
     "MOBIUS_IMAGE": "docker compose only: the image every service runs",
 }
 

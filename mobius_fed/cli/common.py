@@ -37,6 +37,22 @@ def add_config_flag(parser: argparse.ArgumentParser, tables: str = "a [train] ta
     )
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
+    level = os.environ.get("MOBIUS_LOG_LEVEL", "").strip().upper() or "INFO"
+    if level not in LOG_LEVELS:
+        fail(f"MOBIUS_LOG_LEVEL={level!r}: expected one of {', '.join(LOG_LEVELS)}")
+    parser.add_argument(
+        "--log-level",
+        default=level,
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="log verbosity (default: INFO; env MOBIUS_LOG_LEVEL)",
+    )
+
+
 def config_path(args: argparse.Namespace) -> Path | None:
     """``--config``, else ``MOBIUS_CONFIG``, else None."""
     path = getattr(args, "config", None) or os.environ.get("MOBIUS_CONFIG") or None

@@ -10,6 +10,7 @@ from mobius_fed import __version__
 from mobius_fed.cli.common import (
     GracefulStop,
     add_config_flag,
+    add_log_level_flag,
     add_resume_flag,
     run_daemon,
 )
@@ -33,13 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_config_flag(p, "[coordinator] and [train] tables")
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        type=str.upper,
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        help="log verbosity (default: INFO)",
-    )
+    add_log_level_flag(p)
     own = p.add_argument_group("coordinator")
     add_settings_flags(own, CoordinatorConfig, skip=("train", "resume", "strategy_options"))
     own.add_argument(
@@ -47,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="strategy keyword, e.g. server_momentum=0.9 (repeatable; env "
+        help="strategy keyword, e.g. server_momentum=0.9; repeatable (default: none; env "
         "MOBIUS_STRATEGY_OPTIONS=KEY=VALUE,...)",
     )
     add_resume_flag(

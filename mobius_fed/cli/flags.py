@@ -48,8 +48,13 @@ def _show(value: Any) -> str:
     return str(value)
 
 
+ADDRESS_NAMES = ("listen", "advertise", "coordinator")
+
+
 def _metavar(s: Setting) -> str:
     ann = s.annotation
+    if s.name[-1].endswith(ADDRESS_NAMES):
+        return "HOST:PORT"
     if has_type(ann, int) and not has_type(ann, bool):
         return "N"
     if has_type(ann, float):
@@ -109,15 +114,14 @@ def _add_compact_flags(parser, model: type[BaseModel], *, flatten: tuple, skip: 
         if field in flatten:
             _add_compact_flags(parser, sub, flatten=(), skip=skip)
         elif callable(getattr(sub, "parse_flag", None)):
-            doc = (getattr(sub.parse_flag, "__doc__", None) or "").strip().splitlines()
+            doc = " ".join((getattr(sub.parse_flag, "__doc__", None) or "").split())
+            doc = doc.replace("``", "") or sub.__name__
             parser.add_argument(
                 f"--{field.replace('_', '-')}",
                 dest=field + COMPACT_SUFFIX,
                 default=None,
                 metavar="SPEC",
-                help=(
-                    f"{(doc[0] if doc else sub.__name__)} (the --{field}-* flags override it)"
-                ).replace("%", "%%"),
+                help=(f"{doc} (the --{field}-* flags override it)").replace("%", "%%"),
             )
 
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from mobius_fed import __version__
-from mobius_fed.cli.common import GracefulStop, add_config_flag, run_daemon
+from mobius_fed.cli.common import GracefulStop, add_config_flag, add_log_level_flag, run_daemon
 
 DESCRIPTION = """\
 Run one Möbius ring worker: its private data, one block group, a ring link to each
@@ -28,13 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_config_flag(p, "[worker] and [train] tables")
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        type=str.upper,
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        help="log verbosity (default: INFO)",
-    )
+    add_log_level_flag(p)
     own = p.add_argument_group("worker")
     add_settings_flags(own, WorkerConfig, skip=("train", "verify_train"))
     own.add_argument(
