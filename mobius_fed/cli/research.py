@@ -190,7 +190,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--loops", dest="grid_loops", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--orders", dest="grid_orders", nargs="+", default=["ordered", "cyclic"])
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    p.add_argument(
+        "--seeds", type=int, default=3, help="seeds seed, seed+1, …, seed+N-1 (default 3)"
+    )
     p.add_argument("--seed-list", type=int, nargs="+", help="explicit seeds instead of --seeds")
     p.add_argument("--threads", type=int, default=2, help="thread budget = cells run at once")
     p.add_argument("--data", type=Path, nargs="+", help="text files or a prepared directory")
