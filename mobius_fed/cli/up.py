@@ -104,6 +104,7 @@ class LocalFederation:
     # Restarts per child before giving up (0: no supervision; wait() fails when the
     # coordinator exits, and a dead worker stays dead).
     max_restarts: int = 0
+    data: list[Path] | None = None  # --data: a site-<i>/ directory, or text files to split
     rest_mode: str = "tls"  # the coordinator's REST: tls (operator cert) or local (plain)
     metrics: bool = True  # the plain /metrics + /healthz listener, when the coordinator has it
     on_event: Callable[[str], None] | None = None
@@ -146,7 +147,19 @@ class LocalFederation:
         P = self.train.P
         if not self._certs_complete():  # none yet, or made for fewer workers: all new ones
             init_certs(self.certs, P, overwrite=True)
-        if (
+        if self.data and len(self.data) == 1 and Path(self.data[0]).is_dir():
+            from mobius_fed.cli.common import site_dirs
+
+            site_dirs(Path(self.data[0]), P)  # CliError naming a missing site-<i>
+            self.sites = Path(self.data[0]).resolve()
+        elif self.data:
+            missing = [str(f) for f in self.data if not Path(f).exists()]
+            if missing:
+                raise CliError(f"--data: not found: {', '.join(missing)}")
+            prepare_sites(
+                [Path(f) for f in self.data], self.sites, P, self.train.encoding, overwrite=True
+            )
+        elif (
             not all((self.sites / f"site-{i}").is_dir() for i in range(P))
             or (self.sites / f"site-{P}").exists()
         ):
@@ -457,6 +470,8 @@ def cmd_up(args, train: TrainConfig) -> int:
         strategy_options=dict(args.strategy_options),
         checkpoint_every=args.checkpoint_every,
         resume=args.resume or False,
+        threads=getattr(args, "threads", None) or _env_threads(),
+        data=getattr(args, "data", None),
         rejoin_timeout=args.rejoin_timeout,
         max_incidents=args.max_incidents,
         keep_checkpoints=args.keep_checkpoints,
@@ -497,6 +512,15 @@ def cmd_up(args, train: TrainConfig) -> int:
     if final["phase"] != "done":
         raise CliError(f"run {final['phase']}: {final['error']}")
     return 0
+
+
+def _env_threads() -> int | None:
+    """MOBIUS_THREADS, when set (else each worker gets cores / P)."""
+    if not os.environ.get("MOBIUS_THREADS", "").strip():
+        return None
+    from mobius_fed.cli.common import threads_from
+
+    return threads_from(None)
 
 
 def _report(final: dict[str, Any]) -> None:
@@ -683,9 +707,18 @@ def register(sub) -> None:
         metavar="KEY=VALUE",
         help="a strategy option (repeatable), e.g. server_learning_rate=0.5",
     )
-    p.add_argument(
-        "--checkpoint-every", type=int, default=0, help="rounds between checkpoints (0: at the end)"
-    )
+    from mobius_fed.cli import common
+
+    if hasattr(common, "add_checkpoint_flag"):
+        common.add_checkpoint_flag(p, 0)
+    else:
+        p.add_argument(
+            "--checkpoint-every", type=int, default=0, help="between checkpoints (0: at the end)"
+        )
+    if hasattr(common, "add_data_flag"):
+        common.add_data_flag(p)
+    if hasattr(common, "add_threads_flag"):
+        common.add_threads_flag(p, "cores / P per worker")
     p.add_argument(
         "--keep-checkpoints", type=int, help="complete manifests to keep (coordinator's default)"
     )
