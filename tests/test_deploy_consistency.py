@@ -196,7 +196,10 @@ def test_code_defaults_are_the_deployment_ports() -> None:
     assert _port(cfg.listen) == GRPC_PORT
     assert _port(cfg.rest_listen) == REST_PORT
     worker = worker_config.WorkerConfig(
-        coordinator="coordinator:7300", data_dir=Path("d"), ca=Path("ca"), cert=Path("c"),
+        coordinator="coordinator:7300",
+        data_dir=Path("d"),
+        ca=Path("ca"),
+        cert=Path("c"),
         key=Path("k"),
     )
     assert worker.listen_address == f"0.0.0.0:{WORKER_PORT}"
@@ -641,3 +644,95 @@ def test_systemd_units_and_env_files(role: str) -> None:
         assert re.fullmatch(r"/var/lib/mobius/data/site-\d+", active["MOBIUS_DATA_DIR"])
         wc = worker_config.load_worker_config(None, {}, {}, environ=active)
         assert wc.coordinator == active["MOBIUS_COORDINATOR"]
+
+
+# ----------------------------------------------------------------------------- packaging
+# import name → distribution name, where they differ
+DISTRIBUTION = {
+    "grpc": "grpcio",
+    "grpc_health": "grpcio-health-checking",
+    "google": "protobuf",
+    "yaml": "pyyaml",
+    "prometheus_client": "prometheus-client",
+}
+
+
+def _requirement_name(req: str) -> str:
+    return re.split(r"[<>=!~;\[ @]", req, maxsplit=1)[0].strip().lower().replace("_", "-")
+
+
+def _third_party_imports() -> set[str]:
+    import ast
+    import sys
+
+    found: set[str] = set()
+    for path in (ROOT / "mobius_fed").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in (n.split(".")[0] for n in names):
+                if name not in sys.stdlib_module_names and name not in ("mobius_fed", "__future__"):
+                    found.add(name)
+    return found
+
+
+def test_dependencies_are_declared_exactly_as_imported() -> None:
+    project = read_toml(ROOT / "pyproject.toml")["project"]
+    required = {_requirement_name(r) for r in project["dependencies"]}
+    extras = {
+        _requirement_name(r)
+        for name, reqs in project["optional-dependencies"].items()
+        if name != "dev"
+        for r in reqs
+        if not r.startswith("mobius-fed")
+    }
+    imported = {DISTRIBUTION.get(n, n).lower().replace("_", "-") for n in _third_party_imports()}
+    assert imported - required - extras == set(), "imported but not declared"
+    assert required - imported == set(), "declared but never imported"
+    assert "typer" not in required
+    assert {"pyarrow"} <= {
+        _requirement_name(r) for r in project["optional-dependencies"]["parquet"]
+    }
+    assert any(
+        r.startswith("tomli") and "python_version < '3.11'" in r for r in project["dependencies"]
+    )
+    assert "urls" in project
+
+
+def test_ci_pins_fall_in_the_declared_ranges() -> None:
+    from packaging.requirements import Requirement
+
+    project = read_toml(ROOT / "pyproject.toml")["project"]
+    declared = {
+        Requirement(r).name.lower(): Requirement(r)
+        for reqs in (project["dependencies"], *project["optional-dependencies"].values())
+        for r in reqs
+        if not r.startswith("mobius-fed")
+    }
+    pins = [
+        Requirement(ln.split("#")[0].strip())
+        for ln in (ROOT / "requirements-ci.txt").read_text().splitlines()
+        if ln.split("#")[0].strip()
+    ]
+    for pin in pins:
+        version = str(next(iter(pin.specifier)).version)
+        assert pin.name.lower() in declared, f"requirements-ci.txt pins undeclared {pin.name}"
+        assert declared[pin.name.lower()].specifier.contains(version), (pin, declared[pin.name])
+    for capped in ("flwr", "grpcio", "protobuf"):
+        assert any(s.operator == "<" for s in declared[capped].specifier), capped
+    assert not any(s.operator == "==" for s in declared["torch"].specifier)
+
+
+def test_dashboard_assets_are_package_data() -> None:
+    static = ROOT / "mobius_fed" / "coordinator" / "static"
+    patterns = read_toml(ROOT / "pyproject.toml")["tool"]["setuptools"]["package-data"]
+    globs = patterns["mobius_fed.coordinator"]
+    for path in static.rglob("*"):
+        if path.is_file():
+            rel = path.relative_to(static.parent)
+            assert any(rel.match(g) or (g.endswith("**/*") and str(rel).startswith(g[:-4]))
+                       for g in globs), rel  # fmt: skip
