@@ -87,6 +87,8 @@ def test_up_end_to_end(tmp_path: Path):
             "4",
             "--out",
             str(out),
+            "--linger",
+            "0",
         ],
         capture_output=True,
         text=True,
@@ -94,6 +96,11 @@ def test_up_end_to_end(tmp_path: Path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final validation loss (Eq. 8)" in proc.stdout and "per origin: s0=" in proc.stdout
+    endpoints = json.loads((out / "endpoints.json").read_text())  # findable while it ran
+    assert endpoints["grpc"].startswith("127.0.0.1:") and endpoints["rest"].startswith("https://")
+    assert Path(endpoints["certs"]["cert"]).is_file()
+    rows = [json.loads(line) for line in (out / "coordinator" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == list(range(1, 7)) and rows[-1]["eval_loss"] > 0
     manifest = latest_manifest(out / "coordinator")
     assert manifest is not None and json.loads(manifest.read_text())["step"] == 6
     time.sleep(0.5)
