@@ -22,7 +22,7 @@ class PrivacyConfig(BaseModel):
         ),
     )
     label_clip: float = Field(
-        0.05,
+        0.1,
         gt=0,
         description="label defence: L2 bound C of one token's gradient of its own loss",
     )

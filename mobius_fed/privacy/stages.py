@@ -1,15 +1,163 @@
-"""Privacy defences applied at ring hops (see :mod:`mobius_fed.engine.hops`)."""
+"""Privacy defences applied at ring hops (see :mod:`mobius_fed.engine.hops`).
+
+* :class:`LabelNoise` — the home clips each token's gradient of its own loss and adds
+  Gaussian noise to the gradient it returns for the final hidden state (slot K), so the
+  worker before the home cannot read the targets back from it.
+* :class:`InputNoise` — the origin adds Gaussian noise to the hidden state of its stream's
+  first remote hop (cyclic: slot 1, the output of F_s; ordered: slot 0, the embedding).
+
+Both are applied by the sending site, which is the stream's origin s in both cases, with
+noise drawn from a generator seeded by (site key, seed, phase, step, s, slot, m,
+direction): never the global RNG, so the reference engine and a ring draw the same noise.
+The site key is the secret in ``<noise_key_dir>/site-<s>.key``; without it the key is the
+public seed, and any worker can regenerate the noise (the audit shows that it strips it).
+"""
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from mobius_fed import schedule
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig
-    from mobius_fed.engine.hops import Engine, HopStage
+    from mobius_fed.engine.hops import Engine, HopContext, HopStage
+
+KEY_BYTES = 32
+
+
+def key_path(directory: str | Path, s: int) -> Path:
+    return Path(directory) / f"site-{s}.key"
+
+
+def write_site_keys(directory: str | Path, sites: int) -> list[Path]:
+    """Make one random secret per site (each file belongs on its own site only)."""
+    import secrets
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    paths = []
+    for s in range(sites):
+        path = key_path(directory, s)
+        path.write_bytes(secrets.token_bytes(KEY_BYTES))
+        path.chmod(0o600)
+        paths.append(path)
+    return paths
+
+
+class NoiseKeys:
+    """The secret each sending site keys its noise with (a ring worker holds only its own)."""
+
+    def __init__(self, cfg: TrainConfig, engine: Engine, rank: int | None) -> None:
+        self.seed = cfg.seed
+        self.directory = cfg.privacy.noise_key_dir
+        self.engine, self.rank = engine, rank
+        self._keys: dict[int, bytes] = {}
+
+    def key(self, s: int) -> bytes:
+        if self.directory is None:
+            return f"public-seed:{self.seed}".encode()
+        if s not in self._keys:
+            if self.engine == "ring" and s != self.rank:
+                raise ValueError(f"worker {self.rank} has no noise key of site {s}")
+            path = key_path(self.directory, s)
+            if not path.is_file():
+                raise FileNotFoundError(f"privacy.noise_key_dir: {path} not found")
+            data = path.read_bytes()
+            if len(data) < 16:
+                raise ValueError(f"privacy.noise_key_dir: {path} holds {len(data)} bytes (< 16)")
+            self._keys[s] = data
+        return self._keys[s]
+
+    def generator(self, ctx: HopContext) -> torch.Generator:
+        """The generator of hop ``ctx``, keyed by the sender's (= origin's) secret."""
+        label = (
+            f"{self.seed}:{ctx.phase}:{ctx.step}:{ctx.s}:{ctx.slot}:{ctx.m}:{ctx.direction}"
+        ).encode()
+        digest = hashlib.blake2b(label, key=self.key(ctx.s)[:64], digest_size=8).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def gaussian(like: Tensor, gen: torch.Generator) -> Tensor:
+    """Standard normal noise shaped like ``like`` (drawn in fp32 on the CPU)."""
+    z = torch.randn(like.shape, generator=gen, dtype=torch.float32)
+    return z.to(device=like.device, dtype=like.dtype)
+
+
+def clip_rows(rows: Tensor, bound: float) -> Tensor:
+    """Scale each row to L2 norm at most ``bound``."""
+    norms = rows.norm(dim=-1, keepdim=True)
+    return rows * torch.clamp(bound / norms.clamp_min(1e-12), max=1.0)
+
+
+def label_release(g: Tensor, sigma: float, clip: float, noise: Tensor | None) -> Tensor:
+    """The home's released gradient: per-token clip of N·g to ``clip``, plus σ·clip·noise, /N.
+
+    ``g`` is the gradient of the micro-batch's mean loss over N = B·T tokens, so N·g holds
+    each token's gradient of its own loss. ``noise`` None clips only.
+    """
+    n = g.shape[:-1].numel()
+    rows = clip_rows(g.reshape(-1, g.shape[-1]) * n, clip)
+    if noise is not None:
+        rows = rows + (sigma * clip) * noise.reshape(rows.shape)
+    return (rows / n).reshape(g.shape)
+
+
+def first_remote_slot(cfg: TrainConfig, s: int) -> int | None:
+    """The first forward slot of stream s that leaves its home (None when P = 1)."""
+    path = schedule.path(cfg.order, s, cfg.P, cfg.loops)
+    for slot in range(cfg.K + 1):
+        producer = path[slot - 1] if slot > 0 else s
+        consumer = path[slot] if slot < cfg.K else s
+        if producer != consumer:
+            return slot
+    return None
+
+
+class LabelNoise:
+    """Clip + Gaussian noise on the gradient of slot K that the home sends back."""
+
+    def __init__(self, cfg: TrainConfig, keys: NoiseKeys) -> None:
+        self.K, self.keys = cfg.K, keys
+        self.sigma, self.clip = cfg.privacy.label_noise, cfg.privacy.label_clip
+
+    def forward(self, h: Tensor, ctx: HopContext) -> Tensor:
+        return h
+
+    def backward(self, g: Tensor, ctx: HopContext) -> Tensor:
+        if ctx.slot != self.K or not ctx.remote:
+            return g
+        return label_release(g, self.sigma, self.clip, gaussian(g, self.keys.generator(ctx)))
+
+
+class InputNoise:
+    """Gaussian noise (std = sigma × each token's RMS) on a stream's first remote hop."""
+
+    def __init__(self, cfg: TrainConfig, keys: NoiseKeys) -> None:
+        self.keys, self.sigma = keys, cfg.privacy.input_noise
+        self.slots = [first_remote_slot(cfg, s) for s in range(cfg.P)]
+
+    def forward(self, h: Tensor, ctx: HopContext) -> Tensor:
+        if ctx.slot != self.slots[ctx.s]:
+            return h
+        rms = h.float().square().mean(-1, keepdim=True).sqrt().to(h.dtype)
+        return h + (self.sigma * rms) * gaussian(h, self.keys.generator(ctx))
+
+    def backward(self, g: Tensor, ctx: HopContext) -> Tensor:
+        return g
 
 
 def build_stages(cfg: TrainConfig, engine: Engine, rank: int | None) -> list[HopStage]:
-    """The defence stages ``cfg`` turns on (none yet)."""
-    del cfg, engine, rank
-    return []
+    """The defence stages ``cfg`` turns on, in hop order (none by default)."""
+    pc = cfg.privacy
+    keys = NoiseKeys(cfg, engine, rank)
+    stages: list[HopStage] = []
+    if pc.input_noise > 0:
+        stages.append(InputNoise(cfg, keys))
+    if pc.label_noise > 0:
+        stages.append(LabelNoise(cfg, keys))
+    return stages

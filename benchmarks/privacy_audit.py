@@ -1,0 +1,46 @@
+"""The privacy trade-off: attack success against Eq. 8 validation loss per defence strength.
+
+Runs ``mobius-fed audit --sweep`` (one audited training per row of
+:data:`mobius_fed.privacy.sweep.DEFAULT_GRID`, all on the same seed and data) and prints
+the Markdown table; sweep.md, sweep.json and sweep.png (with matplotlib) land in --out.
+
+    python benchmarks/privacy_audit.py [--preset cpu-small] [--steps 60] [--out runs/privacy]
+
+Every Δ in the table is measured against the no-defence row of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mobius_fed.cli.main import main
+
+
+def run() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="cpu-small")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--inverter-steps", type=int, default=400)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="runs/privacy")
+    a = p.parse_args()
+    argv = [
+        "audit",
+        "--sweep",
+        "--preset", a.preset,
+        "--steps", str(a.steps),
+        "--batch-size", str(a.batch_size),
+        "--workers", str(a.workers),
+        "--eval-every", "0",
+        "--inverter-steps", str(a.inverter_steps),
+        "--threads", str(a.threads),
+        "--out", a.out,
+    ]  # fmt: skip
+    return main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(run())

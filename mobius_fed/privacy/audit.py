@@ -1,0 +1,244 @@
+"""The privacy audit: train while a curious worker keeps what it sees, then attack.
+
+Training runs on the reference engine, which hands on exactly the tensors a ring
+exchanges. Two observers record what two workers legitimately receive:
+
+* the worker before stream ``victim``'s home (the producer of slot K) keeps the final
+  hidden states it sends and the gradients that come back, and runs the target attack at
+  every step with its own head replica as it is at that step;
+* the worker that receives ``victim``'s first remote hop keeps the hidden states of the
+  victim's held-out text (the final evaluation), and inverts them with a model trained on
+  its own text through the parts of the model it holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor
+
+from mobius_fed import schedule
+from mobius_fed.config import TrainConfig
+from mobius_fed.data import SiteData
+from mobius_fed.engine.hops import HopContext
+from mobius_fed.engine.reference import ReferenceEngine
+from mobius_fed.privacy.attacks import inversion_accuracy, recover_targets, train_inverter
+from mobius_fed.privacy.observer import Observer
+from mobius_fed.privacy.stages import NoiseKeys, first_remote_slot, gaussian
+
+
+@dataclass
+class TargetAttack:
+    """Target recovery at the last hop of stream ``victim`` by worker ``attacker``."""
+
+    victim: int
+    attacker: int
+    tokens: int = 0
+    correct: int = 0
+    model_correct: int = 0  # the head's own prediction from h, without the gradient
+    first_step: float | None = None  # accuracy at step 0
+    last_step: float | None = None  # accuracy at the last step
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / max(1, self.tokens)
+
+    @property
+    def model_accuracy(self) -> float:
+        return self.model_correct / max(1, self.tokens)
+
+
+@dataclass
+class InputAttack:
+    """Inversion of stream ``victim``'s first remote hop (slot ``slot``) by ``attacker``."""
+
+    victim: int
+    attacker: int
+    slot: int
+    tokens: int = 0
+    exact: float = 0.0
+    top5: float = 0.0
+    frequency_baseline: float = 0.0  # guessing the attacker's most frequent token
+
+
+@dataclass
+class AuditReport:
+    order: str
+    preset: str
+    steps: int
+    privacy: dict
+    eval_loss: float
+    chance: float  # 1 / vocabulary
+    target: TargetAttack
+    inversion: InputAttack | None
+    seconds: float = 0.0
+    epsilon: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["target"]["accuracy"] = self.target.accuracy
+        out["target"]["model_accuracy"] = self.target.model_accuracy
+        return out
+
+
+def last_hop_attacker(cfg: TrainConfig, s: int) -> int:
+    """The worker that produces stream s's final hidden state (slot K)."""
+    return schedule.path(cfg.order, s, cfg.P, cfg.loops)[-1]
+
+
+def first_hop_attacker(cfg: TrainConfig, s: int) -> tuple[int, int] | None:
+    """(slot, receiving worker) of stream s's first remote forward hop."""
+    slot = first_remote_slot(cfg, s)
+    if slot is None:
+        return None
+    path = schedule.path(cfg.order, s, cfg.P, cfg.loops)
+    return slot, (path[slot] if slot < cfg.K else s)
+
+
+class Audit:
+    """One audited training run on the reference engine."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        sites: Sequence[SiteData],
+        *,
+        victim: int = 0,
+        inverter_steps: int = 400,
+        attacker_batches: int = 64,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        if cfg.P < 2:
+            raise ValueError("the audit needs P >= 2 workers: with one, nothing leaves a site")
+        if not 0 <= victim < cfg.P:
+            raise ValueError(f"victim {victim} is not an origin of P={cfg.P} workers")
+        self.cfg, self.sites, self.victim = cfg, list(sites), victim
+        self.inverter_steps, self.attacker_batches = inverter_steps, attacker_batches
+        self.log = log or (lambda _msg: None)
+        self.engine = ReferenceEngine(cfg, self.sites)
+        self.keys = NoiseKeys(cfg, "reference", None)
+        K = cfg.K
+        self.target = TargetAttack(victim, last_hop_attacker(cfg, victim))
+        self._step_hits: dict[int, list[int]] = {}
+        self.last_hop = Observer(
+            rank=self.target.attacker,
+            backward_slots={victim: K},
+            phases=("train",),
+            on_backward=self._attack_targets,
+        )
+        self.last_hop.sent_forward = {victim: K}
+        self.last_hop.attach(self.engine.hops)
+        first = first_hop_attacker(cfg, victim)
+        self.first_hop: Observer | None = None
+        if first is not None:
+            slot, receiver = first
+            self.inversion = InputAttack(victim, receiver, slot)
+            self.first_hop = Observer(rank=receiver, forward_slots={victim: slot}, phases=("eval",))
+            self.first_hop.attach(self.engine.hops)
+
+    # ---------------------------------------------------------------- target
+    def _attack_targets(self, ctx: HopContext, g: Tensor) -> None:
+        """Runs inside the home's backward, when the gradient reaches the attacker."""
+        cfg, pc, obs = self.cfg, self.cfg.privacy, self.last_hop
+        h = obs.sent.pop(("train", ctx.step, ctx.s, ctx.slot, ctx.m))
+        head = self.engine.replicas[self.target.attacker]
+        sigma, clip = pc.label_noise, (pc.label_clip if pc.label_noise > 0 else None)
+        if sigma > 0 and pc.noise_key_dir is None:
+            # Public-seed noise: the attacker regenerates it and subtracts it.
+            n = g.shape[:-1].numel()
+            g = g - (sigma * clip / n) * gaussian(g, self.keys.generator(ctx))  # type: ignore[operator]
+            sigma = 0.0
+        guess, model = recover_targets(h, g, head, sigma=sigma, clip=clip)
+        y = self.engine._micro("train", ctx.s, ctx.step)[ctx.m][1].reshape(-1)
+        hits = int((guess == y).sum())
+        self.target.tokens += y.numel()
+        self.target.correct += hits
+        self.target.model_correct += int((model == y).sum())
+        tally = self._step_hits.setdefault(ctx.step, [0, 0])
+        tally[0] += hits
+        tally[1] += y.numel()
+        del cfg
+
+    # ----------------------------------------------------------------- input
+    @torch.no_grad()
+    def _attacker_features(self, slot: int, attacker: int) -> tuple[Tensor, Tensor]:
+        """(hidden states, tokens) of the attacker's own text through what it holds."""
+        cfg, eng = self.cfg, self.engine
+        site = self.sites[attacker]
+        xs = [
+            site.batch("train", seed=cfg.seed + 7919, step=k, batch_size=cfg.batch_size)[0]
+            for k in range(self.attacker_batches)
+        ]
+        x = torch.cat(xs)
+        e = eng.replicas[attacker].embed(x)
+        if slot == 0:
+            return e, x
+        h = e
+        for t in range(slot):  # its own group stands in for the origin's (unknown) groups
+            h = eng.groups[attacker](h, t)
+        return torch.cat([h, e]), torch.cat([x, x])
+
+    def _attack_inputs(self) -> None:
+        if self.first_hop is None:
+            return
+        cfg, inv = self.cfg, self.inversion
+        count = cfg.eval_batches * cfg.micro_batches
+        micro = [
+            mb for b in range(cfg.eval_batches) for mb in self.engine._micro("val", inv.victim, b)
+        ]
+        got = [
+            self.first_hop.received[("eval", self.engine.step, inv.victim, inv.slot, j)]
+            for j in range(count)
+        ]
+        received = torch.cat(got)
+        tokens = torch.cat([x for x, _ in micro])
+        feats, own = self._attacker_features(inv.slot, inv.attacker)
+        vocab = cfg.model().vocab_size
+        model = train_inverter(
+            feats,
+            own,
+            vocab,
+            steps=self.inverter_steps,
+            noise=cfg.privacy.input_noise,
+            seed=cfg.seed,
+        )
+        inv.exact, inv.top5 = inversion_accuracy(model, received, tokens)
+        inv.tokens = tokens.numel()
+        common = torch.bincount(own.flatten(), minlength=vocab).argmax()
+        inv.frequency_baseline = (tokens == common).float().mean().item()
+
+    # ------------------------------------------------------------------- run
+    def run(self) -> AuditReport:
+        from mobius_fed.privacy.accounting import epsilon_spent
+
+        cfg, t0 = self.cfg, time.perf_counter()
+        for n in range(cfg.steps):
+            r = self.engine.train_step()
+            if cfg.eval_every and (n + 1) % cfg.eval_every == 0 and n + 1 < cfg.steps:
+                self.log(f"step {r.step}: loss {r.loss:.4f}")
+        ev = self.engine.evaluate()
+        self.log(f"eval loss (Eq. 8) {ev.loss:.4f}")
+        self._attack_inputs()
+        hits = self._step_hits
+        if hits:
+            self.target.first_step = hits[min(hits)][0] / hits[min(hits)][1]
+            self.target.last_step = hits[max(hits)][0] / hits[max(hits)][1]
+        eps = None
+        if cfg.privacy.label_noise > 0:
+            eps = epsilon_spent(cfg.privacy, cfg.steps)
+        return AuditReport(
+            order=cfg.order,
+            preset=cfg.preset,
+            steps=cfg.steps,
+            privacy=cfg.privacy.model_dump(mode="json"),
+            eval_loss=ev.loss,
+            chance=1.0 / cfg.model().vocab_size,
+            target=self.target,
+            inversion=self.inversion if self.first_hop is not None else None,
+            seconds=time.perf_counter() - t0,
+            epsilon=eps,
+        )
