@@ -76,7 +76,7 @@ def run_arm(order: str, loops: int, wire: str, steps: int, preset: str, seed: in
         seed=seed,
         eval_every=0,
         eval_batches=4,
-        wire=WireConfig.parse_flag(wire) if wire != "none" else WireConfig(),
+        wire=WireConfig(**WireConfig.parse_flag(wire)) if wire != "none" else WireConfig(),
     )
     mc = cfg.model()
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,6 +37,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from mobius_fed.proto import ring_pb2
+from mobius_fed.transport.compress import Codec, CodecError
 
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -283,6 +284,7 @@ def encode_frames(
     tensor: torch.Tensor,
     wire: str = "fp32",
     chunk_bytes: int = CHUNK_BYTES,
+    packed: tuple[str, tuple[int, ...]] | None = None,
 ) -> Iterator[bytes]:
     """Yield the serialized bytes of the frame(s) carrying ``tensor`` in dtype ``wire``.
 
@@ -290,10 +292,18 @@ def encode_frames(
     at most ``chunk_bytes`` each (a whole number of elements, at least one). The tensor is
     cast once; each frame's bytes are then built in one copy from its memory. Frames are
     produced lazily, so the caller can hand each to the transport while the next is built.
+
+    ``packed=(codec spec, shape)``: ``tensor`` is a lossy codec's flat ``uint8`` payload
+    for a tensor of that shape (sent as dtype PACKED; ``wire`` is ignored).
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
-    t = _wire_tensor(tensor, wire)
+    if packed is not None:
+        t = tensor.detach().to(device="cpu").reshape(-1).contiguous()
+        if t.dtype != torch.uint8:
+            raise ValueError(f"a packed payload must be uint8, got {t.dtype}")
+    else:
+        t = _wire_tensor(tensor, wire)
     numel, itemsize = t.numel(), t.element_size()
     per = max(1, chunk_bytes // itemsize)
     chunks = chunk_count(numel, itemsize, chunk_bytes)
@@ -308,7 +318,10 @@ def encode_frames(
         phase=phase,
         chunks=chunks,
     )
-    meta = ring_pb2.Tensor(dtype=WIRE_TO_ENUM[wire], shape=list(t.shape))
+    if packed is not None:
+        meta = ring_pb2.Tensor(dtype=ring_pb2.PACKED, shape=list(packed[1]), codec=packed[0])
+    else:
+        meta = ring_pb2.Tensor(dtype=WIRE_TO_ENUM[wire], shape=list(t.shape))
     for k in range(chunks):
         a, b = k * per, min(numel, (k + 1) * per)
         piece = mem[a * itemsize : b * itemsize]
@@ -418,9 +431,11 @@ class TensorAssembler:
         *,
         out_dtype: torch.dtype = torch.float32,
         max_pending: int = MAX_PENDING,
+        codec: Codec | None = None,
     ) -> None:
         self.shape, self.wire = tuple(expected_shape), _wire_name(expected_dtype)
         self.out_dtype, self.max_pending = out_dtype, max_pending
+        self.codec = codec if codec is not None and not codec.lossless else None
         self._pending: dict[Hashable, _Partial] = {}
 
     @property
@@ -480,6 +495,8 @@ class TensorAssembler:
         msg = frame.tensor
         if not frame.HasField("tensor"):
             raise FrameError("frame rejected: no tensor")
+        if self.codec is not None:
+            return self._add_packed(key, frame, keep, what, data)
         if n == 1:  # a whole tensor in one frame: the codec's own checks and messages
             if msg.offset != 0:
                 raise FrameError(f"tensor rejected: offset {msg.offset} (expected 0)")
@@ -533,3 +550,64 @@ class TensorAssembler:
             return None
         del self._pending[key]
         return part.out.view(shape) if part.out is not None else None
+
+    def _new_partial(self, key: Hashable, what: str, chunks: int) -> _Partial:
+        if len(self._pending) >= self.max_pending:
+            raise FrameError(
+                f"frame rejected: {what} would be the {len(self._pending) + 1}th partially "
+                f"received tensor on this stream (at most {self.max_pending})"
+            )
+        part = self._pending[key] = _Partial(chunks=chunks)
+        return part
+
+    def _add_packed(self, key: Hashable, frame: ring_pb2.Frame, keep: bool, what: str, data):
+        """One piece of a codec payload: dtype, codec, shape, byte range and CRC are checked
+        per piece; the whole payload is decoded (size, finiteness) once its last piece is
+        in."""
+        codec, msg = self.codec, frame.tensor
+        assert codec is not None
+        k, n = frame.chunk, frame.chunks
+        if msg.dtype != ring_pb2.PACKED:
+            got = ENUM_TO_WIRE.get(msg.dtype, f"enum {msg.dtype}")
+            raise FrameError(f"tensor rejected: dtype {got} (expected PACKED {codec.spec})")
+        if msg.codec != codec.spec:
+            raise FrameError(f"tensor rejected: codec {msg.codec!r} (expected {codec.spec!r})")
+        if tuple(msg.shape) != self.shape:
+            raise FrameError(f"tensor rejected: shape {tuple(msg.shape)} (expected {self.shape})")
+        total = codec.payload_bytes(self.shape)
+        if n > total:
+            raise FrameError(f"frame rejected: chunks {n} for {what} (a {total}-byte payload)")
+        part = self._pending.get(key)
+        start = part.next_offset if part is not None else 0
+        if msg.offset != start:
+            raise FrameError(
+                f"tensor rejected: offset {msg.offset} in chunk {k} of {n} for {what} "
+                f"(expected {start})"
+            )
+        if data is None:
+            data = msg.data
+        room = total - start - (n - 1 - k)
+        count = len(data)
+        if count == 0 or count > room or (k == n - 1 and count != room):
+            want = f"{room}" if k == n - 1 else f"1..{room}"
+            raise FrameError(
+                f"tensor rejected: {count} payload bytes in chunk {k} of {n} for {what} "
+                f"(expected {want})"
+            )
+        _check_crc(data, msg)
+        if part is None:
+            part = self._new_partial(key, what, n)
+            if keep:
+                part.out = torch.empty(total, dtype=torch.uint8)
+        if part.out is not None:
+            part.out[start : start + count].copy_(torch.frombuffer(data, dtype=torch.uint8))
+        part.next_chunk, part.next_offset = k + 1, start + count
+        if k < n - 1:
+            return None
+        del self._pending[key]
+        if part.out is None:
+            return None
+        try:
+            return codec.decode(part.out, self.shape).to(self.out_dtype)
+        except CodecError as exc:
+            raise FrameError(f"tensor rejected: {exc}") from exc

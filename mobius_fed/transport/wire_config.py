@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -34,9 +34,9 @@ class WireConfig(BaseModel):
         return v
 
     @classmethod
-    def parse_flag(cls, text: str) -> WireConfig:
-        """``"fwd=int8,bwd=fp8"`` (also ``group=…``, ``rank=…``; ``both=…`` sets fwd and
-        bwd) → WireConfig; ValueError names the bad item."""
+    def parse_flag(cls, text: str) -> dict[str, Any]:
+        """``--wire fwd=int8,bwd=fp8`` (also ``group=…``, ``rank=…``; ``both=…`` sets fwd
+        and bwd): the fields given, validated; ValueError names the bad item."""
         values: dict[str, object] = {}
         for item in filter(None, (p.strip() for p in text.split(","))):
             key, eq, value = item.partition("=")
@@ -53,8 +53,9 @@ class WireConfig(BaseModel):
                     f"both, {', '.join(cls.model_fields)})"
                 )
         try:
-            return cls.model_validate(values)
+            model = cls.model_validate(values)
         except ValidationError as exc:
             err = exc.errors()[0]
             loc = ".".join(str(x) for x in err.get("loc", ())) or "wire"
             raise ValueError(f"--wire {text!r}: {loc}: {err.get('msg', '')}") from exc
+        return {key: getattr(model, key) for key in values}

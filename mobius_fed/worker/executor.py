@@ -9,6 +9,7 @@ engine and the losses match it.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -21,8 +22,11 @@ from mobius_fed.data import SiteData
 from mobius_fed.engine.hops import HopContext, build_hops
 from mobius_fed.model import build_group, build_replica
 from mobius_fed.model.training import make_optimizers, mean_loss, scale_grads, step_optimizers
+from mobius_fed.transport.wire_stages import CodecStage, codecs
 from mobius_fed.worker.frames import BACKWARD, EVAL, FORWARD, TRAIN, FrameKey, FrameRules
 from mobius_fed.worker.link import RingLinks
+
+log = logging.getLogger("mobius.executor")
 
 
 @dataclass
@@ -53,16 +57,30 @@ class RingExecutor:
         self.links: RingLinks | None = None
         self.peer_timeout = peer_timeout
         self.hops = build_hops(cfg, "ring", rank)
+        self._codecs = codecs(cfg)
+        stages = [st for st in self.hops.stages if isinstance(st, CodecStage)]
+        self._codec_stage: CodecStage | None = stages[0] if stages else None
+        self._warned_reencode = False
         self._local: dict[FrameKey, Tensor] = {}
         self._wait = 0.0
 
     # ------------------------------------------------------------ transport
-    def _emit(self, key: FrameKey, tensor: Tensor, dest: int) -> None:
+    def _emit(self, key: FrameKey, tensor: Tensor, dest: int, ctx: HopContext) -> None:
         if dest == self.rank:
             self._local[key] = tensor
             return
         assert self.links is not None, "a ring of P > 1 needs links"
-        self.links.send_tensor(key, tensor)
+        codec = self._codecs[0 if key.direction == FORWARD else 1]
+        if codec.lossless:
+            self.links.send_tensor(key, tensor)
+            return
+        payload = self._codec_stage.take_payload(ctx, tensor) if self._codec_stage else None
+        if payload is None:  # a stage after the codec changed the tensor: encode it anew
+            if not self._warned_reencode:
+                log.warning("a hop stage runs after the wire codec: the ring re-encodes")
+                self._warned_reencode = True
+            payload = codec.encode(tensor)
+        self.links.send_packed(key, payload, codec)
 
     def _take(self, key: FrameKey) -> Tensor:
         if key in self._local:
@@ -88,15 +106,17 @@ class RingExecutor:
 
     def _send_forward(self, phase: int, step: int, s: int, slot: int, m: int, h: Tensor) -> None:
         key = FrameKey(phase, step, FORWARD, s, slot, m)
+        ctx = self._hop(phase, "forward", step, s, slot, m)
         if self.hops:
-            h = self.hops.forward(h, self._hop(phase, "forward", step, s, slot, m))
-        self._emit(key, h, self.rules.consumer(s, slot))
+            h = self.hops.forward(h, ctx)
+        self._emit(key, h, self.rules.consumer(s, slot), ctx)
 
     def _send_backward(self, step: int, s: int, slot: int, m: int, g: Tensor) -> None:
         key = FrameKey(TRAIN, step, BACKWARD, s, slot, m)
+        ctx = self._hop(TRAIN, "backward", step, s, slot, m)
         if self.hops:
-            g = self.hops.backward(g, self._hop(TRAIN, "backward", step, s, slot, m))
-        self._emit(key, g, self.rules.producer(s, slot))
+            g = self.hops.backward(g, ctx)
+        self._emit(key, g, self.rules.producer(s, slot), ctx)
 
     # ---------------------------------------------------------------- train
     def _micro(self, split: str, step: int) -> list[tuple[Tensor, Tensor]]:

@@ -59,6 +59,7 @@ from mobius_fed.transport.codec import (
     max_message_bytes,
     parse_frame,
 )
+from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.tls import (
     NodeTLS,
     add_port,
@@ -66,6 +67,7 @@ from mobius_fed.transport.tls import (
     peer_identity,
     worker_identity,
 )
+from mobius_fed.transport.wire_stages import codecs
 from mobius_fed.worker.frames import (
     ACK,
     BACKWARD,
@@ -489,7 +491,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         self._old_bytes = 0  # bytes sent by ended predecessor sessions
         self._server: grpc.Server | None = None
         # client side: the session with the successor
-        self._out = _Session(self.successor_identity, self._assembler(), self._capture)
+        self._out = _Session(self.successor_identity, self._assembler(BACKWARD), self._capture)
         self._out.token = ""  # the successor's server hands the token out
         self._out_state = "down"
         self._out_reconnects = 0
@@ -685,7 +687,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                                 f"the interrupted one (did worker-{self.pred} restart?)"
                             )
                         )
-                s = self._in = _Session(label, self._assembler(), self._capture)
+                s = self._in = _Session(label, self._assembler(FORWARD), self._capture)
                 s.end.resume(0, st)
                 st.rx_at_start = 0
                 self._in_ready.notify_all()
@@ -784,7 +786,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             dropped = self.inbox.drop(s)
             partial = s.pieces.pending + len(s.relay_hold)
             s.relay_hold.clear()
-            s.pieces = self._assembler()
+            s.pieces = self._assembler(FORWARD)
         unsent = s.end.queued - s.end.acked
         if dropped or partial or unsent or not s.finished:
             log.warning(
@@ -1049,9 +1051,15 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         return False
 
     # --------------------------------------------------------------- routing
-    def _assembler(self) -> TensorAssembler:
-        """Piece validation/reassembly state for one incoming session."""
-        return TensorAssembler(self.rules.shape, self.rules.cfg.wire_dtype)
+    def _assembler(self, direction: int) -> TensorAssembler:
+        """Piece validation/reassembly state for one incoming session: FORWARD (from the
+        predecessor) or BACKWARD frames (from the successor), each with its codec."""
+        fwd, bwd = codecs(self.rules.cfg)
+        return TensorAssembler(
+            self.rules.shape,
+            self.rules.cfg.wire_dtype,
+            codec=fwd if direction == FORWARD else bwd,
+        )
 
     def _ack_frame(self, n: int) -> bytes:
         return ring_pb2.Frame(run_id=self.rules.run_id, direction=ACK, ack=n).SerializeToString()
@@ -1142,6 +1150,23 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             chunk_bytes=self.chunk_bytes,
         ):
             out.put(data)  # gRPC sends piece k while piece k+1 is built
+
+    def send_packed(self, key: FrameKey, payload: torch.Tensor, codec: Codec) -> None:
+        """Send a lossy codec's ``payload`` of a full-size tensor as the frame(s) ``key``."""
+        out = self._outgoing(key.direction)
+        for data in encode_frames(
+            run_id=self.rules.run_id,
+            step=key.step,
+            origin=key.origin,
+            tick=key.tick,
+            micro=key.micro,
+            direction=key.direction,
+            phase=key.phase,
+            tensor=payload,
+            chunk_bytes=self.chunk_bytes,
+            packed=(codec.spec, self.rules.shape),
+        ):
+            out.put(data)
 
     def send(self, frame: ring_pb2.Frame) -> None:
         """Send a ready-made frame message (serialized here) in its direction."""
