@@ -35,6 +35,7 @@ SYSTEMD = ROOT / "deploy" / "systemd"
 WORKER_PORT = 7000
 GRPC_PORT = 7300
 REST_PORT = 7380
+METRICS_PORT = 9464
 CERTS, DATA, STATE = "/srv/mobius/certs", "/srv/mobius/data", "/srv/mobius/state"
 WORKER_RE = re.compile(r"^worker-(\d+)$")
 
@@ -232,6 +233,7 @@ def test_dockerfile_paths_ports_and_user() -> None:
         WORKER_PORT,
         GRPC_PORT,
         REST_PORT,
+        METRICS_PORT,
     }
     user = re.findall(r"^USER\s+(\S+)$", text, re.M)
     assert user and user[-1].split(":")[0] == "10001", "the image must run as uid 10001"
@@ -248,10 +250,19 @@ def test_dockerfile_paths_ports_and_user() -> None:
     assert cmd and yaml.safe_load(cmd.group(1))[0] in PARSERS
 
 
-def test_compose_builds_this_dockerfile() -> None:
-    for name, svc in _services().items():
-        assert svc["build"]["dockerfile"] == "docker/Dockerfile", name
-        assert (COMPOSE.parent / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
+def test_compose_builds_the_image_once() -> None:
+    """One service builds this Dockerfile; every other one runs the same image by name."""
+    services = _services()
+    builders = [name for name, svc in services.items() if "build" in svc]
+    assert builders == ["certs"], f"build: on {builders} (one service only)"
+    build = services["certs"]["build"]
+    assert build["dockerfile"] == "docker/Dockerfile"
+    assert (COMPOSE.parent / build["context"] / build["dockerfile"]).is_file()
+    image = services["certs"]["image"]
+    for name, svc in services.items():
+        assert svc["image"] == image, f"{name} runs another image"
+        if name != "certs":
+            assert svc.get("pull_policy") == "never", f"{name} would try to pull {image}"
 
 
 # ----------------------------------------------------------------------------- compose
@@ -320,9 +331,11 @@ def test_compose_ports_paths_and_identities() -> None:
     env = coord["environment"]
     assert _port(env["MOBIUS_LISTEN"]) == GRPC_PORT
     assert _port(env["MOBIUS_REST_LISTEN"]) == REST_PORT
+    assert _port(env["MOBIUS_METRICS_LISTEN"]) == METRICS_PORT
     assert {str(p).split("#")[0].strip() for p in coord["ports"]} == {
         f"{GRPC_PORT}:{GRPC_PORT}",
         f"{REST_PORT}:{REST_PORT}",
+        f"{METRICS_PORT}:{METRICS_PORT}",
     }
     assert env["MOBIUS_OUT_DIR"] == STATE
     _check_tls_env(env, CERTS, "compose coordinator")
@@ -389,7 +402,10 @@ def test_compose_stops_cleanly_and_heals() -> None:
             f"worker-{i}: restart {policy!r} would restart a worker whose run is done"
         )
     coord = services["coordinator"]
-    assert coord["restart"] in ("unless-stopped", "always", "on-failure")
+    # exit 0 (the run is done, after lingering) stays stopped, so that
+    # `docker compose up --exit-code-from coordinator` returns; a crash comes back
+    assert re.fullmatch(r"on-failure(:\d+)?", str(coord["restart"])), coord["restart"]
+    assert float(coord["environment"]["MOBIUS_LINGER"]) >= 0, "the coordinator must exit"
     assert coord["environment"]["MOBIUS_RESUME"] == "auto"
     env = {k: str(v) for k, v in coord["environment"].items()}
     assert coord_config.load_coordinator_config(None, {}, {}, environ=env).resume == "auto"
@@ -430,7 +446,7 @@ def _check_health(argv: list[str], port: int, server_name: str, env: dict[str, s
     assert args.func.__name__ == "health_main"
     assert args.address == f"127.0.0.1:{port}"
     assert args.server_name == server_name
-    assert not args.insecure
+    assert not getattr(args, "insecure", False)
     assert (str(args.ca), str(args.cert), str(args.key)) == (
         env["MOBIUS_CA"],
         env["MOBIUS_CERT"],
@@ -463,7 +479,11 @@ def test_k8s_names_and_ports_match_compose() -> None:
     P = _num_workers()
     assert sorted(_k8s_workers()) == list(range(P)), "one worker StatefulSet per compose worker"
     svc = _k8s("Service", "coordinator")["spec"]
-    assert {p["name"]: p["port"] for p in svc["ports"]} == {"grpc": GRPC_PORT, "rest": REST_PORT}
+    assert {p["name"]: p["port"] for p in svc["ports"]} == {
+        "grpc": GRPC_PORT,
+        "rest": REST_PORT,
+        "metrics": METRICS_PORT,
+    }
     headless = _k8s("Service", "worker")["spec"]
     assert headless["clusterIP"] == "None"
     assert [p["port"] for p in headless["ports"]] == [WORKER_PORT]
@@ -492,14 +512,17 @@ def test_k8s_coordinator() -> None:
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
         "grpc": GRPC_PORT,
         "rest": REST_PORT,
+        "metrics": METRICS_PORT,
     }
+    assert _port(cfg.metrics_listen or "") == METRICS_PORT
     assert env["MOBIUS_OUT_DIR"] == STATE
     _check_tls_env(env, CERTS, "k8s coordinator")
     mounts = _mounts(pod, c)
     assert {CERTS, STATE} <= set(mounts)
     _check_secret(mounts[CERTS], "coordinator")
-    for probe in ("readinessProbe", "livenessProbe"):
-        _check_health(c[probe]["exec"]["command"], GRPC_PORT, "coordinator", env)
+    # httpGet on the plain metrics listener: no client certificate, no process per probe
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     _check_pod_security(pod, c)
     # Compose and Kubernetes run the same run shape.
     compose_env = _services()["coordinator"]["environment"]
