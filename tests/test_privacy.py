@@ -1,0 +1,115 @@
+"""Privacy audit: the attacks work where they should, the defences stop them, and bad
+settings are refused with a clear message."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from mobius_fed.config import TrainConfig
+from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+from mobius_fed.engine.hops import HopContext
+from mobius_fed.privacy.accounting import PrivacyExtraMissing, epsilon_spent
+from mobius_fed.privacy.audit import Audit
+from mobius_fed.privacy.report import status_block
+from mobius_fed.privacy.stages import NoiseKeys, label_release, write_site_keys
+
+P = 4
+BASE = dict(preset="cpu-tiny", workers=P, steps=3, batch_size=4, eval_every=0)
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory: pytest.TempPathFactory) -> list[SiteData]:
+    root = tmp_path_factory.mktemp("privacy")
+    prepare_sites(None, root / "sites", P, text=embedded_corpus())
+    seq = TrainConfig(**BASE).model().seq_len
+    return [SiteData(root / "sites" / f"site-{i}", seq) for i in range(P)]
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> str:
+    directory = tmp_path_factory.mktemp("keys")
+    write_site_keys(directory, P)
+    return str(directory)
+
+
+def audit(sites, inverter_steps: int = 150, victim: int = 0, **kw):
+    privacy = kw.pop("privacy", {})
+    cfg = TrainConfig(**{**BASE, **kw}, privacy=privacy)
+    return Audit(cfg, sites, victim=victim, inverter_steps=inverter_steps).run()
+
+
+def test_without_defences_the_last_hop_reveals_every_target(sites):
+    r = audit(sites, inverter_steps=1)
+    assert r.target.attacker == P - 1 and r.target.tokens == 3 * 4 * 32
+    assert r.target.accuracy >= 0.99, r.target
+    assert r.target.model_accuracy < 0.5  # the gradient, not the model, gives them away
+
+
+def test_label_noise_with_site_keys_hides_the_targets(sites, keys):
+    r = audit(sites, privacy={"label_noise": 2.0, "noise_key_dir": keys}, inverter_steps=1)
+    assert r.target.accuracy <= r.chance + 0.10, r.target
+    assert r.epsilon is not None and r.epsilon > 0
+
+
+def test_noise_keyed_by_the_public_seed_is_stripped_by_the_attacker(sites):
+    r = audit(sites, privacy={"label_noise": 2.0}, inverter_steps=1)
+    assert r.target.accuracy >= 0.99, r.target
+
+
+def test_ordered_first_hop_sends_the_embedding_and_it_is_inverted(sites, keys):
+    plain = audit(sites, order="ordered", victim=1)
+    assert (plain.inversion.slot, plain.inversion.attacker) == (0, 0)
+    assert plain.inversion.exact >= 0.9, plain.inversion
+    noisy = audit(
+        sites, order="ordered", victim=1, privacy={"input_noise": 4.0, "noise_key_dir": keys}
+    )
+    assert noisy.inversion.exact <= plain.inversion.exact - 0.3, noisy.inversion
+
+
+def test_label_release_clips_each_token_and_is_a_pure_function_of_the_key(keys):
+    g = torch.randn(2, 8, 16)
+    rows = label_release(g, 1.0, 0.05, None).reshape(-1, 16) * 16
+    assert rows.norm(dim=-1).max() <= 0.05 + 1e-6
+    cfg = TrainConfig(**BASE, privacy={"label_noise": 1.0, "noise_key_dir": keys})
+    ctx = HopContext("train", "backward", 5, 2, P, 0, 1, 2)
+    a = NoiseKeys(cfg, "reference", None).generator(ctx)
+    b = NoiseKeys(cfg, "ring", 2).generator(ctx)
+    assert torch.equal(torch.randn(4, generator=a), torch.randn(4, generator=b))
+    with pytest.raises(ValueError, match="worker 1 has no noise key of site 2"):
+        NoiseKeys(cfg, "ring", 1).generator(ctx)
+
+
+def test_missing_key_file_and_bad_settings_are_named(tmp_path):
+    cfg = TrainConfig(**BASE, privacy={"label_noise": 1.0, "noise_key_dir": str(tmp_path)})
+    ctx = HopContext("train", "backward", 0, 0, P, 0, 3, 0)
+    with pytest.raises(FileNotFoundError, match=r"site-0\.key"):
+        NoiseKeys(cfg, "reference", None).generator(ctx)
+    with pytest.raises(ValidationError, match=r"privacy\.label_noise"):
+        TrainConfig(privacy={"label_noise": -1})
+    with pytest.raises(ValidationError, match=r"privacy\.input_nois"):
+        TrainConfig(privacy={"input_nois": 1})
+
+
+def test_status_block_reports_epsilon_and_names_the_missing_extra(monkeypatch):
+    assert status_block(TrainConfig(**BASE), 10) is None
+    cfg = TrainConfig(**BASE, privacy={"label_noise": 1.0, "sample_rate": 0.01})
+    block = status_block(cfg, 100)
+    assert [d["name"] for d in block["defences"]] == ["label_noise"]
+    assert (
+        0
+        < block["epsilon"]
+        < epsilon_spent(cfg.privacy.model_copy(update={"label_noise": 0.5}), 100)
+    )
+    monkeypatch.setitem(sys.modules, "opacus.accountants", None)
+    with pytest.raises(PrivacyExtraMissing, match=r"mobius-fed\[privacy\]"):
+        epsilon_spent(cfg.privacy, 10)
+    assert "mobius-fed[privacy]" in status_block(cfg, 100)["error"]
+
+
+def test_audit_refuses_a_single_worker(sites):
+    with pytest.raises(ValueError, match="P >= 2"):
+        Audit(TrainConfig(**{**BASE, "workers": 1}), sites[:1])
