@@ -1,0 +1,52 @@
+"""Prometheus metrics: every series the Grafana dashboard queries exists, with its type."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from mobius_fed.coordinator.state import RunState
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "deploy/monitoring/grafana/dashboards"
+
+
+def busy_state() -> RunState:
+    st = RunState(run_id="r", P=2, steps=4, strategy="fedavg", num_rounds=4)
+    st.metrics  # noqa: B018 - the histograms exist before the first round
+    st.set(phase="training")
+    for rank in range(2):
+        st.update_worker(rank, state="training", last_heartbeat=1.0, last_loss=4.0)
+        st.record_losses(rank, 0, [4.0, 3.9])
+    fig = {"train_s": 0.5, "wait_s": 0.1, "bytes_sent": 4096.0, "frames_sent": 4.0}
+    st.record_round(1, 0.7, 0.5, workers={0: fig, 1: {"train_s": 0.4}}, steps=2, tokens=64)
+    st.record_eval(1, 2, {0: 3.5, 1: 3.7})
+    return st
+
+
+def test_dashboard_queries_only_exported_series() -> None:
+    fams = {f.name: f for f in text_string_to_metric_families(busy_state().prometheus())}
+    samples = {s.name for f in fams.values() for s in f.samples}
+    doc = json.loads((DASHBOARD / "mobius-fed.json").read_text())
+    exprs = [t["expr"] for p in doc["panels"] for t in p["targets"]]
+    names = {n for e in exprs for n in re.findall(r"\b((?:mobius|process)_[a-z_]+)\b", e)}
+    assert names and names <= samples, sorted(names - samples)
+
+
+def test_counters_histograms_and_values() -> None:
+    fams = {f.name: f for f in text_string_to_metric_families(busy_state().prometheus())}
+    assert fams["mobius_tokens"].type == "counter"
+    assert fams["mobius_tokens"].samples[0].value == 64
+    hist = {(s.name, s.labels.get("rank"), s.labels.get("le")): s.value
+            for s in fams["mobius_step_seconds"].samples}  # fmt: skip
+    assert hist[("mobius_step_seconds_count", "0", None)] == 2  # 2 steps at 0.25 s
+    assert hist[("mobius_step_seconds_bucket", "0", "0.25")] == 2
+    assert hist[("mobius_step_seconds_bucket", "0", "0.1")] == 0
+    frames = {(s.name, s.labels.get("le")): s.value for s in fams["mobius_frame_bytes"].samples}
+    assert frames[("mobius_frame_bytes_count", None)] == 4  # worker-0 reported 4 frames
+    assert frames[("mobius_frame_bytes_bucket", "1024.0")] == 4
+    share = {s.labels["rank"]: s.value for s in fams["mobius_worker_wait_share"].samples}
+    assert share == {"0": 0.2}  # worker-1 reported no wait time
+    assert fams["mobius_eval_loss"].samples[0].value == 3.6
