@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
@@ -75,8 +75,9 @@ class AuditReport:
     target: TargetAttack
     inversion: InputAttack | None
     seconds: float = 0.0
-    epsilon: float | None = None
-    extra: dict = field(default_factory=dict)
+    epsilon: float | None = None  # at the configured sample_rate
+    epsilon_sampled: float | None = None  # at q = one batch's tokens / the site's train tokens
+    data_sample_rate: float = 1.0
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -227,9 +228,13 @@ class Audit:
         if hits:
             self.target.first_step = hits[min(hits)][0] / hits[min(hits)][1]
             self.target.last_step = hits[max(hits)][0] / hits[max(hits)][1]
-        eps = None
+        q = min(
+            1.0, cfg.batch_size * cfg.model().seq_len / self.sites[self.victim].num_tokens("train")
+        )
+        eps = eps_q = None
         if cfg.privacy.label_noise > 0:
             eps = epsilon_spent(cfg.privacy, cfg.steps)
+            eps_q = epsilon_spent(cfg.privacy.model_copy(update={"sample_rate": q}), cfg.steps)
         return AuditReport(
             order=cfg.order,
             preset=cfg.preset,
@@ -241,4 +246,6 @@ class Audit:
             inversion=self.inversion if self.first_hop is not None else None,
             seconds=time.perf_counter() - t0,
             epsilon=eps,
+            epsilon_sampled=eps_q,
+            data_sample_rate=q,
         )

@@ -70,13 +70,14 @@ def markdown_table(rows: Sequence[tuple[str, AuditReport]]) -> str:
     base = {r.order: r.eval_loss for label, r in rows if not _defended(r)}
     lines = [
         "| defence | order | Eq. 8 val loss | Δ vs none | target recovery | model alone | chance "
-        "| first-hop exact | first-hop top-5 | most frequent token | ε (δ=1e-5) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| first-hop exact | first-hop top-5 | most frequent token | ε, q=1 | ε, q=batch/site |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, r in rows:
         inv = r.inversion
         delta = r.eval_loss - base[r.order] if r.order in base else float("nan")
         eps = "—" if r.epsilon is None else f"{r.epsilon:.3g}"
+        eps_q = "—" if r.epsilon_sampled is None else f"{r.epsilon_sampled:.3g}"
         lines.append(
             f"| {label} | {r.order} | {r.eval_loss:.4f} | {delta:+.4f} | "
             f"{100 * r.target.accuracy:.1f} % | {100 * r.target.model_accuracy:.1f} % | "
@@ -87,7 +88,7 @@ def markdown_table(rows: Sequence[tuple[str, AuditReport]]) -> str:
                 if inv
                 else "— | — | — | "
             )
-            + f"{eps} |"
+            + f"{eps} | {eps_q} |"
         )
     return "\n".join(lines) + "\n"
 
