@@ -29,7 +29,6 @@ import argparse
 import collections
 import contextlib
 import json
-import re
 import socket
 import struct
 import subprocess
@@ -39,6 +38,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mobius_fed.transport.link_tuning import UnitError as WanError
+from mobius_fed.transport.link_tuning import parse_delay, parse_rate
+
 RELAY_PORT = 47990
 """Port of the delay-line relay inside every site namespace (redirect target)."""
 RELAY_MARK = 0x4D42
@@ -46,35 +48,6 @@ RELAY_MARK = 0x4D42
 SO_ORIGINAL_DST = 80
 CHUNK = 256 << 10
 MIN_HOLD = 4 << 20
-
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
-_DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
-
-
-class WanError(ValueError):
-    """A bad WAN shape: the message names the value."""
-
-
-def parse_rate(text: str) -> int:
-    """``"1gbit"``, ``"100mbit"``, ``"500kbit"`` or plain bits/s → bits per second."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text.lower())
-    if not m or m.group(2) not in ("", *_RATE_UNITS):
-        raise WanError(f"rate {text!r}: expected e.g. 1gbit, 100mbit, 500kbit")
-    bits = float(m.group(1)) * _RATE_UNITS.get(m.group(2) or "bit", 1)
-    if bits < 8_000:
-        raise WanError(f"rate {text!r}: at least 8kbit")
-    return int(bits)
-
-
-def parse_delay(text: str) -> float:
-    """``"25ms"``, ``"0.5s"``, ``"300us"`` → seconds (one way)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(us|ms|s)\s*", text.lower())
-    if not m:
-        raise WanError(f"delay {text!r}: expected e.g. 25ms, 0.1s, 300us")
-    delay = float(m.group(1)) * _DELAY_UNITS[m.group(2)]
-    if delay > 10:
-        raise WanError(f"delay {text!r}: at most 10s")
-    return delay
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,6 @@ from grpc_health.v1 import health, health_pb2
 
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
 from mobius_fed.transport.codec import (
-    CHUNK_BYTES,
     FrameError,
     TensorAssembler,
     encode_frames,
@@ -60,6 +59,7 @@ from mobius_fed.transport.codec import (
     parse_frame,
 )
 from mobius_fed.transport.compress import Codec
+from mobius_fed.transport.link_tuning import MAX_CHUNK, LinkTuning
 from mobius_fed.transport.tls import (
     NodeTLS,
     add_port,
@@ -453,10 +453,14 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         insecure: bool = False,
         peer_timeout: float = 120.0,
         capture: Path | None = None,
-        chunk_bytes: int = CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         link_grace: float = 60.0,
         timers: LinkTimers | None = None,
+        tuning: LinkTuning | None = None,
     ) -> None:
+        self.tuning = tuning or LinkTuning.from_env()
+        if chunk_bytes is None:
+            chunk_bytes = self.tuning.chunk
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         if link_grace < 0:
@@ -464,6 +468,8 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         self.rules, self.rank, self.P = rules, rules.rank, rules.P
         self.chunk_bytes = chunk_bytes
         self.max_message = max_message_bytes(chunk_bytes)
+        # a peer may be tuned to larger pieces (up to MAX_CHUNK): accept those
+        self.max_receive = max_message_bytes(max(chunk_bytes, MAX_CHUNK))
         self.listen, self.successor_addr = listen, successor
         self.tls, self.insecure, self.peer_timeout = tls, insecure, peer_timeout
         self.link_grace = link_grace
@@ -519,8 +525,9 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             futures.ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="ring"),
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
             options=[
-                ("grpc.max_receive_message_length", self.max_message),
+                ("grpc.max_receive_message_length", self.max_receive),
                 ("grpc.max_send_message_length", self.max_message),
+                *self.tuning.grpc_options(),
                 ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
                 ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
                 ("grpc.keepalive_time_ms", t.server_keepalive_ms),
@@ -805,8 +812,9 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
     def _channel_options(self) -> list[tuple[str, int | str]]:
         t = self.timers
         opts: list[tuple[str, int | str]] = [
-            ("grpc.max_receive_message_length", self.max_message),
+            ("grpc.max_receive_message_length", self.max_receive),
             ("grpc.max_send_message_length", self.max_message),
+            *self.tuning.grpc_options(),
             ("grpc.keepalive_time_ms", t.client_keepalive_ms),
             ("grpc.keepalive_timeout_ms", t.keepalive_timeout_ms),
             # grpcio ≥ 1.6x waits this long for any ping's ack (default: a minute or more);

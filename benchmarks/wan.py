@@ -1,0 +1,305 @@
+"""The ring at WAN speed: shaped links in the namespace testbed (root only).
+
+Two parts, each printing one table with ratios measured in the same run:
+
+``link``: one real ring link (``RingLinks``, mTLS gRPC, worker-0 → worker-1 in their own
+namespaces) streaming 16 MiB fp32 tensors over each link shape; MB/s as the receiver
+sees it (first to last tensor), against the shape's rate and against a raw TCP stream
+probed over the same shaped link (``mobius_fed.testbed.wan.probe``).
+
+``ring``: a static P = 4 ring of ``mobius-worker`` processes (cpu-base by default), one
+namespace each, for each link shape and wire codec: tokens/s (steps × tokens per step /
+seconds of the timed steps, the first ``--skip`` steps left out) and the busy fraction
+(compute time / step time, mean over workers and timed steps), with ratios to the
+loopback row of the same codec.
+
+    python benchmarks/wan.py link --shapes loopback 1gbit/25ms 100mbit/50ms
+    python benchmarks/wan.py ring --codecs none fwd=int8,bwd=int8 both=int3 --steps 8
+
+Shapes are RATE/DELAY per site and direction (``1gbit/25ms``: 1 Gbit/s each way, 25 ms
+one way, so a 50 ms round trip); ``loopback`` is the testbed unshaped. Link tuning
+(HTTP/2 windows, piece size, in-flight pieces) comes from ``MOBIUS_LINK_*`` variables,
+passed to every process (see mobius_fed/worker/link_tuning.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = (8, 512, 1024)
+NBYTES = 8 * 512 * 1024 * 4
+RUN_ID = "wan-bench"
+
+
+def parse_shape(text: str):
+    from mobius_fed.testbed.wan import WanShape, parse_delay, parse_rate
+
+    if text == "loopback":
+        return WanShape()
+    rate, _, delay = text.partition("/")
+    return WanShape(parse_rate(rate), parse_delay(delay) if delay else 0.0)
+
+
+def _env() -> dict[str, str]:
+    keep = {k: v for k, v in os.environ.items() if k.startswith("MOBIUS_LINK_")}
+    return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **keep}
+
+
+def _compose(path: Path, services: dict[str, list[str]]) -> Path:
+    lines = ["name: wanbench", "services:"]
+    env = _env()
+    for name, argv in services.items():
+        lines.append(f"  {name}:")
+        lines.append(f"    command: {json.dumps(argv)}")
+        lines.append("    environment:")
+        lines += [f"      {k}: {json.dumps(v)}" for k, v in env.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------ link
+def _link_links(rank: int, certs: Path, now):
+    from mobius_fed.config import TrainConfig
+    from mobius_fed.transport.certs import CertLayout
+    from mobius_fed.worker.frames import FrameRules
+    from mobius_fed.worker.link import RingLinks
+
+    layout = CertLayout(root=certs, ca_cert=certs / "ca.crt", ca_key=certs / "ca.key", workers=2)
+    cfg = TrainConfig(preset="cpu-base", workers=2, batch_size=8)
+    rules = FrameRules(cfg, rank, RUN_ID, now)
+    rules.shape = SHAPE
+    return RingLinks(
+        rules,
+        listen="0.0.0.0:7000",
+        successor=f"worker-{1 - rank}:7000",
+        tls=layout.worker(rank),
+        peer_timeout=120,
+    )
+
+
+def link_worker(rank: int, certs: Path, count: int, out: Path) -> None:
+    """worker-0 sends ``count`` tensors (at most two ahead of the receiver, as the frame
+    rules' step window allows); worker-1 times them."""
+    import torch
+
+    from mobius_fed.worker.frames import FORWARD, TRAIN, FrameKey
+
+    torch.set_num_threads(1)
+    consumed = [0]
+    links = _link_links(rank, certs, lambda: consumed[0])
+    links.start_server()
+    links.connect()
+    key = lambda j: FrameKey(TRAIN, j, FORWARD, 0, 1, 0)  # noqa: E731
+    if rank == 0:
+        t = torch.randn(SHAPE)
+        for j in range(count):
+            while j > consumed[0] + 1:  # the receiver's window: its step and the next
+                time.sleep(0.002)
+                consumed[0] = _read_progress(out)
+            links.send_tensor(key(j), t)
+        links.finish(timeout=300)
+        return
+    stamps = []
+    for j in range(count):
+        links.inbox.get(key(j), 300, f"tensor {j}")
+        stamps.append(time.perf_counter())
+        consumed[0] = j + 1
+        out.with_suffix(".progress").write_text(str(j + 1))
+    links.finish(timeout=60)
+    rate = (count - 1) * NBYTES / (stamps[-1] - stamps[0])
+    out.write_text(json.dumps({"MB_s": rate / 1e6}))
+
+
+def _read_progress(out: Path) -> int:
+    try:
+        return int(out.with_suffix(".progress").read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def bench_link(shapes: list[str], count: int) -> list[dict]:
+    from mobius_fed.testbed import Testbed
+    from mobius_fed.transport.certs import init_certs
+
+    rows = []
+    for text in shapes:
+        shape = parse_shape(text)
+        with tempfile.TemporaryDirectory(prefix="wanbench") as tmp:
+            root = Path(tmp)
+            init_certs(root / "certs", 2)
+            out = root / "result.json"
+            me = [sys.executable, str(Path(__file__).resolve()), "_link"]
+            services = {
+                f"worker-{r}": [*me, str(r), str(root / "certs"), str(count), str(out)]
+                for r in (1, 0)
+            }
+            services["probe"] = [sys.executable, "-m", "mobius_fed.testbed.wan", "probe-server"]
+            services["probe"] += ["--port", "7100"]
+            compose = _compose(root / "compose.yaml", services)
+            wan = {s: shape for s in services}
+            with Testbed(compose, root / "tb", wan=wan) as tb:
+                tb.up(timeout=60)
+                deadline = time.monotonic() + 600
+                while not out.exists() and time.monotonic() < deadline:
+                    if tb.failed():
+                        raise RuntimeError(tb.describe_failure(tb.failed()))
+                    time.sleep(0.5)
+                got = json.loads(out.read_text())
+                argv = [sys.executable, "-m", "mobius_fed.testbed.wan", "probe", "probe:7100"]
+                r = tb.exec("worker-0", argv, env=_env(), timeout=120, check=True)
+                tcp = json.loads(r.stdout)
+        rate = shape.rate / 8 / 1e6 if shape.rate else None
+        rows.append(
+            {
+                "shape": text,
+                "link_MB_s": got["MB_s"],
+                "tcp_MB_s": tcp["mbit_s"] / 8,
+                "rtt_ms": tcp["rtt_ms"],
+                "of_rate": got["MB_s"] / rate if rate else None,
+                "of_tcp": got["MB_s"] / (tcp["mbit_s"] / 8),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def link_table(rows: list[dict]) -> str:
+    lines = [
+        "| link (per site, each way) | RTT ms | raw TCP MB/s | ring link MB/s | link / rate "
+        "| link / raw TCP |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        of_rate = f"{r['of_rate']:.2f}" if r["of_rate"] else "—"
+        lines.append(
+            f"| {r['shape']} | {r['rtt_ms']:.1f} | {r['tcp_MB_s']:.1f} | {r['link_MB_s']:.1f} "
+            f"| {of_rate} | {r['of_tcp']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------ ring
+def bench_ring(args: argparse.Namespace) -> list[dict]:
+    from mobius_fed.data import embedded_corpus, prepare_sites
+    from mobius_fed.testbed import Testbed
+    from mobius_fed.transport.certs import init_certs
+
+    P, rows = 4, []
+    for wire in args.codecs:
+        for text in args.shapes:
+            shape = parse_shape(text)
+            with tempfile.TemporaryDirectory(prefix="wanring") as tmp:
+                root = Path(tmp)
+                init_certs(root / "certs", P)
+                prepare_sites(None, root / "sites", P, text=embedded_corpus())
+                peers = ",".join(f"worker-{i}:7000" for i in range(P))
+                services = {}
+                for i in range(P):
+                    node = root / "certs" / "nodes" / f"worker-{i}"
+                    argv = [sys.executable, "-m", "mobius_fed.cli.worker", "--rank", str(i)]
+                    argv += ["--workers", str(P), "--peers", peers, "--listen", "0.0.0.0:7000"]
+                    argv += ["--data-dir", str(root / "sites" / f"site-{i}")]
+                    argv += ["--out-dir", str(root / "out" / f"worker-{i}")]
+                    argv += ["--ca", str(node / "ca.crt"), "--cert", str(node / "tls.crt")]
+                    argv += ["--key", str(node / "tls.key"), "--threads", "1"]
+                    argv += ["--run-id", RUN_ID, "--preset", args.preset]
+                    argv += ["--steps", str(args.steps), "--eval-every", "0"]
+                    argv += ["--micro-batches", str(args.micro), "--order", args.order]
+                    argv += ["--peer-timeout", "300"]
+                    if wire != "none":
+                        argv += ["--wire", wire]
+                    services[f"worker-{i}"] = argv
+                compose = _compose(root / "compose.yaml", services)
+                wan = {s: shape for s in services}
+                with Testbed(compose, root / "tb", wan=wan) as tb:
+                    tb.up(timeout=60)
+                    deadline = time.monotonic() + args.timeout
+                    while not all(tb.finished(s) for s in services):
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"ring {wire} {text} did not finish")
+                        time.sleep(1)
+                    if tb.failed():
+                        raise RuntimeError(tb.describe_failure(tb.failed()))
+                rows.append(_ring_row(root / "out", P, args, wire, text))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _ring_row(out: Path, P: int, args, wire: str, shape: str) -> dict:
+    from mobius_fed.config import TrainConfig
+
+    tokens = TrainConfig(preset=args.preset, workers=P).tokens_per_step
+    seconds, busy = [], []
+    for i in range(P):
+        steps = [
+            json.loads(line)
+            for line in (out / f"worker-{i}" / "metrics.jsonl").read_text().splitlines()
+        ]
+        steps = [r for r in steps if "compute_s" in r][args.skip :]
+        seconds.append(sum(r["seconds"] for r in steps))
+        busy.append(statistics.mean(r["compute_s"] / r["seconds"] for r in steps))
+    n = args.steps - args.skip
+    return {
+        "wire": wire,
+        "shape": shape,
+        "tokens_s": n * tokens / max(seconds),
+        "busy": statistics.mean(busy),
+    }
+
+
+def ring_table(rows: list[dict]) -> str:
+    base = {r["wire"]: r for r in rows if r["shape"] == "loopback"}
+    lines = [
+        "| wire | link | tokens/s | vs loopback | busy fraction |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        b = base.get(r["wire"])
+        ratio = f"{r['tokens_s'] / b['tokens_s']:.2f}" if b else "—"
+        lines.append(
+            f"| {r['wire']} | {r['shape']} | {r['tokens_s']:.0f} | {ratio} | {r['busy']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_link":
+        rank, certs, count, out = argv[1:5]
+        link_worker(int(rank), Path(certs), int(count), Path(out))
+        return 0
+    p = argparse.ArgumentParser(
+        description=textwrap.dedent(__doc__ or ""), formatter_class=argparse.RawTextHelpFormatter
+    )
+    sub = p.add_subparsers(dest="part", required=True)
+    lk = sub.add_parser("link", help="one ring link's throughput per link shape")
+    lk.add_argument("--shapes", nargs="+", default=["loopback", "1gbit/25ms", "100mbit/50ms"])
+    lk.add_argument("--count", type=int, default=24, help="16 MiB tensors per shape")
+    rg = sub.add_parser("ring", help="P = 4 ring tokens/s and busy fraction")
+    rg.add_argument("--shapes", nargs="+", default=["loopback", "1gbit/25ms", "100mbit/50ms"])
+    rg.add_argument("--codecs", nargs="+", default=["none", "both=int8", "fwd=int3,bwd=int4"])
+    rg.add_argument("--preset", default="cpu-base")
+    rg.add_argument("--order", default="cyclic")
+    rg.add_argument("--steps", type=int, default=8)
+    rg.add_argument("--skip", type=int, default=2, help="untimed first steps")
+    rg.add_argument("--micro", type=int, default=1, help="micro-batches per stream")
+    rg.add_argument("--timeout", type=float, default=1800)
+    args = p.parse_args(argv)
+    if args.part == "link":
+        print(link_table(bench_link(args.shapes, args.count)))
+    else:
+        print(ring_table(bench_ring(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
