@@ -165,3 +165,21 @@ def test_experiment_table_with_seeds() -> None:
     assert "| 1 | 3.0500 ± 0.0707 | 4 | 3.3000 ± 0.1414 |" in table
     assert f"{m:+.4f} [{m - half:+.4f}, {m + half:+.4f}] | 2 |" in table
     assert "| 1 | 3.0000 | 4 | 3.2000 | +0.2000 |" in markdown_table(arms[:2], P=4)
+
+
+def test_cli_experiment_with_seeds_and_sweep_refusal(
+    site_dirs: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mobius_fed.cli.main import main
+
+    common = ["--preset", "cpu-tiny", "--workers", "2", "--steps", "2", "--batch-size", "2"]
+    out = tmp_path / "exp"
+    args = ["experiment", *common, "--loops", "1", "--seeds", "2", "--eval-batches", "1"]
+    assert main([*args, "--data", str(site_dirs[0].parent), "--out", str(out)]) == 0
+    table = (out / "table.md").read_text()
+    assert "Δ [95 % CI] | seeds |" in table and " ± " in table and "| 2 |" in table
+    assert (out / "validation.png").is_file() and (out / "L1-cyclic-s1" / "checkpoint.pt").is_file()
+    with pytest.raises(SystemExit) as exc:
+        main(["sweep", "--preset", "cpu-tiny", "--workers", "5", "--out", str(tmp_path / "s")])
+    assert exc.value.code == 2
+    assert "P=5 does not divide the 12 layers" in capsys.readouterr().err
