@@ -21,6 +21,7 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.hops import HopContext, build_hops
 from mobius_fed.model import BlockGroup, Replica, build_group, build_replica
+from mobius_fed.model.layers import resolve_device
 from mobius_fed.model.training import (
     average_parameters,
     make_optimizers,
@@ -54,8 +55,13 @@ class ReferenceEngine:
             raise ValueError(f"need one site per worker: P={cfg.workers}, got {len(sites)} sites")
         self.cfg, self.sites = cfg, list(sites)
         mc = cfg.model()
-        self.groups: list[BlockGroup] = [build_group(mc, i, cfg.seed) for i in range(cfg.P)]
-        self.replicas: list[Replica] = [build_replica(mc, cfg.seed) for _ in range(cfg.P)]
+        self.device = resolve_device(cfg.device)
+        self.groups: list[BlockGroup] = [
+            build_group(mc, i, cfg.seed).to(self.device) for i in range(cfg.P)
+        ]
+        self.replicas: list[Replica] = [
+            build_replica(mc, cfg.seed).to(self.device) for _ in range(cfg.P)
+        ]
         self.group_opts = [make_optimizers(g, cfg, blocks=True) for g in self.groups]
         self.replica_opts = [make_optimizers(r, cfg, blocks=False) for r in self.replicas]
         self.step = 0
@@ -87,6 +93,7 @@ class ReferenceEngine:
             split, seed=self.cfg.seed, step=step, batch_size=self.cfg.batch_size
         )
         M = self.cfg.micro_batches
+        x, y = x.to(self.device), y.to(self.device)
         return list(zip(x.chunk(M), y.chunk(M)))
 
     # ----------------------------------------------------------------- train

@@ -9,6 +9,18 @@ from torch import Tensor, nn
 from mobius_fed.model.config import ModelConfig
 
 
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``auto`` (cuda when available) → a torch device; asking for
+    cuda without one is a clear error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device (use cpu or auto)")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r} (expected cpu, cuda or auto)")
+    return torch.device(name)
+
+
 def rms_norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
@@ -80,5 +92,8 @@ class Block(nn.Module):
             lin.weight.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        # On a GPU the block's matmuls and attention run in bf16 (autocast); the residual
+        # stream, and so every hidden state handed between groups, stays fp32.
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda):
+            x = x + self.attn(self.norm1(x))
+            return x + self.mlp(self.norm2(x))

@@ -183,7 +183,7 @@ class Codec:
 
     def roundtrip(self, t: Tensor) -> Tensor:
         """What the receiver of ``t`` gets: ``decode(encode(t))``."""
-        return self.decode(self.encode(t), tuple(t.shape)).to(t.dtype)
+        return self.decode(self.encode(t), tuple(t.shape)).to(device=t.device, dtype=t.dtype)
 
     # --------------------------------------------------------------- helpers
     def _rotated(self) -> bool:

@@ -40,7 +40,7 @@ class CodecStage:
         if codec.lossless or not ctx.remote:
             return x
         payload = codec.encode(x)
-        out = codec.decode(payload, tuple(x.shape)).to(x.dtype)
+        out = codec.decode(payload, tuple(x.shape)).to(device=x.device, dtype=x.dtype)
         if self.keep:
             with self._lock:
                 self._payloads[ctx] = (out, payload)

@@ -21,6 +21,7 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.hops import HopContext, build_hops
 from mobius_fed.model import build_group, build_replica
+from mobius_fed.model.layers import resolve_device
 from mobius_fed.model.training import make_optimizers, mean_loss, scale_grads, step_optimizers
 from mobius_fed.transport.wire_stages import CodecStage, codecs
 from mobius_fed.worker.frames import BACKWARD, EVAL, FORWARD, TRAIN, FrameKey, FrameRules
@@ -46,8 +47,9 @@ class RingExecutor:
     ) -> None:
         self.cfg, self.rank, self.site, self.run_id = cfg, rank, site, run_id
         mc = cfg.model()
-        self.group = build_group(mc, rank, cfg.seed)
-        self.replica = build_replica(mc, cfg.seed)
+        self.device = resolve_device(cfg.device)
+        self.group = build_group(mc, rank, cfg.seed).to(self.device)
+        self.replica = build_replica(mc, cfg.seed).to(self.device)
         self.group_opts = make_optimizers(self.group, cfg, blocks=True)
         self.replica_opts = make_optimizers(self.replica, cfg, blocks=False)
         self.step = 0
@@ -90,7 +92,7 @@ class RingExecutor:
         src = "predecessor" if key.direction == FORWARD else "successor"
         tensor = self.links.inbox.get(key, self.peer_timeout, f"{key.describe()} from the {src}")
         self._wait += time.perf_counter() - start
-        return tensor
+        return tensor.to(self.device, non_blocking=True)
 
     def _hop(self, phase: int, direction: str, step: int, s: int, slot: int, m: int) -> HopContext:
         return HopContext(
@@ -122,6 +124,7 @@ class RingExecutor:
     def _micro(self, split: str, step: int) -> list[tuple[Tensor, Tensor]]:
         x, y = self.site.batch(split, seed=self.cfg.seed, step=step, batch_size=self.cfg.batch_size)
         M = self.cfg.micro_batches
+        x, y = x.to(self.device), y.to(self.device)
         return list(zip(x.chunk(M), y.chunk(M)))
 
     def train_step(self) -> WorkerStep:
