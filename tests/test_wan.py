@@ -74,3 +74,21 @@ def test_shaping_holds(tmp_path):
     got = json.loads(r.stdout)
     assert got["rtt_ms"] == pytest.approx(40.0, rel=0.10), got
     assert got["mbit_s"] == pytest.approx(100.0, rel=0.10), got
+
+
+def test_link_tuning_from_path_and_env():
+    from mobius_fed.transport.link_tuning import LinkTuning, LinkTuningError
+
+    t = LinkTuning.from_env({"MOBIUS_LINK_RATE": "1gbit", "MOBIUS_LINK_RTT": "50ms"})
+    assert t.window == 2 * 6_250_000 and t.bdp_probe and t.chunk == 1 << 20
+    assert ("grpc.http2.lookahead_bytes", 12_500_000) in t.grpc_options()
+    off = LinkTuning.from_env({"MOBIUS_LINK_BDP_PROBE": "0", "MOBIUS_LINK_CHUNK": "262144"})
+    assert off.grpc_options()[0] == ("grpc.http2.bdp_probe", 0) and off.chunk == 262144
+    for env, msg in (
+        ({"MOBIUS_LINK_CHUNK": "lots"}, "MOBIUS_LINK_CHUNK='lots': expected bytes"),
+        ({"MOBIUS_LINK_CHUNK": str(8 << 20)}, "at most"),
+        ({"MOBIUS_LINK_BDP_PROBE": "yes"}, "expected 0 or 1"),
+        ({"MOBIUS_LINK_RATE": "fast", "MOBIUS_LINK_RTT": "1ms"}, "rate 'fast'"),
+    ):
+        with pytest.raises(LinkTuningError, match=msg):
+            LinkTuning.from_env(env)

@@ -9,12 +9,12 @@ with probing off, a stream is capped at one window per round trip (64 KiB at 50 
 * ``window``: the initial HTTP/2 stream window (``grpc.http2.lookahead_bytes``) — default
   2 × BDP when a path hint is given, else gRPC's own; BDP probing stays on unless
   ``bdp_probe`` is false;
-* ``chunk``: the largest piece of a tensor per message — BDP / 8 clamped to
-  256 KiB..4 MiB (default 1 MiB), so a window holds several pieces and each is
-  validated and handed on while the next travels;
-* ``socket_buffer``: kernel socket buffers (``grpc.experimental.tcp_*_buffer_size``),
-  2 × BDP when a path hint is given (Linux autotuning stops at ``tcp_rmem``'s maximum,
-  6 MiB by default: 1 Gbit/s × 50 ms is 6.25 MB).
+* ``chunk``: the largest piece of a tensor per message (default 1 MiB, at most 4 MiB),
+  so a window holds several pieces and each is validated and handed on while the next
+  travels;
+* ``socket_buffer``: fixed kernel socket buffers (``grpc.experimental.tcp_*_buffer_size``;
+  default: kernel autotuning, which stops at ``tcp_rmem``'s maximum, 6 MiB by default —
+  raise it with sysctl, or set this, on paths whose BDP is larger).
 
 Every worker reads them from ``MOBIUS_LINK_RATE`` (e.g. ``1gbit``), ``MOBIUS_LINK_RTT``
 (e.g. ``50ms``), ``MOBIUS_LINK_WINDOW``, ``MOBIUS_LINK_CHUNK``, ``MOBIUS_LINK_SOCKET_BUFFER``
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from mobius_fed.transport.codec import CHUNK_BYTES
 
-MIN_CHUNK, MAX_CHUNK = 256 << 10, 4 << 20
+MAX_CHUNK = 4 << 20
 MAX_WINDOW = (1 << 31) - 1
 
 
@@ -78,13 +78,13 @@ class LinkTuning:
 
     @classmethod
     def for_path(cls, rate: int, rtt: float, **explicit) -> LinkTuning:
-        """Sized for a path of ``rate`` bits/s and ``rtt`` seconds (explicit values win)."""
+        """Sized for a path of ``rate`` bits/s and ``rtt`` seconds: the stream window starts
+        at 2 × BDP (BDP probing may still grow it); explicit values win. Pieces and
+        socket buffers keep their defaults unless given: on the shaped testbed link smaller
+        pieces and fixed socket buffers measured slower than 1 MiB pieces and kernel
+        autotuning (benchmarks/wan.py link)."""
         bdp = max(1, int(rate / 8 * rtt))
-        sized = {
-            "window": min(MAX_WINDOW, 2 * bdp),
-            "chunk": min(MAX_CHUNK, max(MIN_CHUNK, bdp // 8)),
-            "socket_buffer": min(MAX_WINDOW, 2 * bdp),
-        }
+        sized: dict = {"window": min(MAX_WINDOW, 2 * bdp)}
         sized.update({k: v for k, v in explicit.items() if v is not None})
         return cls(**sized)
 
@@ -104,9 +104,12 @@ class LinkTuning:
                 raise LinkTuningError(f"MOBIUS_LINK_{name}={text!r}: expected > 0")
             return value
 
+        chunk = number("CHUNK")
+        if chunk is not None and chunk > MAX_CHUNK:
+            raise LinkTuningError(f"MOBIUS_LINK_CHUNK={chunk}: at most {MAX_CHUNK} bytes")
         explicit: dict = {
             "window": number("WINDOW"),
-            "chunk": number("CHUNK"),
+            "chunk": chunk,
             "socket_buffer": number("SOCKET_BUFFER"),
         }
         probe = env.get("MOBIUS_LINK_BDP_PROBE")
