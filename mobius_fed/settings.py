@@ -32,7 +32,8 @@ NEST = "__"
 # Process-level variables that are not fields of a config model.
 PROCESS_ENV = {
     "MOBIUS_CONFIG": "TOML file read before the environment and flags (--config)",
-    "MOBIUS_THREADS": "torch intra-op threads of a process that trains (--threads)",
+    "MOBIUS_THREADS": "torch intra-op threads of a process that trains (--threads); "
+    "default: all cores, a process among N on one machine: cores // N",
     "MOBIUS_TIKTOKEN_TIMEOUT": "seconds to wait for tiktoken's gpt2 files (default 60)",
     "MOBIUS_LOG_LEVEL": "daemon log verbosity: DEBUG, INFO, WARNING or ERROR (--log-level)",
     "MOBIUS_IMAGE": "docker compose only: the image every service runs",
@@ -222,6 +223,42 @@ def known_env_names() -> dict[str, str]:
         for s in settings_of(model, flatten=("train",)):
             out.setdefault(s.env, s.description)
     return out
+
+
+def env_reference() -> list[tuple[str, str, str, str]]:
+    """(variable, commands, default, description) for every ``MOBIUS_*`` name."""
+    from mobius_fed.config import TrainConfig
+    from mobius_fed.coordinator.config import CoordinatorConfig
+    from mobius_fed.worker.config import WorkerConfig
+
+    rows: dict[str, list] = {}
+    models = (
+        ("local, up, experiment, coordinator, worker", TrainConfig, ()),
+        ("worker", WorkerConfig, ("train",)),
+        ("coordinator", CoordinatorConfig, ("train",)),
+    )
+    for where, model, flatten in models:
+        for s in settings_of(model, flatten=flatten):
+            if flatten and s.path[0] == "train":
+                continue
+            default = "(required)" if s.required else _text(s.default)
+            if s.env in rows:
+                rows[s.env][1] += f", {where}"
+            else:
+                rows[s.env] = [s.env, where, default, s.description]
+    for name, text in PROCESS_ENV.items():
+        rows.setdefault(name, [name, "process", "", text])
+    return [tuple(r) for r in rows.values()]  # type: ignore[misc]
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list | tuple | dict):
+        return json.dumps(value) if value else "none"
+    return str(value)
 
 
 def check_environ(environ: Mapping[str, str]) -> None:

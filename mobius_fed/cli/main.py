@@ -348,7 +348,52 @@ def _add_certs_parser(sub) -> None:
     c.set_defaults(func=cmd_certs_rotate)
 
 
-BUILTIN = {"local": _add_local_parser, "prepare": _add_prepare_parser, "certs": _add_certs_parser}
+def cmd_config_show(args: argparse.Namespace) -> int:
+    import json
+
+    cfg = train_config_from_args(args)
+    print(json.dumps({"train": cfg.model_dump(mode="json")}, indent=2))
+    return 0
+
+
+def cmd_config_env(args: argparse.Namespace) -> int:
+    from mobius_fed.settings import env_reference
+
+    rows = env_reference()
+    if args.markdown:
+        print("| Variable | Read by | Default | Meaning |")
+        print("|---|---|---|---|")
+        for name, where, default, text in rows:
+            cell = text.replace("|", "\\|")
+            print(f"| `{name}` | {where} | {f'`{default}`' if default else ''} | {cell} |")
+    else:
+        for name, where, default, text in rows:
+            print(f"{name}={default}\t# {where}: {text}")
+    return 0
+
+
+def _add_config_parser(sub) -> None:
+    p = sub.add_parser(
+        "config", help="show the resolved training config, or every MOBIUS_* variable"
+    )
+    csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    c = csub.add_parser(
+        "show",
+        help="the TrainConfig that --config, MOBIUS_* and these flags give, as JSON",
+    )
+    add_train_flags(c)
+    c.set_defaults(func=cmd_config_show)
+    c = csub.add_parser("env", help="every MOBIUS_* variable: who reads it, default, meaning")
+    c.add_argument("--markdown", action="store_true", help="as a Markdown table")
+    c.set_defaults(func=cmd_config_env)
+
+
+BUILTIN = {
+    "local": _add_local_parser,
+    "prepare": _add_prepare_parser,
+    "certs": _add_certs_parser,
+    "config": _add_config_parser,
+}
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
@@ -366,6 +411,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         _register(sub, module)
     BUILTIN["prepare"](sub)
     BUILTIN["certs"](sub)
+    BUILTIN["config"](sub)
     return parser
 
 
