@@ -520,3 +520,64 @@ def test_status_cli_grpc(
             status_main(ns(coordinator=f"127.0.0.1:{port}", certs=d))
     finally:
         server.stop(0)
+
+
+# --------------------------------------------------------------------------- dashboard, listener
+def test_dashboard_and_docs_are_served_from_the_package(
+    tls_server: RestServer, certs: CertLayout
+) -> None:
+    ctx = client_ctx(certs.bundle("operator"), certs.ca_cert)
+    page = get(tls_server, "/", ctx)
+    assert page.status_code == 200 and "/static/dashboard.js" in page.text
+    for path in ("/static/dashboard.js", "/static/dashboard.css", "/favicon.ico"):
+        assert get(tls_server, path, ctx).status_code == 200, path
+    for path, asset in (
+        ("/docs", "/static/vendor/swagger-ui/swagger-ui-bundle.js"),
+        ("/redoc", "/static/vendor/redoc/redoc.standalone.js"),
+    ):
+        html = get(tls_server, path, ctx).text
+        assert asset in html
+        # Offline: no script, style or font from anywhere but this server.
+        assert not re.findall(r'(?:src|href)="https?://', html), html
+        assert get(tls_server, asset, ctx).status_code == 200
+
+
+def test_metrics_listener_is_plain_read_only_and_limited() -> None:
+    st = make_state()
+    with RestServer(st, "127.0.0.1", 0, tls=None, allowed=None, metrics=True) as srv:
+        assert srv.url.startswith("http://")
+        with httpx.Client(timeout=5) as c:
+            r = c.get(srv.url + "/metrics")
+            assert r.status_code == 200 and "mobius_step" in r.text
+            assert c.get(srv.url + "/healthz").json() == {"status": "ok", "phase": "training"}
+            assert c.get(srv.url + "/readyz").json() == {"ready": True, "phase": "training"}
+            assert c.get(srv.url + "/v1/status").json()["run_id"] == 'run-"7"'
+            assert c.get(srv.url + "/").status_code == 200
+            for path in ("/docs", "/redoc", "/openapi.json"):
+                assert c.get(srv.url + path).status_code == 404, path
+            assert c.post(srv.url + "/metrics").status_code == 405
+            st.finish("failed", "boom")
+            r = c.get(srv.url + "/readyz")
+            assert r.status_code == 503 and r.json() == {"ready": False, "phase": "failed"}
+            assert c.get(srv.url + "/healthz").status_code == 200
+    assert [w["state"] for w in st.status_doc()["workers"]] == ["stopped", "stopped"]
+    with pytest.raises(ValueError, match="plain HTTP"):
+        RestServer(st, "127.0.0.1", 0, tls=NodeTLS(Path("a"), Path("b"), Path("c")),
+                   allowed=None, metrics=True)  # fmt: skip
+
+
+def test_status_carries_the_privacy_block() -> None:
+    from mobius_fed.config import TrainConfig
+    from mobius_fed.coordinator.server import privacy_source
+    from mobius_fed.privacy.config import PrivacyConfig
+
+    st = make_state()
+    assert st.status_doc()["privacy"] is None
+    train = TrainConfig(workers=P, preset="cpu-tiny", privacy=PrivacyConfig(label_noise=0.5))
+    st.privacy = privacy_source(train)
+    if st.privacy is None:
+        pytest.skip("mobius_fed.privacy.report is not part of this checkout")
+    block = st.status_doc()["privacy"]
+    assert block["steps"] == st.step and block["defences"][0]["name"] == "label_noise"
+    st.privacy = lambda step: 1 / 0  # a failing report never breaks status
+    assert "ZeroDivisionError" in st.status_doc()["privacy"]["error"]

@@ -31,6 +31,8 @@ def _target(args: argparse.Namespace):
                 "no address given and no ./runs/up/endpoints.json: pass HOST:PORT "
                 "(and --ca/--cert/--key) or --run DIR of a `mobius-fed up`"
             )
+        if address is None and ep.alive() is False:
+            raise CliError(f"the `mobius-fed up` that wrote {ep.path} (pid {ep.pid}) has exited")
         address = address or ep.grpc
         server_name = server_name or ep.server_name
         ca, cert, key = ca or ep.ca, cert or ep.cert, key or ep.key

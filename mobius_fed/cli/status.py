@@ -89,6 +89,11 @@ def status_main(args: argparse.Namespace) -> int:
             ep = find_endpoints(run)
         except EndpointsError as exc:
             raise CliError(str(exc)) from None
+        if ep is not None and not (rest or addr) and ep.alive() is False:
+            where = f"; its metrics and history are in {ep.out_dir}" if ep.out_dir else ""
+            raise CliError(
+                f"the `mobius-fed up` that wrote {ep.path} (pid {ep.pid}) has exited{where}"
+            )
     certs = Path(certs_flag or (ep.certs_dir if ep else "certs"))
     if rest:
         doc = fetch_rest_status(rest, certs, timeout)
@@ -241,6 +246,8 @@ _STATE_STYLE = {
     "recovered": "green",
     "expected": "dim",
     "done": "green",
+    "finished": "green",
+    "stopped": "yellow",
     "training": "cyan",
 }
 _PHASE_STYLE = {
@@ -250,7 +257,7 @@ _PHASE_STYLE = {
     "done": "green",
     "training": "cyan",
 }
-_EDGE_STYLE = {"down": "bold red", "reconnecting": "yellow", "up": "green"}
+_EDGE_STYLE = {"down": "bold red", "reconnecting": "yellow", "up": "green", "closed": "dim"}
 _INCIDENT_STYLE = {"open": "bold yellow", "failed": "bold red", "recovered": "green"}
 
 

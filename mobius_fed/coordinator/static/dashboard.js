@@ -62,9 +62,11 @@ function chart(container, series, opts) {
     el("line", { x1: L, x2: W - R, y1: sy(y), y2: sy(y), class: "grid" }, svg);
     el("text", { x: L - 4, y: sy(y) + 3, "text-anchor": "end", class: "tick" }, svg,
       y.toFixed(Math.abs(y1 - y0) < 1 ? 3 : 2));
-    const x = x0 + ((x1 - x0) * k) / 4;
+  }
+  const stepX = Math.max(1, Math.ceil((x1 - x0) / 6));
+  for (let x = Math.ceil(x0); x <= x1; x += stepX) {
     el("text", { x: sx(x), y: H - B + 14, "text-anchor": "middle", class: "tick" }, svg,
-      String(Math.round(x)));
+      String(x));
   }
   el("line", { x1: L, x2: L, y1: T, y2: H - B, class: "axis" }, svg);
   el("line", { x1: L, x2: W - R, y1: H - B, y2: H - B, class: "axis" }, svg);
@@ -132,7 +134,10 @@ function table(tbl, header, rows) {
   header.forEach((h) => el("th", {}, tr, h));
   rows.forEach((row) => {
     const r = el("tr", row.attrs || {}, tbl);
-    row.cells.forEach((c) => el("td", c.cls ? { class: c.cls } : {}, r, fmt(c.v ?? c)));
+    row.cells.forEach((c) => {
+      const boxed = c !== null && typeof c === "object";
+      el("td", boxed && c.cls ? { class: c.cls } : {}, r, fmt(boxed ? c.v : c));
+    });
   });
 }
 
@@ -243,6 +248,8 @@ async function poll() {
     document.body.dataset.ready = "1";
     if (["done", "failed", "stopped"].includes(status.phase)) wait = ENDED_POLL_MS;
   } catch (err) {
+    document.body.dataset.failures = String(Number(document.body.dataset.failures || 0) + 1);
+    console.warn(`dashboard: ${err.message}`);
     banner.hidden = false;
     banner.textContent = `cannot read the coordinator's status: ${err.message} (retrying)`;
   }
