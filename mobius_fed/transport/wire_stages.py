@@ -61,6 +61,11 @@ class CodecStage:
             return None
         return kept[1]
 
+    def forget(self) -> None:
+        """Drop every kept payload (a step abandoned before they were sent)."""
+        with self._lock:
+            self._payloads.clear()
+
 
 def build_stages(cfg: TrainConfig, engine: Engine, rank: int | None) -> list[HopStage]:
     """The codec stage ``cfg`` selects (none when both directions are ``none``)."""

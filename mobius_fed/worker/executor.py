@@ -194,6 +194,8 @@ class RingExecutor:
             for p in module.parameters():
                 p.grad = None
         self._local.clear()
+        if self._codec_stage is not None:
+            self._codec_stage.forget()
 
     def initial_state(self) -> dict:
         """The state before step 0, rebuilt from the seed (restore target of round 0)."""
