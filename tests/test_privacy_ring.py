@@ -30,18 +30,19 @@ class PrivateRing(Ring):
         return super().worker_cmd(i, [*flags, *extra])
 
 
-def test_ring_with_label_and_input_noise_equals_reference_bit_for_bit(tmp_path: Path):
+@pytest.mark.parametrize("order", ["cyclic", "ordered"])
+def test_ring_with_label_and_input_noise_equals_reference_bit_for_bit(tmp_path: Path, order: str):
     keys = tmp_path / "keys"
     write_site_keys(keys, 3)
     train = dict(
         preset="cpu-tiny",
-        steps=4,
+        steps=3,
         batch_size=4,
         micro_batches=2,
         sync_every=0,
         eval_every=0,
         optimizer="adamw",
-        order="cyclic",
+        order=order,
     )
     ring = PrivateRing(tmp_path, 3, train)
     ring.privacy = {"label_noise": 1.0, "input_noise": 0.5, "noise_key_dir": str(keys)}
