@@ -26,6 +26,7 @@ def run() -> int:
     p.add_argument("--inverter-steps", type=int, default=400)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="runs/privacy")
+    p.add_argument("--only", default=None, help="comma-separated subset of the sweep's rows")
     a = p.parse_args()
     argv = [
         "audit",
@@ -39,7 +40,7 @@ def run() -> int:
         "--threads", str(a.threads),
         "--out", a.out,
     ]  # fmt: skip
-    return main(argv)
+    return main(argv + (["--only", a.only] if a.only else []))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="one audit per defence strength: sweep.md, sweep.json, sweep.png in --out",
     )
     p.add_argument(
+        "--only",
+        metavar="ROWS",
+        help="with --sweep: a comma-separated subset of the sweep's rows, e.g. "
+        "'none,label σ=1,input σ=1' (default: all)",
+    )
+    p.add_argument(
         "--public-seed-noise",
         action="store_true",
         help="key noise by the public seed instead of fresh site secrets in OUT/keys "
@@ -62,12 +68,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from mobius_fed.cli.common import CliError
     from mobius_fed.privacy.audit import Audit
     from mobius_fed.privacy.stages import write_site_keys
-    from mobius_fed.privacy.sweep import sweep, write_outputs
+    from mobius_fed.privacy.sweep import select, sweep, write_outputs
 
     cfg = train_config_from_args(args)
     apply_threads(args)
     if args.inverter_steps < 1:
         raise CliError(f"--inverter-steps must be >= 1 (got {args.inverter_steps})")
+    grid = select(args.only)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sites = resolve_sites(cfg, args.data, out)
@@ -77,7 +84,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
         write_site_keys(keys, cfg.P)
     if args.sweep:
         rows = sweep(
-            cfg, sites, noise_key_dir=keys, inverter_steps=args.inverter_steps, log=console.print
+            cfg,
+            sites,
+            grid=grid,
+            noise_key_dir=keys,
+            inverter_steps=args.inverter_steps,
+            log=console.print,
         )
         for path in write_outputs(rows, out):
             console.print(f"wrote {path}")

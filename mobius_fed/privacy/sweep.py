@@ -16,6 +16,8 @@ from mobius_fed.privacy.audit import Audit, AuditReport
 # attack origin 1, whose embedding output itself is sent to worker 0.
 DEFAULT_GRID: list[tuple[str, str, dict[str, Any]]] = [
     ("none", "cyclic", {}),
+    ("label σ=0.1", "cyclic", {"label_noise": 0.1}),
+    ("label σ=0.25", "cyclic", {"label_noise": 0.25}),
     ("label σ=0.5", "cyclic", {"label_noise": 0.5}),
     ("label σ=1", "cyclic", {"label_noise": 1.0}),
     ("label σ=2", "cyclic", {"label_noise": 2.0}),
@@ -23,10 +25,23 @@ DEFAULT_GRID: list[tuple[str, str, dict[str, Any]]] = [
     ("input σ=0.5", "cyclic", {"input_noise": 0.5}),
     ("input σ=1", "cyclic", {"input_noise": 1.0}),
     ("input σ=2", "cyclic", {"input_noise": 2.0}),
+    ("input σ=4", "cyclic", {"input_noise": 4.0}),
     ("label σ=1 + input σ=1", "cyclic", {"label_noise": 1.0, "input_noise": 1.0}),
     ("none (ordered)", "ordered", {}),
     ("input σ=1 (ordered)", "ordered", {"input_noise": 1.0}),
 ]
+
+
+def select(labels: str | None) -> list[tuple[str, str, dict[str, Any]]]:
+    """The grid rows named in a comma-separated list (all rows for None)."""
+    if not labels:
+        return list(DEFAULT_GRID)
+    wanted = [w.strip() for w in labels.split(",") if w.strip()]
+    known = {row[0]: row for row in DEFAULT_GRID}
+    unknown = [w for w in wanted if w not in known]
+    if unknown:
+        raise ValueError(f"unknown sweep rows {unknown} (known: {', '.join(known)})")
+    return [known[w] for w in wanted]
 
 
 def sweep(
