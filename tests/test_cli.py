@@ -172,3 +172,37 @@ def test_certs_renew_and_rotate(tmp_path) -> None:
     assert bad.returncode == 2 and "worker-7" in bad.stderr
     assert mobius_fed("certs", "rotate", "--out", "c", cwd=tmp_path).returncode == 0
     assert (bundle / "ca.crt").read_bytes() != old_ca
+
+
+@pytest.mark.parametrize("daemon", ["worker", "coordinator"])
+def test_daemons_refuse_an_unknown_mobius_variable(tmp_path, daemon) -> None:
+    """A typo in a deployment's environment stops the daemon with the name, not silently."""
+    proc = subprocess.run(
+        [sys.executable, "-m", f"mobius_fed.cli.{daemon}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MOBIUS_LR_ADAMW": "0.1"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    err = _flat(proc.stderr)
+    assert "unknown environment variable MOBIUS_LR_ADAMW (did you mean MOBIUS_LR_ADAM?)" in err
+    assert "Traceback" not in proc.stderr
+
+
+def test_local_reads_training_settings_from_the_environment(tmp_path) -> None:
+    """MOBIUS_OPTIMIZER / MOBIUS_MICRO_BATCHES used to be ignored outside the daemons."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "mobius_fed.cli.main", "config", "show", "--steps", "3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MOBIUS_OPTIMIZER": "adamw", "MOBIUS_MICRO_BATCHES": "2",
+             "MOBIUS_STEPS": "9", "MOBIUS_PRIVACY__LABEL_NOISE": "0.5"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    train = json.loads(proc.stdout)["train"]
+    assert (train["optimizer"], train["micro_batches"], train["steps"]) == ("adamw", 2, 3)
+    assert train["privacy"]["label_noise"] == 0.5

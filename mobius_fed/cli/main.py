@@ -108,33 +108,6 @@ def cmd_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_experiment(args: argparse.Namespace) -> int:
-    from mobius_fed.engine.experiment import markdown_table, plot_curves, run_experiment
-    from mobius_fed.schedule import ORDERS
-
-    cfg = train_config_from_args(args)
-    apply_threads(args)
-    for order in args.orders:
-        if order not in ORDERS:
-            raise CliError(f"unknown order {order!r} (expected one of {', '.join(ORDERS)})")
-    for L in args.loops:
-        if L < 1:
-            raise CliError(f"--loops: L must be ≥ 1, got {L}")
-    out = Path(args.out)
-    sites = resolve_sites(cfg, args.data, out)
-
-    def on_arm(c) -> None:
-        console.print(f"training L={c.loops} order={c.order} (K={c.K}, {c.steps} steps)")
-
-    arms = run_experiment(cfg, sites, args.loops, args.orders, out, on_arm=on_arm)
-    table = markdown_table(arms, cfg.P)
-    (out / "table.md").write_text(table)
-    print(table)
-    png = plot_curves(arms, out / "validation.png")
-    print(f"table: {out / 'table.md'}; curves: {png or 'matplotlib not installed, no PNG'}")
-    return 0
-
-
 def cmd_prepare(args: argparse.Namespace) -> int:
     from mobius_fed.data import embedded_corpus, prepare_sites
 
@@ -196,15 +169,6 @@ def cmd_certs_rotate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    from mobius_fed.cli.coordinator import parse_options
-    from mobius_fed.cli.up import cmd_up as run_up
-
-    cfg = train_config_from_args(args)
-    args.strategy_options = parse_options(args.strategy_option)
-    return run_up(args, cfg)
-
-
 def _add_local_parser(sub) -> None:
     p = sub.add_parser(
         "local",
@@ -226,47 +190,6 @@ def _add_local_parser(sub) -> None:
     p.set_defaults(func=cmd_local)
 
 
-def _legacy_experiment_parser(sub) -> None:
-    """``experiment`` until mobius_fed.cli.research registers it."""
-    p = sub.add_parser("experiment", help="the paper's Table 1: ordered-loop vs Möbius")
-    add_train_flags(p, skip=("loops", "order"))
-    p.add_argument("--loops", type=int, nargs="+", default=[1, 2, 4], help="L values")
-    p.add_argument("--orders", nargs="+", default=["ordered", "cyclic"], help="orders to compare")
-    add_data_flag(p)
-    add_threads_flag(p)
-    p.add_argument("--out", default="runs/experiment", help="default: %(default)s")
-    p.set_defaults(func=cmd_experiment)
-
-
-def _legacy_up_parser(sub) -> None:
-    """``up`` until mobius_fed.cli.up registers it."""
-    from mobius_fed.cli.common import add_resume_flag
-
-    p = sub.add_parser("up", help="coordinator + P workers as processes on this machine")
-    add_train_flags(p)
-    p.add_argument("--out", default="runs/up", help="certs, sites, logs, checkpoints")
-    p.add_argument("--strategy", default="fedavg", help="fedavg, fedavgm, fedadam, fedyogi, …")
-    p.add_argument("--strategy-option", action="append", default=[], metavar="KEY=VALUE")
-    add_checkpoint_flag(p, default=0)
-    p.add_argument("--keep-checkpoints", type=int, help="complete manifests to keep")
-    p.add_argument("--rejoin-timeout", type=float, help="seconds to wait for a lost worker")
-    p.add_argument("--max-incidents", type=int, help="incidents the run recovers from")
-    p.add_argument("--max-restarts", type=int, default=5, help="restarts per crashed process")
-    add_resume_flag(p, "continue from the newest complete manifest; auto: only if one exists")
-    p.set_defaults(func=cmd_up)
-
-
-LEGACY = {
-    "up": _legacy_up_parser,
-    "research": _legacy_experiment_parser,
-    "status": lambda sub: importlib.import_module("mobius_fed.cli.status").add_status_parser(sub),
-    "health": lambda sub: importlib.import_module("mobius_fed.cli.health").add_health_parser(sub),
-    "testbed": lambda sub: importlib.import_module("mobius_fed.cli.testbed").add_testbed_parser(
-        sub
-    ),
-}
-
-
 def _plugins_for(argv: Sequence[str] | None) -> list[str]:
     """The plugin modules to load: only the one that defines the command asked for (so a
     quick command such as ``health`` loads nothing else), all of them for the overview."""
@@ -281,17 +204,7 @@ def _plugins_for(argv: Sequence[str] | None) -> list[str]:
 
 
 def _register(sub, module_name: str) -> None:
-    try:
-        module = importlib.import_module(f"mobius_fed.cli.{module_name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"mobius_fed.cli.{module_name}":
-            raise
-        module = None
-    register = getattr(module, "register", None)
-    if register is not None:
-        register(sub)
-    elif module_name in LEGACY:
-        LEGACY[module_name](sub)
+    importlib.import_module(f"mobius_fed.cli.{module_name}").register(sub)
 
 
 def _add_prepare_parser(sub) -> None:
