@@ -173,6 +173,7 @@ def test_cli_experiment_with_seeds_and_sweep_refusal(
     from mobius_fed.cli.main import main
 
     common = ["--preset", "cpu-tiny", "--workers", "2", "--steps", "2", "--batch-size", "2"]
+    common += ["--threads", "1"]
     out = tmp_path / "exp"
     args = ["experiment", *common, "--loops", "1", "--seeds", "2", "--eval-batches", "1"]
     assert main([*args, "--data", str(site_dirs[0].parent), "--out", str(out)]) == 0

@@ -8,60 +8,20 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mobius_fed.cli.common import CliError, console, resolve_sites
+from mobius_fed.cli.common import (
+    CliError,
+    add_threads_flag,
+    add_train_flags,
+    apply_threads,
+    console,
+    resolve_sites,
+    train_config_from_args,
+)
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig
 
 GRID_FIELDS = ("workers", "loops", "order", "seed")
-
-
-def _add_train_flags(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
-    """Flags for every TrainConfig field (the shared CLI layer's when it exists)."""
-    try:
-        from mobius_fed.cli.common import add_train_flags  # type: ignore[attr-defined]
-    except ImportError:
-        _fallback_train_flags(p, skip)
-    else:
-        add_train_flags(p, skip=skip)
-
-
-def _fallback_train_flags(p: argparse.ArgumentParser, skip: tuple[str, ...]) -> None:
-    from mobius_fed.cli.main import TRAIN_FLAGS
-    from mobius_fed.model.knobs import LoopKnobs
-
-    p.add_argument("--config", type=Path, help="TOML file with a [train] table")
-    for flag, (key, typ, help_) in TRAIN_FLAGS.items():
-        if key not in skip:
-            p.add_argument(flag, dest=key, type=typ, help=help_)
-    p.add_argument("--untied", dest="tied", action="store_false", default=None)
-    p.add_argument("--muon-adjust-lr", dest="muon_adjust_lr", help="original | match_rms_adamw")
-    for name, field in LoopKnobs.model_fields.items():
-        p.add_argument(
-            f"--knobs-{name.replace('_', '-')}",
-            dest=f"knobs__{name}",
-            type=str,
-            help=field.description,
-        )
-
-
-def _train_config(args: argparse.Namespace) -> TrainConfig:
-    try:
-        from mobius_fed.cli.common import train_config_from_args  # type: ignore[attr-defined]
-    except ImportError:
-        pass
-    else:
-        return train_config_from_args(args)
-    from mobius_fed.config import load_train_config
-
-    flat = {k: v for k, v in vars(args).items() if v is not None}
-    from mobius_fed.config import TrainConfig
-
-    overrides = {k: flat[k] for k in TrainConfig.model_fields if k in flat and k not in ("knobs",)}
-    knobs = {k.split("__", 1)[1]: v for k, v in flat.items() if k.startswith("knobs__")}
-    if knobs:
-        overrides["knobs"] = knobs
-    return load_train_config(getattr(args, "config", None), overrides)
 
 
 # ------------------------------------------------------------------------------- sweep
@@ -91,7 +51,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from mobius_fed.research.report import write_report
     from mobius_fed.research.sweep import grid, prepare_cell, run_cells
 
-    base = _train_config(args)
+    base = train_config_from_args(args)
     out = Path(args.out)
     seeds = args.seed_list or [base.seed + k for k in range(args.seeds)]
     cells = grid(base, args.grid_workers, args.grid_loops, args.grid_orders, seeds, out)
@@ -131,7 +91,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     from mobius_fed.engine.experiment import markdown_table, plot_curves, run_experiment
     from mobius_fed.schedule import ORDERS
 
-    cfg = _train_config(args)
+    cfg = train_config_from_args(args)
+    apply_threads(args)
     for order in args.grid_orders:
         if order not in ORDERS:
             raise CliError(f"unknown order {order!r} (expected one of {', '.join(ORDERS)})")
@@ -157,6 +118,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 def cmd_analyze(args: argparse.Namespace) -> int:
     from mobius_fed.research.analyze import analyze_paths
 
+    apply_threads(args)
     report = analyze_paths(
         [Path(p) for p in args.runs],
         Path(args.out) if args.out else None,
@@ -170,12 +132,13 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``experiment``, ``sweep`` and ``analyze`` to ``mobius-fed``."""
     p = sub.add_parser("experiment", help="the paper's Table 1: ordered-loop vs Möbius")
-    _add_train_flags(p, skip=("loops", "order"))
+    add_train_flags(p, skip=("loops", "order"))
     p.add_argument("--loops", dest="grid_loops", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--orders", dest="grid_orders", nargs="+", default=["ordered", "cyclic"])
     p.add_argument("--seeds", type=int, default=1, help="seeds per arm (seed, seed+1, …)")
     p.add_argument("--data", type=Path, nargs="+")
     p.add_argument("--out", default="runs/experiment")
+    add_threads_flag(p)
     p.set_defaults(func=cmd_experiment)
 
     p = sub.add_parser(
@@ -184,7 +147,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Train every (P, L, order, seed) cell with the reference engine, one "
         "process and one thread per cell, and report Δ = Möbius − ordered with 95 % intervals.",
     )
-    _add_train_flags(p, skip=GRID_FIELDS)
+    add_train_flags(p, skip=GRID_FIELDS)
     p.add_argument(
         "--workers", dest="grid_workers", type=int, nargs="+", default=[4], help="P values"
     )
@@ -214,6 +177,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", type=Path, nargs="+", help="validation data (default: the run's)")
     p.add_argument("--batches", type=int, default=2, help="validation batches per origin")
     p.add_argument("--out", help="report directory (default: <first run>/analysis)")
+    add_threads_flag(p)
     p.set_defaults(func=cmd_analyze)
 
 
