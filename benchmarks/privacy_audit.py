@@ -5,6 +5,9 @@ Runs ``mobius-fed audit --sweep`` (one audited training per row of
 the Markdown table; sweep.md, sweep.json and sweep.png (with matplotlib) land in --out.
 
     python benchmarks/privacy_audit.py [--preset cpu-small] [--steps 60] [--out runs/privacy]
+    python benchmarks/privacy_audit.py --only "label σ=0.1,input σ=4" --out runs/privacy-b
+    python benchmarks/privacy_audit.py --merge runs/privacy/sweep.json \
+        runs/privacy-b/sweep.json --out runs/privacy-all
 
 Every Δ in the table is measured against the no-defence row of the same run.
 """
@@ -27,7 +30,21 @@ def run() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="runs/privacy")
     p.add_argument("--only", default=None, help="comma-separated subset of the sweep's rows")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="SWEEP_JSON",
+        help="join the rows of earlier runs' sweep.json files into --out instead of training",
+    )
     a = p.parse_args()
+    if a.merge:
+        from pathlib import Path
+
+        from mobius_fed.privacy.sweep import merge
+
+        paths = merge([Path(x) for x in a.merge], Path(a.out))
+        print((Path(a.out) / "sweep.md").read_text(), end="")
+        return 0 if paths else 1
     argv = [
         "audit",
         "--sweep",

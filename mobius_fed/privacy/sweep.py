@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
-from mobius_fed.privacy.audit import Audit, AuditReport
+from mobius_fed.privacy.audit import Audit, AuditReport, InputAttack, TargetAttack
 
 # (label, order, privacy overrides); noise_key_dir is filled in by the caller. In ordered
 # order origin 0's first hop is F_0's output (as in cyclic order), so the ordered rows
@@ -153,3 +154,27 @@ def plot(rows: Sequence[tuple[str, AuditReport]], path: Path) -> Path | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def report_from_dict(d: dict[str, Any]) -> AuditReport:
+    """Rebuild an :class:`AuditReport` from a row of sweep.json."""
+    d = dict(d)
+    target = {k: v for k, v in d.pop("target").items() if k not in ("accuracy", "model_accuracy")}
+    inv = d.pop("inversion")
+    known = {f.name for f in fields(AuditReport)}
+    return AuditReport(
+        **{k: v for k, v in d.items() if k in known and k not in ("target", "inversion")},
+        target=TargetAttack(**target),
+        inversion=InputAttack(**inv) if inv else None,
+    )
+
+
+def merge(paths: Sequence[Path], out: Path) -> list[Path]:
+    """Join the rows of several sweep.json files (same base config), in the grid's order."""
+    rows: dict[str, AuditReport] = {}
+    for path in paths:
+        for row in json.loads(Path(path).read_text()):
+            rows[row["label"]] = report_from_dict(row)
+    order = [label for label, _, _ in DEFAULT_GRID]
+    ranked = sorted(rows, key=lambda k: order.index(k) if k in order else len(order))
+    return write_outputs([(k, rows[k]) for k in ranked], out)
