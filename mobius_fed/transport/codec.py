@@ -39,6 +39,11 @@ from google.protobuf.message import DecodeError
 from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.compress import Codec, CodecError
 
+try:  # ISA-L's CRC-32: the same values as zlib.crc32, ~50x faster (optional: pip install isal)
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    _crc32 = zlib.crc32
+
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
@@ -88,7 +93,7 @@ def _fill_tensor(dst: ring_pb2.Tensor, t: torch.Tensor, wire: str) -> None:
     dst.shape[:] = list(t.shape)
     data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""  # the one copy
     dst.data = data
-    dst.crc32 = zlib.crc32(data)
+    dst.crc32 = _crc32(data)
 
 
 def encode_tensor(t: torch.Tensor, wire: str) -> ring_pb2.Tensor:
@@ -118,7 +123,7 @@ def _check_meta(
 
 
 def _check_crc(data: bytes | memoryview, msg: ring_pb2.Tensor) -> None:
-    crc = zlib.crc32(data)
+    crc = _crc32(data)
     if crc != msg.crc32:
         raise FrameError(f"tensor rejected: crc32 {crc:#010x} (expected {msg.crc32:#010x})")
 
@@ -329,7 +334,7 @@ def encode_frames(
         meta.offset = a
         head = meta.SerializeToString()
         data_hdr = _DATA_FIELD + _varint(len(piece))
-        tail = _CRC_FIELD + _varint(zlib.crc32(piece))  # over the memoryview: no copy
+        tail = _CRC_FIELD + _varint(_crc32(piece))  # over the memoryview: no copy
         size = len(head) + len(data_hdr) + len(piece) + len(tail)
         yield b"".join(
             (header.SerializeToString(), _TENSOR_FIELD, _varint(size), head, data_hdr, piece, tail)
