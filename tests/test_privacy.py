@@ -3,6 +3,7 @@ settings are refused with a clear message."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -113,3 +114,16 @@ def test_status_block_reports_epsilon_and_names_the_missing_extra(monkeypatch):
 def test_audit_refuses_a_single_worker(sites):
     with pytest.raises(ValueError, match="P >= 2"):
         Audit(TrainConfig(**{**BASE, "workers": 1}), sites[:1])
+
+
+def test_audit_command_writes_its_report_and_names_bad_flags(tmp_path, capsys):
+    from mobius_fed.cli.main import main
+
+    argv = ["audit", "--preset", "cpu-tiny", "--workers", "2", "--steps", "1"]
+    argv += ["--batch-size", "2", "--threads", "1", "--out", str(tmp_path), "--json"]
+    assert main([*argv, "--inverter-steps", "1"]) == 0
+    report = json.loads((tmp_path / "audit.json").read_text())
+    assert report["target"]["accuracy"] >= 0.99 and report["target"]["attacker"] == 1
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--inverter-steps", "0"])
+    assert exc.value.code == 2 and "--inverter-steps" in capsys.readouterr().err
