@@ -25,6 +25,8 @@ from mobius_fed.worker.config import WorkerConfig, load_worker_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAG_ALIASES = {"--strategy-options": "--strategy-option"}  # a repeatable KEY=VALUE flag
+# Misspelt on purpose in tests and docs, to show the error.
+DELIBERATE_TYPOS = {"MOBIUS_LR_ADAMW", "MOBIUS_STEPZ"}
 NOISE = "MOBIUS_PRIVACY__LABEL_NOISE"
 CERTS = {"MOBIUS_CA": "ca.crt", "MOBIUS_CERT": "tls.crt", "MOBIUS_KEY": "tls.key"}
 
@@ -225,7 +227,7 @@ def test_threads_flag_env_and_default(monkeypatch) -> None:
 def test_every_mobius_variable_in_the_repository_is_a_declared_setting() -> None:
     """compose, Kubernetes, systemd, the testbed, benchmarks, tests, docs: no MOBIUS_* name
     that no command reads (a typo there would be refused at start-up)."""
-    known = known_env_names()
+    known = {*known_env_names(), *DELIBERATE_TYPOS}
     pattern = re.compile(r"\bMOBIUS_[A-Z0-9_]*[A-Z0-9]\b")
     unknown: dict[str, set[str]] = {}
     folders = ("docker", "deploy", "mobius_fed", "tests", "benchmarks", "docs", ".ci", "scripts")
@@ -241,3 +243,9 @@ def test_every_mobius_variable_in_the_repository_is_a_declared_setting() -> None
                 if name not in known:
                     unknown.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     assert not unknown, f"undeclared MOBIUS_* variables: {unknown}"
+
+
+def test_the_configuration_page_lists_every_variable() -> None:
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    missing = [name for name in known_env_names() if f"`{name}`" not in page]
+    assert not missing, f"docs/configuration.md lacks {missing} (mobius-fed config env --markdown)"
