@@ -8,8 +8,7 @@ import sys as _sys
 # one pre-shared-key suite that never negotiates: a TLS 1.2 peer finds no shared cipher
 # (mobius_fed.transport.tls.GRPC_TLS13_CIPHER_SUITES is the same value).
 _TLS13_SUITES = (
-    "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256:"
-    "PSK-AES128-CBC-SHA"
+    "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256:PSK-AES128-CBC-SHA"
 )
 _before = _os.environ.get("GRPC_SSL_CIPHER_SUITES")
 _os.environ["GRPC_SSL_CIPHER_SUITES"] = _TLS13_SUITES
