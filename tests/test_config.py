@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -202,10 +204,22 @@ def test_top_level_help_is_plain_text(capsys) -> None:
 
 
 def test_a_command_loads_only_its_own_plugin() -> None:
-    assert main_cli._plugins_for(["health", "127.0.0.1:1"]) == ["health"]
-    assert main_cli._plugins_for(["experiment"]) == ["research"]
-    assert main_cli._plugins_for(["local", "--steps", "1"]) == []
-    assert main_cli._plugins_for([]) == list(main_cli.PLUGINS)
+    assert main_cli._wanted(["health", "127.0.0.1:1"]) == ([], ["health"])
+    assert main_cli._wanted(["experiment"]) == ([], ["research"])
+    assert main_cli._wanted(["local", "--steps", "1"]) == (["local"], [])
+    assert main_cli._wanted(["--version"]) == ([], [])
+    assert main_cli._wanted([]) == (list(main_cli.BUILTIN), list(main_cli.PLUGINS))
+
+
+def test_health_loads_no_torch() -> None:
+    """A healthcheck probe runs every few seconds: building its parser must not load torch."""
+    code = (
+        "import sys; from mobius_fed.cli.main import build_parser; "
+        "build_parser(['health', '127.0.0.1:1']).parse_args(['health', '127.0.0.1:1']); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 # ------------------------------------------------------------------------------ threads

@@ -13,8 +13,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
 from mobius_fed import __version__
 from mobius_fed.cli.common import (
     CliError,
@@ -52,7 +50,9 @@ PLUGINS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _progress() -> Progress:
+def _progress():
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -190,17 +190,23 @@ def _add_local_parser(sub) -> None:
     p.set_defaults(func=cmd_local)
 
 
-def _plugins_for(argv: Sequence[str] | None) -> list[str]:
-    """The plugin modules to load: only the one that defines the command asked for (so a
-    quick command such as ``health`` loads nothing else), all of them for the overview."""
+def _wanted(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """(built-in commands, plugin modules) to build: only what the command asked for needs
+    (so ``health`` loads neither torch nor another command), everything for the overview."""
     words = [a for a in (argv or []) if not a.startswith("-")]
     if words:
+        if words[0] in BUILTIN:
+            return [words[0]], []
         for module, commands in PLUGINS.items():
             if words[0] in commands:
-                return [module]
-        if words[0] in BUILTIN:
-            return []
-    return list(PLUGINS)
+                return [], [module]
+    if list(argv or []) == ["--version"]:
+        return [], []
+    return list(BUILTIN), list(PLUGINS)
+
+
+def _plugins_for(argv: Sequence[str] | None) -> list[str]:
+    return _wanted(argv)[1]
 
 
 def _register(sub, module_name: str) -> None:
@@ -319,12 +325,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    BUILTIN["local"](sub)
-    for module in _plugins_for(argv):
+    builtins, plugins = _wanted(argv)
+    if "local" in builtins:
+        BUILTIN["local"](sub)
+    for module in plugins:
         _register(sub, module)
-    BUILTIN["prepare"](sub)
-    BUILTIN["certs"](sub)
-    BUILTIN["config"](sub)
+    for name in ("prepare", "certs", "config"):
+        if name in builtins:
+            BUILTIN[name](sub)
     return parser
 
 
