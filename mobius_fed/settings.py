@@ -348,7 +348,9 @@ def layered_config(
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"invalid {what}: {describe_validation_error(exc, origin)}") from exc
+        hints = {s.path: f"{s.flag} or {s.env}" for s in settings}
+        problem = describe_validation_error(exc, origin, hints)
+        raise ConfigError(f"invalid {what}: {problem}") from exc
 
 
 def _get(data: Mapping[str, Any], path: tuple[str, ...]) -> Any:
@@ -360,9 +362,12 @@ def _get(data: Mapping[str, Any], path: tuple[str, ...]) -> Any:
 
 
 def describe_validation_error(
-    exc: Exception, origin: Mapping[tuple[str, ...], str] | None = None
+    exc: Exception,
+    origin: Mapping[tuple[str, ...], str] | None = None,
+    hints: Mapping[tuple[str, ...], str] | None = None,
 ) -> str:
-    """A pydantic ValidationError as 'field (from SOURCE): problem' parts."""
+    """A pydantic ValidationError as 'field (from SOURCE): problem' parts; a missing
+    setting names where to give it (``hints``: path → 'flag or variable')."""
     errors = getattr(exc, "errors", None)
     if errors is None:
         return str(exc)
@@ -374,6 +379,8 @@ def describe_validation_error(
         if err.get("type") == "extra_forbidden":
             msg = "unknown setting"
             source = (origin or {}).get(("<file>",), source)
+        elif err.get("type") == "missing" and loc in (hints or {}):
+            msg = f"required: give {(hints or {})[loc]}"
         where = ".".join(loc) or "config"
         parts.append(f"{where} (from {source}): {msg}" if source else f"{where}: {msg}")
     return "; ".join(parts)

@@ -91,9 +91,10 @@ class CoordinatorConfig(BaseModel):
     def _check(self) -> CoordinatorConfig:
         missing = [n for n in ("ca", "cert", "key") if getattr(self, n) is None]
         if missing:
+            flags = ", ".join(f"--{n} (MOBIUS_{n.upper()})" for n in missing)
             raise ValueError(
-                f"{', '.join(missing)} required: the coordinator knows workers by their "
-                "certificate identity (it has no plaintext mode)"
+                f"{flags} required: the coordinator knows workers by their certificate "
+                "identity (it has no plaintext mode)"
             )
         if self.train.sync_every < 1:
             raise ValueError("train.sync_every must be ≥ 1: each Flower round is one barrier")
