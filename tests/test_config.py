@@ -263,3 +263,16 @@ def test_the_configuration_page_lists_every_variable() -> None:
     page = (ROOT / "docs" / "configuration.md").read_text()
     missing = [name for name in known_env_names() if f"`{name}`" not in page]
     assert not missing, f"docs/configuration.md lacks {missing} (mobius-fed config env --markdown)"
+
+
+def test_a_subset_of_coordinator_settings_as_flags() -> None:
+    """What ``up`` uses to pass coordinator settings on with the same help and names."""
+    from mobius_fed.cli.flags import add_settings_flags
+
+    parser = argparse.ArgumentParser()
+    added = add_settings_flags(parser, CoordinatorConfig, only=("rejoin_timeout", "state_copy"))
+    assert [s.flag for s in added] == ["--rejoin-timeout", "--state-copy"]
+    actions = _actions(parser)
+    assert "MOBIUS_REJOIN_TIMEOUT" in actions["--rejoin-timeout"].help
+    assert tuple(actions["--state-copy"].choices) == ("coordinator", "off")
+    assert "--strategy" not in actions

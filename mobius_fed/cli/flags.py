@@ -82,13 +82,18 @@ def add_settings_flags(
     *,
     flatten: Iterable[str] = (),
     skip: Iterable[str] = (),
+    only: Iterable[str] | None = None,
     notes: dict[str, str] | None = None,
 ) -> list[Setting]:
-    """One flag per setting of ``model`` (keys in ``skip`` left out); the settings added."""
+    """One flag per setting of ``model`` (keys in ``skip`` left out; with ``only``, just
+    those keys, e.g. a coordinator setting that ``up`` passes on); the settings added."""
     skip = set(skip)
+    wanted = None if only is None else set(only)
     added: list[Setting] = []
     for s in settings_of(model, flatten=flatten):
         if s.key in skip or s.name[0] in skip:
+            continue
+        if wanted is not None and s.key not in wanted:
             continue
         kwargs: dict[str, Any] = {"dest": s.dest, "default": None}
         kwargs["help"] = help_text(s, (notes or {}).get(s.key, ""))
@@ -102,7 +107,8 @@ def add_settings_flags(
                 kwargs["metavar"] = _metavar(s)
             parser.add_argument(s.flag, **kwargs)
         added.append(s)
-    _add_compact_flags(parser, model, flatten=tuple(flatten), skip=skip)
+    if wanted is None:
+        _add_compact_flags(parser, model, flatten=tuple(flatten), skip=skip)
     return added
 
 
