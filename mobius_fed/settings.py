@@ -308,13 +308,12 @@ def layered_config(
         tables = {k for k, v in doc.items() if isinstance(v, dict)}
         if not tables & set(TOML_TABLES) and tables <= nested:  # a bare table of settings
             doc = {section: doc}
+        expected = ", ".join(f"[{t}]" for t in TOML_TABLES)
         for table in doc:
-            if table not in TOML_TABLES:
-                raise ConfigError(
-                    f"{path}: unknown table [{table}] (expected {', '.join(TOML_TABLES)})"
-                )
             if not isinstance(doc[table], dict):
-                raise ConfigError(f"{path}: {table} must be a table")
+                raise ConfigError(f"{path}: {table} = … outside a table (put it in {expected})")
+            if table not in TOML_TABLES:
+                raise ConfigError(f"{path}: unknown table [{table}] (expected {expected})")
         data = dict(doc.get(section, {}))
         if flatten and "train" in doc:
             data["train"] = _merge(data.get("train", {}), doc["train"])
@@ -327,7 +326,7 @@ def layered_config(
         for s in settings:
             text = environ.get(s.env)
             if text is not None and text.strip() != "":
-                _put(data, s.path, parse_text(s, text))
+                _put(data, s.path, _parsed(s, text, f"{s.env}={text!r}"))
                 origin[s.path] = f"{s.env}={text!r}"
     for key, value in (extra or {}).items():
         if value is not None:
@@ -340,7 +339,7 @@ def layered_config(
         if s is None:
             raise ConfigError(f"no setting named {dest!r}")
         if isinstance(value, str):
-            value = parse_text(s, value)
+            value = _parsed(s, value, f"{s.flag} {value!r}")
         if isinstance(value, dict) and isinstance(_get(data, s.path), dict):
             value = _merge(_get(data, s.path), value)
         _put(data, s.path, value)
@@ -351,6 +350,13 @@ def layered_config(
         hints = {s.path: f"{s.flag} or {s.env}" for s in settings}
         problem = describe_validation_error(exc, origin, hints)
         raise ConfigError(f"invalid {what}: {problem}") from exc
+
+
+def _parsed(setting: Setting, text: str, source: str) -> Any:
+    try:
+        return parse_text(setting, text)
+    except ValueError as exc:  # JSON, KEY=VALUE
+        raise ConfigError(f"{setting.key} (from {source}): {exc}") from None
 
 
 def _get(data: Mapping[str, Any], path: tuple[str, ...]) -> Any:
