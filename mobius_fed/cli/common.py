@@ -73,6 +73,11 @@ def add_train_flags(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()
         group.add_argument("--untied", dest="tied", action="store_false", help="same as --no-tied")
 
 
+def flag_values(args: argparse.Namespace, flags: dict[str, tuple[str, type]]) -> dict:
+    """``{dest: value}`` for a ``{flag: (dest, type)}`` table such as the daemons' FLAGS."""
+    return {dest: getattr(args, dest, None) for dest, _ in flags.values()}
+
+
 def train_flag_values(args: argparse.Namespace) -> dict:
     """``{dest: value}`` of the TrainConfig flags given (absent ones are None)."""
     from mobius_fed.cli.flags import flag_values

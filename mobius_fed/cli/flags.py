@@ -68,6 +68,14 @@ def _metavar(s: Setting) -> str:
     return s.name[-1].upper()
 
 
+def value_type(s: Setting) -> type | None:
+    """int or float for a numeric setting (argparse converts and names a bad value)."""
+    members = {m for m in (int, float) if has_type(s.annotation, m)}
+    if has_type(s.annotation, bool) or len(members) != 1:
+        return None
+    return members.pop()
+
+
 def help_text(s: Setting, note: str = "") -> str:
     parts = [s.description.rstrip(".") or s.key.replace("_", " ")]
     if note:
@@ -105,6 +113,9 @@ def add_settings_flags(
                 kwargs["choices"] = choices
             else:
                 kwargs["metavar"] = _metavar(s)
+                kind = value_type(s)
+                if kind is not None:
+                    kwargs["type"] = kind
             parser.add_argument(s.flag, **kwargs)
         added.append(s)
     if wanted is None:
