@@ -144,16 +144,18 @@ class Audit:
     # ---------------------------------------------------------------- target
     def _attack_targets(self, ctx: HopContext, g: Tensor) -> None:
         """Runs inside the home's backward, when the gradient reaches the attacker."""
-        cfg, pc, obs = self.cfg, self.cfg.privacy, self.last_hop
+        pc, obs = self.cfg.privacy, self.last_hop
         h = obs.sent.pop(("train", ctx.step, ctx.s, ctx.slot, ctx.m))
         head = self.engine.replicas[self.target.attacker]
-        sigma, clip = pc.label_noise, (pc.label_clip if pc.label_noise > 0 else None)
+        sigma, clip = pc.label_noise, pc.label_clip
         if sigma > 0 and pc.noise_key_dir is None:
             # Public-seed noise: the attacker regenerates it and subtracts it.
             n = g.shape[:-1].numel()
-            g = g - (sigma * clip / n) * gaussian(g, self.keys.generator(ctx))  # type: ignore[operator]
+            g = g - (sigma * clip / n) * gaussian(g, self.keys.generator(ctx))
             sigma = 0.0
-        guess, model = recover_targets(h, g, head, sigma=sigma, clip=clip)
+        guess, model = recover_targets(
+            h, g, head, sigma=sigma, clip=clip if pc.label_noise > 0 else None
+        )
         y = self.engine._micro("train", ctx.s, ctx.step)[ctx.m][1].reshape(-1)
         hits = int((guess == y).sum())
         self.target.tokens += y.numel()
@@ -162,7 +164,6 @@ class Audit:
         tally = self._step_hits.setdefault(ctx.step, [0, 0])
         tally[0] += hits
         tally[1] += y.numel()
-        del cfg
 
     # ----------------------------------------------------------------- input
     @torch.no_grad()
