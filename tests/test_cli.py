@@ -206,3 +206,23 @@ def test_local_reads_training_settings_from_the_environment(tmp_path) -> None:
     train = json.loads(proc.stdout)["train"]
     assert (train["optimizer"], train["micro_batches"], train["steps"]) == ("adamw", 2, 3)
     assert train["privacy"]["label_noise"] == 0.5
+
+
+def test_daemons_print_the_layered_config(tmp_path) -> None:
+    """--print-config: TOML, then MOBIUS_*, then flags, resolved, without starting."""
+    (tmp_path / "run.toml").write_text(
+        '[coordinator]\nstrategy = "fedadam"\n[train]\nsteps = 5\nseed = 2\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "mobius_fed.cli.coordinator", "--config", "run.toml",
+         "--ca", "a", "--cert", "b", "--key", "c", "--seed", "3", "--print-config"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MOBIUS_STEPS": "6", "MOBIUS_SEED": "4"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    cfg = json.loads(proc.stdout)
+    assert cfg["strategy"] == "fedadam"  # file
+    assert (cfg["train"]["steps"], cfg["train"]["seed"]) == (6, 3)  # env > file, flag > env

@@ -53,6 +53,23 @@ def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_print_config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the configuration that --config, MOBIUS_* and the flags give (JSON), "
+        "and exit without starting",
+    )
+
+
+def print_config(cfg) -> int:
+    """Print a config model as JSON (the resolved settings); exit status 0."""
+    import json
+
+    print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    return 0
+
+
 def config_path(args: argparse.Namespace) -> Path | None:
     """``--config``, else ``MOBIUS_CONFIG``, else None."""
     path = getattr(args, "config", None) or os.environ.get("MOBIUS_CONFIG") or None

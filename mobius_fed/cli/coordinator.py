@@ -11,7 +11,9 @@ from mobius_fed.cli.common import (
     GracefulStop,
     add_config_flag,
     add_log_level_flag,
+    add_print_config_flag,
     add_resume_flag,
+    print_config,
     run_daemon,
 )
 
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_config_flag(p, "[coordinator] and [train] tables")
     add_log_level_flag(p)
+    add_print_config_flag(p)
     own = p.add_argument_group("coordinator")
     add_settings_flags(own, CoordinatorConfig, skip=("train", "resume", "strategy_options"))
     own.add_argument(
@@ -96,6 +99,8 @@ def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
     if args.strategy_option:
         flags["strategy_options"] = parse_options(args.strategy_option)
     cfg = load_coordinator_config(config_path(args), flags)
+    if args.print_config:
+        return print_config(cfg)
     coordinator = Coordinator(cfg)
     if stop is not None:  # a stop signal exits 0 once the run is done (e.g. while lingering)
         stop.finished = lambda: coordinator.state.phase == "done"

@@ -6,7 +6,14 @@ import argparse
 import logging
 
 from mobius_fed import __version__
-from mobius_fed.cli.common import GracefulStop, add_config_flag, add_log_level_flag, run_daemon
+from mobius_fed.cli.common import (
+    GracefulStop,
+    add_config_flag,
+    add_log_level_flag,
+    add_print_config_flag,
+    print_config,
+    run_daemon,
+)
 
 DESCRIPTION = """\
 Run one Möbius ring worker: its private data, one block group, a ring link to each
@@ -43,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_config_flag(p, "[worker] and [train] tables")
     add_log_level_flag(p)
+    add_print_config_flag(p)
     own = p.add_argument_group("worker")
     add_settings_flags(own, WorkerConfig, skip=("train", "verify_train"))
     own.add_argument(
@@ -75,6 +83,8 @@ def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
 
     flags = flag_values(args, WorkerConfig, flatten=("train",))
     cfg = load_worker_config(config_path(args), flags)
+    if args.print_config:
+        return print_config(cfg)
     threads = apply_threads(argparse.Namespace(threads=cfg.threads))
     logging.getLogger("mobius").info("mobius-worker: %d torch thread(s)", threads)
     if cfg.coordinator:
