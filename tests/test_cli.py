@@ -79,6 +79,7 @@ def test_resume_without_checkpoint_is_refused(tmp_path) -> None:
 def test_local_run_writes_checkpoint_and_metrics(tmp_path) -> None:
     proc = mobius_fed("local", *TINY, "--steps", "3", "--out", "OUT", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+    assert "1 thread(s)" in _flat(proc.stderr)  # MOBIUS_THREADS=1 from tests/conftest.py
     out = tmp_path / "OUT"
     assert (out / "checkpoint.pt").is_file()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
