@@ -128,7 +128,8 @@ def write_outputs(rows: Sequence[tuple[str, AuditReport]], out: Path) -> list[Pa
 
 
 def plot(rows: Sequence[tuple[str, AuditReport]], path: Path) -> Path | None:
-    """Attack success against Eq. 8 loss; None (and no file) without matplotlib."""
+    """Two panels against Eq. 8 loss: target recovery (rows without input noise) and
+    first-hop exact-token inversion (rows without label noise). None without matplotlib."""
     try:
         import matplotlib
 
@@ -136,20 +137,31 @@ def plot(rows: Sequence[tuple[str, AuditReport]], path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for label, r in rows:
-        x = r.eval_loss
-        ax.scatter([x], [100 * r.target.accuracy], marker="o", color="tab:red")
-        ax.annotate(label, (x, 100 * r.target.accuracy), fontsize=7)
-        if r.inversion is not None:
-            ax.scatter([x], [100 * r.inversion.exact], marker="s", color="tab:blue")
-            ax.annotate(label, (x, 100 * r.inversion.exact), fontsize=7, color="tab:blue")
-    ax.scatter([], [], marker="o", color="tab:red", label="target recovery (last hop)")
-    ax.scatter([], [], marker="s", color="tab:blue", label="input exact-token (first hop)")
-    ax.set_xlabel("Eq. 8 validation loss")
-    ax.set_ylabel("attack success (%)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    label_rows = [(k, r) for k, r in rows if r.privacy["input_noise"] == 0 and r.order == "cyclic"]
+    input_rows = [(k, r) for k, r in rows if r.privacy["label_noise"] == 0]
+    for k, r in label_rows:
+        left.scatter([r.eval_loss], [100 * r.target.accuracy], color="tab:red")
+        left.scatter([r.eval_loss], [100 * r.target.model_accuracy], color="grey", marker="x")
+        left.annotate(k, (r.eval_loss, 100 * r.target.accuracy), fontsize=7)
+    left.scatter([], [], color="tab:red", label="target recovery (last hop)")
+    left.scatter([], [], color="grey", marker="x", label="the head alone (no gradient)")
+    left.set_title("label defence (cyclic)")
+    for k, r in input_rows:
+        if r.inversion is None:
+            continue
+        marker = "s" if r.order == "cyclic" else "^"
+        right.scatter([r.eval_loss], [100 * r.inversion.exact], color="tab:blue", marker=marker)
+        right.annotate(k, (r.eval_loss, 100 * r.inversion.exact), fontsize=7)
+    right.scatter([], [], color="tab:blue", marker="s", label="first-hop exact token, cyclic")
+    right.scatter([], [], color="tab:blue", marker="^", label="first-hop exact token, ordered")
+    right.set_title("input defence")
+    for ax in (left, right):
+        ax.set_xlabel("Eq. 8 validation loss")
+        ax.set_ylabel("attack success (%)")
+        ax.set_ylim(-2, 102)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
