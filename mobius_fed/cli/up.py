@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mobius_fed.cli.common import CliError, GracefulStop, Terminated, add_resume_flag, console
+from mobius_fed.cli.common import (
+    CliError,
+    GracefulStop,
+    Terminated,
+    add_resume_flag,
+    console,
+    default_threads,
+)
 from mobius_fed.coordinator.endpoints import write_endpoints
 from mobius_fed.transport.tls import NodeTLS
 
@@ -239,7 +246,7 @@ class LocalFederation:
 
     def worker_cmd(self, i: int) -> list[str]:
         tls = self.bundle(f"worker-{i}")
-        threads = self.threads or max(1, (os.cpu_count() or 1) // self.train.P)
+        threads = self.threads or default_threads(self.train.P)
         return [
             sys.executable,
             "-m",
@@ -632,23 +639,6 @@ def linger_value(text: str) -> float:
     return value
 
 
-def _train_flag_api():
-    """(add_train_flags, config_from_args): cli.common's when it has them, else cli.main's."""
-    from mobius_fed.cli import common
-
-    if hasattr(common, "train_config_from_args") and hasattr(common, "add_train_flags"):
-        return common.add_train_flags, common.train_config_from_args
-    from mobius_fed.cli import main
-
-    def from_args(args: argparse.Namespace) -> TrainConfig:
-        from mobius_fed.config import load_train_config
-
-        keys = [v[0] for v in main.TRAIN_FLAGS.values()] + ["loops", "order", "tied"]
-        return load_train_config(args.config, main.train_overrides(args, keys))
-
-    return main.add_train_flags, from_args
-
-
 class _LazyTrainFlagsParser(argparse.ArgumentParser):
     """``up``'s parser: the training flags are generated from TrainConfig (which loads
     torch) on first use — parsing or help — not when ``mobius-fed`` builds its parser, so
@@ -659,7 +649,9 @@ class _LazyTrainFlagsParser(argparse.ArgumentParser):
     def _populate(self) -> None:
         if not self.populated:
             self.populated = True
-            _train_flag_api()[0](self)
+            from mobius_fed.cli.common import add_train_flags
+
+            add_train_flags(self)
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         self._populate()
@@ -672,9 +664,10 @@ class _LazyTrainFlagsParser(argparse.ArgumentParser):
 
 def up_main(args: argparse.Namespace) -> int:
     """``mobius-fed up``: build the train config from TOML/env/flags and run."""
+    from mobius_fed.cli.common import train_config_from_args
     from mobius_fed.cli.coordinator import parse_options
 
-    train = _train_flag_api()[1](args)
+    train = train_config_from_args(args)
     args.strategy_options = parse_options(args.strategy_option)
     return cmd_up(args, train)
 

@@ -135,7 +135,7 @@ class Coordinator:
         check_node_secrets(cfg.tls())
         self.cfg = cfg
         self.train = cfg.train
-        self.plan = RoundPlan.of(cfg.train, cfg.checkpoint_every)
+        self.plan = RoundPlan.of(cfg.train, cfg.checkpoint_round_interval())
         self.state = RunState(
             run_id=cfg.run_id,
             P=cfg.train.P,
