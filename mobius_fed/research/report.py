@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,10 +87,13 @@ def paper_table() -> str:
 
 def describe(train: dict[str, Any], *, coupled: bool = False) -> str:
     """One line naming what the runs share (preset, steps, batch, optimizer, knobs…)."""
+    from mobius_fed.config import TrainConfig
+
+    seq = TrainConfig.model_validate(train).model().seq_len
     parts = [
         f"preset {train['preset']}",
         f"{train['steps']} steps",
-        f"batch {train['batch_size']}×{train.get('seq_len') or 'preset seq'}",
+        f"batch {train['batch_size']}×{seq} tokens per origin",
         f"{train['optimizer']} (Muon lr {train['lr_muon']}, adjust {train['muon_adjust_lr']}; "
         f"AdamW lr {train['lr_adam']})",
         f"sync every {train['sync_every']}",
@@ -129,7 +133,7 @@ def plot_delta(table: Sequence[Row], path: Path, title: str) -> Path | None:
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.set_xlabel("L (passes)")
     ax.set_ylabel("Δ = Möbius − ordered (validation loss)")
-    ax.set_title(title, fontsize=8)
+    ax.set_title(textwrap.fill(title, 120), fontsize=7)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
