@@ -285,16 +285,19 @@ def _similarity(analyses: Sequence[Analysis], key: str, label: str, path: Path) 
     fig, axes = plt.subplots(
         len(analyses), P, figsize=(2.3 * P, 2.3 * len(analyses)), squeeze=False
     )
+    im = None
     for r, a in enumerate(analyses):
         for i in range(P):
             ax = axes[r][i]
             if i < a.P:
-                ax.imshow(getattr(a, key)[i], vmin=-1 if key == "cosine" else 0, vmax=1)
+                im = ax.imshow(getattr(a, key)[i], vmin=-1 if key == "cosine" else 0, vmax=1)
                 ax.set_title(f"{a.order}: F_{i} {label}", fontsize=7)
             ax.set_xlabel("depth t'", fontsize=6)
             ax.set_ylabel("depth t", fontsize=6)
             ax.tick_params(labelsize=5)
     fig.tight_layout()
+    if im is not None:
+        fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
