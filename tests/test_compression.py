@@ -47,6 +47,18 @@ def test_codec_is_deterministic_sized_and_close(name):
     assert codec.ratio(SHAPE) > 3.8
 
 
+def test_stochastic_rounding_is_seeded_and_unbiased():
+    codec = Codec("int2", stochastic=True)
+    assert codec.spec == "int2/g64/sr"
+    x = _x()[:1, :8]
+    a, b = codec.roundtrip(x, seed=3), codec.roundtrip(x, seed=3)
+    assert torch.equal(a, b), "the same seed must give the same tensor"
+    assert not torch.equal(a, codec.roundtrip(x, seed=4))
+    mean = torch.stack([codec.roundtrip(x, seed=k) for k in range(400)]).mean(0)
+    nearest = Codec("int2").roundtrip(x)
+    assert (mean - x).abs().mean() < 0.25 * (nearest - x).abs().mean()
+
+
 def test_ratios():
     shape = (8, 128, 96)  # a cpu-small micro-batch
     assert Codec("int8").ratio(shape) == pytest.approx(32 / 8.25)
@@ -144,7 +156,7 @@ RING = dict(preset="cpu-tiny", steps=2, batch_size=4, sync_every=0, eval_every=0
 PAIRS = [
     ("cyclic", 2, "int8", "fp8"),
     ("ordered", 3, "fp8e5m2", "int4"),
-    ("cyclic", 3, "int3", "int2"),
+    ("cyclic", 3, "int3", "int2/sr"),
     ("ordered", 2, "lowrank", "int3"),
 ]
 
@@ -154,7 +166,8 @@ class CodecRing(Ring):
 
     def config(self) -> TrainConfig:
         train = dict(self.train)
-        wire = {k[5:]: train.pop(k) for k in list(train) if k in ("wire_fwd", "wire_bwd")}
+        keys = ("wire_fwd", "wire_bwd", "wire_rounding")
+        wire = {k[5:]: train.pop(k) for k in list(train) if k in keys}
         return TrainConfig(workers=self.P, wire=wire, **train)
 
 
@@ -163,7 +176,11 @@ class CodecRing(Ring):
 def test_ring_equals_reference_with_codec(tmp_path: Path, order, P, fwd, bwd):
     """Every codec, both directions, relays included (ordered): the ring's losses equal
     the reference engine's exactly, and the wire carried the compressed payloads."""
+    stochastic = bwd.endswith("/sr")  # int2 gradients rounded stochastically
+    bwd = bwd.removesuffix("/sr")
     train = {**RING, "order": order, "wire_fwd": fwd, "wire_bwd": bwd}
+    if stochastic:
+        train["wire_rounding"] = "stochastic"
     ring = CodecRing(tmp_path, P, train).prepare()
     capture = tmp_path / "worker-1.frames"
     ring.start(extra={1: ["--capture-frames", str(capture)]}).wait()
@@ -174,4 +191,5 @@ def test_ring_equals_reference_with_codec(tmp_path: Path, order, P, fwd, bwd):
     ring_eval = ring.eval_losses()
     assert all(ring_eval[s] == v for s, v in enumerate(ref_eval))
     sent = capture.read_bytes()
-    assert Codec(fwd).spec.encode() in sent and Codec(bwd).spec.encode() in sent
+    specs = [Codec(name, stochastic=stochastic).spec for name in (fwd, bwd)]
+    assert all(spec.encode() in sent for spec in specs), specs

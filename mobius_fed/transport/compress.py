@@ -11,7 +11,8 @@ Codecs (fp32 = 32 bits per value; ratios are for cpu-small's 96-wide rows, group
 * ``int8`` — 8-bit codes with one bf16 scale per group of ``group`` values (3.9×).
 * ``fp8`` / ``fp8e5m2`` — ``torch.float8_e4m3fn`` / ``float8_e5m2`` codes, group-scaled
   into the format's range (3.9×).
-* ``int4`` / ``int3`` / ``int2`` — the rows are first rotated by an orthonormal block
+* ``int4`` / ``int3`` / ``int2`` — (optionally with stochastic rounding, unbiased; the
+  caller passes a seed) the rows are first rotated by an orthonormal block
   Hadamard transform (it spreads the residual stream's outlier channels over the
   block, as in QuaRot / TAH-Quant), then quantised to 2^b uniform mid-rise levels per
   group, bit-packed (7.5×, 9.8×, 14.2×).
@@ -90,6 +91,7 @@ class Codec:
     name: str
     group: int = 64
     rank: int = 8
+    stochastic: bool = False  # int* codes: unbiased stochastic rounding (seeded per call)
 
     def __post_init__(self) -> None:
         if self.name not in CODECS:
@@ -99,7 +101,8 @@ class Codec:
     def spec(self) -> str:
         if self.name == "lowrank":
             return f"lowrank/r{self.rank}"
-        return f"{self.name}/g{self.group}"
+        sr = "/sr" if self.stochastic and self.name in _BITS else ""
+        return f"{self.name}/g{self.group}{sr}"
 
     @property
     def lossless(self) -> bool:
@@ -128,8 +131,9 @@ class Codec:
         return 4 * math.prod(shape) / self.payload_bytes(shape)
 
     # ------------------------------------------------------------ encode/decode
-    def encode(self, t: Tensor) -> Tensor:
-        """The payload of ``t`` (flat ``uint8``, :meth:`payload_bytes` long)."""
+    def encode(self, t: Tensor, seed: int = 0) -> Tensor:
+        """The payload of ``t`` (flat ``uint8``, :meth:`payload_bytes` long). ``seed``
+        draws the stochastic rounding (the same seed gives the same payload)."""
         x = t.detach().to(device="cpu", dtype=torch.float32)
         if self.name == "lowrank":
             return self._encode_lowrank(x)
@@ -145,7 +149,12 @@ class Codec:
         levels = 1 << _BITS[self.name]
         half = (levels - 1) / 2
         scale = (absmax / half).to(torch.bfloat16).float()
-        q = torch.round(g / torch.where(scale > 0, scale, 1.0) + half).clamp(0, levels - 1)
+        v = g / torch.where(scale > 0, scale, 1.0) + half
+        if self.stochastic:  # floor(v + u), u ~ U[0, 1): unbiased
+            u = torch.rand(v.shape, generator=torch.Generator().manual_seed(seed))
+            q = torch.floor(v + u).clamp(0, levels - 1)
+        else:
+            q = torch.round(v).clamp(0, levels - 1)
         codes = q.to(torch.uint8).reshape(-1)
         codes = torch.nn.functional.pad(codes, (0, -codes.numel() % 8))
         return torch.cat([_bf16_bytes(scale), pack_bits(codes, _BITS[self.name])])
@@ -181,9 +190,9 @@ class Codec:
             raise CodecError(f"{self.spec} payload decodes to non-finite values")
         return out
 
-    def roundtrip(self, t: Tensor) -> Tensor:
+    def roundtrip(self, t: Tensor, seed: int = 0) -> Tensor:
         """What the receiver of ``t`` gets: ``decode(encode(t))``."""
-        return self.decode(self.encode(t), tuple(t.shape)).to(device=t.device, dtype=t.dtype)
+        return self.decode(self.encode(t, seed), tuple(t.shape)).to(device=t.device, dtype=t.dtype)
 
     # --------------------------------------------------------------- helpers
     def _rotated(self) -> bool:

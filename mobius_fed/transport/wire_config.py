@@ -25,6 +25,11 @@ class WireConfig(BaseModel):
         64, ge=8, le=4096, description="values per scale of int*/fp8 codecs (a multiple of 8)"
     )
     rank: int = Field(8, ge=1, le=1024, description="rank of the lowrank codec")
+    rounding: Literal["nearest", "stochastic"] = Field(
+        "nearest",
+        description="int* codecs: round to nearest, or stochastically (unbiased; drawn from "
+        "a seed per hop, so the ring and the reference draw alike)",
+    )
 
     @field_validator("group")
     @classmethod
@@ -35,8 +40,9 @@ class WireConfig(BaseModel):
 
     @classmethod
     def parse_flag(cls, text: str) -> dict[str, Any]:
-        """``--wire fwd=int8,bwd=fp8`` (also ``group=…``, ``rank=…``; ``both=…`` sets fwd
-        and bwd): the fields given, validated; ValueError names the bad item."""
+        """``--wire fwd=int8,bwd=fp8`` (also ``group=…``, ``rank=…``, ``rounding=…``;
+        ``both=…`` sets fwd and bwd): the fields given, validated; ValueError names the
+        bad item."""
         values: dict[str, object] = {}
         for item in filter(None, (p.strip() for p in text.split(","))):
             key, eq, value = item.partition("=")

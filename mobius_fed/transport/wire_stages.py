@@ -11,6 +11,7 @@ bit for bit.
 from __future__ import annotations
 
 import threading
+import zlib
 from typing import TYPE_CHECKING
 
 from torch import Tensor
@@ -25,26 +26,38 @@ if TYPE_CHECKING:
 def codecs(cfg: TrainConfig) -> tuple[Codec, Codec]:
     """The (forward, backward) codecs of ``cfg``."""
     w = cfg.wire
-    return Codec(w.fwd, w.group, w.rank), Codec(w.bwd, w.group, w.rank)
+    sr = w.rounding == "stochastic"
+    return Codec(w.fwd, w.group, w.rank, sr), Codec(w.bwd, w.group, w.rank, sr)
+
+
+def hop_seed(seed: int, ctx: HopContext) -> int:
+    """The stochastic-rounding seed of one hop: a pure function of run seed and hop."""
+    key = f"{seed}|{ctx.phase}|{ctx.direction}|{ctx.step}|{ctx.s}|{ctx.slot}|{ctx.m}"
+    return zlib.crc32(key.encode())
 
 
 class CodecStage:
     """decode(encode(·)) of the direction's codec on remote hops."""
 
-    def __init__(self, fwd: Codec, bwd: Codec, keep_payloads: bool) -> None:
-        self.fwd, self.bwd, self.keep = fwd, bwd, keep_payloads
+    def __init__(self, fwd: Codec, bwd: Codec, keep_payloads: bool, seed: int = 0) -> None:
+        self.fwd, self.bwd, self.keep, self.seed = fwd, bwd, keep_payloads, seed
         self._payloads: dict[HopContext, tuple[Tensor, Tensor]] = {}
         self._lock = threading.Lock()
 
     def _apply(self, codec: Codec, x: Tensor, ctx: HopContext) -> Tensor:
         if codec.lossless or not ctx.remote:
             return x
-        payload = codec.encode(x)
+        payload = self.encode(ctx, x)
         out = codec.decode(payload, tuple(x.shape)).to(device=x.device, dtype=x.dtype)
         if self.keep:
             with self._lock:
                 self._payloads[ctx] = (out, payload)
         return out
+
+    def encode(self, ctx: HopContext, x: Tensor) -> Tensor:
+        """The payload of ``x`` at hop ``ctx`` (its direction's codec, its seed)."""
+        codec = self.fwd if ctx.direction == "forward" else self.bwd
+        return codec.encode(x, hop_seed(self.seed, ctx))
 
     def forward(self, h: Tensor, ctx: HopContext) -> Tensor:
         return self._apply(self.fwd, h, ctx)
@@ -73,4 +86,4 @@ def build_stages(cfg: TrainConfig, engine: Engine, rank: int | None) -> list[Hop
     fwd, bwd = codecs(cfg)
     if fwd.lossless and bwd.lossless:
         return []
-    return [CodecStage(fwd, bwd, keep_payloads=engine == "ring")]
+    return [CodecStage(fwd, bwd, keep_payloads=engine == "ring", seed=cfg.seed)]

@@ -76,12 +76,14 @@ class RingExecutor:
         if codec.lossless:
             self.links.send_tensor(key, tensor)
             return
-        payload = self._codec_stage.take_payload(ctx, tensor) if self._codec_stage else None
+        stage = self._codec_stage
+        assert stage is not None, "a lossy codec always has its hop stage"
+        payload = stage.take_payload(ctx, tensor)
         if payload is None:  # a stage after the codec changed the tensor: encode it anew
             if not self._warned_reencode:
                 log.warning("a hop stage runs after the wire codec: the ring re-encodes")
                 self._warned_reencode = True
-            payload = codec.encode(tensor)
+            payload = stage.encode(ctx, tensor)
         self.links.send_packed(key, payload, codec)
 
     def _take(self, key: FrameKey) -> Tensor:
