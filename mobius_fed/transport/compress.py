@@ -11,11 +11,11 @@ Codecs (fp32 = 32 bits per value; ratios are for cpu-small's 96-wide rows, group
 * ``int8`` — 8-bit codes with one bf16 scale per group of ``group`` values (3.9×).
 * ``fp8`` / ``fp8e5m2`` — ``torch.float8_e4m3fn`` / ``float8_e5m2`` codes, group-scaled
   into the format's range (3.9×).
-* ``int4`` / ``int3`` / ``int2`` — (optionally with stochastic rounding, unbiased; the
-  caller passes a seed) the rows are first rotated by an orthonormal block
+* ``int6`` / ``int5`` / ``int4`` / ``int3`` / ``int2`` — (optionally with unbiased
+  stochastic rounding; the caller passes a seed) the rows are first rotated by an orthonormal block
   Hadamard transform (it spreads the residual stream's outlier channels over the
   block, as in QuaRot / TAH-Quant), then quantised to 2^b uniform mid-rise levels per
-  group, bit-packed (7.5×, 9.8×, 14.2×).
+  group, bit-packed (5.1×, 6.1×, 7.5×, 9.8×, 14.2×).
 * ``lowrank`` — a rank-``rank`` factorisation of each (tokens × width) matrix by one
   subspace (power) iteration from a fixed random start, as in PowerSGD (Vogels et al.,
   NeurIPS 2019), factors in bf16 (ratio 2·N·d / (r·(N+d)): 18.7× at rank 5 for
@@ -31,9 +31,9 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-CODECS = ("none", "int8", "fp8", "fp8e5m2", "int4", "int3", "int2", "lowrank")
+CODECS = ("none", "int8", "fp8", "fp8e5m2", "int6", "int5", "int4", "int3", "int2", "lowrank")
 _FP8 = {"fp8": (torch.float8_e4m3fn, 448.0), "fp8e5m2": (torch.float8_e5m2, 57344.0)}
-_BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
+_BITS = {"int8": 8, "int6": 6, "int5": 5, "int4": 4, "int3": 3, "int2": 2}
 HADAMARD_MAX = 128
 
 
@@ -196,7 +196,7 @@ class Codec:
 
     # --------------------------------------------------------------- helpers
     def _rotated(self) -> bool:
-        return self.name in ("int4", "int3", "int2")
+        return self.name in _BITS and self.name != "int8"
 
     def _rotate(self, x: Tensor) -> Tensor:
         if not self._rotated():

@@ -6,7 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-CodecName = Literal["none", "int8", "fp8", "fp8e5m2", "int4", "int3", "int2", "lowrank"]
+CodecName = Literal[
+    "none", "int8", "fp8", "fp8e5m2", "int6", "int5", "int4", "int3", "int2", "lowrank"
+]
 
 
 class WireConfig(BaseModel):
