@@ -60,6 +60,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="key noise by the public seed instead of fresh site secrets in OUT/keys "
         "(shows that the attacker then subtracts it)",
     )
+    p.add_argument(
+        "--write-keys",
+        type=Path,
+        metavar="DIR",
+        help="only write one fresh noise key per site (DIR/site-<s>.key, for "
+        "--privacy-noise-key-dir; give each site only its own file) and exit",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=lambda args: run_guarded(cmd_audit, args))
 
@@ -71,6 +78,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from mobius_fed.privacy.sweep import select, sweep, write_outputs
 
     cfg = train_config_from_args(args)
+    if args.write_keys is not None:
+        if any(args.write_keys.glob("site-*.key")):
+            raise CliError(f"{args.write_keys} already holds site keys; not overwriting them")
+        for path in write_site_keys(args.write_keys, cfg.P):
+            console.print(f"wrote {path}")
+        return 0
     apply_threads(args)
     if args.inverter_steps < 1:
         raise CliError(f"--inverter-steps must be >= 1 (got {args.inverter_steps})")
