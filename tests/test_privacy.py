@@ -16,7 +16,7 @@ from mobius_fed.engine.hops import HopContext
 from mobius_fed.privacy.accounting import PrivacyExtraMissing, epsilon_spent
 from mobius_fed.privacy.audit import Audit
 from mobius_fed.privacy.report import status_block
-from mobius_fed.privacy.stages import NoiseKeys, label_release, write_site_keys
+from mobius_fed.privacy.stages import NoiseKeys, build_stages, label_release, write_site_keys
 
 P = 4
 BASE = dict(preset="cpu-tiny", workers=P, steps=3, batch_size=4, eval_every=0)
@@ -89,6 +89,8 @@ def test_missing_key_file_and_bad_settings_are_named(tmp_path):
     ctx = HopContext("train", "backward", 0, 0, P, 0, 3, 0)
     with pytest.raises(FileNotFoundError, match=r"site-0\.key"):
         NoiseKeys(cfg, "reference", None).generator(ctx)
+    with pytest.raises(FileNotFoundError, match=r"site-2\.key"):
+        build_stages(cfg, "ring", 2)
     with pytest.raises(ValidationError, match=r"privacy\.label_noise"):
         TrainConfig(privacy={"label_noise": -1})
     with pytest.raises(ValidationError, match=r"privacy\.input_nois"):

@@ -155,6 +155,8 @@ def build_stages(cfg: TrainConfig, engine: Engine, rank: int | None) -> list[Hop
     """The defence stages ``cfg`` turns on, in hop order (none by default)."""
     pc = cfg.privacy
     keys = NoiseKeys(cfg, engine, rank)
+    if pc.any_on() and engine == "ring" and rank is not None:
+        keys.key(rank)  # a missing or short key file fails at start, not mid-step
     stages: list[HopStage] = []
     if pc.input_noise > 0:
         stages.append(InputNoise(cfg, keys))
