@@ -45,11 +45,6 @@ class Observer:
         hops.stages.insert(0, _BackwardTap(self))
         hops.stages.append(_ForwardTap(self))
 
-    def forget(self, phase: str) -> None:
-        for store in (self.received, self.sent):
-            for k in [k for k in store if k[0] == phase]:
-                del store[k]
-
 
 class _ForwardTap:
     def __init__(self, obs: Observer) -> None:
