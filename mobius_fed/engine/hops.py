@@ -83,7 +83,9 @@ class Hops:
         return h
 
     def backward(self, g: Tensor, ctx: HopContext) -> Tensor:
-        for stage in reversed(self.stages):
+        # The sender of a gradient applies its defences first, then encodes it: same order
+        # as forward, since each direction's stages run at its own sender.
+        for stage in self.stages:
             g = stage.backward(g, ctx)
         return g
 
