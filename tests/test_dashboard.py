@@ -116,6 +116,8 @@ def test_metrics_and_history_on_disk(fed: LocalFederation) -> None:
     for r in rows:
         assert r["losses"] == [by_step[r["step"] - 1]]  # exactly what status reported
         assert set(r["workers"]) == {"0", "1"} and r["workers"]["0"]["train_s"] > 0
+        for w in r["workers"].values():  # what each worker reported of its round
+            assert w["bytes_sent"] > 0 and 0 <= w["wait_s"] <= w["train_s"]
     evals = {e["step"]: e["loss"] for e in hist["evals"]}
     assert {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r} == evals
     history = json.loads((out / "history.json").read_text())

@@ -175,11 +175,14 @@ def make_client_app(
             )
         load_replica(executor, msg.content[ARRAYS])
         state("training")
-        losses, seconds = [], 0.0
+        losses, seconds, wait_s, compute_s = [], 0.0, 0.0, 0.0
+        sent_before = executor.links.bytes_sent if executor.links is not None else 0
         for _ in range(start, end):
             r = executor.train_step()
             losses.append(r.loss)
             seconds += r.seconds
+            wait_s += r.wait_s
+            compute_s += r.compute_s
             if on_step:
                 on_step(r)
         t0 = time.perf_counter()  # the barrier snapshot's cost on the critical path
@@ -198,6 +201,10 @@ def make_client_app(
                         "losses": losses,
                         "train-seconds": seconds,
                         "snapshot-seconds": snapshot_s,
+                        "wait-seconds": wait_s,
+                        "compute-seconds": compute_s,
+                        "bytes-sent": (executor.links.bytes_sent if executor.links else 0)
+                        - sent_before,
                     }
                 ),
             }
