@@ -59,7 +59,7 @@ from mobius_fed.transport.codec import (
     parse_frame,
 )
 from mobius_fed.transport.compress import Codec
-from mobius_fed.transport.link_tuning import MAX_CHUNK, LinkTuning
+from mobius_fed.transport.link_tuning import LinkTuning
 from mobius_fed.transport.tls import (
     NodeTLS,
     add_port,
@@ -468,8 +468,9 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         self.rules, self.rank, self.P = rules, rules.rank, rules.P
         self.chunk_bytes = chunk_bytes
         self.max_message = max_message_bytes(chunk_bytes)
-        # a peer may be tuned to larger pieces (up to MAX_CHUNK): accept those
-        self.max_receive = max_message_bytes(max(chunk_bytes, MAX_CHUNK))
+        # A message larger than one of our pieces is refused (RESOURCE_EXHAUSTED): every
+        # worker of a ring must use the same piece size (MOBIUS_LINK_CHUNK).
+        self.max_receive = self.max_message
         self.listen, self.successor_addr = listen, successor
         self.tls, self.insecure, self.peer_timeout = tls, insecure, peer_timeout
         self.link_grace = link_grace
