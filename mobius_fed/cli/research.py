@@ -80,7 +80,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     results = [r for c in cells if (r := read_result(c.directory)) is not None]
     if not results:
         raise CliError(f"no finished cells under {out / 'cells'}")
-    report = write_report(results, out, command=shlex.join(["mobius-fed", *sys.argv[1:]]))
+    argv = [a for a in sys.argv[1:] if a != "--report-only"]
+    report = write_report(results, out, command=shlex.join(["mobius-fed", *argv]))
     print((out / "table.md").read_text())
     print(f"report: {report}")
     return 0 if len(results) == len(cells) else 1
