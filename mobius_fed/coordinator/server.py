@@ -803,8 +803,8 @@ class Coordinator:
             write_bytes_atomic(
                 out / HISTORY_FILE, json.dumps(json_safe(doc), allow_nan=False).encode()
             )
-        except OSError as exc:  # metrics on disk never end a run
-            log.error("cannot write %s: %s", out / METRICS_FILE, exc)
+        except (OSError, CheckpointError) as exc:  # metrics on disk never end a run
+            log.error("cannot write the run's metrics in %s: %s", out, exc)
 
     # ---------------------------------------------------------- checkpoints
     def _write_checkpoint(
