@@ -125,6 +125,8 @@ class TrainConfig(BaseModel):
             tied=self.tied,
             seq_len=self.seq_len,
             n_layer=self.n_layer,
+            loops=self.loops,
+            knobs=self.knobs,
         )
 
     @property
