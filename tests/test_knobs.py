@@ -17,24 +17,6 @@ from tests.ring_harness import Ring
 
 P = 2
 KNOBS = LoopKnobs(depth_embedding=True, residual_scale="inverse_loops")
-WIRED = TrainConfig(knobs=KNOBS).model().depth_embedding  # does TrainConfig.model() pass knobs?
-
-
-class KnobbedConfig(TrainConfig):
-    """TrainConfig whose model() carries L and the knobs (what config.py should do)."""
-
-    def model(self) -> ModelConfig:
-        return (
-            super()
-            .model()
-            .model_copy(
-                update={
-                    "loops": self.loops,
-                    "depth_embedding": self.knobs.depth_embedding,
-                    "residual_scale": self.knobs.residual_scale,
-                }
-            )
-        )
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -52,7 +34,7 @@ def site_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 
 def _mc(**kw) -> ModelConfig:
-    return KnobbedConfig(preset="cpu-tiny", workers=P, **kw).model()
+    return TrainConfig(preset="cpu-tiny", workers=P, **kw).model()
 
 
 def test_knobs_are_off_by_default() -> None:
@@ -83,7 +65,7 @@ def test_depth_embedding_is_owned_per_application(site_dirs: list[Path]) -> None
         group(torch.zeros(1, 4, 32), 4)
     rows = {}
     for order in ("cyclic", "ordered"):
-        cfg = KnobbedConfig(
+        cfg = TrainConfig(
             preset="cpu-tiny", workers=P, loops=2, order=order, steps=3, batch_size=2,
             knobs=LoopKnobs(depth_embedding=True),
         )  # fmt: skip
@@ -104,14 +86,13 @@ def test_depth_embedding_is_owned_per_application(site_dirs: list[Path]) -> None
 
 
 class KnobbedRing(Ring):
+    """The harness's ring, whose reference engine runs with the knobs on."""
+
     def config(self) -> TrainConfig:
-        return KnobbedConfig(workers=self.P, knobs=KNOBS, **self.train)
+        return TrainConfig(workers=self.P, knobs=KNOBS, **self.train)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not WIRED, reason="TrainConfig.model() does not pass loops/knobs to make_model_config yet"
-)
 @pytest.mark.parametrize("order", ["cyclic", "ordered"])
 def test_ring_equals_reference_with_knobs_on(tmp_path: Path, order: str) -> None:
     """Real workers over mTLS gRPC with every loop knob on equal the reference, bit for bit."""
@@ -119,6 +100,7 @@ def test_ring_equals_reference_with_knobs_on(tmp_path: Path, order: str) -> None
     train |= dict(sync_every=0, eval_every=0, optimizer="muon")
     flags = ["--knobs-depth-embedding", "--knobs-residual-scale", "inverse_loops"]
     ring = KnobbedRing(tmp_path, P, train).prepare()
+    assert ring.config().model().depth_embedding  # the knobs reach the groups
     ring.start(extra={i: flags for i in range(P)}).wait()
     ref, ref_eval = ring.reference()
     got = ring.losses()
