@@ -2,8 +2,8 @@
 
 The reference engine hands on exactly the tensors a ring exchanges (the exactness
 contract), so taps added to its :class:`~mobius_fed.engine.hops.Hops` record what worker
-``rank`` receives: the forward tap runs after every other stage (the tensor as it arrives),
-the backward tap runs last on the way back (the gradient as it arrives).
+``rank`` receives: both taps run after every other stage (a hop's stages run in the same
+order in both directions), so they see the tensor and the gradient as they arrive.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ class Observer:
         return (ctx.phase, ctx.step, ctx.s, ctx.slot, ctx.m)
 
     def attach(self, hops: Hops) -> None:
-        """Install the taps: forward after every stage, backward after every stage."""
-        hops.stages.insert(0, _BackwardTap(self))
+        """Install the taps after every stage (defences and codecs run first)."""
+        hops.stages.append(_BackwardTap(self))
         hops.stages.append(_ForwardTap(self))
 
 
