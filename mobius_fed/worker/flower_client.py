@@ -164,6 +164,11 @@ def make_client_app(
         if on_state:
             on_state(s)
 
+    def bytes_sent_since(links, links_before, sent_before: int) -> int:
+        if links is None:
+            return 0
+        return max(0, links.bytes_sent - (sent_before if links is links_before else 0))
+
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         conf = msg.content[CONFIG]
@@ -176,7 +181,8 @@ def make_client_app(
         load_replica(executor, msg.content[ARRAYS])
         state("training")
         losses, seconds, wait_s, compute_s = [], 0.0, 0.0, 0.0
-        sent_before = executor.links.bytes_sent if executor.links is not None else 0
+        links_before = executor.links  # a new ring incarnation brings new links (counted from 0)
+        sent_before = links_before.bytes_sent if links_before is not None else 0
         for _ in range(start, end):
             r = executor.train_step()
             losses.append(r.loss)
@@ -203,8 +209,7 @@ def make_client_app(
                         "snapshot-seconds": snapshot_s,
                         "wait-seconds": wait_s,
                         "compute-seconds": compute_s,
-                        "bytes-sent": (executor.links.bytes_sent if executor.links else 0)
-                        - sent_before,
+                        "bytes-sent": bytes_sent_since(executor.links, links_before, sent_before),
                     }
                 ),
             }
