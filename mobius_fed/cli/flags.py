@@ -178,3 +178,8 @@ def _compact(model: type[BaseModel], path: tuple[str, ...], text: str) -> dict[s
             cls = submodel(cls.model_fields[part].annotation)
         _compact_cache[key] = dict(cls.parse_flag(text))
     return _compact_cache[key]
+
+
+def daemon_flags(settings: Iterable[Setting]) -> dict[str, tuple[str, type]]:
+    """``{flag: (setting dest, value type)}`` of a daemon's own (non-training) settings."""
+    return {x.flag: (x.dest, value_type(x) or str) for x in settings if x.path[0] != "train"}

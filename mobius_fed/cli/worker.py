@@ -26,10 +26,10 @@ environment variables, then flags; every flag below names its variable."""
 
 def own_flags() -> dict[str, tuple[str, type]]:
     """``{flag: (setting dest, value type)}`` of this daemon's own (non-training) settings."""
-    from mobius_fed.cli.flags import value_type
+    from mobius_fed.cli.flags import daemon_flags
     from mobius_fed.worker.config import SETTINGS
 
-    return {s.flag: (s.dest, value_type(s) or str) for s in SETTINGS if s.path[0] != "train"}
+    return daemon_flags(SETTINGS)
 
 
 def __getattr__(name: str):  # FLAGS, built on first use (it loads the config models)

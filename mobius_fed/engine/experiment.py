@@ -12,6 +12,7 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine
 from mobius_fed.engine.trainer import train
+from mobius_fed.plotting import save_figure
 from mobius_fed.research.stats import ci95, mean, std
 from mobius_fed.schedule import Order
 
@@ -183,9 +184,4 @@ def plot_curves(arms: Sequence[Arm], path: Path, cfg: TrainConfig | None = None)
     ax.set_ylabel("validation loss (Eq. 8)")
     if cfg is not None:
         ax.set_title(title_of(cfg), fontsize=7)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, ax)

@@ -10,6 +10,7 @@ from typing import Any
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
+from mobius_fed.plotting import save_figure
 from mobius_fed.privacy.audit import Audit, AuditReport, InputAttack, TargetAttack
 
 # (label, order, privacy overrides); noise_key_dir is filled in by the caller. In ordered
@@ -160,12 +161,7 @@ def plot(rows: Sequence[tuple[str, AuditReport]], path: Path) -> Path | None:
         ax.set_xlabel("Eq. 8 validation loss")
         ax.set_ylabel("attack success (%)")
         ax.set_ylim(-2, 102)
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, left, right)
 
 
 def report_from_dict(d: dict[str, Any]) -> AuditReport:

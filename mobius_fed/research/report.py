@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mobius_fed.plotting import save_figure
 from mobius_fed.research.stats import ci95, mean, std
 
 # The paper's Table 1 (124M, 2.5B FineWeb tokens, P = 4, one seed): Δ = Möbius − ordered.
@@ -134,12 +135,7 @@ def plot_delta(table: Sequence[Row], path: Path, title: str) -> Path | None:
     ax.set_xlabel("L (passes)")
     ax.set_ylabel("Δ = Möbius − ordered (validation loss)")
     ax.set_title(textwrap.fill(title, 120), fontsize=7)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, ax)
 
 
 def write_report(results: Sequence[dict[str, Any]], out: Path, *, command: str = "") -> Path:
