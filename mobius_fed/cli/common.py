@@ -459,3 +459,13 @@ def resolve_sites(cfg: TrainConfig, data: Sequence[Path] | None, out: Path) -> l
         if site.max_token() >= vocab:
             raise CliError(f"{site.directory}: token id {site.max_token()} ≥ vocab {vocab}")
     return sites
+
+
+def run_endpoints(run: Path | None):  # -> Endpoints | None (torch-free import)
+    """The endpoints of ``--run DIR`` (or ``./runs/up``); a bad file is a CliError naming it."""
+    from mobius_fed.coordinator.endpoints import EndpointsError, find_endpoints
+
+    try:
+        return find_endpoints(run)
+    except EndpointsError as exc:
+        raise CliError(str(exc)) from None

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from mobius_fed.cli.common import CliError, console
+from mobius_fed.cli.common import CliError, console, run_endpoints
 
 LOCAL_NAMES = ("127.0.0.1", "localhost", "[::1]")
 HOP_HEADERS = ("content-type", "cache-control", "etag", "last-modified")
@@ -105,15 +105,11 @@ class DashboardProxy:
 def resolve_upstream(args: argparse.Namespace) -> tuple[str, Any]:
     """``(REST URL, operator NodeTLS | None)`` from --url/--certs, else from --run."""
     from mobius_fed.cli.status import operator_tls
-    from mobius_fed.coordinator.endpoints import EndpointsError, find_endpoints
 
     url, certs = args.url, args.certs
     ep = None
     if args.run is not None or url is None:
-        try:
-            ep = find_endpoints(args.run)
-        except EndpointsError as exc:
-            raise CliError(str(exc)) from None
+        ep = run_endpoints(args.run)
         if ep is None:
             raise CliError(
                 "no --url and no ./runs/up/endpoints.json: pass --run DIR of a "

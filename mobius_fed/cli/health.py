@@ -9,23 +9,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mobius_fed.cli.common import CliError
+from mobius_fed.cli.common import CliError, run_endpoints
 
 DEFAULT_CERTS = Path("certs")
 
 
 def _target(args: argparse.Namespace):
     """``(address, NodeTLS | None, server name)`` from the flags, else from endpoints.json."""
-    from mobius_fed.coordinator.endpoints import EndpointsError, find_endpoints
     from mobius_fed.transport.tls import NodeTLS
 
     address, server_name = args.address, args.server_name
     ca, cert, key = args.ca, args.cert, args.key
     if address is None or args.run is not None:
-        try:
-            ep = find_endpoints(args.run)
-        except EndpointsError as exc:
-            raise CliError(str(exc)) from None
+        ep = run_endpoints(args.run)
         if ep is None:
             raise CliError(
                 "no address given and no ./runs/up/endpoints.json: pass HOST:PORT "

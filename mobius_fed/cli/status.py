@@ -22,8 +22,7 @@ from urllib.parse import urlsplit
 from rich.console import Console
 from rich.table import Table
 
-from mobius_fed.cli.common import CliError
-from mobius_fed.coordinator.endpoints import EndpointsError, find_endpoints
+from mobius_fed.cli.common import CliError, run_endpoints
 from mobius_fed.transport.tls import NodeTLS
 
 DEFAULT_COORDINATOR = "127.0.0.1:7300"
@@ -85,10 +84,7 @@ def status_main(args: argparse.Namespace) -> int:
     run = getattr(args, "run", None)
     ep = None
     if run is not None or not (rest or addr):
-        try:
-            ep = find_endpoints(run)
-        except EndpointsError as exc:
-            raise CliError(str(exc)) from None
+        ep = run_endpoints(run)
         if ep is not None and not (rest or addr) and ep.alive() is False:
             where = f"; its metrics and history are in {ep.out_dir}" if ep.out_dir else ""
             raise CliError(

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -1145,6 +1146,13 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
 
     def send_tensor(self, key: FrameKey, tensor: torch.Tensor) -> None:
         """Encode ``tensor`` (in the run's wire dtype) as the frame(s) ``key`` and send them."""
+        self._send_frames(key, tensor, wire=self.rules.cfg.wire_dtype)
+
+    def send_packed(self, key: FrameKey, payload: torch.Tensor, codec: Codec) -> None:
+        """Send a lossy codec's ``payload`` of a full-size tensor as the frame(s) ``key``."""
+        self._send_frames(key, payload, packed=(codec.spec, self.rules.shape))
+
+    def _send_frames(self, key: FrameKey, tensor: torch.Tensor, **encoding: Any) -> None:
         out = self._outgoing(key.direction)
         for data in encode_frames(
             run_id=self.rules.run_id,
@@ -1155,27 +1163,10 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             direction=key.direction,
             phase=key.phase,
             tensor=tensor,
-            wire=self.rules.cfg.wire_dtype,
             chunk_bytes=self.chunk_bytes,
+            **encoding,
         ):
             out.put(data)  # gRPC sends piece k while piece k+1 is built
-
-    def send_packed(self, key: FrameKey, payload: torch.Tensor, codec: Codec) -> None:
-        """Send a lossy codec's ``payload`` of a full-size tensor as the frame(s) ``key``."""
-        out = self._outgoing(key.direction)
-        for data in encode_frames(
-            run_id=self.rules.run_id,
-            step=key.step,
-            origin=key.origin,
-            tick=key.tick,
-            micro=key.micro,
-            direction=key.direction,
-            phase=key.phase,
-            tensor=payload,
-            chunk_bytes=self.chunk_bytes,
-            packed=(codec.spec, self.rules.shape),
-        ):
-            out.put(data)
 
     def send(self, frame: ring_pb2.Frame) -> None:
         """Send a ready-made frame message (serialized here) in its direction."""
