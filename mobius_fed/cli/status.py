@@ -10,7 +10,6 @@ Without ``--coordinator``/``--rest`` it finds the coordinator of ``--run DIR`` (
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import math
 import ssl
@@ -23,11 +22,10 @@ from rich.console import Console
 from rich.table import Table
 
 from mobius_fed.cli.common import CliError, run_endpoints
+from mobius_fed.coordinator.rest_client import COORDINATOR_NAME
 from mobius_fed.transport.tls import NodeTLS
 
 DEFAULT_COORDINATOR = "127.0.0.1:7300"
-COORDINATOR_NAME = "coordinator"
-"""Name checked against the coordinator certificate's DNS SANs (gRPC and REST alike)."""
 
 
 def register(subparsers: Any) -> None:
@@ -156,18 +154,11 @@ def fetch_grpc_status(addr: str, certs: Path, timeout: float) -> dict[str, Any]:
         raise CliError(f"coordinator at {addr} sent an unreadable status document: {exc}") from None
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def fetch_rest_status(url: str, certs: Path, timeout: float) -> dict[str, Any]:
     """``GET /v1/status`` over mutual TLS (operator cert), or plain local-mode HTTP."""
     import httpx
+
+    from mobius_fed.coordinator.rest_client import RestClientError, is_loopback, operator_context
 
     parts = urlsplit(url if "://" in url else f"https://{url}")
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -176,21 +167,17 @@ def fetch_rest_status(url: str, certs: Path, timeout: float) -> dict[str, Any]:
     target = base if base.endswith("/v1/status") else f"{base}/v1/status"
     extensions: dict[str, Any] = {}
     if parts.scheme == "http":
-        if not _is_loopback(parts.hostname):
+        if not is_loopback(parts.hostname):
             raise CliError(
                 f"--rest {url}: plain http is only for a local-mode coordinator on "
                 "127.0.0.1/localhost; use https:// (mutual TLS) for anything else"
             )
         verify: ssl.SSLContext | bool = False
     else:
-        tls = operator_tls(certs)
         try:
-            ctx = ssl.create_default_context(cafile=str(tls.ca))
-            ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-            ctx.load_cert_chain(str(tls.cert), str(tls.key))
-        except (ssl.SSLError, OSError) as exc:
-            raise CliError(f"cannot load operator TLS material from {certs}: {exc}") from None
-        verify = ctx
+            verify = operator_context(operator_tls(certs))
+        except RestClientError as exc:
+            raise CliError(str(exc)) from None
         # Verify the server as "coordinator" whatever name or IP we dialled (as gRPC does).
         extensions["sni_hostname"] = COORDINATOR_NAME
     try:
