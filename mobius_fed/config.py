@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from mobius_fed.model.config import PRESETS, ModelConfig, make_model_config
+from mobius_fed.model.config import PRESETS, ModelConfig, Precision, make_model_config
 from mobius_fed.model.knobs import LoopKnobs
 from mobius_fed.privacy.config import PrivacyConfig
 from mobius_fed.schedule import ORDERS, Order
@@ -80,6 +80,10 @@ class TrainConfig(BaseModel):
     device: Literal["cpu", "cuda", "auto"] = Field(
         "cpu", description="where blocks run; auto = cuda when available"
     )
+    precision: Precision = Field(
+        "bf16",
+        description="block arithmetic on CUDA: bf16 autocast or fp32 (CPU always runs fp32)",
+    )
     wire: WireConfig = Field(default_factory=WireConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     knobs: LoopKnobs = Field(default_factory=LoopKnobs)
@@ -127,6 +131,7 @@ class TrainConfig(BaseModel):
             n_layer=self.n_layer,
             loops=self.loops,
             knobs=self.knobs,
+            precision=self.precision,
         )
 
     @property
@@ -154,7 +159,7 @@ class TrainConfig(BaseModel):
     def training_math(self) -> dict[str, Any]:
         """The fields that change the trained weights (not run length or evaluation)."""
         return self.model_dump(
-            mode="json", exclude={"steps", "eval_every", "eval_batches", "device"}
+            mode="json", exclude={"steps", "eval_every", "eval_batches", "device", "precision"}
         )
 
     def fingerprint(self) -> str:

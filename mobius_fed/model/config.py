@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mobius_fed.model.knobs import LoopKnobs, ResidualScale
+
+
+Precision = Literal["bf16", "fp32"]
+"""Block arithmetic on CUDA: bf16 autocast (residual stream fp32) or fp32 throughout."""
 
 
 class ModelConfig(BaseModel):
@@ -25,6 +31,7 @@ class ModelConfig(BaseModel):
     loops: int = Field(1, ge=1, description="L: passes, so K = L·P applications per path")
     depth_embedding: bool = False
     residual_scale: ResidualScale = "off"
+    precision: Precision = "bf16"
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -74,6 +81,7 @@ def make_model_config(
     n_layer: int | None = None,
     loops: int = 1,
     knobs: LoopKnobs | None = None,
+    precision: Precision = "bf16",
 ) -> ModelConfig:
     """Resolve a preset name into a ModelConfig; unknown names raise ValueError.
 
@@ -98,5 +106,6 @@ def make_model_config(
         loops=loops,
         depth_embedding=knobs.depth_embedding,
         residual_scale=knobs.residual_scale,
+        precision=precision,
         **spec,
     )

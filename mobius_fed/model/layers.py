@@ -81,6 +81,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.norm2 = nn.RMSNorm(cfg.d_model)
         self.mlp = MLP(cfg)
+        self.bf16 = cfg.precision == "bf16"
         self.reset_parameters(cfg)
 
     @torch.no_grad()
@@ -92,8 +93,9 @@ class Block(nn.Module):
             lin.weight.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
-        # On a GPU the block's matmuls and attention run in bf16 (autocast); the residual
-        # stream, and so every hidden state handed between groups, stays fp32.
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda):
+        # On a GPU the block's matmuls and attention run in bf16 (autocast) unless the
+        # precision is fp32; the residual stream, and so every hidden state handed between
+        # groups, stays fp32.
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda and self.bf16):
             x = x + self.attn(self.norm1(x))
             return x + self.mlp(self.norm2(x))
