@@ -148,7 +148,7 @@ class Coordinator:
         self.state.metrics  # noqa: B018 - histograms exist before the first round ends
         self._pending_line: dict[str, Any] | None = None
         replica = build_replica(cfg.train.model(), cfg.train.seed)
-        self.replica_spec = spec_of(replica.state_dict())
+        self.replica_spec = spec_of(replica.shared_state_dict())  # no private home layer
         self.grid = ControlGrid(cfg.train.P, validate_reply=self._validate_reply)
         self.manifests = complete_manifests(cfg.out_dir, self.plan) if cfg.resume else []
         if cfg.resume is True and not self.manifests:
@@ -401,7 +401,8 @@ class Coordinator:
     def _seed_state(self) -> RoundState:
         """Round 0: E/R from the seed, a strategy with no server state yet."""
         replica = build_replica(self.train.model(), self.train.seed)
-        arrays = ArrayRecord({k: v.detach().clone() for k, v in replica.state_dict().items()})
+        shared = replica.shared_state_dict()  # E/R only: home layers never leave their site
+        arrays = ArrayRecord({k: v.detach().clone() for k, v in shared.items()})
         return RoundState(0, arrays, {})
 
     def _load_round(self, path: Path, doc: dict[str, Any]) -> RoundState:

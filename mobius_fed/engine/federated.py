@@ -12,7 +12,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
@@ -20,6 +19,8 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore.run import Run
 
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
+from mobius_fed.model import Replica
+from mobius_fed.privacy.home import ensure_home_layers
 from mobius_fed.strategies import STEP_END, STEP_START
 from mobius_fed.transport.flower_wire import (
     COORDINATOR_NODE_ID,
@@ -30,8 +31,9 @@ from mobius_fed.transport.flower_wire import (
 )
 
 
-def _arrays(module: torch.nn.Module) -> ArrayRecord:
-    return ArrayRecord({k: v.detach().clone() for k, v in module.state_dict().items()})
+def _arrays(replica: Replica) -> ArrayRecord:
+    """What a worker sends for its replica: E/R, never its private home layer."""
+    return ArrayRecord({k: v.detach().clone() for k, v in replica.shared_state_dict().items()})
 
 
 class EngineGrid(Grid):
@@ -76,9 +78,7 @@ class EngineGrid(Grid):
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
             rank = rank_of_node(msg.metadata.dst_node_id)
             state = msg.content["arrays"].to_torch_state_dict()
-            with torch.no_grad():
-                for name, p in self.engine.replicas[rank].state_dict().items():
-                    p.copy_(state[name])
+            self.engine.replicas[rank].load_shared_state_dict(state)
         kind = messages[0].metadata.message_type
         conf = messages[0].content["config"]
         replies = []
@@ -124,6 +124,7 @@ class EngineGrid(Grid):
 def train_with_strategy(engine: ReferenceEngine, strategy: Strategy) -> EngineGrid:
     """Train ``engine`` to ``cfg.steps`` with ``strategy`` doing every replica average."""
     engine.average_replicas = False  # averaging is the strategy's job here
+    ensure_home_layers(engine)
     set_task_identity(COORDINATOR_NODE_ID)
     grid = EngineGrid(engine)
     strategy.start(

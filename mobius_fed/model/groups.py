@@ -8,15 +8,18 @@ import torch
 
 from mobius_fed.model.config import ModelConfig
 from mobius_fed.model.group import BlockGroup
-from mobius_fed.model.replica import Replica
+from mobius_fed.model.replica import HOME_LAYERS, HomeLayer, Replica, is_private
 
 __all__ = [
+    "HOME_LAYERS",
     "BlockGroup",
+    "HomeLayer",
     "Replica",
     "build_group",
     "build_replica",
     "count_parameters",
     "derive_seed",
+    "is_private",
 ]
 
 
@@ -33,15 +36,21 @@ def build_group(cfg: ModelConfig, index: int, seed: int) -> BlockGroup:
         return BlockGroup(cfg)
 
 
-def build_replica(cfg: ModelConfig, seed: int) -> Replica:
-    """The shared initial E/R; every origin starts from the same replica."""
+def build_replica(cfg: ModelConfig, seed: int, home_layer: str | None = None) -> Replica:
+    """The shared initial E/R; every origin starts from the same replica.
+
+    ``home_layer`` ("off", "mlp", "block"; default ``cfg.home_layer`` when the model
+    configuration has one, else "off") adds the private home layer, initialised from the
+    public seed too: what keeps it private is that its updates never leave the home.
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(seed, "replica"))
-        return Replica(cfg)
+        return Replica(cfg, home_layer)
 
 
 def count_parameters(cfg: ModelConfig) -> int:
-    """Parameters of the full model: P groups plus one E/R replica."""
+    """Parameters of the full model: P groups plus one E/R replica (with the model
+    configuration's home layer, if it has one, counted once)."""
     with torch.device("meta"):
         groups = sum(p.numel() for p in BlockGroup(cfg).parameters()) * cfg.groups
         return groups + sum(p.numel() for p in Replica(cfg).parameters())

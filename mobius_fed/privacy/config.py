@@ -34,6 +34,14 @@ class PrivacyConfig(BaseModel):
             "std = input_noise x each token's RMS; 0 = off"
         ),
     )
+    home_layer: Literal["off", "mlp", "block"] = Field(
+        "off",
+        description=(
+            "architectural defence (a deviation from the paper): a private layer each home "
+            "applies to the final hidden state before the shared head; never averaged, never "
+            "sent; mlp = a residual MLP, block = one transformer block; off = the paper's model"
+        ),
+    )
     noise_key_dir: str | None = Field(
         None,
         description=(
@@ -57,5 +65,9 @@ class PrivacyConfig(BaseModel):
     )
 
     def any_on(self) -> bool:
-        """True when at least one defence changes what crosses the ring."""
+        """True when at least one noise defence changes what crosses the ring."""
         return self.label_noise > 0 or self.input_noise > 0
+
+    def any_defence(self) -> bool:
+        """True when any defence is on (noise or the private home layer)."""
+        return self.any_on() or self.home_layer != "off"

@@ -36,6 +36,14 @@ def defences(cfg: TrainConfig) -> list[dict[str, Any]]:
                 "sigma": pc.input_noise,
             }
         )
+    if pc.home_layer != "off":
+        out.append(
+            {
+                "name": "home_layer",
+                "hop": "gradient returned by the home for the final hidden state",
+                "layer": pc.home_layer,
+            }
+        )
     return out
 
 
@@ -47,7 +55,7 @@ def status_block(cfg: TrainConfig, step: int) -> dict[str, Any] | None:
     ``privacy`` extra is missing (``error`` then says what to install).
     """
     pc = cfg.privacy
-    if not pc.any_on():
+    if not pc.any_defence():
         return None
     block: dict[str, Any] = {
         "defences": defences(cfg),

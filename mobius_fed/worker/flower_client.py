@@ -42,22 +42,25 @@ log = logging.getLogger("mobius.worker")
 
 
 def replica_arrays(executor: RingExecutor) -> ArrayRecord:
-    return ArrayRecord({k: v.detach().clone() for k, v in executor.replica.state_dict().items()})
+    """The E/R arrays this worker sends: its shared state, never its private home layer."""
+    shared = executor.replica.shared_state_dict()
+    return ArrayRecord({k: v.detach().clone() for k, v in shared.items()})
 
 
 _FLOATS = ("float16", "float32", "float64")
 
 
 def load_replica(executor: RingExecutor, arrays: ArrayRecord) -> None:
-    """Load the averaged E/R arrays: exactly the replica's names and shapes, any float dtype
-    (a server optimizer such as FedAdam computes in float64; cast as the reference does)."""
-    spec = spec_of(executor.replica.state_dict())
+    """Load the averaged E/R arrays: exactly the replica's shared names and shapes (its
+    private home layer is neither sent nor overwritten), any float dtype (a server
+    optimizer such as FedAdam computes in float64; cast as the reference does)."""
+    spec = spec_of(executor.replica.shared_state_dict())
     for name, array in arrays.items():
         if name in spec and spec[name][1] in _FLOATS and str(array.dtype) in _FLOATS:
             spec[name] = (spec[name][0], str(array.dtype))
     state = array_record_to_torch(arrays, expected=spec)
     with torch.no_grad():
-        for name, p in executor.replica.state_dict().items():
+        for name, p in executor.replica.shared_state_dict().items():
             p.copy_(state[name])
 
 
@@ -220,7 +223,14 @@ def make_client_app(
             ck = ConfigRecord({"path": str(path.resolve()), "sha256": sha256_of(path)})
             if bool(conf.get(STATE_COPY, False)):
                 size = path.stat().st_size
-                if size <= COPY_LIMIT_BYTES:
+                if executor.replica.private_parameters():
+                    log.warning(
+                        "worker-%d: no copy of round %d for the coordinator: the checkpoint "
+                        "holds the private home layer, which never leaves this site",
+                        executor.rank,
+                        rnd,
+                    )
+                elif size <= COPY_LIMIT_BYTES:
                     ck["copy"] = path.read_bytes()
                 else:
                     log.warning(
