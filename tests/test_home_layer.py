@@ -150,11 +150,14 @@ def test_engine_checkpoint_keeps_the_home_layer_and_resumes_exactly(sites, tmp_p
         assert all(torch.equal(x, y) for x, y in zip(_home(a, s), _home(b, s)))
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
+WIRED = pytest.mark.skipif(
     not home_layer_wired(),
     reason="TrainConfig.model() does not pass privacy.home_layer to the model configuration",
 )
+
+
+@pytest.mark.slow
+@WIRED
 @pytest.mark.parametrize("order", ["cyclic", "ordered"])
 def test_ring_with_home_layer_equals_reference_bit_for_bit(tmp_path: Path, order: str):
     train = dict(
@@ -162,7 +165,7 @@ def test_ring_with_home_layer_equals_reference_bit_for_bit(tmp_path: Path, order
         steps=3,
         batch_size=4,
         micro_batches=2,
-        sync_every=2,
+        sync_every=0,  # a ring without a coordinator keeps E/R local
         eval_every=0,
         optimizer="adamw",
         order=order,
@@ -178,3 +181,37 @@ def test_ring_with_home_layer_equals_reference_bit_for_bit(tmp_path: Path, order
     for i in range(3):  # each worker's own checkpoint holds its home layer
         saved = load_checkpoint(ring.out(i) / f"worker-{i}.pt")
         assert any(is_private(k) for k in saved["replica"])
+
+
+@pytest.mark.slow
+@WIRED
+def test_coordinated_run_keeps_home_layers_on_their_sites(tmp_path: Path):
+    """Real coordinator + workers: the losses equal the reference under the same FedAvg,
+    and neither the E/R checkpoint nor any state copy at the coordinator holds a home
+    layer (the workers' own checkpoints do)."""
+    import json
+
+    from mobius_fed.cli.up import LocalFederation
+    from mobius_fed.coordinator.server import latest_manifest
+    from tests.test_coordinator import reference, ring_history, run
+
+    train = TrainConfig(
+        **{**BASE, "workers": 3}, steps=4, sync_every=2, privacy={"home_layer": "mlp"}
+    )
+    fed = LocalFederation(tmp_path, train, checkpoint_every=2)
+    run(fed)
+    try:
+        got, _ = ring_history(fed)
+    finally:
+        fed.stop()
+    ref, _ = reference(fed)
+    assert max(abs(got[k] - ref[k]) for k in ref) <= 1e-5 and set(got) == set(ref)
+    manifest = latest_manifest(fed.coordinator_out)
+    assert manifest is not None
+    doc = json.loads(manifest.read_text())
+    er = load_checkpoint(manifest.parent / doc["er"], doc["er_sha256"])
+    names = set(er["arrays"]["__array_record__"])
+    assert names and not any(is_private(k) for k in names)
+    for w in doc["workers"].values():
+        assert "copy" not in w, "a checkpoint holding a home layer is never copied out"
+        assert any(is_private(k) for k in load_checkpoint(Path(w["path"]))["replica"])
