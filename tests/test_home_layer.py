@@ -15,7 +15,8 @@ from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.federated import train_with_strategy
 from mobius_fed.model import build_replica, is_private
-from mobius_fed.privacy.home import ensure_home_layers, home_layer_wired
+from mobius_fed.privacy.home import build_site_replica, ensure_home_layers, home_layer_wired
+from mobius_fed.privacy.stages import write_site_keys
 from mobius_fed.strategies import RoundPlan, make_strategy
 from tests.test_privacy_ring import PrivateRing
 
@@ -59,6 +60,30 @@ def test_home_layer_is_private_and_leaves_the_shared_replica_as_it_was(layer: st
     assert not torch.equal(private.logits(h), plain.logits(h)), "not the identity at step 0"
     with pytest.raises(ValueError, match="home_layer 'mpl' is not one of off, mlp, block"):
         build_replica(cfg, 0, "mpl")
+
+
+def test_each_site_draws_its_layer_from_its_own_key(tmp_path: Path):
+    write_site_keys(tmp_path / "keys", P)
+    cfg = TrainConfig(
+        **BASE, privacy={"home_layer": "mlp", "noise_key_dir": str(tmp_path / "keys")}
+    )
+    ref = [_home_of(build_site_replica(cfg, s)) for s in range(P)]
+    ring = [_home_of(build_site_replica(cfg, s, "ring")) for s in range(P)]
+    public = _home_of(build_site_replica(TrainConfig(**BASE, privacy={"home_layer": "mlp"}), 0))
+    for s in range(P):
+        assert all(torch.equal(a, b) for a, b in zip(ref[s], ring[s])), "engines agree"
+    assert not any(torch.equal(a, b) for a, b in zip(ref[0], ref[1])), "sites differ"
+    assert not any(torch.equal(a, b) for a, b in zip(ref[0], public)), "the key matters"
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            build_site_replica(cfg, 0).shared_state_dict().values(),
+            build_replica(cfg.model(), cfg.seed).state_dict().values(),
+        )
+    ), "E/R do not depend on the key"
+    (tmp_path / "keys" / "site-2.key").unlink()
+    with pytest.raises(FileNotFoundError, match=r"site-2\.key not found"):
+        build_site_replica(cfg, 2)
 
 
 def test_averaging_shares_E_R_and_keeps_each_home_layer_its_own(sites):
@@ -118,8 +143,8 @@ def test_worker_sends_E_R_only_and_refuses_a_pushed_home_layer(sites):
 
     cfg = TrainConfig(**BASE, privacy={"home_layer": "mlp"})
     ex = RingExecutor(cfg, 1, sites[1], "run")
-    if ex.replica.home is None:  # the model configuration does not carry the layer yet
-        ex.replica = build_replica(cfg.model(), cfg.seed, "mlp")
+    if ex.replica.home is None:  # the executor does not build site replicas yet
+        ex.replica = build_site_replica(cfg, 1, "ring")
     arrays = replica_arrays(ex)
     assert set(arrays) == set(ex.replica.shared_state_dict())
     assert not any(is_private(k) for k in arrays)
@@ -152,7 +177,7 @@ def test_engine_checkpoint_keeps_the_home_layer_and_resumes_exactly(sites, tmp_p
 
 WIRED = pytest.mark.skipif(
     not home_layer_wired(),
-    reason="TrainConfig.model() does not pass privacy.home_layer to the model configuration",
+    reason="the engines do not build their replicas with privacy.home.build_site_replica",
 )
 
 

@@ -24,18 +24,13 @@ PRIVATE_PREFIX = "home."  # state-dict names of the private home layer
 
 
 class HomeMLP(nn.Module):
-    """h + W2 relu²(W1 rms_norm(h)): a residual MLP with a random (non-zero) output matrix,
-    so the layer is not the identity at step 0."""
+    """h + W2 relu²(W1 rms_norm(h)): a residual MLP, token by token."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hidden = cfg.mlp_ratio * cfg.d_model
         self.fc = nn.Linear(cfg.d_model, hidden, bias=False)
         self.proj = nn.Linear(hidden, cfg.d_model, bias=False)
-        with torch.no_grad():
-            bound = 3**0.5 * 0.5 * cfg.d_model**-0.5
-            self.fc.weight.uniform_(-bound, bound)
-            self.proj.weight.uniform_(-bound, bound)
 
     def forward(self, h: Tensor) -> Tensor:
         return h + self.proj(F.relu(self.fc(rms_norm(h))).square())
@@ -51,16 +46,24 @@ def home_layer_kind(cfg: ModelConfig, override: str | None = None) -> str:
 
 
 def make_home_layer(cfg: ModelConfig, kind: str) -> nn.Module | None:
+    """mlp: :class:`HomeMLP`; block: one transformer block (attention mixes tokens)."""
     if kind == "mlp":
         return HomeMLP(cfg)
     if kind == "block":
-        block = Block(cfg)
-        with torch.no_grad():  # random output projections: not the identity at step 0
-            bound = 3**0.5 * 0.5 * cfg.d_model**-0.5
-            block.attn.proj.weight.uniform_(-bound, bound)
-            block.mlp.proj.weight.uniform_(-bound, bound)
-        return block
+        return Block(cfg)
     return None
+
+
+@torch.no_grad()
+def reset_home_layer(home: nn.Module, generator: torch.Generator | None = None) -> None:
+    """Draw every weight matrix of a home layer uniformly with std 0.5/sqrt(fan-in), output
+    projections included (so the layer is not the identity at step 0); norms start at 1."""
+    for module in home.modules():
+        if isinstance(module, nn.Linear):
+            bound = 3**0.5 * 0.5 * module.weight.size(1) ** -0.5
+            module.weight.uniform_(-bound, bound, generator=generator)
+        elif isinstance(module, nn.RMSNorm) and module.weight is not None:
+            module.weight.fill_(1.0)
 
 
 class Replica(nn.Module):
@@ -79,6 +82,8 @@ class Replica(nn.Module):
         self.home_layer = home_layer_kind(cfg, home_layer)
         # Built last, so E and R draw the same initial values with or without it.
         self.home = make_home_layer(cfg, self.home_layer)
+        if self.home is not None:
+            reset_home_layer(self.home)
 
     def embed(self, idx: Tensor) -> Tensor:
         """E: token ids [B, T] → hidden states [B, T, d]."""
@@ -105,6 +110,12 @@ class Replica(nn.Module):
     def shared_parameters(self) -> list[nn.Parameter]:
         """The parameters averaged across origins: E and R, never the private home layer."""
         return [p for name, p in self.named_parameters() if not is_private(name)]
+
+    def reset_home(self, generator: torch.Generator) -> None:
+        """Redraw the home layer from ``generator`` (a site's secret: see
+        :func:`mobius_fed.privacy.home.build_site_replica`)."""
+        if self.home is not None:
+            reset_home_layer(self.home, generator)
 
     def private_parameters(self) -> list[nn.Parameter]:
         """The home layer's parameters: they stay on the home's site."""
