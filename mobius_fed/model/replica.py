@@ -24,7 +24,9 @@ PRIVATE_PREFIX = "home."  # state-dict names of the private home layer
 
 
 class HomeMLP(nn.Module):
-    """h + W2 relu²(W1 rms_norm(h)): a residual MLP, token by token."""
+    """W2 relu²(W1 rms_norm(h)), token by token, with no identity path: the head sees only
+    the layer's output, so the gradient for h is taken through a function its producer
+    does not know (a residual layer would hand most of the head's gradient straight back)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -33,7 +35,20 @@ class HomeMLP(nn.Module):
         self.proj = nn.Linear(hidden, cfg.d_model, bias=False)
 
     def forward(self, h: Tensor) -> Tensor:
-        return h + self.proj(F.relu(self.fc(rms_norm(h))).square())
+        return self.proj(F.relu(self.fc(rms_norm(h))).square())
+
+
+class HomeBlock(nn.Module):
+    """One transformer block on rms_norm(h) (its attention mixes the tokens of a sequence),
+    then a :class:`HomeMLP`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.block = Block(cfg)
+        self.mlp = HomeMLP(cfg)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.mlp(self.block(rms_norm(h)))
 
 
 def home_layer_kind(cfg: ModelConfig, override: str | None = None) -> str:
@@ -50,7 +65,7 @@ def make_home_layer(cfg: ModelConfig, kind: str) -> nn.Module | None:
     if kind == "mlp":
         return HomeMLP(cfg)
     if kind == "block":
-        return Block(cfg)
+        return HomeBlock(cfg)
     return None
 
 

@@ -140,3 +140,112 @@ def inversion_accuracy(model: Inverter, received: Tensor, tokens: Tensor) -> tup
     exact = (top5[..., 0] == tokens).float().mean().item()
     in5 = (top5 == tokens.unsqueeze(-1)).any(-1).float().mean().item()
     return exact, in5
+
+
+@torch.no_grad()
+def recover_targets_through(
+    h: Tensor, g: Tensor, head: Replica, home: nn.Module, *, chunk: int = 256
+) -> Tensor:
+    """Exact matching through a token-wise home layer the attacker assumes (a surrogate:
+    the layer it can know): candidates are J_home(h)^T × the head's candidate gradients at
+    home(h). Returns the guessed ids."""
+    from torch.func import jacrev, vmap
+
+    d = h.size(-1)
+    n = h.shape[:-1].numel()
+    hs, gs = h.reshape(-1, d).float(), g.reshape(-1, d).float() * n
+
+    def one(x: Tensor) -> Tensor:
+        return home(x.view(1, 1, d)).view(d)
+
+    guesses = []
+    for i in range(0, n, chunk):
+        x = hs[i : i + chunk]
+        with torch.enable_grad():
+            jac = vmap(jacrev(one))(x)  # [N, d_out, d_in]
+        _, cand = candidate_gradients(home(x.view(1, -1, d)).view(-1, d), head)
+        cand = torch.einsum("nvo,noi->nvi", cand, jac)
+        dist = (cand - gs[i : i + chunk].unsqueeze(1)).square().sum(-1)
+        guesses.append(dist.argmin(-1))
+    return torch.cat(guesses)
+
+
+@torch.no_grad()
+def recover_targets_linear(
+    h: Tensor,
+    g: Tensor,
+    head: Replica,
+    first_guess: Tensor,
+    *,
+    rounds: int = 3,
+    ridge: float = 1e-3,
+    chunk: int = 256,
+) -> Tensor:
+    """An attacker that does not know the home layer and models it as an unknown linear map
+    B on the head's candidate gradients (g ≈ B^T c_y): starting from ``first_guess`` it
+    fits B by ridge least squares on the guessed candidates, re-matches, and repeats."""
+    d = h.size(-1)
+    n = h.shape[:-1].numel()
+    hs, gs = h.reshape(-1, d).float(), g.reshape(-1, d).float() * n
+    guess = first_guess.reshape(-1)
+    eye = torch.eye(d)
+    for _ in range(rounds):
+        picked = []
+        for i in range(0, n, chunk):
+            _, cand = candidate_gradients(hs[i : i + chunk], head)
+            picked.append(cand[torch.arange(cand.size(0)), guess[i : i + chunk]])
+        c = torch.cat(picked)
+        lam = ridge * c.square().sum() / n
+        b = torch.linalg.solve(c.T @ c + lam * eye, c.T @ gs + lam * eye)
+        out = []
+        for i in range(0, n, chunk):
+            _, cand = candidate_gradients(hs[i : i + chunk], head)
+            dist = (cand @ b - gs[i : i + chunk].unsqueeze(1)).square().sum(-1)
+            out.append(dist.argmin(-1))
+        guess = torch.cat(out)
+    return guess
+
+
+@torch.no_grad()
+def cluster_targets(
+    g: Tensor, prior: Tensor, *, per_group: int = 16, rounds: int = 15, seed: int = 0
+) -> tuple[Tensor, Tensor]:
+    """An attacker that knows nothing of the home layer groups the tokens by the direction
+    of their gradient (spherical k-means, one group per ``per_group`` tokens) and gives
+    every token of a group the label its own model predicts most often there (``prior``:
+    [N] ids). Returns (guess, group)."""
+    d = g.size(-1)
+    x = g.reshape(-1, d).float()
+    x = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    n = x.size(0)
+    k = max(1, n // per_group)
+    gen = torch.Generator().manual_seed(seed)
+    centres = x[torch.randperm(n, generator=gen)[:k]].clone()
+    for _ in range(rounds):
+        group = (x @ centres.T).argmax(-1)
+        sums = torch.zeros_like(centres).index_add_(0, group, x)
+        norms = sums.norm(dim=-1, keepdim=True)
+        centres = torch.where(norms > 0, sums / norms.clamp_min(1e-12), centres)
+    group = (x @ centres.T).argmax(-1)
+    prior = prior.reshape(-1)
+    guess = prior.clone()
+    for j in group.unique():
+        members = group == j
+        guess[members] = torch.mode(prior[members]).values
+    return guess, group
+
+
+def group_purity(group: Tensor, targets: Tensor, *, shuffle_seed: int | None = None) -> int:
+    """Tokens whose group's most common true target is their own: how well the gradient
+    alone tells which tokens share a target (the part a label mapping would turn into
+    recovered targets). ``shuffle_seed``: the same groups with the targets shuffled (the
+    chance level of this figure)."""
+    targets = targets.reshape(-1)
+    if shuffle_seed is not None:
+        gen = torch.Generator().manual_seed(shuffle_seed)
+        targets = targets[torch.randperm(targets.numel(), generator=gen)]
+    pure = 0
+    for j in group.unique():
+        t = targets[group == j]
+        pure += int((t == torch.mode(t).values).sum())
+    return pure

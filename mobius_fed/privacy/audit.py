@@ -18,14 +18,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from mobius_fed import schedule
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.hops import HopContext
 from mobius_fed.engine.reference import ReferenceEngine
-from mobius_fed.privacy.attacks import inversion_accuracy, recover_targets, train_inverter
+from mobius_fed.privacy.attacks import (
+    cluster_targets,
+    group_purity,
+    inversion_accuracy,
+    recover_targets,
+    recover_targets_linear,
+    recover_targets_through,
+    train_inverter,
+)
+from mobius_fed.privacy.home import build_site_replica, ensure_home_layers
 from mobius_fed.privacy.observer import Observer
 from mobius_fed.privacy.stages import NoiseKeys, first_remote_slot, gaussian
 
@@ -41,6 +50,14 @@ class TargetAttack:
     model_correct: int = 0  # the head's own prediction from h, without the gradient
     first_step: float | None = None  # accuracy at step 0
     last_step: float | None = None  # accuracy at the last step
+    # With a home layer: attackers that adapt to it (None when it is off / not applicable).
+    home_layer: str = "off"
+    linear_correct: int | None = None  # models the unknown layer as a fitted linear map
+    surrogate_correct: int | None = None  # exact matching through a layer it can know
+    surrogate: str | None = None  # which layer: the victim's public-seed one, or its own
+    cluster_correct: int | None = None  # groups gradients by direction, labels by its model
+    cluster_pure: int | None = None  # tokens grouped with others of their own target
+    cluster_pure_chance: int | None = None  # the same groups, targets shuffled
 
     @property
     def accuracy(self) -> float:
@@ -49,6 +66,43 @@ class TargetAttack:
     @property
     def model_accuracy(self) -> float:
         return self.model_correct / max(1, self.tokens)
+
+    @property
+    def linear_accuracy(self) -> float | None:
+        return None if self.linear_correct is None else self.linear_correct / max(1, self.tokens)
+
+    @property
+    def surrogate_accuracy(self) -> float | None:
+        if self.surrogate_correct is None:
+            return None
+        return self.surrogate_correct / max(1, self.tokens)
+
+    @property
+    def cluster_accuracy(self) -> float | None:
+        if self.cluster_correct is None:
+            return None
+        return self.cluster_correct / max(1, self.tokens)
+
+    @property
+    def cluster_purity(self) -> float | None:
+        return None if self.cluster_pure is None else self.cluster_pure / max(1, self.tokens)
+
+    @property
+    def cluster_purity_chance(self) -> float | None:
+        if self.cluster_pure_chance is None:
+            return None
+        return self.cluster_pure_chance / max(1, self.tokens)
+
+    @property
+    def best_accuracy(self) -> float:
+        """The best of the attacks run (what the table reports as target recovery)."""
+        found = [
+            self.accuracy,
+            self.linear_accuracy,
+            self.surrogate_accuracy,
+            self.cluster_accuracy,
+        ]
+        return max(a for a in found if a is not None)
 
 
 @dataclass
@@ -81,9 +135,21 @@ class AuditReport:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        out["target"]["accuracy"] = self.target.accuracy
-        out["target"]["model_accuracy"] = self.target.model_accuracy
+        for name in DERIVED:
+            out["target"][name] = getattr(self.target, name)
         return out
+
+
+DERIVED = (
+    "accuracy",
+    "model_accuracy",
+    "linear_accuracy",
+    "surrogate_accuracy",
+    "cluster_accuracy",
+    "cluster_purity",
+    "cluster_purity_chance",
+    "best_accuracy",
+)
 
 
 def last_hop_attacker(cfg: TrainConfig, s: int) -> int:
@@ -121,9 +187,22 @@ class Audit:
         self.inverter_steps, self.attacker_batches = inverter_steps, attacker_batches
         self.log = log or (lambda _msg: None)
         self.engine = ReferenceEngine(cfg, self.sites)
+        ensure_home_layers(self.engine)
         self.keys = NoiseKeys(cfg, "reference", None)
         K = cfg.K
         self.target = TargetAttack(victim, last_hop_attacker(cfg, victim))
+        self.target.home_layer = cfg.privacy.home_layer
+        self._surrogate: nn.Module | None = None
+        if cfg.privacy.home_layer != "off":
+            self.target.linear_correct = self.target.cluster_correct = 0
+            self.target.cluster_pure = self.target.cluster_pure_chance = 0
+        if cfg.privacy.home_layer == "mlp":  # token-wise: exact matching through a surrogate
+            self.target.surrogate_correct = 0
+            if cfg.privacy.noise_key_dir is None:  # keyed by the public seed: recomputable
+                self._surrogate = build_site_replica(cfg, victim).home
+                self.target.surrogate = "the victim's initial layer (public seed)"
+            else:
+                self.target.surrogate = "its own home layer"
         self._step_hits: dict[int, list[int]] = {}
         self.last_hop = Observer(
             rank=self.target.attacker,
@@ -157,6 +236,20 @@ class Audit:
             h, g, head, sigma=sigma, clip=clip if pc.label_noise > 0 else None
         )
         y = self.engine._micro("train", ctx.s, ctx.step)[ctx.m][1].reshape(-1)
+        t = self.target
+        if t.linear_correct is not None:
+            model = head.logits(h).argmax(-1).reshape(-1)  # what it predicts with its own layer
+            t.linear_correct += int((recover_targets_linear(h, g, head, guess) == y).sum())
+            votes, group = cluster_targets(g, model, seed=ctx.step)
+            t.cluster_correct = (t.cluster_correct or 0) + int((votes == y).sum())
+            t.cluster_pure = (t.cluster_pure or 0) + group_purity(group, y)
+            t.cluster_pure_chance = (t.cluster_pure_chance or 0) + group_purity(
+                group, y, shuffle_seed=ctx.step
+            )
+        if t.surrogate_correct is not None:
+            home = self._surrogate if self._surrogate is not None else head.home
+            assert home is not None
+            t.surrogate_correct += int((recover_targets_through(h, g, head, home) == y).sum())
         hits = int((guess == y).sum())
         self.target.tokens += y.numel()
         self.target.correct += hits

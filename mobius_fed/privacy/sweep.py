@@ -11,7 +11,7 @@ from typing import Any
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.plotting import save_figure
-from mobius_fed.privacy.audit import Audit, AuditReport, InputAttack, TargetAttack
+from mobius_fed.privacy.audit import DERIVED, Audit, AuditReport, InputAttack, TargetAttack
 
 # (label, order, privacy overrides); noise_key_dir is filled in by the caller. In ordered
 # order origin 0's first hop is F_0's output (as in cyclic order), so the ordered rows
@@ -31,6 +31,10 @@ DEFAULT_GRID: list[tuple[str, str, dict[str, Any]]] = [
     ("label σ=1 + input σ=1", "cyclic", {"label_noise": 1.0, "input_noise": 1.0}),
     ("none (ordered)", "ordered", {}),
     ("input σ=1 (ordered)", "ordered", {"input_noise": 1.0}),
+    ("home mlp", "cyclic", {"home_layer": "mlp"}),
+    ("home block", "cyclic", {"home_layer": "block"}),
+    ("home mlp + label σ=0.5", "cyclic", {"home_layer": "mlp", "label_noise": 0.5}),
+    ("home mlp (ordered)", "ordered", {"home_layer": "mlp"}),
 ]
 
 
@@ -72,9 +76,11 @@ def sweep(
 def one_line(r: AuditReport) -> str:
     inv = r.inversion
     text = (
-        f"Eq.8 {r.eval_loss:.4f}; targets {100 * r.target.accuracy:.1f}% "
+        f"Eq.8 {r.eval_loss:.4f}; targets {100 * r.target.best_accuracy:.1f}% "
         f"(model alone {100 * r.target.model_accuracy:.1f}%, chance {100 * r.chance:.2f}%)"
     )
+    if r.target.home_layer != "off":
+        text += f" [{attack_split(r.target)}]"
     if inv is not None:
         text += f"; first hop exact {100 * inv.exact:.1f}% top-5 {100 * inv.top5:.1f}%"
     if r.epsilon is not None:
@@ -86,9 +92,11 @@ def markdown_table(rows: Sequence[tuple[str, AuditReport]]) -> str:
     """The trade-off table: cost in Eq. 8 loss against the no-defence row of the same order."""
     base = {r.order: r.eval_loss for label, r in rows if not _defended(r)}
     lines = [
-        "| defence | order | Eq. 8 val loss | Δ vs none | target recovery | model alone | chance "
-        "| first-hop exact | first-hop top-5 | most frequent token | ε, q=1 | ε, q=batch/site |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| defence | order | Eq. 8 val loss | Δ vs none | target recovery | attacks: R on h / "
+        "linear map / surrogate / clusters | model alone | chance | first-hop exact "
+        "| first-hop top-5 "
+        "| most frequent token | ε, q=1 | ε, q=batch/site |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, r in rows:
         inv = r.inversion
@@ -97,7 +105,9 @@ def markdown_table(rows: Sequence[tuple[str, AuditReport]]) -> str:
         eps_q = "—" if r.epsilon_sampled is None else f"{r.epsilon_sampled:.3g}"
         lines.append(
             f"| {label} | {r.order} | {r.eval_loss:.4f} | {delta:+.4f} | "
-            f"{100 * r.target.accuracy:.1f} % | {100 * r.target.model_accuracy:.1f} % | "
+            f"{100 * r.target.best_accuracy:.1f} % | "
+            f"{attack_split(r.target) if r.target.home_layer != 'off' else '—'} | "
+            f"{100 * r.target.model_accuracy:.1f} % | "
             f"{100 * r.chance:.2f} % | "
             + (
                 f"{100 * inv.exact:.1f} % | {100 * inv.top5:.1f} % | "
@@ -110,8 +120,22 @@ def markdown_table(rows: Sequence[tuple[str, AuditReport]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def attack_split(t: TargetAttack) -> str:
+    """The home-layer attacks side by side: R on h / linear map / surrogate / clusters."""
+
+    def pct(a: float | None) -> str:
+        return "—" if a is None else f"{100 * a:.1f} %"
+
+    return (
+        f"{pct(t.accuracy)} / {pct(t.linear_accuracy)} / {pct(t.surrogate_accuracy)} / "
+        f"{pct(t.cluster_accuracy)} (purity {pct(t.cluster_purity)}, "
+        f"shuffled {pct(t.cluster_purity_chance)})"
+    )
+
+
 def _defended(r: AuditReport) -> bool:
-    return r.privacy["label_noise"] > 0 or r.privacy["input_noise"] > 0
+    pc = r.privacy
+    return pc["label_noise"] > 0 or pc["input_noise"] > 0 or pc.get("home_layer", "off") != "off"
 
 
 def write_outputs(rows: Sequence[tuple[str, AuditReport]], out: Path) -> list[Path]:
@@ -142,12 +166,12 @@ def plot(rows: Sequence[tuple[str, AuditReport]], path: Path) -> Path | None:
     label_rows = [(k, r) for k, r in rows if r.privacy["input_noise"] == 0 and r.order == "cyclic"]
     input_rows = [(k, r) for k, r in rows if r.privacy["label_noise"] == 0]
     for k, r in label_rows:
-        left.scatter([r.eval_loss], [100 * r.target.accuracy], color="tab:red")
+        left.scatter([r.eval_loss], [100 * r.target.best_accuracy], color="tab:red")
         left.scatter([r.eval_loss], [100 * r.target.model_accuracy], color="grey", marker="x")
-        left.annotate(k, (r.eval_loss, 100 * r.target.accuracy), fontsize=7)
-    left.scatter([], [], color="tab:red", label="target recovery (last hop)")
+        left.annotate(k, (r.eval_loss, 100 * r.target.best_accuracy), fontsize=7)
+    left.scatter([], [], color="tab:red", label="target recovery (last hop, best attack)")
     left.scatter([], [], color="grey", marker="x", label="the head alone (no gradient)")
-    left.set_title("label defence (cyclic)")
+    left.set_title("label defence and home layer (cyclic)")
     for k, r in input_rows:
         if r.inversion is None:
             continue
@@ -167,7 +191,7 @@ def plot(rows: Sequence[tuple[str, AuditReport]], path: Path) -> Path | None:
 def report_from_dict(d: dict[str, Any]) -> AuditReport:
     """Rebuild an :class:`AuditReport` from a row of sweep.json."""
     d = dict(d)
-    target = {k: v for k, v in d.pop("target").items() if k not in ("accuracy", "model_accuracy")}
+    target = {k: v for k, v in d.pop("target").items() if k not in DERIVED}
     inv = d.pop("inversion")
     known = {f.name for f in fields(AuditReport)}
     return AuditReport(
