@@ -240,3 +240,31 @@ def test_coordinated_run_keeps_home_layers_on_their_sites(tmp_path: Path):
     for w in doc["workers"].values():
         assert "copy" not in w, "a checkpoint holding a home layer is never copied out"
         assert any(is_private(k) for k in load_checkpoint(Path(w["path"]))["replica"])
+
+
+def _audit(sites, privacy: dict):
+    from mobius_fed.privacy.audit import Audit
+
+    cfg = TrainConfig(**{**BASE, "optimizer": "muon"}, steps=3, privacy=privacy)
+    return Audit(cfg, sites, inverter_steps=1).run().target
+
+
+def test_keyed_home_layer_stops_the_last_hop_attacks_but_not_target_grouping(sites, tmp_path):
+    write_site_keys(tmp_path / "keys", P)
+    keys = str(tmp_path / "keys")
+    for layer in ("mlp", "block"):
+        t = _audit(sites, {"home_layer": layer, "noise_key_dir": keys})
+        assert t.home_layer == layer and t.tokens == 3 * 4 * 32
+        # without the layer the R-on-h attack reads back every target (test_privacy.py)
+        assert t.best_accuracy <= 0.15, t
+        assert t.linear_accuracy is not None and t.cluster_accuracy is not None
+        # ... yet gradients still group the tokens by target far above shuffled targets
+        assert t.cluster_purity > t.cluster_purity_chance + 0.1, t
+        if layer == "mlp":  # its own layer, drawn from its own key, is no stand-in
+            assert t.surrogate == "its own home layer" and t.surrogate_accuracy <= 0.15
+
+
+def test_home_layer_keyed_by_the_public_seed_is_rebuilt_by_the_attacker(sites):
+    t = _audit(sites, {"home_layer": "mlp"})
+    assert t.surrogate == "the victim's initial layer (public seed)"
+    assert t.surrogate_accuracy >= 0.99, t
