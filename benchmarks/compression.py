@@ -10,7 +10,10 @@ payloads of one training step's remote hops (forward + backward) against fp32.
     python benchmarks/compression.py --jobs 2 --out runs/compression.json   # every arm
 
 Arms run as separate one-thread processes (``--jobs`` at once); results are appended to
-``--out`` as JSON lines, so an interrupted sweep resumes where it stopped.
+``--out`` as JSON lines, so an interrupted sweep resumes where it stopped. ``--seeds`` runs
+every arm from several seeds (Δ is paired: same seed, fp32 arm). ``--device cuda
+--precision fp32`` runs the arms on a GPU in fp32 with deterministic kernels (cuBLAS
+workspace pinned), so that an arm repeated gives the same Eq. 8, as on a CPU.
 """
 
 from __future__ import annotations
@@ -58,7 +61,20 @@ def step_bytes(cfg) -> tuple[int, int]:
     return hops * (size(fwd) + size(bwd)), hops * 2 * fp32
 
 
-def run_arm(order: str, loops: int, wire: str, steps: int, preset: str, seed: int) -> dict:
+def run_arm(
+    order: str,
+    loops: int,
+    wire: str,
+    steps: int,
+    preset: str,
+    seed: int,
+    device: str = "cpu",
+    precision: str = "bf16",
+) -> dict:
+    import os
+
+    if device == "cuda":  # deterministic cuBLAS: a repeated arm gives the same Eq. 8
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
     from mobius_fed.config import TrainConfig
@@ -67,7 +83,13 @@ def run_arm(order: str, loops: int, wire: str, steps: int, preset: str, seed: in
     from mobius_fed.transport.wire_config import WireConfig
 
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     cfg = TrainConfig(
+        device=device,
+        precision=precision,
         preset=preset,
         workers=4,
         loops=loops,
@@ -96,6 +118,8 @@ def run_arm(order: str, loops: int, wire: str, steps: int, preset: str, seed: in
         "steps": steps,
         "preset": preset,
         "seed": seed,
+        "device": device,
+        "precision": precision if device == "cuda" else "fp32",
         "eq8": eq8,
         "ratio": fp32 / sent,
         "seconds": round(seconds, 1),
@@ -103,6 +127,10 @@ def run_arm(order: str, loops: int, wire: str, steps: int, preset: str, seed: in
 
 
 def table(rows: list[dict]) -> str:
+    """One line per (wire, seed): Δ against the fp32 arm of the same order, L and seed."""
+    seeds = sorted({r["seed"] for r in rows})
+    if len(seeds) > 1:
+        return "".join(f"seed {s}:\n" + table([r for r in rows if r["seed"] == s]) for s in seeds)
     base = {(r["order"], r["loops"]): r["eq8"] for r in rows if r["wire"] == "none"}
     heads = " | ".join(f"Δ {o} L={L}" for o, L in ARMS)
     lines = [
@@ -129,33 +157,44 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--preset", default="cpu-small")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one arm per seed")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="fp32", help="on cuda")
     p.add_argument("--wire", nargs="+", default=list(DEFAULT_WIRES), help="--wire values")
     p.add_argument("--arms", nargs="+", default=[f"{o}:{L}" for o, L in ARMS])
     p.add_argument("--jobs", type=int, default=1, help="arms trained at once")
     p.add_argument("--out", default="runs/compression.jsonl", help="results (JSON lines)")
-    p.add_argument("--one", nargs=3, metavar=("ORDER", "L", "WIRE"), help=argparse.SUPPRESS)
+    p.add_argument("--one", nargs=4, metavar=("ORDER", "L", "WIRE", "SEED"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        order, loops, wire = args.one
-        print(json.dumps(run_arm(order, int(loops), wire, args.steps, args.preset, args.seed)))
+        order, loops, wire, seed = args.one
+        row = run_arm(
+            order, int(loops), wire, args.steps, args.preset, int(seed), args.device, args.precision
+        )
+        print(json.dumps(row))
         return 0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = []
     if out.exists():
         done = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    key = lambda o, L, w: (o, int(L), w, args.steps, args.preset, args.seed)  # noqa: E731
-    have = {key(r["order"], r["loops"], r["wire"]) for r in done}
+    where = (args.device, args.precision if args.device == "cuda" else "fp32")
+    done = [r for r in done if (r.get("device", "cpu"), r.get("precision", "fp32")) == where]
+
+    def key(o: str, L: int | str, w: str, seed: int | str) -> tuple:
+        return (o, int(L), w, int(seed), args.steps, args.preset)
+
+    have = {key(r["order"], r["loops"], r["wire"], r["seed"]) for r in done}
     todo = [
-        (o, L, w)
+        (o, L, w, str(seed))
+        for seed in args.seeds
         for w in args.wire
         for o, L in (a.split(":") for a in args.arms)
-        if key(o, L, w) not in have
+        if key(o, L, w, seed) not in have
     ]
     running: list[tuple[subprocess.Popen, tuple]] = []
     env_cmd = [sys.executable, __file__, "--steps", str(args.steps), "--preset", args.preset]
-    env_cmd += ["--seed", str(args.seed), "--one"]
+    env_cmd += ["--device", args.device, "--precision", args.precision, "--one"]
     while todo or running:
         while todo and len(running) < args.jobs:
             arm = todo.pop(0)
@@ -175,7 +214,11 @@ def main() -> int:
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             done.append(row)
-    rows = [r for r in done if r["steps"] == args.steps and r["preset"] == args.preset]
+    rows = [
+        r
+        for r in done
+        if r["steps"] == args.steps and r["preset"] == args.preset and r["seed"] in args.seeds
+    ]
     print(table(rows))
     return 0
 

@@ -111,6 +111,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--encoding", default="gpt2", help="vocabulary size source (no download)")
+    p.add_argument(
+        "--tf32", action="store_true", help="allow TF32 for fp32 matmuls (the head, the optimizer)"
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("error: benchmarks/gpu.py needs a CUDA device; torch sees none")
@@ -120,6 +123,7 @@ def main() -> int:
     enc = args.encoding if args.preset == "gpt2-small" else "bytes"
     cfg = TrainConfig(preset=args.preset, workers=args.workers, batch_size=args.batch, encoding=enc)
     device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
     tokens = cfg.tokens_per_step
     w_s, w_mem = _measure(worker_step(cfg, device), args.steps, args.warmup)
     torch.cuda.empty_cache()
@@ -130,6 +134,7 @@ def main() -> int:
         "preset": args.preset,
         "P": cfg.P,
         "batch": args.batch,
+        "tf32": args.tf32,
         "worker_s": w_s,
         "full_s": f_s,
         "worker_tokens_s": tokens / w_s,
@@ -138,7 +143,9 @@ def main() -> int:
         "full_peak_GiB": f_mem / 2**30,
     }
     print(json.dumps(rows))
-    print(f"\n{gpu}, {args.preset}, P = {cfg.P}, batch {args.batch} per origin, bf16 autocast\n")
+    tf32 = ", TF32 for fp32 matmuls" if args.tf32 else ""
+    head = f"{gpu}, {args.preset}, P = {cfg.P}, batch {args.batch} per origin, bf16 autocast"
+    print(f"\n{head}{tf32}\n")
     print("| process | s/step | tokens/s | peak GiB |")
     print("|---|---|---|---|")
     print(

@@ -48,3 +48,24 @@ def test_codec_stage_on_cuda(tmp_path):
     engine = _engine(tmp_path, "cuda", wire={"fwd": "int8", "bwd": "int8"})
     r = engine.train_step()
     assert r.loss == r.loss  # finite, ran through the codec on the device
+
+
+@cuda
+def test_fp32_precision_on_cuda_tracks_cpu(tmp_path):
+    """precision = fp32 turns the blocks' autocast off: the GPU follows the CPU closely."""
+    gpu = _engine(tmp_path, "cuda", precision="fp32")
+    cpu = _engine(tmp_path, "cpu", precision="fp32")
+    assert not gpu.groups[0].blocks[0].bf16
+    for _ in range(3):
+        g, c = gpu.train_step(), cpu.train_step()
+        assert g.loss == pytest.approx(c.loss, abs=1e-3)
+
+
+def test_precision_is_not_training_math():
+    """Like device, precision is how the blocks run: a checkpoint may resume under another
+    precision, while the peers of one ring must agree on it (the fingerprint)."""
+    bf16, fp32 = TrainConfig(precision="bf16"), TrainConfig(precision="fp32")
+    assert bf16.training_math() == fp32.training_math()
+    assert bf16.fingerprint() != fp32.fingerprint()
+    with pytest.raises(ValueError, match="precision"):
+        TrainConfig(precision="fp16")
