@@ -87,6 +87,12 @@ HTTP2_OPTS: list[tuple[str, int | str]] = [
 ]
 
 
+ZEROCOPY_OPTS: tuple[tuple[str, int], ...] = (
+    ("grpc.experimental.tcp_tx_zerocopy_enabled", 1),
+    ("grpc.experimental.tcp_tx_zerocopy_send_bytes_threshold", 256 << 10),
+)
+
+
 @dataclass(frozen=True)
 class Spec:
     name: str
@@ -103,11 +109,25 @@ class Spec:
     quick: bool = False  # part of --quick
     malloc: bool = False  # glibc mallopt tuning in both workers (see tune_malloc)
     fastfin: bool = False  # receiver: decode_fast (sum-based finiteness) instead of codec's
+    gcfreeze: bool = False  # gc.freeze() in both workers once set up (see freeze_gc)
+    aio: bool = False  # "grpc": grpc.aio client and server instead of the sync API
+    tuning: tuple = ()  # "link": LinkTuning fields, as (name, value) pairs
     n: int = 0  # transfers (warmup + reps)
     certs: str = ""
 
 
 # ----------------------------------------------------------------------------- helpers
+
+LOOP_CPU = [0.0]
+"""CPU seconds (all threads of this process) of the last transfer loop, set by the
+tcp, gloo and link methods."""
+
+
+def _cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def free_port() -> int:
@@ -194,6 +214,23 @@ def tune_malloc() -> bool:
     return ok
 
 
+def freeze_gc() -> None:
+    """Move every object alive now (imports, the link's state) out of the collector's
+    reach: ``gc.freeze()``. Later full collections then walk only what the transfers
+    create, instead of the tens of thousands of objects that torch and gRPC import."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def _tune_process(spec: Spec) -> None:
+    if spec.malloc:
+        tune_malloc()
+    if spec.gcfreeze:
+        freeze_gc()
+
+
 def decode_fast(msg, *, expected_shape, expected_dtype="fp32"):
     """Proposed codec.decode_tensor: same checks, finiteness via one reduction.
 
@@ -240,6 +277,7 @@ def _tcp_recv(spec: Spec, conn) -> None:
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     out = torch.empty(SHAPE, dtype=torch.float32)
     mv = memoryview(out.numpy()).cast("B")
+    cpu0 = _cpu()
     for _ in range(spec.n):
         got = 0
         while got < NBYTES:
@@ -248,6 +286,7 @@ def _tcp_recv(spec: Spec, conn) -> None:
                 raise ConnectionError("sender closed")
             got += r
         c.sendall(b"\x01")
+    LOOP_CPU[0] = _cpu() - cpu0
     c.close()
     srv.close()
 
@@ -262,9 +301,11 @@ def _gloo_recv(spec: Spec, conn) -> None:
     )
     out = torch.empty(SHAPE, dtype=torch.float32)
     ack = torch.zeros(1)
+    cpu0 = _cpu()
     for _ in range(spec.n):
         dist.recv(out, src=0)
         dist.send(ack, dst=0)
+    LOOP_CPU[0] = _cpu() - cpu0
     dist.barrier()
     dist.destroy_process_group()
 
@@ -327,8 +368,26 @@ def _grpc_serve(spec: Spec, conn) -> None:
     tls.add_port(server, f"127.0.0.1:{spec.port}", node, insecure=not spec.tls)
     server.start()
     conn.send("ready")
+    cpu0 = _cpu()  # includes the client's TLS handshake
     conn.recv()  # "stop"
+    LOOP_CPU[0] = _cpu() - cpu0
     server.stop(None)
+
+
+def _bench_tuning():
+    from mobius_fed.transport.link_tuning import LinkTuning
+
+    class BenchTuning(LinkTuning):
+        """The link's tuning plus raw gRPC arguments (``Spec.opts``) under trial."""
+
+        def __init__(self, extra: tuple = (), **fields) -> None:
+            super().__init__(**fields)
+            object.__setattr__(self, "extra", extra)
+
+        def grpc_options(self) -> list:
+            return [*super().grpc_options(), *self.extra]
+
+    return BenchTuning
 
 
 def _link(spec: Spec, rank: int, current_step):
@@ -347,13 +406,16 @@ def _link(spec: Spec, rank: int, current_step):
     cfg = TrainConfig(preset="cpu-base", workers=2, batch_size=8)
     rules = FrameRules(cfg, rank, RUN_ID, current_step)
     rules.shape = SHAPE  # the benchmark's tensor, not the preset's hidden state
+    _BenchTuning = _bench_tuning()
     ports = (spec.port2, spec.port)
-    kw = {} if spec.chunk is None else {"chunk_bytes": spec.chunk}
+    kw: dict = {} if spec.chunk is None else {"chunk_bytes": spec.chunk}
+    kw["tuning"] = _BenchTuning(**dict(spec.tuning), extra=tuple(spec.opts))
     return RingLinks(
         rules,
         listen=f"127.0.0.1:{ports[rank]}",
         successor=f"127.0.0.1:{ports[1 - rank]}",
-        tls=layout.worker(rank),
+        tls=layout.worker(rank) if spec.tls else None,
+        insecure=not spec.tls,
         peer_timeout=60,
         **kw,
     )
@@ -381,12 +443,132 @@ def _link_recv(spec: Spec, conn) -> None:
     if ack is None:
         raise ConnectionError("no ack socket")
     ack.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    cpu0 = _cpu()
     for j in range(spec.n):
         now[0] = j
         links.inbox.get(_link_key(j), 60, f"transfer {j}")
         ack.sendall(b"\x01")
+    LOOP_CPU[0] = _cpu() - cpu0
     links.finish(timeout=30)
     ack.close()
+
+
+def _layout(spec: Spec):
+    from mobius_fed.transport.certs import CertLayout
+
+    root = Path(spec.certs)
+    return CertLayout(root=root, ca_cert=root / "ca.crt", ca_key=root / "ca.key", workers=2)
+
+
+def _grpc_serve_aio(spec: Spec, conn) -> None:
+    """The "grpc" receiver on grpc.aio: the same validation, decode and acks."""
+    import asyncio
+
+    import grpc
+    import torch
+
+    from mobius_fed.proto import ring_pb2, ring_pb2_grpc
+    from mobius_fed.transport import codec, tls
+
+    plan = bounds(spec)
+    out = torch.empty(NUMEL, dtype=torch.float32)
+    decode = decode_fast if spec.fastfin else codec.decode_tensor
+
+    class Servicer(ring_pb2_grpc.RingLinkServicer):
+        async def Stream(self, request_iterator, context):
+            j = k = 0
+            s = None
+            async for fr in request_iterator:
+                if s is None:
+                    s = fr.tick
+                codec.validate_frame(
+                    fr, run_id=RUN_ID, step=j, origin=0, tick=s, micro=k, direction=ring_pb2.FORWARD
+                )
+                a, b = plan[s][k]
+                t = decode(fr.tensor, expected_shape=(b - a,), expected_dtype="fp32")
+                out[a:b].copy_(t)
+                k += 1
+                if k == len(plan[s]):
+                    yield ring_pb2.Frame(run_id=RUN_ID, step=j, tick=s, direction=ring_pb2.BACKWARD)
+                    j += 1
+                    k = 0
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=list(tls.GRPC_OPTIONS) + list(spec.opts))
+        ring_pb2_grpc.add_RingLinkServicer_to_server(Servicer(), server)
+        node = _layout(spec).worker(1) if spec.tls else None
+        tls.add_port(server, f"127.0.0.1:{spec.port}", node, insecure=not spec.tls)
+        await server.start()
+        conn.send("ready")
+        cpu0 = _cpu()  # includes the client's TLS handshake
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # "stop"
+        LOOP_CPU[0] = _cpu() - cpu0
+        await server.stop(None)
+
+    asyncio.run(serve())
+
+
+def _grpc_send_aio(spec: Spec, t) -> list[float]:
+    """The "grpc" sender on grpc.aio: pre-serialized pieces written with ``call.write``;
+    several streams are concurrent tasks on one event loop."""
+    import asyncio
+
+    import grpc
+
+    from mobius_fed.proto import ring_pb2
+    from mobius_fed.transport import tls
+
+    node = _layout(spec).worker(0) if spec.tls else None
+    plan = bounds(spec)
+    flat = t.view(-1)
+
+    async def run() -> list[float]:
+        nch = spec.streams if spec.separate_channels else 1
+        chans = []
+        for s in range(nch):
+            opts = tls.channel_options() + list(spec.opts)
+            opts += [("grpc.use_local_subchannel_pool", 1), ("mobius.bench.channel", s)]
+            target = f"127.0.0.1:{spec.port}"
+            if spec.tls:
+                ch = grpc.aio.secure_channel(target, tls.channel_credentials(node), opts)
+            else:
+                ch = grpc.aio.insecure_channel(target, opts)
+            await ch.channel_ready()
+            chans.append(ch)
+        calls = [
+            chans[s % nch].stream_stream(
+                "/mobius_fed.ring.v1.RingLink/Stream",
+                request_serializer=None,
+                response_deserializer=ring_pb2.Frame.FromString,
+            )()
+            for s in range(spec.streams)
+        ]
+
+        async def send_part(s: int, j: int) -> None:
+            call = calls[s]
+            for k, (a, b) in enumerate(plan[s]):
+                hdr = ring_pb2.Frame(
+                    run_id=RUN_ID, step=j, origin=0, tick=s, micro=k, direction=ring_pb2.FORWARD
+                ).SerializeToString()
+                await call.write(frame_bytes(hdr, flat[a:b], (b - a,)))
+            ack = await call.read()
+            if ack.step != j or ack.tick != s:
+                raise RuntimeError(f"bad ack {ack}")
+
+        times = []
+        cpu0 = _cpu()
+        for j in range(spec.n):
+            t0 = time.perf_counter()
+            await asyncio.gather(*(send_part(s, j) for s in range(spec.streams)))
+            times.append(time.perf_counter() - t0)
+        LOOP_CPU[0] = _cpu() - cpu0
+        for call in calls:
+            await call.done_writing()
+        for ch in chans:
+            await ch.close()
+        return times
+
+    return asyncio.run(run())
 
 
 def receiver_main(conn) -> None:
@@ -400,11 +582,13 @@ def receiver_main(conn) -> None:
         spec = conn.recv()
         if spec is None:
             return
-        if spec.malloc:
-            tune_malloc()
+        _tune_process(spec)
         recv = {"tcp": _tcp_recv, "gloo": _gloo_recv, "grpc": _grpc_serve, "link": _link_recv}
-        recv[spec.kind](spec, conn)
-        conn.send("done")
+        if spec.kind == "grpc" and spec.aio:
+            _grpc_serve_aio(spec, conn)
+        else:
+            recv[spec.kind](spec, conn)
+        conn.send(("done", LOOP_CPU[0]))
 
 
 # ----------------------------------------------------------------------------- sender
@@ -421,12 +605,14 @@ def _tcp_send(spec: Spec, t) -> list[float]:
             time.sleep(0.05)
     one = bytearray(1)
     times = []
+    cpu0 = _cpu()
     for _ in range(spec.n):
         t0 = time.perf_counter()
         c.sendall(memoryview(t.numpy()).cast("B"))
         if c.recv_into(one, 1) != 1:
             raise ConnectionError("receiver closed")
         times.append(time.perf_counter() - t0)
+    LOOP_CPU[0] = _cpu() - cpu0
     c.close()
     return times
 
@@ -440,11 +626,13 @@ def _gloo_send(spec: Spec, t) -> list[float]:
     )
     ack = torch.zeros(1)
     times = []
+    cpu0 = _cpu()
     for _ in range(spec.n):
         t0 = time.perf_counter()
         dist.send(t, dst=1)
         dist.recv(ack, src=1)
         times.append(time.perf_counter() - t0)
+    LOOP_CPU[0] = _cpu() - cpu0
     dist.barrier()
     dist.destroy_process_group()
     return times
@@ -542,6 +730,7 @@ def _grpc_send(spec: Spec, t) -> list[float]:
 
     pool = ThreadPoolExecutor(max_workers=spec.streams) if spec.streams > 1 else None
     times = []
+    cpu0 = _cpu()
     for j in range(spec.n):
         t0 = time.perf_counter()
         if pool is None:
@@ -550,6 +739,7 @@ def _grpc_send(spec: Spec, t) -> list[float]:
             for f in [pool.submit(send_part, s, j) for s in range(spec.streams)]:
                 f.result()
         times.append(time.perf_counter() - t0)
+    LOOP_CPU[0] = _cpu() - cpu0
     for q, responses in calls:
         q.put(None)
         for _ in responses:
@@ -572,12 +762,14 @@ def _link_send(spec: Spec, t) -> list[float]:
     c, _ = srv.accept()
     one = bytearray(1)
     times = []
+    cpu0 = _cpu()
     for j in range(spec.n):
         t0 = time.perf_counter()
         links.send_tensor(_link_key(j), t)
         if c.recv_into(one, 1) != 1:
             raise ConnectionError("receiver closed")
         times.append(time.perf_counter() - t0)
+    LOOP_CPU[0] = _cpu() - cpu0
     links.finish(timeout=30)
     c.close()
     srv.close()
@@ -596,14 +788,16 @@ def sender_main(conn) -> None:
         spec = conn.recv()
         if spec is None:
             return
-        if spec.malloc:
-            tune_malloc()
+        _tune_process(spec)
         try:
             send = {"tcp": _tcp_send, "gloo": _gloo_send, "grpc": _grpc_send, "link": _link_send}
-            times = send[spec.kind](spec, t)
-            conn.send(("ok", times))
+            if spec.kind == "grpc" and spec.aio:
+                times = _grpc_send_aio(spec, t)
+            else:
+                times = send[spec.kind](spec, t)
+            conn.send(("ok", times, LOOP_CPU[0]))
         except Exception as e:  # report, keep the worker alive for the next method
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            conn.send(("error", f"{type(e).__name__}: {e}", 0.0))
 
 
 # ----------------------------------------------------------------------------- driver
@@ -628,8 +822,13 @@ def self_check() -> None:
     assert ring_pb2.Frame.FromString(real) == ref, "codec.encode_frames differs from make_frame"
 
 
+SYSTEM = (("allocator", False),)
+"""LinkTuning of the link with glibc malloc as configured (link.allocator = system)."""
+
+
 def variants() -> list[Spec]:
-    """Untuned variants first: tune_malloc() cannot be undone in a running worker."""
+    """Each process profile (allocator, collector) runs in its own pair of workers,
+    because tune_malloc() cannot be undone in a running process."""
     m = MiB
     H = tuple(HTTP2_OPTS)
     T = dict(malloc=True)
@@ -639,17 +838,19 @@ def variants() -> list[Spec]:
         Spec("gloo send/recv", "gloo", **Q),
         Spec("gRPC plaintext, 1 frame", "grpc", tls=False),
         Spec("gRPC mTLS, 1 frame (make_frame)", "grpc", **Q),
-        Spec("ring link (RingLinks, default chunks)", "link", **Q),
-        Spec("ring link (RingLinks, 4 MiB chunks)", "link", chunk=4 * m, **Q),
-        Spec("ring link (RingLinks, 1 frame)", "link", chunk=NBYTES),
+        # The product link tunes the allocator itself (link.allocator = tuned): its pair
+        # of processes is the tuned one; "allocator system" is the link without it.
+        Spec("ring link", "link", **T, **Q),
+        Spec("ring link, allocator system", "link", tuning=SYSTEM, **Q),
+        Spec("ring link, 4 MiB chunks", "link", chunk=4 * m, **T, **Q),
+        Spec("ring link, 1 frame", "link", chunk=NBYTES, **T),
         Spec("mTLS chunk 1 MiB", "grpc", chunk=1 * m),
         Spec("mTLS 1 frame, preser", "grpc", preser=True),
         Spec("mTLS chunk 1 MiB, preser", "grpc", chunk=1 * m, preser=True),
         # --- from here on both workers run with tune_malloc()
         Spec("M raw TCP", "tcp", **T),
         Spec("M gloo send/recv", "gloo", **T),
-        Spec("M ring link (RingLinks, default chunks)", "link", **T),
-        Spec("M ring link (RingLinks, 2 MiB chunks)", "link", chunk=2 * m, **T),
+        Spec("ring link, 2 MiB chunks", "link", chunk=2 * m, **T),
         Spec("M mTLS 1 frame (make_frame)", "grpc", **T),
         Spec("M mTLS chunk 1 MiB", "grpc", chunk=1 * m, **T),
         Spec("M mTLS chunk 2 MiB", "grpc", chunk=2 * m, **T),
@@ -699,6 +900,89 @@ def variants() -> list[Spec]:
     ]
 
 
+class Pair:
+    """A sender and a receiver process for one process profile (allocator and collector
+    settings cannot be undone in a running process, so each profile has its own pair)."""
+
+    def __init__(self, ctx) -> None:
+        self.rx_parent, rx_child = ctx.Pipe()
+        self.tx_parent, tx_child = ctx.Pipe()
+        self.rx = ctx.Process(target=receiver_main, args=(rx_child,), daemon=True)
+        self.tx = ctx.Process(target=sender_main, args=(tx_child,), daemon=True)
+        self.rx.start()
+        self.tx.start()
+
+    split: tuple[float, float] = (0.0, 0.0)  # the sender's and the receiver's share of cpu
+    cpu: float | None = None
+    """CPU seconds per transfer of the last method, sender plus receiver (the plain gRPC
+    servers count from "ready" to "stop", their client's TLS handshake included)."""
+
+    def run(self, spec: Spec) -> list[float] | str:
+        """The sender's transfer times, or why it failed."""
+        self.rx_parent.send(spec)
+        if not self.rx_parent.poll(60) or self.rx_parent.recv() != "ready":
+            raise RuntimeError(f"{spec.name}: receiver not ready")
+        self.tx_parent.send(spec)
+        if not self.tx_parent.poll(120):
+            raise RuntimeError(f"{spec.name}: sender timed out")
+        _, payload, tx_cpu = self.tx_parent.recv()  # ("ok", times, cpu) / ("error", text, 0)
+        if spec.kind == "grpc":
+            self.rx_parent.send("stop")
+        if not self.rx_parent.poll(60):
+            raise RuntimeError(f"{spec.name}: receiver did not finish")
+        _, rx_cpu = self.rx_parent.recv()
+        self.cpu = (tx_cpu + rx_cpu) / spec.n
+        self.split = (tx_cpu / spec.n, rx_cpu / spec.n)
+        return payload
+
+    def close(self) -> None:
+        for c in (self.rx_parent, self.tx_parent):
+            c.send(None)
+        self.rx.join(10)
+        self.tx.join(10)
+
+
+def levers() -> list[Spec]:
+    """What ``--levers`` compares, interleaved round by round with gloo (see main)."""
+    m = MiB
+    MG = dict(malloc=True, gcfreeze=True)
+    M = dict(malloc=True)
+    G = MG
+    return [
+        Spec("ring link", "link", **M),
+        Spec("ring link, allocator system", "link", tuning=SYSTEM),
+        Spec("ring link, http2 set", "link", opts=tuple(HTTP2_OPTS), **M),
+        Spec("ring link, 16 MiB h2 frames", "link", opts=HTTP2_OPTS[:1], **M),
+        Spec("ring link, 64 MiB window", "link", opts=HTTP2_OPTS[1:3], **M),
+        Spec("ring link, 64 MiB write buffer", "link", opts=HTTP2_OPTS[3:4], **M),
+        Spec("ring link, 4 MiB tcp reads", "link", opts=HTTP2_OPTS[4:], **M),
+        Spec("ring link, tx zerocopy", "link", opts=ZEROCOPY_OPTS, **M),
+        Spec("ring link, gc frozen", "link", **G),
+        Spec("ring link, gc frozen, allocator system", "link", gcfreeze=True, tuning=SYSTEM),
+        Spec("ring link, 512 KiB chunks", "link", chunk=m // 2, **M),
+        Spec("ring link, 2 MiB chunks", "link", chunk=2 * m, **M),
+        Spec("ring link, 4 MiB chunks", "link", chunk=4 * m, **M),
+        Spec("ring link, plaintext (no TLS: reference only)", "link", tls=False, **M),
+        Spec("sync 1 MiB preser, MG", "grpc", chunk=m, preser=True, fastfin=True, **MG),
+        Spec("aio 1 MiB preser, MG", "grpc", chunk=m, aio=True, fastfin=True, **MG),
+        Spec("sync 2 streams (chan), MG", "grpc", chunk=m, streams=2, preser=True, **MG),
+        Spec("aio 2 streams (chan), MG", "grpc", chunk=m, streams=2, aio=True, **MG),
+        Spec("aio 4 streams (chan), MG", "grpc", chunk=m, streams=4, aio=True, **MG),
+        Spec("aio 2 streams (chan) x 2 MiB, MG", "grpc", chunk=2 * m, streams=2, aio=True, **MG),
+        Spec("aio 2 streams (chan)", "grpc", chunk=m, streams=2, aio=True),
+        Spec("sync 4 streams (chan), MG", "grpc", chunk=m, streams=4, preser=True, **MG),
+        Spec(
+            "aio 2 streams (1conn), MG",
+            "grpc",
+            chunk=m,
+            streams=2,
+            aio=True,
+            separate_channels=False,
+            **MG,
+        ),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -706,9 +990,25 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only raw TCP, gloo, the gRPC baseline and the real link; 2 warm-up + 5 timed",
     )
+    ap.add_argument(
+        "--levers",
+        action="store_true",
+        help="the link levers (allocator, collector, piece size, grpc.aio, streams) instead",
+    )
     ap.add_argument("--reps", type=int, default=None, help="timed transfers (default 10)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed transfers (default 3)")
-    ap.add_argument("--only", default="", help="run methods whose name contains this")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="run methods whose name contains this (several: separated by '|')",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat every method this often, interleaved; figures are medians over rounds "
+        "and ratios are taken to gloo of the same round",
+    )
     args = ap.parse_args(argv)
     reps = args.reps or (5 if args.quick else 10)
     warm = args.warmup if args.warmup is not None else (2 if args.quick else 3)
@@ -719,96 +1019,115 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     tmp = tempfile.TemporaryDirectory(prefix="link-bench-")
     init_certs(Path(tmp.name) / "certs", workers=2)
-    rx_parent, rx_child = ctx.Pipe()
-    tx_parent, tx_child = ctx.Pipe()
-    rx = ctx.Process(target=receiver_main, args=(rx_child,), daemon=True)
-    tx = ctx.Process(target=sender_main, args=(tx_child,), daemon=True)
-    rx.start()
-    tx.start()
 
+    pool = levers() if args.levers else variants()
+    wanted = [w.strip().lower() for w in args.only.split("|")]
     specs = [
-        v for v in variants() if args.only.lower() in v.name.lower() and (v.quick or not args.quick)
+        v for v in pool if any(w in v.name.lower() for w in wanted) and (v.quick or not args.quick)
     ]
     must = [v for v in variants() if v.kind in ("tcp", "gloo") and not v.malloc and v not in specs]
-    results: dict[str, float | str] = {}
+    order = must + specs
+    pairs: dict[tuple[bool, bool], Pair] = {}
+    per_round: list[dict[str, float | str]] = []
+    cpu: dict[str, list[float]] = {}
     t_start = time.perf_counter()
     print(
         f"16 MiB fp32 {SHAPE}, {warm} warm-up + {reps} timed transfers each, "
-        f"timed on the sender until the receiver's post-decode ack; MB = 1e6 bytes",
+        f"{args.rounds} round(s); timed on the sender until the receiver's post-decode ack; "
+        "MB = 1e6 bytes",
         flush=True,
     )
-    for spec in must + specs:
-        spec = replace(
-            spec,
-            port=free_port(),
-            port2=free_port(),
-            ack_port=free_port(),
-            n=warm + reps,
-            certs=str(Path(tmp.name) / "certs"),
-        )
-        rx_parent.send(spec)
-        if not rx_parent.poll(60) or rx_parent.recv() != "ready":
-            raise RuntimeError(f"{spec.name}: receiver not ready")
-        tx_parent.send(spec)
-        if not tx_parent.poll(120):
-            raise RuntimeError(f"{spec.name}: sender timed out")
-        status, payload = tx_parent.recv()
-        if spec.kind == "grpc":
-            rx_parent.send("stop")
-        if not rx_parent.poll(60):
-            raise RuntimeError(f"{spec.name}: receiver did not finish")
-        rx_parent.recv()
-        if status == "ok":
+    for r in range(args.rounds):
+        got: dict[str, float | str] = {}
+        for spec in order:
+            spec = replace(
+                spec,
+                port=free_port(),
+                port2=free_port(),
+                ack_port=free_port(),
+                n=warm + reps,
+                certs=str(Path(tmp.name) / "certs"),
+            )
+            key = (spec.malloc, spec.gcfreeze)
+            if key not in pairs:
+                pairs[key] = Pair(ctx)
+            payload = pairs[key].run(spec)
+            if isinstance(payload, str):
+                got[spec.name] = payload
+                print(f"  [{r}] {spec.name:<40} FAILED: {payload}", flush=True)
+                continue
             med = statistics.median(payload[warm:])
-            results[spec.name] = NBYTES / med / 1e6
+            got[spec.name] = NBYTES / med / 1e6
+            used = pairs[key].cpu
+            if used is not None:
+                cpu.setdefault(spec.name, []).append(used)
             print(
-                f"  {spec.name:<36} {results[spec.name]:8.0f} MB/s  "
-                f"(median {med * 1e3:.1f} ms, min {min(payload[warm:]) * 1e3:.1f} ms)",
+                f"  [{r}] {spec.name:<40} {got[spec.name]:8.0f} MB/s  "
+                f"(median {med * 1e3:.1f} ms, min {min(payload[warm:]) * 1e3:.1f} ms"
+                + (
+                    f", CPU {used * 1e3:.1f} ms/transfer: sender {pairs[key].split[0] * 1e3:.1f}"
+                    f" + receiver {pairs[key].split[1] * 1e3:.1f})"
+                    if used is not None
+                    else ")"
+                ),
                 flush=True,
             )
-        else:
-            results[spec.name] = payload
-            print(f"  {spec.name:<36} FAILED: {payload}", flush=True)
-    for c in (rx_parent, tx_parent):
-        c.send(None)
-    rx.join(10)
-    tx.join(10)
+        per_round.append(got)
+    for pair in pairs.values():
+        pair.close()
     tmp.cleanup()
 
-    tcp = results.get("raw TCP")
-    gloo = results.get("gloo send/recv")
+    def figures(name: str) -> tuple[float, float | None, float | None] | None:
+        vals = [g[name] for g in per_round if isinstance(g[name], float)]
+        if not vals:
+            return None
+        ratios = {}
+        for base in ("gloo send/recv", "raw TCP"):
+            rs = [
+                g[name] / g[base]  # type: ignore[operator]
+                for g in per_round
+                if isinstance(g[name], float) and isinstance(g.get(base), float)
+            ]
+            ratios[base] = statistics.median(rs) if rs else None
+        return statistics.median(vals), ratios["gloo send/recv"], ratios["raw TCP"]
+
     print()
     print(
-        "M = both workers tune_malloc(); F = receiver decode_fast (proposed codec change);"
-        " preser = hand-built wire bytes"
+        "M = both workers tune_malloc(); G = both workers freeze_gc(); F = receiver "
+        "decode_fast; preser = hand-built wire bytes"
     )
-    print(f"{'method':<38} {'MB/s':>8} {'÷ gloo':>8} {'÷ TCP':>8}")
-    print("-" * 65)
-    for name in [s.name for s in must + specs]:
-        v = results[name]
-        if isinstance(v, str):
-            print(f"{name:<38} {'failed':>8}")
+    print(f"medians over {args.rounds} round(s); ratios: median of the per-round ratios")
+    print(
+        "CPU ms = CPU time (all threads, sender + receiver) per transfer, the cost that "
+        "contention on a shared machine does not change much"
+    )
+    print(f"{'method':<42} {'MB/s':>8} {'÷ gloo':>8} {'÷ TCP':>8} {'CPU ms':>8}")
+    print("-" * 78)
+    results: dict[str, tuple] = {}
+    for name in [s.name for s in order]:
+        f = figures(name)
+        if f is None:
+            print(f"{name:<42} {'failed':>8}")
             continue
-        rg = f"{v / gloo:8.2f}" if isinstance(gloo, float) else f"{'-':>8}"
-        rt = f"{v / tcp:8.2f}" if isinstance(tcp, float) else f"{'-':>8}"
-        print(f"{name:<38} {v:8.0f} {rg} {rt}")
-    mtls = {
-        k: v
-        for k, v in results.items()
-        if isinstance(v, float) and ("mTLS" in k or "ring link" in k)  # the link is mTLS
-    }
-    if mtls and isinstance(gloo, float):
-        best = max(mtls, key=mtls.get)
-        ratio = mtls[best] / gloo
+        results[name] = f
+        v, rg, rt = f
+        rgs = f"{rg:8.2f}" if rg is not None else f"{'-':>8}"
+        rts = f"{rt:8.2f}" if rt is not None else f"{'-':>8}"
+        used = f"{statistics.median(cpu[name]) * 1e3:8.1f}" if name in cpu else f"{'-':>8}"
+        print(f"{name:<42} {v:8.0f} {rgs} {rts} {used}")
+    real = results.get("ring link")
+    if real is not None and real[1] is not None:
         print(
-            f"\nbest mTLS: {best}: {mtls[best]:.0f} MB/s = {ratio:.2f} x gloo "
-            f"(target >= 0.5: {'met' if ratio >= 0.5 else 'NOT met'})"
+            f"\nring link (as shipped): {real[0]:.0f} MB/s = {real[1]:.2f} x gloo "
+            f"(target >= 0.5: {'met' if real[1] >= 0.5 else 'NOT met'})"
         )
-    real = results.get("ring link (RingLinks, default chunks)")
-    if isinstance(real, float) and isinstance(gloo, float) and isinstance(tcp, float):
+    system = results.get("ring link, allocator system")
+    if real is not None and system is not None and "ring link" in cpu:
+        per = statistics.median(cpu["ring link"]) * 1e3
+        per_sys = statistics.median(cpu["ring link, allocator system"]) * 1e3
         print(
-            f"real ring link (default chunks): {real:.0f} MB/s = {real / gloo:.2f} x gloo, "
-            f"{real / tcp:.2f} x raw TCP"
+            f"allocator tuned vs system: {real[0] / system[0]:.2f} x MB/s, "
+            f"CPU {per:.1f} vs {per_sys:.1f} ms per transfer"
         )
     print(f"total {time.perf_counter() - t_start:.1f} s")
     return 0
