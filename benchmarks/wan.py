@@ -18,8 +18,9 @@ loopback row of the same codec.
 
 Shapes are RATE/DELAY per site and direction (``1gbit/25ms``: 1 Gbit/s each way, 25 ms
 one way, so a 50 ms round trip); ``loopback`` is the testbed unshaped. Link tuning
-(HTTP/2 windows, piece size, in-flight pieces) comes from ``MOBIUS_LINK_*`` variables,
-passed to every process (see mobius_fed/worker/link_tuning.py).
+(HTTP/2 windows, piece size, allocator) comes from the worker's ``link`` settings as
+``MOBIUS_LINK__*`` variables, passed to every process (``MOBIUS_LINK__BDP_PROBE=false
+python benchmarks/wan.py link …``; see mobius_fed/transport/link_tuning.py).
 """
 
 from __future__ import annotations
@@ -50,8 +51,29 @@ def parse_shape(text: str):
 
 
 def _env() -> dict[str, str]:
-    keep = {k: v for k, v in os.environ.items() if k.startswith("MOBIUS_LINK_")}
+    from mobius_fed.transport.link_tuning import refuse_renamed_variables
+
+    refuse_renamed_variables(os.environ)
+    keep = {k: v for k, v in os.environ.items() if k.startswith(LINK_PREFIX)}
     return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **keep}
+
+
+LINK_PREFIX = "MOBIUS_LINK__"
+"""The worker's ``link`` settings in the environment (every process gets them)."""
+
+
+def link_config_from_env():
+    """The ``link`` settings this process's ``MOBIUS_LINK__*`` variables give, validated
+    as the worker validates them."""
+    from mobius_fed.transport.link_tuning import LinkConfig
+    from mobius_fed.worker.config import SETTINGS
+
+    values = {
+        s.path[1]: os.environ[s.env]
+        for s in SETTINGS
+        if s.path[0] == "link" and os.environ.get(s.env, "") != ""
+    }
+    return LinkConfig.model_validate(values)
 
 
 def _compose(path: Path, services: dict[str, list[str]]) -> Path:
@@ -83,6 +105,7 @@ def _link_links(rank: int, certs: Path, now):
         successor=f"worker-{1 - rank}:7000",
         tls=layout.worker(rank),
         peer_timeout=120,
+        tuning=link_config_from_env().tuning(),
     )
 
 

@@ -16,19 +16,29 @@ with probing off, a stream is capped at one window per round trip (64 KiB at 50 
   default: kernel autotuning, which stops at ``tcp_rmem``'s maximum, 6 MiB by default —
   raise it with sysctl, or set this, on paths whose BDP is larger).
 
-Every worker reads them from ``MOBIUS_LINK_RATE`` (e.g. ``1gbit``), ``MOBIUS_LINK_RTT``
-(e.g. ``50ms``), ``MOBIUS_LINK_WINDOW``, ``MOBIUS_LINK_CHUNK``, ``MOBIUS_LINK_SOCKET_BUFFER``
-(bytes) and ``MOBIUS_LINK_BDP_PROBE`` (0/1). They change no math: frames and their
-order are the same whatever the tuning.
+A worker takes them from its ``link`` settings (:class:`LinkConfig`): ``[worker.link]`` in
+TOML, ``MOBIUS_LINK__RATE`` (e.g. ``1gbit``), ``MOBIUS_LINK__RTT`` (e.g. ``50ms``),
+``MOBIUS_LINK__WINDOW``, ``MOBIUS_LINK__CHUNK``, ``MOBIUS_LINK__SOCKET_BUFFER`` (bytes) and
+``MOBIUS_LINK__BDP_PROBE`` (true/false), or the matching ``--link-*`` flags. They change no
+math: frames and their order are the same whatever the tuning.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from mobius_fed.settings import ENV_PREFIX, NEST
 from mobius_fed.transport.codec import CHUNK_BYTES
 
 MAX_CHUNK = 4 << 20
@@ -66,15 +76,18 @@ def parse_delay(text: str) -> float:
 
 
 class LinkTuningError(ValueError):
-    """A bad MOBIUS_LINK_* value; the message names the variable."""
+    """A link setting that was removed or renamed; the message names the new one."""
 
 
 @dataclass(frozen=True)
 class LinkTuning:
+    """The gRPC arguments both ends of a ring link use (built by :class:`LinkConfig`)."""
+
     window: int | None = None
     chunk: int = CHUNK_BYTES
     socket_buffer: int | None = None
     bdp_probe: bool = True
+    allocator: bool = True  # tune glibc malloc for the link's buffers (transport.allocator)
 
     @classmethod
     def for_path(cls, rate: int, rtt: float, **explicit) -> LinkTuning:
@@ -88,43 +101,6 @@ class LinkTuning:
         sized.update({k: v for k, v in explicit.items() if v is not None})
         return cls(**sized)
 
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> LinkTuning:
-        env = os.environ if environ is None else environ
-
-        def number(name: str) -> int | None:
-            text = env.get(f"MOBIUS_LINK_{name}")
-            if text is None or text == "":
-                return None
-            try:
-                value = int(text)
-            except ValueError:
-                raise LinkTuningError(f"MOBIUS_LINK_{name}={text!r}: expected bytes") from None
-            if value <= 0:
-                raise LinkTuningError(f"MOBIUS_LINK_{name}={text!r}: expected > 0")
-            return value
-
-        chunk = number("CHUNK")
-        if chunk is not None and chunk > MAX_CHUNK:
-            raise LinkTuningError(f"MOBIUS_LINK_CHUNK={chunk}: at most {MAX_CHUNK} bytes")
-        explicit: dict = {
-            "window": number("WINDOW"),
-            "chunk": chunk,
-            "socket_buffer": number("SOCKET_BUFFER"),
-        }
-        probe = env.get("MOBIUS_LINK_BDP_PROBE")
-        if probe not in (None, ""):
-            if probe not in ("0", "1"):
-                raise LinkTuningError(f"MOBIUS_LINK_BDP_PROBE={probe!r}: expected 0 or 1")
-            explicit["bdp_probe"] = probe == "1"
-        rate, rtt = env.get("MOBIUS_LINK_RATE"), env.get("MOBIUS_LINK_RTT")
-        try:
-            if rate and rtt:
-                return cls.for_path(parse_rate(rate), parse_delay(rtt), **explicit)
-        except UnitError as exc:
-            raise LinkTuningError(f"MOBIUS_LINK_RATE/RTT: {exc}") from exc
-        return cls(**{k: v for k, v in explicit.items() if v is not None})
-
     def grpc_options(self) -> list[tuple[str, int]]:
         """Channel/server arguments (both ends of a link use the same)."""
         opts = [("grpc.http2.bdp_probe", int(self.bdp_probe))]
@@ -136,3 +112,93 @@ class LinkTuning:
                 ("grpc.experimental.tcp_send_buffer_size", self.socket_buffer),  # type: ignore[list-item]
             ]
         return opts
+
+
+class LinkConfig(BaseModel):
+    """A worker's ring-link tuning: ``[worker.link]`` in TOML, ``MOBIUS_LINK__*``
+    variables, ``--link-*`` flags. Changes no math."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rate: str | None = Field(
+        None,
+        description="path rate hint (e.g. 1gbit, 100mbit); with rtt, the HTTP/2 stream "
+        "window starts at 2 × rate × rtt",
+    )
+    rtt: str | None = Field(None, description="path round-trip time hint (e.g. 50ms)")
+    window: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_WINDOW,
+        description="initial HTTP/2 stream window, bytes (unset: 2 × BDP with a path hint, "
+        "else gRPC's)",
+    )
+    chunk: int = Field(
+        CHUNK_BYTES,
+        gt=0,
+        le=MAX_CHUNK,
+        description="largest tensor piece per message, bytes; every worker of a ring must "
+        "use the same value",
+    )
+    socket_buffer: int | None = Field(
+        None, gt=0, description="fixed kernel socket buffers, bytes (unset: autotuning)"
+    )
+    bdp_probe: bool = Field(
+        True, description="gRPC's BDP probing, which grows the HTTP/2 window to the path"
+    )
+    allocator: Literal["tuned", "system"] = Field(
+        "tuned",
+        description="tuned: this process keeps buffers below 32 MiB on the malloc heap "
+        "(fewer page faults per frame, glibc only); system: malloc as configured",
+    )
+
+    @field_validator("rate")
+    @classmethod
+    def _rate(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_rate(v)
+        return v
+
+    @field_validator("rtt")
+    @classmethod
+    def _rtt(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_delay(v)
+        return v
+
+    @model_validator(mode="after")
+    def _path(self) -> LinkConfig:
+        if (self.rate is None) != (self.rtt is None):
+            given, missing = ("rate", "rtt") if self.rtt is None else ("rtt", "rate")
+            raise ValueError(f"link.{given} is set but link.{missing} is not: give both or neither")
+        return self
+
+    def tuning(self) -> LinkTuning:
+        """The gRPC arguments these settings give."""
+        explicit = {
+            "window": self.window,
+            "chunk": self.chunk,
+            "socket_buffer": self.socket_buffer,
+            "bdp_probe": self.bdp_probe,
+            "allocator": self.allocator == "tuned",
+        }
+        if self.rate is not None and self.rtt is not None:
+            return LinkTuning.for_path(parse_rate(self.rate), parse_delay(self.rtt), **explicit)
+        return LinkTuning(**{k: v for k, v in explicit.items() if v is not None})
+
+
+_RENAMED = ("RATE", "RTT", "WINDOW", "CHUNK", "SOCKET_BUFFER", "BDP_PROBE")
+
+
+def refuse_renamed_variables(environ: Mapping[str, str]) -> None:
+    """The ``MOBIUS_LINK_<X>`` process variables became the ``link`` settings
+    (``MOBIUS_LINK__<X>``): one still set is an error naming its replacement, so that a
+    tuning does not silently stop applying."""
+    for name in _RENAMED:
+        old, new = f"{ENV_PREFIX}LINK_{name}", f"{ENV_PREFIX}LINK{NEST}{name}"
+        if environ.get(old, "") != "":
+            flag = "--link-" + name.lower().replace("_", "-")
+            raise LinkTuningError(
+                f"{old} is no longer read: use {new} (or {flag}, or "
+                f"{name.lower()} in [worker.link])"
+            )

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mobius_fed.config import ENV_PREFIX, ConfigError, TrainConfig
 from mobius_fed.settings import layered_config, settings_of
+from mobius_fed.transport.link_tuning import LinkConfig, LinkTuningError, refuse_renamed_variables
 from mobius_fed.transport.tls import NodeTLS
 
 
@@ -56,6 +57,7 @@ class WorkerConfig(BaseModel):
         None, ge=1, description="torch intra-op threads (unset: all cores of this host)"
     )
     capture_frames: Path | None = Field(None, description="audit: append every sent frame here")
+    link: LinkConfig = Field(default_factory=LinkConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     verify_train: bool = Field(
         False,
@@ -125,6 +127,10 @@ def load_worker_config(
     """File, then ``MOBIUS_*`` environment, then flags (later wins). Training settings
     given anywhere make a coordinated worker check the coordinator's config against them."""
     environ = dict(os.environ if environ is None else environ)
+    try:
+        refuse_renamed_variables(environ)
+    except LinkTuningError as exc:
+        raise ConfigError(f"invalid worker configuration: {exc}") from None
     flags = {**(train_flags or {}), **(flags or {})}
     train_given = any(v is not None for k, v in flags.items() if k in TRAIN_DESTS) or any(
         ENV_PREFIX + n in environ for n in TRAIN_ENV_KEYS

@@ -45,6 +45,7 @@ def make_links(cfg: WorkerConfig, executor: RingExecutor) -> RingLinks | None:
         peer_timeout=cfg.peer_timeout,
         capture=cfg.capture_frames,
         link_grace=cfg.link_grace,
+        tuning=cfg.link.tuning(),
     )
 
 

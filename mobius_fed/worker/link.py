@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import secrets
 import threading
 import time
@@ -52,6 +53,7 @@ import torch
 from grpc_health.v1 import health, health_pb2
 
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
+from mobius_fed.transport.allocator import tune_allocator
 from mobius_fed.transport.codec import (
     FrameError,
     TensorAssembler,
@@ -60,7 +62,7 @@ from mobius_fed.transport.codec import (
     parse_frame,
 )
 from mobius_fed.transport.compress import Codec
-from mobius_fed.transport.link_tuning import LinkTuning
+from mobius_fed.transport.link_tuning import LinkTuning, refuse_renamed_variables
 from mobius_fed.transport.tls import (
     NodeTLS,
     add_port,
@@ -459,7 +461,12 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         timers: LinkTimers | None = None,
         tuning: LinkTuning | None = None,
     ) -> None:
-        self.tuning = tuning or LinkTuning.from_env()
+        if tuning is None:
+            refuse_renamed_variables(os.environ)  # a stale MOBIUS_LINK_<X> must not be ignored
+            tuning = LinkTuning()
+        self.tuning = tuning
+        if tuning.allocator:
+            tune_allocator()  # process-wide, once: the link's buffers stay on the heap
         if chunk_bytes is None:
             chunk_bytes = self.tuning.chunk
         if chunk_bytes <= 0:
@@ -470,7 +477,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         self.chunk_bytes = chunk_bytes
         self.max_message = max_message_bytes(chunk_bytes)
         # A message larger than one of our pieces is refused (RESOURCE_EXHAUSTED): every
-        # worker of a ring must use the same piece size (MOBIUS_LINK_CHUNK).
+        # worker of a ring must use the same piece size (link.chunk).
         self.max_receive = self.max_message
         self.listen, self.successor_addr = listen, successor
         self.tls, self.insecure, self.peer_timeout = tls, insecure, peer_timeout
@@ -521,25 +528,28 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         return s.end if s is not None else None
 
     # ---------------------------------------------------------------- server
-    def start_server(self) -> int:
+    def _server_options(self) -> list[tuple[str, int]]:
         t = self.timers
+        return [
+            ("grpc.max_receive_message_length", self.max_receive),
+            ("grpc.max_send_message_length", self.max_message),
+            *self.tuning.grpc_options(),
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+            ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
+            ("grpc.keepalive_time_ms", t.server_keepalive_ms),
+            ("grpc.keepalive_timeout_ms", t.keepalive_timeout_ms),
+            ("grpc.http2.ping_timeout_ms", t.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_ping_interval_without_data_ms", t.min_ping_interval_ms),
+            ("grpc.so_reuseport", 0),  # a second process on this port fails loudly
+        ]
+
+    def start_server(self) -> int:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="ring"),
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
-            options=[
-                ("grpc.max_receive_message_length", self.max_receive),
-                ("grpc.max_send_message_length", self.max_message),
-                *self.tuning.grpc_options(),
-                ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
-                ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
-                ("grpc.keepalive_time_ms", t.server_keepalive_ms),
-                ("grpc.keepalive_timeout_ms", t.keepalive_timeout_ms),
-                ("grpc.http2.ping_timeout_ms", t.keepalive_timeout_ms),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.max_pings_without_data", 0),
-                ("grpc.http2.min_ping_interval_without_data_ms", t.min_ping_interval_ms),
-                ("grpc.so_reuseport", 0),  # a second process on this port fails loudly
-            ],
+            options=self._server_options(),
         )
         # Registered by hand so that Stream moves raw bytes both ways: requests are parsed
         # here (the relay needs the received bytes) and responses are sent pre-serialized.
