@@ -132,6 +132,7 @@ class TrainConfig(BaseModel):
             loops=self.loops,
             knobs=self.knobs,
             precision=self.precision,
+            home_layer=self.privacy.home_layer,
         )
 
     @property
