@@ -112,6 +112,8 @@ class Spec:
     gcfreeze: bool = False  # gc.freeze() in both workers once set up (see freeze_gc)
     aio: bool = False  # "grpc": grpc.aio client and server instead of the sync API
     tuning: tuple = ()  # "link": LinkTuning fields, as (name, value) pairs
+    switch_ms: float = 5.0  # the interpreter's GIL switch interval in both workers
+    ack_every: int = 0  # "link": frames per acknowledgement (0: the link's ACK_EVERY)
     n: int = 0  # transfers (warmup + reps)
     certs: str = ""
 
@@ -225,6 +227,7 @@ def freeze_gc() -> None:
 
 
 def _tune_process(spec: Spec) -> None:
+    sys.setswitchinterval(spec.switch_ms / 1e3)
     if spec.malloc:
         tune_malloc()
     if spec.gcfreeze:
@@ -406,7 +409,12 @@ def _link(spec: Spec, rank: int, current_step):
     cfg = TrainConfig(preset="cpu-base", workers=2, batch_size=8)
     rules = FrameRules(cfg, rank, RUN_ID, current_step)
     rules.shape = SHAPE  # the benchmark's tensor, not the preset's hidden state
+    from mobius_fed.worker import link as link_module
+
     _BenchTuning = _bench_tuning()
+    if not hasattr(link_module, "_BENCH_ACK_EVERY"):
+        link_module._BENCH_ACK_EVERY = link_module.ACK_EVERY  # type: ignore[attr-defined]
+    link_module.ACK_EVERY = spec.ack_every or link_module._BENCH_ACK_EVERY  # type: ignore[attr-defined]
     ports = (spec.port2, spec.port)
     kw: dict = {} if spec.chunk is None else {"chunk_bytes": spec.chunk}
     kw["tuning"] = _BenchTuning(**dict(spec.tuning), extra=tuple(spec.opts))
@@ -963,6 +971,9 @@ def levers() -> list[Spec]:
         Spec("ring link, 2 MiB chunks", "link", chunk=2 * m, **M),
         Spec("ring link, 4 MiB chunks", "link", chunk=4 * m, **M),
         Spec("ring link, plaintext (no TLS: reference only)", "link", tls=False, **M),
+        Spec("ring link, GIL switch 0.5 ms", "link", switch_ms=0.5, **M),
+        Spec("ring link, GIL switch 50 ms", "link", switch_ms=50.0, **M),
+        Spec("ring link, ACK every 32 frames", "link", ack_every=32, **M),
         Spec("sync 1 MiB preser, MG", "grpc", chunk=m, preser=True, fastfin=True, **MG),
         Spec("aio 1 MiB preser, MG", "grpc", chunk=m, aio=True, fastfin=True, **MG),
         Spec("sync 2 streams (chan), MG", "grpc", chunk=m, streams=2, preser=True, **MG),
@@ -1000,7 +1011,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         default="",
-        help="run methods whose name contains this (several: separated by '|')",
+        help="run methods whose name contains this (several: separated by '|'; '=NAME': "
+        "exactly that name)",
     )
     ap.add_argument(
         "--rounds",
@@ -1022,9 +1034,12 @@ def main(argv: list[str] | None = None) -> int:
 
     pool = levers() if args.levers else variants()
     wanted = [w.strip().lower() for w in args.only.split("|")]
-    specs = [
-        v for v in pool if any(w in v.name.lower() for w in wanted) and (v.quick or not args.quick)
-    ]
+
+    def picked(name: str) -> bool:
+        name = name.lower()
+        return any(w[1:] == name if w.startswith("=") else w in name for w in wanted)
+
+    specs = [v for v in pool if picked(v.name) and (v.quick or not args.quick)]
     must = [v for v in variants() if v.kind in ("tcp", "gloo") and not v.malloc and v not in specs]
     order = must + specs
     pairs: dict[tuple[bool, bool], Pair] = {}
