@@ -2,6 +2,19 @@
 
     python benchmarks/link_throughput.py            # every method, ~10 timed transfers each
     python benchmarks/link_throughput.py --quick    # raw TCP, gloo, gRPC baseline, real link
+    python benchmarks/link_throughput.py --quick --rounds 5      # the same, interleaved 5x
+    python benchmarks/link_throughput.py --levers --rounds 6     # what moves the link
+    python benchmarks/link_throughput.py --codec-costs           # the link's own CPU work
+
+Measuring on a shared machine: ``--rounds R`` runs every method R times, interleaved
+(method A, B, C, then A, B, C again), and reports the median MB/s over rounds and the
+median of the per-round ratios to gloo and raw TCP measured in the same round. The
+"CPU ms" column is the CPU time of all threads of the sender and the receiver per
+transfer (``getrusage`` around the transfer loop; the plain gRPC servers count from ready
+to stop, their client's TLS handshake included): unlike MB/s it hardly depends on what
+else runs on the machine, so a lever that lowers it is a lever, whatever the noise.
+Process-wide settings (allocator, collector) cannot be undone, so every profile of them
+runs in its own pair of sender/receiver processes.
 
 Sender and receiver are two separate, long-lived processes (``spawn``); the parent only
 orchestrates. Every method moves the same (8, 512, 1024) fp32 tensor (16 MiB) one transfer
@@ -908,6 +921,45 @@ def variants() -> list[Spec]:
     ]
 
 
+def codec_costs(reps: int = 20) -> tuple[float, float]:
+    """CPU ms of the link's own work on one 16 MiB tensor, in this process: encoding the
+    frames (``codec.encode_frames``: CRC + one copy per piece) and receiving them
+    (``parse_frame`` + ``TensorAssembler.add``: validation, CRC, finiteness, reassembly).
+    What remains of a transfer's CPU time is gRPC, TLS and the kernel."""
+    import torch
+
+    from mobius_fed.proto import ring_pb2
+    from mobius_fed.transport.allocator import tune_allocator
+    from mobius_fed.transport.codec import TensorAssembler, encode_frames, parse_frame
+
+    torch.set_num_threads(1)
+    tune_allocator()
+    t = make_tensor()
+    kw = dict(run_id=RUN_ID, step=0, origin=0, tick=1, micro=0, direction=ring_pb2.FORWARD)
+
+    def encode() -> list[bytes]:
+        return list(encode_frames(tensor=t, **kw))
+
+    def receive(frames: list[bytes]):
+        pieces = TensorAssembler(SHAPE, "fp32")
+        for raw in frames:
+            frame, data = parse_frame(raw)
+            out = pieces.add("k", frame, data=data)
+        return out
+
+    frames = encode()
+    assert torch.equal(receive(frames), t)
+    costs = []
+    for fn in (encode, lambda: receive(frames)):
+        for _ in range(3):
+            fn()
+        c0 = time.process_time()
+        for _ in range(reps):
+            fn()
+        costs.append((time.process_time() - c0) / reps * 1e3)
+    return costs[0], costs[1]
+
+
 class Pair:
     """A sender and a receiver process for one process profile (allocator and collector
     settings cannot be undone in a running process, so each profile has its own pair)."""
@@ -1021,7 +1073,16 @@ def main(argv: list[str] | None = None) -> int:
         help="repeat every method this often, interleaved; figures are medians over rounds "
         "and ratios are taken to gloo of the same round",
     )
+    ap.add_argument(
+        "--codec-costs",
+        action="store_true",
+        help="only the link's own CPU work per tensor (encode; parse + validate + reassemble)",
+    )
     args = ap.parse_args(argv)
+    if args.codec_costs:
+        enc, dec = codec_costs()
+        print(f"16 MiB fp32, 1 MiB pieces, CPU ms per tensor: encode {enc:.2f}, receive {dec:.2f}")
+        return 0
     reps = args.reps or (5 if args.quick else 10)
     warm = args.warmup if args.warmup is not None else (2 if args.quick else 3)
 
