@@ -109,7 +109,7 @@ ZEROCOPY_OPTS: tuple[tuple[str, int], ...] = (
 @dataclass(frozen=True)
 class Spec:
     name: str
-    kind: str  # "tcp" | "gloo" | "grpc" | "link"
+    kind: str  # "tcp" | "gloo" | "grpc" | "link" | "tls"
     tls: bool = True
     chunk: int | None = None  # bytes per frame; None = one frame per part
     streams: int = 1
@@ -305,6 +305,101 @@ def _tcp_recv(spec: Spec, conn) -> None:
     LOOP_CPU[0] = _cpu() - cpu0
     c.close()
     srv.close()
+
+
+def _tls_context(spec: Spec, server: bool):
+    """Python's ssl (OpenSSL): TLS 1.3 only, both sides present our certificates."""
+    import ssl
+
+    node = _layout(spec).worker(1 if server else 0)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(node.cert, node.key)
+    ctx.load_verify_locations(node.ca)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.check_hostname = False  # identities are URIs; the CA check is what matters here
+    return ctx
+
+
+def _recv_exact(c, mv) -> None:
+    got = 0
+    while got < len(mv):
+        r = c.recv_into(mv[got:], len(mv) - got)
+        if r == 0:
+            raise ConnectionError("sender closed")
+        got += r
+
+
+def _tls_recv(spec: Spec, conn) -> None:
+    """Reference only: mTLS on a plain socket, decrypted straight into the tensor, each
+    1 MiB piece CRC-checked and summed for finiteness as the link's receiver does."""
+    import struct
+
+    import torch
+
+    from mobius_fed.transport.codec import _crc32
+
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", spec.port))
+    srv.listen(1)
+    conn.send("ready")
+    raw, _ = srv.accept()
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    c = _tls_context(spec, server=True).wrap_socket(raw, server_side=True)
+    out = torch.empty(NUMEL, dtype=torch.float32)
+    mv = memoryview(out.numpy()).cast("B")
+    piece = spec.chunk or MiB
+    crcs = bytearray(4 * (NBYTES // piece))
+    cpu0 = _cpu()
+    for _ in range(spec.n):
+        got = []
+        for a in range(0, NBYTES, piece):
+            _recv_exact(c, mv[a : a + piece])
+            got.append(_crc32(mv[a : a + piece]))
+            if not bool(torch.isfinite(out[a // 4 : (a + piece) // 4].sum())):
+                raise ValueError("non-finite piece")
+        _recv_exact(c, memoryview(crcs))
+        if list(struct.unpack(f"<{len(got)}I", crcs)) != got:
+            raise ValueError("crc mismatch")
+        c.sendall(b"\x01")
+    LOOP_CPU[0] = _cpu() - cpu0
+    c.close()
+    srv.close()
+
+
+def _tls_send(spec: Spec, t) -> list[float]:
+    import struct
+
+    from mobius_fed.transport.codec import _crc32
+
+    raw = socket.socket()
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for _ in range(100):
+        try:
+            raw.connect(("127.0.0.1", spec.port))
+            break
+        except ConnectionRefusedError:
+            time.sleep(0.05)
+    c = _tls_context(spec, server=False).wrap_socket(raw)
+    mv = memoryview(t.numpy()).cast("B")
+    piece = spec.chunk or MiB
+    one = bytearray(1)
+    times = []
+    cpu0 = _cpu()
+    for _ in range(spec.n):
+        t0 = time.perf_counter()
+        crcs = []
+        for a in range(0, NBYTES, piece):
+            crcs.append(_crc32(mv[a : a + piece]))
+            c.sendall(mv[a : a + piece])
+        c.sendall(struct.pack(f"<{len(crcs)}I", *crcs))
+        if c.recv_into(one, 1) != 1:
+            raise ConnectionError("receiver closed")
+        times.append(time.perf_counter() - t0)
+    LOOP_CPU[0] = _cpu() - cpu0
+    c.close()
+    return times
 
 
 def _gloo_recv(spec: Spec, conn) -> None:
@@ -604,7 +699,13 @@ def receiver_main(conn) -> None:
         if spec is None:
             return
         _tune_process(spec)
-        recv = {"tcp": _tcp_recv, "gloo": _gloo_recv, "grpc": _grpc_serve, "link": _link_recv}
+        recv = {
+            "tcp": _tcp_recv,
+            "gloo": _gloo_recv,
+            "grpc": _grpc_serve,
+            "link": _link_recv,
+            "tls": _tls_recv,
+        }
         if spec.kind == "grpc" and spec.aio:
             _grpc_serve_aio(spec, conn)
         else:
@@ -811,7 +912,13 @@ def sender_main(conn) -> None:
             return
         _tune_process(spec)
         try:
-            send = {"tcp": _tcp_send, "gloo": _gloo_send, "grpc": _grpc_send, "link": _link_send}
+            send = {
+                "tcp": _tcp_send,
+                "gloo": _gloo_send,
+                "grpc": _grpc_send,
+                "link": _link_send,
+                "tls": _tls_send,
+            }
             if spec.kind == "grpc" and spec.aio:
                 times = _grpc_send_aio(spec, t)
             else:
@@ -1026,6 +1133,7 @@ def levers() -> list[Spec]:
         Spec("ring link, GIL switch 0.5 ms", "link", switch_ms=0.5, **M),
         Spec("ring link, GIL switch 50 ms", "link", switch_ms=50.0, **M),
         Spec("ring link, ACK every 32 frames", "link", ack_every=32, **M),
+        Spec("mTLS socket, no gRPC (reference only)", "tls", **M),
         Spec("sync 1 MiB preser, MG", "grpc", chunk=m, preser=True, fastfin=True, **MG),
         Spec("aio 1 MiB preser, MG", "grpc", chunk=m, aio=True, fastfin=True, **MG),
         Spec("sync 2 streams (chan), MG", "grpc", chunk=m, streams=2, preser=True, **MG),
