@@ -57,7 +57,7 @@ def test_toml_env_and_flags_set_the_link_settings(tmp_path: Path) -> None:
         ({"MOBIUS_LINK__WINDOW": "0"}, "link.window (from MOBIUS_LINK__WINDOW='0')"),
         ({"MOBIUS_LINK__RATE": "fast", "MOBIUS_LINK__RTT": "1ms"}, "rate 'fast'"),
         ({"MOBIUS_LINK__RTT": "50"}, "delay '50'"),
-        ({"MOBIUS_LINK__RATE": "1gbit"}, "link.rate is set but link.rtt is not"),
+        ({"MOBIUS_LINK__RATE": "1gbit"}, "link: rate is set but rtt is not"),
         ({"MOBIUS_LINK__ALLOCATOR": "jemalloc"}, "link.allocator"),
         ({"MOBIUS_LINK__BDP_PROBE": "maybe"}, "link.bdp_probe"),
     ],

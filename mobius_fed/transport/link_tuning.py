@@ -170,7 +170,7 @@ class LinkConfig(BaseModel):
     def _path(self) -> LinkConfig:
         if (self.rate is None) != (self.rtt is None):
             given, missing = ("rate", "rtt") if self.rtt is None else ("rtt", "rate")
-            raise ValueError(f"link.{given} is set but link.{missing} is not: give both or neither")
+            raise ValueError(f"{given} is set but {missing} is not: give both or neither")
         return self
 
     def tuning(self) -> LinkTuning:
