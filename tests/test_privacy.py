@@ -129,3 +129,29 @@ def test_audit_command_writes_its_report_and_names_bad_flags(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--inverter-steps", "0"])
     assert exc.value.code == 2 and "--inverter-steps" in capsys.readouterr().err
+
+
+def test_distance_correlation_and_nopeek_decorrelates_the_first_hop(sites):
+    from mobius_fed.engine import ReferenceEngine
+    from mobius_fed.privacy.nopeek import distance_correlation
+
+    tokens = torch.randint(0, 50, (2, 32), generator=torch.Generator().manual_seed(0))
+    scaled = 3.0 * torch.nn.functional.one_hot(tokens, 50).float()
+    assert distance_correlation(tokens, scaled).item() == pytest.approx(1.0, abs=1e-5)
+    code = torch.randn(50, 8, generator=torch.Generator().manual_seed(1))
+    noise = torch.randn(2, 32, 8, generator=torch.Generator().manual_seed(2))
+    assert distance_correlation(tokens, noise) < distance_correlation(tokens, code[tokens])
+
+    def first_hop_dcor(decorrelation: float) -> tuple[float, list[float]]:
+        cfg = TrainConfig(**{**BASE, "steps": 8}, privacy={"decorrelation": decorrelation})
+        eng = ReferenceEngine(cfg, sites)
+        losses = [eng.train_step().loss for _ in range(cfg.steps)]
+        x, _ = eng._micro("val", 0, 0)[0]
+        with torch.no_grad():  # origin 0's first remote hop (cyclic): F_0(E(x))
+            h = eng.groups[0](eng.replicas[0].embed(x), 0)
+        return distance_correlation(x, h).item(), losses
+
+    plain, plain_losses = first_hop_dcor(0.0)
+    decorrelated, losses = first_hop_dcor(30.0)
+    assert losses[0] == plain_losses[0] and losses[1:] != plain_losses[1:]  # CE is reported
+    assert decorrelated < plain - 0.02, (decorrelated, plain)

@@ -31,7 +31,9 @@ class PrivateRing(Ring):
 
 
 @pytest.mark.parametrize("order", ["cyclic", "ordered"])
-def test_ring_with_label_and_input_noise_equals_reference_bit_for_bit(tmp_path: Path, order: str):
+def test_ring_with_label_noise_input_noise_and_nopeek_equals_reference_bit_for_bit(
+    tmp_path: Path, order: str
+):
     keys = tmp_path / "keys"
     write_site_keys(keys, 3)
     train = dict(
@@ -45,7 +47,12 @@ def test_ring_with_label_and_input_noise_equals_reference_bit_for_bit(tmp_path: 
         order=order,
     )
     ring = PrivateRing(tmp_path, 3, train)
-    ring.privacy = {"label_noise": 1.0, "input_noise": 0.5, "noise_key_dir": str(keys)}
+    ring.privacy = {
+        "label_noise": 1.0,
+        "input_noise": 0.5,
+        "decorrelation": 3.0,
+        "noise_key_dir": str(keys),
+    }
     ring.prepare().start().wait()
     ref, ref_eval = ring.reference()
     got = ring.losses()

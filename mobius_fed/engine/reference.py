@@ -29,6 +29,7 @@ from mobius_fed.model.training import (
     scale_grads,
     step_optimizers,
 )
+from mobius_fed.privacy.nopeek import build_nopeek
 
 
 @dataclass
@@ -69,6 +70,7 @@ class ReferenceEngine:
         self._table = schedule.tick_table(cfg.order, cfg.P, cfg.loops)
         self._paths = [schedule.path(cfg.order, s, cfg.P, cfg.loops) for s in range(cfg.P)]
         self.hops = build_hops(cfg, "reference")
+        self.nopeek = build_nopeek(cfg)
 
     def _hop(self, phase: str, direction: str, step: int, s: int, slot: int, m: int) -> HopContext:
         """Slot ``slot`` of stream s: written by the previous group (or home), read by the next."""
@@ -129,9 +131,13 @@ class ReferenceEngine:
         batches = [self._micro("train", s, n) for s in range(P)]
         embedded: dict[tuple[int, int], Tensor] = {}
         hidden: dict[tuple[int, int], Tensor] = {}
+        # NoPeek: the origin's penalty gradient for the slot its first remote hop carries
+        nopeek, penalty = self.nopeek, {}
         for s in range(P):
             for m, (x, _) in enumerate(batches[s]):
                 embedded[s, m] = self.replicas[s].embed(x)
+                if nopeek is not None and nopeek.slot(s) == 0:
+                    penalty[s, 0, m] = nopeek.gradient(x, embedded[s, m])
                 hidden[s, m] = self._forward_hop(embedded[s, m].detach(), "train", n, s, 0, m)
         applications: list[tuple[int, int, int, Tensor, Tensor]] = []
         for t, row in enumerate(self._table):
@@ -140,6 +146,8 @@ class ReferenceEngine:
                     for m in range(M):
                         inp = hidden[s, m].requires_grad_()
                         out = self.groups[i](inp, t)
+                        if nopeek is not None and nopeek.slot(s) == t + 1:
+                            penalty[s, t + 1, m] = nopeek.gradient(batches[s][m][0], out)
                         applications.append((t, s, m, inp, out))
                         hidden[s, m] = self._forward_hop(out.detach(), "train", n, s, t + 1, m)
         grads: dict[tuple[int, int], Tensor] = {}
@@ -154,11 +162,13 @@ class ReferenceEngine:
                 losses.append(loss)
             origin_losses.append(mean_loss(losses))
         for t, s, m, inp, out in reversed(applications):
-            out.backward(grads[s, m])
+            extra = penalty.pop((s, t + 1, m), None)
+            out.backward(grads[s, m] if extra is None else grads[s, m] + extra)
             grads[s, m] = self._backward_hop(inp.grad, n, s, t, m)
         for s in range(P):
             for m in range(M):
-                embedded[s, m].backward(grads[s, m])
+                extra = penalty.pop((s, 0, m), None)
+                embedded[s, m].backward(grads[s, m] if extra is None else grads[s, m] + extra)
         for group in self.groups:
             scale_grads(group.parameters(), 1.0 / (P * M))  # mean over origins
         for replica in self.replicas:

@@ -34,6 +34,14 @@ class PrivacyConfig(BaseModel):
             "std = input_noise x each token's RMS; 0 = off"
         ),
     )
+    decorrelation: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "input defence (NoPeek): weight of the distance correlation between an origin's "
+            "tokens and the hidden state of its first remote hop, added to its loss; 0 = off"
+        ),
+    )
     home_layer: Literal["off", "mlp", "block"] = Field(
         "off",
         description=(
@@ -69,5 +77,5 @@ class PrivacyConfig(BaseModel):
         return self.label_noise > 0 or self.input_noise > 0
 
     def any_defence(self) -> bool:
-        """True when any defence is on (noise or the private home layer)."""
-        return self.any_on() or self.home_layer != "off"
+        """True when any defence is on (noise, NoPeek or the private home layer)."""
+        return self.any_on() or self.decorrelation > 0 or self.home_layer != "off"

@@ -36,6 +36,14 @@ def defences(cfg: TrainConfig) -> list[dict[str, Any]]:
                 "sigma": pc.input_noise,
             }
         )
+    if pc.decorrelation > 0:
+        out.append(
+            {
+                "name": "decorrelation",
+                "hop": "hidden state of a stream's first remote hop (NoPeek loss at its origin)",
+                "weight": pc.decorrelation,
+            }
+        )
     if pc.home_layer != "off":
         out.append(
             {

@@ -31,6 +31,10 @@ DEFAULT_GRID: list[tuple[str, str, dict[str, Any]]] = [
     ("label σ=1 + input σ=1", "cyclic", {"label_noise": 1.0, "input_noise": 1.0}),
     ("none (ordered)", "ordered", {}),
     ("input σ=1 (ordered)", "ordered", {"input_noise": 1.0}),
+    ("nopeek α=1", "cyclic", {"decorrelation": 1.0}),
+    ("nopeek α=3", "cyclic", {"decorrelation": 3.0}),
+    ("nopeek α=10", "cyclic", {"decorrelation": 10.0}),
+    ("nopeek α=3 (ordered)", "ordered", {"decorrelation": 3.0}),
     ("home mlp", "cyclic", {"home_layer": "mlp"}),
     ("home block", "cyclic", {"home_layer": "block"}),
     ("home mlp + label σ=0.5", "cyclic", {"home_layer": "mlp", "label_noise": 0.5}),
@@ -135,7 +139,12 @@ def attack_split(t: TargetAttack) -> str:
 
 def _defended(r: AuditReport) -> bool:
     pc = r.privacy
-    return pc["label_noise"] > 0 or pc["input_noise"] > 0 or pc.get("home_layer", "off") != "off"
+    return (
+        pc["label_noise"] > 0
+        or pc["input_noise"] > 0
+        or pc.get("decorrelation", 0) > 0
+        or pc.get("home_layer", "off") != "off"
+    )
 
 
 def write_outputs(rows: Sequence[tuple[str, AuditReport]], out: Path) -> list[Path]:
@@ -164,7 +173,11 @@ def plot(rows: Sequence[tuple[str, AuditReport]], path: Path) -> Path | None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     label_rows = [(k, r) for k, r in rows if r.privacy["input_noise"] == 0 and r.order == "cyclic"]
-    input_rows = [(k, r) for k, r in rows if r.privacy["label_noise"] == 0]
+    input_rows = [
+        (k, r)
+        for k, r in rows
+        if r.privacy["label_noise"] == 0 and r.privacy.get("home_layer", "off") == "off"
+    ]
     for k, r in label_rows:
         left.scatter([r.eval_loss], [100 * r.target.best_accuracy], color="tab:red")
         left.scatter([r.eval_loss], [100 * r.target.model_accuracy], color="grey", marker="x")

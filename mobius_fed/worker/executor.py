@@ -23,6 +23,7 @@ from mobius_fed.engine.hops import HopContext, build_hops
 from mobius_fed.model import build_group, build_replica
 from mobius_fed.model.layers import resolve_device
 from mobius_fed.model.training import make_optimizers, mean_loss, scale_grads, step_optimizers
+from mobius_fed.privacy.nopeek import build_nopeek
 from mobius_fed.transport.wire_stages import CodecStage, codecs
 from mobius_fed.worker.frames import BACKWARD, EVAL, FORWARD, TRAIN, FrameKey, FrameRules
 from mobius_fed.worker.link import RingLinks
@@ -59,6 +60,7 @@ class RingExecutor:
         self.links: RingLinks | None = None
         self.peer_timeout = peer_timeout
         self.hops = build_hops(cfg, "ring", rank)
+        self.nopeek = build_nopeek(cfg)
         self._codecs = codecs(cfg)
         stages = [st for st in self.hops.stages if isinstance(st, CodecStage)]
         self._codec_stage: CodecStage | None = stages[0] if stages else None
@@ -134,14 +136,21 @@ class RingExecutor:
         self._wait, t0 = 0.0, time.perf_counter()
         batches = self._micro("train", n)
         embedded = []
+        # NoPeek: this origin's penalty gradient for the slot its first remote hop carries
+        nopeek, penalty = self.nopeek, {}
+        first = nopeek.slot(self.rank) if nopeek is not None else None
         for m, (x, _) in enumerate(batches):
             e = self.replica.embed(x)
             embedded.append(e)
+            if nopeek is not None and first == 0:
+                penalty[0, m] = nopeek.gradient(x, e)
             self._send_forward(TRAIN, n, self.rank, 0, m, e.detach())
         saved: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
         for t, s, m in self.applications:
             inp = self._take(FrameKey(TRAIN, n, FORWARD, s, t, m)).requires_grad_()
             out = self.group(inp, t)
+            if nopeek is not None and s == self.rank and first == t + 1:
+                penalty[t + 1, m] = nopeek.gradient(batches[m][0], out)
             saved[t, s, m] = (inp, out)
             self._send_forward(TRAIN, n, s, t + 1, m, out.detach())
         losses = []
@@ -153,10 +162,14 @@ class RingExecutor:
             self._send_backward(n, self.rank, K, m, h.grad)
         for t, s, m in reversed(self.applications):
             inp, out = saved.pop((t, s, m))
-            out.backward(self._take(FrameKey(TRAIN, n, BACKWARD, s, t + 1, m)))
+            g = self._take(FrameKey(TRAIN, n, BACKWARD, s, t + 1, m))
+            extra = penalty.pop((t + 1, m), None) if s == self.rank else None
+            out.backward(g if extra is None else g + extra)
             self._send_backward(n, s, t, m, inp.grad)
         for m in range(M):
-            embedded[m].backward(self._take(FrameKey(TRAIN, n, BACKWARD, self.rank, 0, m)))
+            g = self._take(FrameKey(TRAIN, n, BACKWARD, self.rank, 0, m))
+            extra = penalty.pop((0, m), None)
+            embedded[m].backward(g if extra is None else g + extra)
         scale_grads(self.group.parameters(), 1.0 / (cfg.P * M))  # mean over origins
         step_optimizers(self.group_opts, cfg, n)
         scale_grads(self.replica.parameters(), 1.0 / M)
