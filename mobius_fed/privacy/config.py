@@ -46,8 +46,9 @@ class PrivacyConfig(BaseModel):
         "off",
         description=(
             "architectural defence (a deviation from the paper): a private layer each home "
-            "applies to the final hidden state before the shared head; never averaged, never "
-            "sent; mlp = a residual MLP, block = one transformer block; off = the paper's model"
+            "applies to the final hidden state before the shared head, drawn from the site's "
+            "key, never averaged, never sent; mlp = a two-layer MLP with no identity path, "
+            "block = a transformer block then that MLP; off = the paper's model"
         ),
     )
     noise_key_dir: str | None = Field(
