@@ -14,12 +14,15 @@ with probing off, a stream is capped at one window per round trip (64 KiB at 50 
   travels;
 * ``socket_buffer``: fixed kernel socket buffers (``grpc.experimental.tcp_*_buffer_size``;
   default: kernel autotuning, which stops at ``tcp_rmem``'s maximum, 6 MiB by default —
-  raise it with sysctl, or set this, on paths whose BDP is larger).
+  raise it with sysctl, or set this, on paths whose BDP is larger);
+* ``allocator``: keep the link's megabyte-sized buffers on the malloc heap
+  (:mod:`mobius_fed.transport.allocator`; on by default).
 
 A worker takes them from its ``link`` settings (:class:`LinkConfig`): ``[worker.link]`` in
 TOML, ``MOBIUS_LINK__RATE`` (e.g. ``1gbit``), ``MOBIUS_LINK__RTT`` (e.g. ``50ms``),
 ``MOBIUS_LINK__WINDOW``, ``MOBIUS_LINK__CHUNK``, ``MOBIUS_LINK__SOCKET_BUFFER`` (bytes) and
-``MOBIUS_LINK__BDP_PROBE`` (true/false), or the matching ``--link-*`` flags. They change no
+``MOBIUS_LINK__BDP_PROBE`` (true/false), ``MOBIUS_LINK__ALLOCATOR`` (tuned/system), or the
+matching ``--link-*`` flags. They change no
 math: frames and their order are the same whatever the tuning.
 """
 
