@@ -86,6 +86,20 @@ def test_each_site_draws_its_layer_from_its_own_key(tmp_path: Path):
         build_site_replica(cfg, 2)
 
 
+def test_a_frozen_home_layer_stays_as_drawn(sites):
+    eng = engine(sites, steps=2, sync_every=1)
+    cfg = eng.cfg.model_copy(
+        update={"privacy": eng.cfg.privacy.model_copy(update={"home_layer_trained": False})}
+    )
+    frozen = ReferenceEngine(cfg, sites)
+    ensure_home_layers(frozen)
+    before = [_home(frozen, s) for s in range(P)]
+    for _ in range(2):
+        frozen.train_step()
+    assert all(torch.equal(a, b) for s in range(P) for a, b in zip(before[s], _home(frozen, s)))
+    assert not torch.equal(frozen.replicas[0].wte.weight, build_replica(cfg.model(), 0).wte.weight)
+
+
 def test_averaging_shares_E_R_and_keeps_each_home_layer_its_own(sites):
     eng = engine(sites, steps=3, sync_every=1)
     before = _home(eng, 0)

@@ -51,6 +51,14 @@ class PrivacyConfig(BaseModel):
             "block = a transformer block then that MLP; off = the paper's model"
         ),
     )
+    home_layer_trained: bool = Field(
+        True,
+        description=(
+            "home layer: train it with the site's loss (true) or keep it as drawn from the "
+            "site's key (false: it never drifts towards the other sites' layers, which an "
+            "attacker could use as a stand-in)"
+        ),
+    )
     noise_key_dir: str | None = Field(
         None,
         description=(

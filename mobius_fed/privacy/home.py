@@ -41,6 +41,9 @@ def build_site_replica(cfg: TrainConfig, origin: int, engine: Engine = "referenc
     replica = build_replica(cfg.model(), cfg.seed, cfg.privacy.home_layer)
     if replica.home is not None:
         replica.reset_home(home_generator(cfg, origin, engine))
+        if not cfg.privacy.home_layer_trained:  # no optimizer takes it: it stays as drawn
+            for p in replica.private_parameters():
+                p.requires_grad_(False)
     return replica
 
 

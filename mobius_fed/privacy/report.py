@@ -50,6 +50,7 @@ def defences(cfg: TrainConfig) -> list[dict[str, Any]]:
                 "name": "home_layer",
                 "hop": "gradient returned by the home for the final hidden state",
                 "layer": pc.home_layer,
+                "trained": pc.home_layer_trained,
             }
         )
     return out
