@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import queue
 import socket
 import statistics
@@ -123,6 +124,7 @@ class Spec:
     malloc: bool = False  # glibc mallopt tuning in both workers (see tune_malloc)
     fastfin: bool = False  # receiver: decode_fast (sum-based finiteness) instead of codec's
     gcfreeze: bool = False  # gc.freeze() in both workers once set up (see freeze_gc)
+    thp: bool = False  # both workers start with THP_MEM_ALLOC_ENABLE=1 (torch's huge pages)
     aio: bool = False  # "grpc": grpc.aio client and server instead of the sync API
     tuning: tuple = ()  # "link": LinkTuning fields, as (name, value) pairs
     switch_ms: float = 5.0  # the interpreter's GIL switch interval in both workers
@@ -950,6 +952,9 @@ def self_check() -> None:
     assert ring_pb2.Frame.FromString(real) == ref, "codec.encode_frames differs from make_frame"
 
 
+THP_VAR = "THP_MEM_ALLOC_ENABLE"
+"""torch: allocations of 2 MiB and more are 2 MiB-aligned and madvise(MADV_HUGEPAGE)d."""
+
 SYSTEM = (("allocator", False),)
 """LinkTuning of the link with glibc malloc as configured (link.allocator = system)."""
 
@@ -1071,13 +1076,26 @@ class Pair:
     """A sender and a receiver process for one process profile (allocator and collector
     settings cannot be undone in a running process, so each profile has its own pair)."""
 
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx, thp: bool = False) -> None:
         self.rx_parent, rx_child = ctx.Pipe()
         self.tx_parent, tx_child = ctx.Pipe()
         self.rx = ctx.Process(target=receiver_main, args=(rx_child,), daemon=True)
         self.tx = ctx.Process(target=sender_main, args=(tx_child,), daemon=True)
-        self.rx.start()
-        self.tx.start()
+        # torch reads THP_MEM_ALLOC_ENABLE once, at its first allocation: set it for the
+        # children's start only (spawn passes this process's environment on).
+        before = os.environ.get(THP_VAR)
+        if thp:
+            os.environ[THP_VAR] = "1"
+        else:
+            os.environ.pop(THP_VAR, None)
+        try:
+            self.rx.start()
+            self.tx.start()
+        finally:
+            if before is None:
+                os.environ.pop(THP_VAR, None)
+            else:
+                os.environ[THP_VAR] = before
 
     split: tuple[float, float] = (0.0, 0.0)  # the sender's and the receiver's share of cpu
     cpu: float | None = None
@@ -1118,6 +1136,8 @@ def levers() -> list[Spec]:
     return [
         Spec("ring link", "link", **M),
         Spec("ring link, allocator system", "link", tuning=SYSTEM),
+        Spec("ring link, torch THP", "link", thp=True, **M),
+        Spec("ring link, torch THP, allocator system", "link", thp=True, tuning=SYSTEM),
         Spec("ring link, http2 set", "link", opts=tuple(HTTP2_OPTS), **M),
         Spec("ring link, 16 MiB h2 frames", "link", opts=HTTP2_OPTS[:1], **M),
         Spec("ring link, 64 MiB window", "link", opts=HTTP2_OPTS[1:3], **M),
@@ -1211,7 +1231,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = [v for v in pool if picked(v.name) and (v.quick or not args.quick)]
     must = [v for v in variants() if v.kind in ("tcp", "gloo") and not v.malloc and v not in specs]
     order = must + specs
-    pairs: dict[tuple[bool, bool], Pair] = {}
+    pairs: dict[tuple[bool, bool, bool], Pair] = {}
     per_round: list[dict[str, float | str]] = []
     cpu: dict[str, list[float]] = {}
     t_start = time.perf_counter()
@@ -1232,9 +1252,9 @@ def main(argv: list[str] | None = None) -> int:
                 n=warm + reps,
                 certs=str(Path(tmp.name) / "certs"),
             )
-            key = (spec.malloc, spec.gcfreeze)
+            key = (spec.malloc, spec.gcfreeze, spec.thp)
             if key not in pairs:
-                pairs[key] = Pair(ctx)
+                pairs[key] = Pair(ctx, thp=spec.thp)
             payload = pairs[key].run(spec)
             if isinstance(payload, str):
                 got[spec.name] = payload
