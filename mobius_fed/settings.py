@@ -37,14 +37,14 @@ PROCESS_ENV = {
     "MOBIUS_TIKTOKEN_TIMEOUT": "seconds to wait for tiktoken's gpt2 files (default 60)",
     "MOBIUS_LOG_LEVEL": "daemon log verbosity: DEBUG, INFO, WARNING or ERROR (--log-level)",
     "MOBIUS_IMAGE": "docker compose only: the image every service runs",
-    # Ring-link tuning, read by mobius_fed.transport.link_tuning (no effect on the math).
-    "MOBIUS_LINK_RATE": "worker ring links: path rate (e.g. 1gbit), with MOBIUS_LINK_RTT sizes "
-    "the flow-control window",
-    "MOBIUS_LINK_RTT": "worker ring links: path round-trip time (e.g. 50ms)",
-    "MOBIUS_LINK_WINDOW": "worker ring links: HTTP/2 flow-control window, bytes",
-    "MOBIUS_LINK_CHUNK": "worker ring links: frame chunk size, bytes",
-    "MOBIUS_LINK_SOCKET_BUFFER": "worker ring links: socket buffer size, bytes",
-    "MOBIUS_LINK_BDP_PROBE": "worker ring links: gRPC's BDP probe, 0 or 1",
+    # Former ring-link variables: a worker with one set refuses to start, naming the new one.
+    "MOBIUS_LINK_RATE": "removed (a worker refuses to start): use MOBIUS_LINK__RATE",
+    "MOBIUS_LINK_RTT": "removed (a worker refuses to start): use MOBIUS_LINK__RTT",
+    "MOBIUS_LINK_WINDOW": "removed (a worker refuses to start): use MOBIUS_LINK__WINDOW",
+    "MOBIUS_LINK_CHUNK": "removed (a worker refuses to start): use MOBIUS_LINK__CHUNK",
+    "MOBIUS_LINK_SOCKET_BUFFER": "removed (a worker refuses to start): use "
+    "MOBIUS_LINK__SOCKET_BUFFER",
+    "MOBIUS_LINK_BDP_PROBE": "removed (a worker refuses to start): use MOBIUS_LINK__BDP_PROBE",
 }
 
 
