@@ -37,7 +37,7 @@ DEFAULT_GRID: list[tuple[str, str, dict[str, Any]]] = [
     ("nopeek α=3", "cyclic", {"decorrelation": 3.0}),
     ("nopeek α=1 (ordered)", "ordered", {"decorrelation": 1.0}),
     ("home mlp", "cyclic", {"home_layer": "mlp"}),
-    ("home mlp, frozen", "cyclic", {"home_layer": "mlp", "home_layer_trained": False}),
+    ("home mlp frozen", "cyclic", {"home_layer": "mlp", "home_layer_trained": False}),
     ("home block", "cyclic", {"home_layer": "block"}),
     ("home mlp + label σ=0.5", "cyclic", {"home_layer": "mlp", "label_noise": 0.5}),
     ("home mlp (ordered)", "ordered", {"home_layer": "mlp"}),
