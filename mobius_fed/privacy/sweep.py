@@ -174,7 +174,13 @@ def plot(rows: Sequence[tuple[str, AuditReport]], path: Path) -> Path | None:
     except ImportError:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    label_rows = [(k, r) for k, r in rows if r.privacy["input_noise"] == 0 and r.order == "cyclic"]
+    label_rows = [
+        (k, r)
+        for k, r in rows
+        if r.privacy["input_noise"] == 0
+        and r.privacy.get("decorrelation", 0) == 0
+        and r.order == "cyclic"
+    ]
     input_rows = [
         (k, r)
         for k, r in rows
@@ -195,7 +201,7 @@ def plot(rows: Sequence[tuple[str, AuditReport]], path: Path) -> Path | None:
         right.annotate(k, (r.eval_loss, 100 * r.inversion.exact), fontsize=7)
     right.scatter([], [], color="tab:blue", marker="s", label="first-hop exact token, cyclic")
     right.scatter([], [], color="tab:blue", marker="^", label="first-hop exact token, ordered")
-    right.set_title("input defence")
+    right.set_title("input defences (noise, NoPeek)")
     for ax in (left, right):
         ax.set_xlabel("Eq. 8 validation loss")
         ax.set_ylabel("attack success (%)")
