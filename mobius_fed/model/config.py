@@ -8,7 +8,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mobius_fed.model.knobs import LoopKnobs, ResidualScale
 
-
 Precision = Literal["bf16", "fp32"]
 """Block arithmetic on CUDA: bf16 autocast (residual stream fp32) or fp32 throughout."""
 
