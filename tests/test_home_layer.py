@@ -271,7 +271,7 @@ def test_keyed_home_layer_stops_the_last_hop_attacks_but_not_target_grouping(sit
         assert t.home_layer == layer and t.tokens == 3 * 4 * 32
         # without the layer the R-on-h attack reads back every target (test_privacy.py)
         assert t.best_accuracy <= 0.15, t
-        assert t.linear_accuracy is not None and t.cluster_accuracy is not None
+        assert None not in (t.linear_accuracy, t.matching_accuracy, t.cluster_accuracy)
         # ... yet gradients still group the tokens by target far above shuffled targets
         assert t.cluster_purity > t.cluster_purity_chance + 0.1, t
         if layer == "mlp":  # its own layer, drawn from its own key, is no stand-in
@@ -281,4 +281,4 @@ def test_keyed_home_layer_stops_the_last_hop_attacks_but_not_target_grouping(sit
 def test_home_layer_keyed_by_the_public_seed_is_rebuilt_by_the_attacker(sites):
     t = _audit(sites, {"home_layer": "mlp"})
     assert t.surrogate == "the victim's initial layer (public seed)"
-    assert t.surrogate_accuracy >= 0.99, t
+    assert t.surrogate_accuracy >= 0.99 and t.matching_accuracy >= 0.9, t

@@ -131,15 +131,16 @@ def describe(report: AuditReport) -> str:
         f" the head alone: {100 * t.model_accuracy:.2f} %; chance {100 * report.chance:.2f} %)",
     ]
     if t.home_layer != "off":
-        surrogate = (
-            "not run: the block layer mixes tokens"
+        per_token = (
+            "not run (the block layer mixes tokens)"
             if t.surrogate_accuracy is None
-            else f"{100 * t.surrogate_accuracy:.2f} % through {t.surrogate}"
+            else f"{100 * t.surrogate_accuracy:.2f} %"
         )
         lines.append(
             f"    with the private home layer ({t.home_layer}): the head R on h "
             f"{100 * t.accuracy:.2f} %, a fitted linear map {100 * (t.linear_accuracy or 0):.2f} "
-            f"%, a surrogate layer {surrogate}, gradient clusters labelled by its model "
+            f"%, through {t.surrogate} as a stand-in: per token {per_token}, gradient matching "
+            f"{100 * (t.matching_accuracy or 0):.2f} %, gradient clusters labelled by its model "
             f"{100 * (t.cluster_accuracy or 0):.2f} % (groups of one target: "
             f"{100 * (t.cluster_purity or 0):.1f} %, shuffled targets "
             f"{100 * (t.cluster_purity_chance or 0):.1f} %); best {100 * t.best_accuracy:.2f} %"

@@ -249,3 +249,31 @@ def group_purity(group: Tensor, targets: Tensor, *, shuffle_seed: int | None = N
         t = targets[group == j]
         pure += int((t == torch.mode(t).values).sum())
     return pure
+
+
+def recover_targets_matching(
+    h: Tensor, g: Tensor, stand_in: Replica, *, rounds: int = 100, lr: float = 0.3
+) -> Tensor:
+    """Gradient matching through a stand-in for the home (its layer and head): soft labels
+    q (softmax of free logits, one row per token) are fitted so that the gradient of the
+    stand-in's mean cross-entropy against q, taken at h, equals the received ∂L/∂h; the
+    guess is each row's argmax. Works for token-mixing layers too (the whole micro-batch is
+    matched at once); attention runs on its math kernel, which has second derivatives."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    n = h.shape[:-1].numel()
+    vocab = stand_in.cfg.vocab_size
+    target = g.detach().float()
+    with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+        hh = h.detach().float().clone().requires_grad_()
+        logp = F.log_softmax(stand_in.logits(hh).reshape(n, vocab), -1)
+        z = torch.zeros(n, vocab, requires_grad=True)
+        opt = torch.optim.Adam([z], lr=lr)
+        for _ in range(rounds):
+            loss = -(torch.softmax(z, -1) * logp).sum(-1).mean()
+            (gh,) = torch.autograd.grad(loss, hh, create_graph=True, retain_graph=True)
+            mismatch = (gh - target).square().sum() * n * n
+            opt.zero_grad()
+            mismatch.backward(inputs=[z], retain_graph=True)
+            opt.step()
+    return z.detach().argmax(-1)

@@ -31,6 +31,7 @@ from mobius_fed.privacy.attacks import (
     inversion_accuracy,
     recover_targets,
     recover_targets_linear,
+    recover_targets_matching,
     recover_targets_through,
     train_inverter,
 )
@@ -55,6 +56,7 @@ class TargetAttack:
     linear_correct: int | None = None  # models the unknown layer as a fitted linear map
     surrogate_correct: int | None = None  # exact matching through a layer it can know
     surrogate: str | None = None  # which layer: the victim's public-seed one, or its own
+    matching_correct: int | None = None  # soft-label gradient matching through that layer
     cluster_correct: int | None = None  # groups gradients by direction, labels by its model
     cluster_pure: int | None = None  # tokens grouped with others of their own target
     cluster_pure_chance: int | None = None  # the same groups, targets shuffled
@@ -76,6 +78,12 @@ class TargetAttack:
         if self.surrogate_correct is None:
             return None
         return self.surrogate_correct / max(1, self.tokens)
+
+    @property
+    def matching_accuracy(self) -> float | None:
+        if self.matching_correct is None:
+            return None
+        return self.matching_correct / max(1, self.tokens)
 
     @property
     def cluster_accuracy(self) -> float | None:
@@ -100,6 +108,7 @@ class TargetAttack:
             self.accuracy,
             self.linear_accuracy,
             self.surrogate_accuracy,
+            self.matching_accuracy,
             self.cluster_accuracy,
         ]
         return max(a for a in found if a is not None)
@@ -145,6 +154,7 @@ DERIVED = (
     "model_accuracy",
     "linear_accuracy",
     "surrogate_accuracy",
+    "matching_accuracy",
     "cluster_accuracy",
     "cluster_purity",
     "cluster_purity_chance",
@@ -196,13 +206,14 @@ class Audit:
         if cfg.privacy.home_layer != "off":
             self.target.linear_correct = self.target.cluster_correct = 0
             self.target.cluster_pure = self.target.cluster_pure_chance = 0
-        if cfg.privacy.home_layer == "mlp":  # token-wise: exact matching through a surrogate
-            self.target.surrogate_correct = 0
+            self.target.matching_correct = 0
             if cfg.privacy.noise_key_dir is None:  # keyed by the public seed: recomputable
                 self._surrogate = build_site_replica(cfg, victim).home
                 self.target.surrogate = "the victim's initial layer (public seed)"
             else:
                 self.target.surrogate = "its own home layer"
+        if cfg.privacy.home_layer == "mlp":  # token-wise: exact per-token matching too
+            self.target.surrogate_correct = 0
         self._step_hits: dict[int, list[int]] = {}
         self.last_hop = Observer(
             rank=self.target.attacker,
@@ -250,6 +261,14 @@ class Audit:
             home = self._surrogate if self._surrogate is not None else head.home
             assert home is not None
             t.surrogate_correct += int((recover_targets_through(h, g, head, home) == y).sum())
+        if t.matching_correct is not None:
+            own = head.home
+            if self._surrogate is not None:  # its head with the victim's public-seed layer
+                head.home = self._surrogate
+            try:
+                t.matching_correct += int((recover_targets_matching(h, g, head) == y).sum())
+            finally:
+                head.home = own
         hits = int((guess == y).sum())
         self.target.tokens += y.numel()
         self.target.correct += hits

@@ -99,7 +99,8 @@ def markdown_table(rows: Sequence[tuple[str, AuditReport]]) -> str:
     base = {r.order: r.eval_loss for label, r in rows if not _defended(r)}
     lines = [
         "| defence | order | Eq. 8 val loss | Δ vs none | target recovery | attacks: R on h / "
-        "linear map / surrogate / clusters | model alone | chance | first-hop exact "
+        "linear map / stand-in per token / stand-in matching / clusters | model alone "
+        "| chance | first-hop exact "
         "| first-hop top-5 "
         "| most frequent token | ε, q=1 | ε, q=batch/site |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -127,14 +128,16 @@ def markdown_table(rows: Sequence[tuple[str, AuditReport]]) -> str:
 
 
 def attack_split(t: TargetAttack) -> str:
-    """The home-layer attacks side by side: R on h / linear map / surrogate / clusters."""
+    """The home-layer attacks side by side: R on h / linear map / stand-in (per token) /
+    stand-in (matching) / clusters."""
 
     def pct(a: float | None) -> str:
         return "—" if a is None else f"{100 * a:.1f} %"
 
     return (
         f"{pct(t.accuracy)} / {pct(t.linear_accuracy)} / {pct(t.surrogate_accuracy)} / "
-        f"{pct(t.cluster_accuracy)} (purity {pct(t.cluster_purity)}, "
+        f"{pct(t.matching_accuracy)} / {pct(t.cluster_accuracy)} "
+        f"(purity {pct(t.cluster_purity)}, "
         f"shuffled {pct(t.cluster_purity_chance)})"
     )
 
