@@ -39,9 +39,9 @@ def build_group(cfg: ModelConfig, index: int, seed: int) -> BlockGroup:
 def build_replica(cfg: ModelConfig, seed: int, home_layer: str | None = None) -> Replica:
     """The shared initial E/R; every origin starts from the same replica.
 
-    ``home_layer`` ("off", "mlp", "block"; default ``cfg.home_layer`` when the model
-    configuration has one, else "off") adds the private home layer, initialised from the
-    public seed too: what keeps it private is that its updates never leave the home.
+    ``home_layer`` ("off" by default, "mlp", "block") adds a private home layer drawn from
+    the public seed; :func:`mobius_fed.privacy.home.build_site_replica` redraws it from the
+    site's secret key, which is what keeps it private.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(seed, "replica"))
@@ -49,8 +49,8 @@ def build_replica(cfg: ModelConfig, seed: int, home_layer: str | None = None) ->
 
 
 def count_parameters(cfg: ModelConfig) -> int:
-    """Parameters of the full model: P groups plus one E/R replica (with the model
-    configuration's home layer, if it has one, counted once)."""
+    """Parameters of the full model: P groups plus one E/R replica (without the private
+    home layers, which belong to the sites)."""
     with torch.device("meta"):
         groups = sum(p.numel() for p in BlockGroup(cfg).parameters()) * cfg.groups
         return groups + sum(p.numel() for p in Replica(cfg).parameters())

@@ -2,7 +2,7 @@
 
 A replica can also carry a private *home layer* (a deviation from the paper, off by
 default): a small layer the home applies to the final hidden state before the head R.
-It is trained on the home's own loss, never averaged and never sent anywhere, so the
+It is trained on the home's own loss (or kept as drawn), never averaged and never sent, so the
 gradient the home returns for the final hidden state is taken through a function the
 worker before the home does not hold.
 """
@@ -51,10 +51,9 @@ class HomeBlock(nn.Module):
         return self.mlp(self.block(rms_norm(h)))
 
 
-def home_layer_kind(cfg: ModelConfig, override: str | None = None) -> str:
-    """The home layer of a replica: ``override``, else ``cfg.home_layer`` when the model
-    configuration carries one, else "off"."""
-    kind = override if override is not None else getattr(cfg, "home_layer", "off")
+def home_layer_kind(kind: str | None) -> str:
+    """A checked home layer name (None = "off")."""
+    kind = kind or "off"
     if kind not in HOME_LAYERS:
         raise ValueError(f"home_layer {kind!r} is not one of {', '.join(HOME_LAYERS)}")
     return kind
@@ -94,7 +93,7 @@ class Replica(nn.Module):
             self.wte.weight.normal_(0.0, 0.02)
             if self.lm_head is not None:
                 self.lm_head.weight.normal_(0.0, 0.02)
-        self.home_layer = home_layer_kind(cfg, home_layer)
+        self.home_layer = home_layer_kind(home_layer)
         # Built last, so E and R draw the same initial values with or without it.
         self.home = make_home_layer(cfg, self.home_layer)
         if self.home is not None:
