@@ -62,6 +62,10 @@ def test_home_layer_is_private_and_leaves_the_shared_replica_as_it_was(layer: st
         build_replica(cfg, 0, "mpl")
 
 
+def test_both_engines_build_keyed_site_replicas():
+    assert home_layer_wired()
+
+
 def test_each_site_draws_its_layer_from_its_own_key(tmp_path: Path):
     write_site_keys(tmp_path / "keys", P)
     cfg = TrainConfig(
@@ -157,8 +161,7 @@ def test_worker_sends_E_R_only_and_refuses_a_pushed_home_layer(sites):
 
     cfg = TrainConfig(**BASE, privacy={"home_layer": "mlp"})
     ex = RingExecutor(cfg, 1, sites[1], "run")
-    if ex.replica.home is None:  # the executor does not build site replicas yet
-        ex.replica = build_site_replica(cfg, 1, "ring")
+    assert ex.replica.home is not None and ex.replica.home_layer == "mlp"
     arrays = replica_arrays(ex)
     assert set(arrays) == set(ex.replica.shared_state_dict())
     assert not any(is_private(k) for k in arrays)
@@ -189,14 +192,7 @@ def test_engine_checkpoint_keeps_the_home_layer_and_resumes_exactly(sites, tmp_p
         assert all(torch.equal(x, y) for x, y in zip(_home(a, s), _home(b, s)))
 
 
-WIRED = pytest.mark.skipif(
-    not home_layer_wired(),
-    reason="the engines do not build their replicas with privacy.home.build_site_replica",
-)
-
-
 @pytest.mark.slow
-@WIRED
 @pytest.mark.parametrize("order", ["cyclic", "ordered"])
 def test_ring_with_home_layer_equals_reference_bit_for_bit(tmp_path: Path, order: str):
     train = dict(
@@ -223,7 +219,6 @@ def test_ring_with_home_layer_equals_reference_bit_for_bit(tmp_path: Path, order
 
 
 @pytest.mark.slow
-@WIRED
 def test_coordinated_run_keeps_home_layers_on_their_sites(tmp_path: Path):
     """Real coordinator + workers: the losses equal the reference under the same FedAvg,
     and neither the E/R checkpoint nor any state copy at the coordinator holds a home

@@ -20,7 +20,7 @@ from mobius_fed.checkpoint import load_checkpoint, save_checkpoint
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.hops import HopContext, build_hops
-from mobius_fed.model import BlockGroup, Replica, build_group, build_replica
+from mobius_fed.model import BlockGroup, Replica, build_group
 from mobius_fed.model.layers import resolve_device
 from mobius_fed.model.training import (
     average_parameters,
@@ -29,6 +29,7 @@ from mobius_fed.model.training import (
     scale_grads,
     step_optimizers,
 )
+from mobius_fed.privacy.home import build_site_replica
 from mobius_fed.privacy.nopeek import build_nopeek
 
 
@@ -61,7 +62,7 @@ class ReferenceEngine:
             build_group(mc, i, cfg.seed).to(self.device) for i in range(cfg.P)
         ]
         self.replicas: list[Replica] = [
-            build_replica(mc, cfg.seed).to(self.device) for _ in range(cfg.P)
+            build_site_replica(cfg, s).to(self.device) for s in range(cfg.P)
         ]
         self.group_opts = [make_optimizers(g, cfg, blocks=True) for g in self.groups]
         self.replica_opts = [make_optimizers(r, cfg, blocks=False) for r in self.replicas]

@@ -20,9 +20,10 @@ from mobius_fed import schedule
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.hops import HopContext, build_hops
-from mobius_fed.model import build_group, build_replica
+from mobius_fed.model import build_group
 from mobius_fed.model.layers import resolve_device
 from mobius_fed.model.training import make_optimizers, mean_loss, scale_grads, step_optimizers
+from mobius_fed.privacy.home import build_site_replica
 from mobius_fed.privacy.nopeek import build_nopeek
 from mobius_fed.transport.wire_stages import CodecStage, codecs
 from mobius_fed.worker.frames import BACKWARD, EVAL, FORWARD, TRAIN, FrameKey, FrameRules
@@ -50,7 +51,7 @@ class RingExecutor:
         mc = cfg.model()
         self.device = resolve_device(cfg.device)
         self.group = build_group(mc, rank, cfg.seed).to(self.device)
-        self.replica = build_replica(mc, cfg.seed).to(self.device)
+        self.replica = build_site_replica(cfg, rank, "ring").to(self.device)
         self.group_opts = make_optimizers(self.group, cfg, blocks=True)
         self.replica_opts = make_optimizers(self.replica, cfg, blocks=False)
         self.step = 0
