@@ -48,18 +48,14 @@ def build_site_replica(cfg: TrainConfig, origin: int, engine: Engine = "referenc
 
 
 def ensure_home_layers(engine: ReferenceEngine) -> None:
-    """Give a reference engine that has not stepped yet the site replicas of its
-    configuration (each origin's keyed home layer) and fresh replica optimizers.
-
-    Rebuilding is deterministic, so this is a no-op in effect for an engine that built its
-    replicas with :func:`build_site_replica` already.
-    """
+    """Give a reference engine that has not stepped yet, and whose replicas lack the home
+    layer of its configuration, the site replicas (each origin's keyed layer) and fresh
+    replica optimizers; a no-op for an engine that built them with
+    :func:`build_site_replica` (the reference engine does)."""
     cfg = engine.cfg
-    if cfg.privacy.home_layer == "off":
-        return
+    if all(r.home_layer == cfg.privacy.home_layer for r in engine.replicas):
+        return  # built by build_site_replica already (or no layer asked for)
     if engine.step != 0:
-        if all(r.home_layer == cfg.privacy.home_layer for r in engine.replicas):
-            return
         raise RuntimeError("the home layer can only be added before the first step")
     engine.replicas = [build_site_replica(cfg, s).to(engine.device) for s in range(cfg.P)]
     engine.replica_opts = [make_optimizers(r, cfg, blocks=False) for r in engine.replicas]
