@@ -132,7 +132,6 @@ class TrainConfig(BaseModel):
             loops=self.loops,
             knobs=self.knobs,
             precision=self.precision,
-            home_layer=self.privacy.home_layer,
         )
 
     @property

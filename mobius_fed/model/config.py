@@ -12,10 +12,6 @@ Precision = Literal["bf16", "fp32"]
 """Block arithmetic on CUDA: bf16 autocast (residual stream fp32) or fp32 throughout."""
 
 
-HomeLayerKind = Literal["off", "mlp", "block"]
-"""A private layer each home applies before the head (privacy.home_layer; not in the paper)."""
-
-
 class ModelConfig(BaseModel):
     """Shape of the modded GPT-2 split into P block groups."""
 
@@ -35,7 +31,6 @@ class ModelConfig(BaseModel):
     depth_embedding: bool = False
     residual_scale: ResidualScale = "off"
     precision: Precision = "bf16"
-    home_layer: HomeLayerKind = "off"
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -86,7 +81,6 @@ def make_model_config(
     loops: int = 1,
     knobs: LoopKnobs | None = None,
     precision: Precision = "bf16",
-    home_layer: HomeLayerKind = "off",
 ) -> ModelConfig:
     """Resolve a preset name into a ModelConfig; unknown names raise ValueError.
 
@@ -112,6 +106,5 @@ def make_model_config(
         depth_embedding=knobs.depth_embedding,
         residual_scale=knobs.residual_scale,
         precision=precision,
-        home_layer=home_layer,
         **spec,
     )
