@@ -370,20 +370,26 @@ def _tls_recv(spec: Spec, conn) -> None:
     srv.close()
 
 
+def _dial(port: int) -> socket.socket:
+    """A TCP_NODELAY connection to 127.0.0.1:port, retried while the receiver starts."""
+    c = socket.socket()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for _ in range(100):
+        try:
+            c.connect(("127.0.0.1", port))
+            return c
+        except ConnectionRefusedError:
+            time.sleep(0.05)
+    c.connect(("127.0.0.1", port))  # the last try raises what refused it
+    return c
+
+
 def _tls_send(spec: Spec, t) -> list[float]:
     import struct
 
     from mobius_fed.transport.codec import _crc32
 
-    raw = socket.socket()
-    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for _ in range(100):
-        try:
-            raw.connect(("127.0.0.1", spec.port))
-            break
-        except ConnectionRefusedError:
-            time.sleep(0.05)
-    c = _tls_context(spec, server=False).wrap_socket(raw)
+    c = _tls_context(spec, server=False).wrap_socket(_dial(spec.port))
     mv = memoryview(t.numpy()).cast("B")
     piece = spec.chunk or MiB
     one = bytearray(1)
@@ -719,14 +725,7 @@ def receiver_main(conn) -> None:
 
 
 def _tcp_send(spec: Spec, t) -> list[float]:
-    c = socket.socket()
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for _ in range(100):
-        try:
-            c.connect(("127.0.0.1", spec.port))
-            break
-        except ConnectionRefusedError:
-            time.sleep(0.05)
+    c = _dial(spec.port)
     one = bytearray(1)
     times = []
     cpu0 = _cpu()
