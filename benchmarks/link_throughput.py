@@ -433,7 +433,7 @@ def _grpc_serve(spec: Spec, conn) -> None:
     import grpc
     import torch
 
-    from mobius_fed.proto import ring_pb2, ring_pb2_grpc
+    from mobius_fed.proto import ring_pb2_grpc
     from mobius_fed.transport import codec, tls
     from mobius_fed.transport.certs import CertLayout
 
@@ -453,32 +453,11 @@ def _grpc_serve(spec: Spec, conn) -> None:
         def Stream(self, request_iterator, context):
             if spec.tls:
                 tls.require_peer(context, {sender_id})
-            j = k = 0
-            s = None
+            rx = _PieceReceiver(plan, out, decode, single)
             for fr in request_iterator:
-                if s is None:
-                    s = fr.tick
-                codec.validate_frame(
-                    fr,
-                    run_id=RUN_ID,
-                    step=j,
-                    origin=0,
-                    tick=s,
-                    micro=k,
-                    direction=ring_pb2.FORWARD,
-                )
-                if single:
-                    t = decode(fr.tensor, expected_shape=SHAPE, expected_dtype="fp32")
-                    del t  # would be handed to the stage as is (no reassembly copy)
-                else:
-                    a, b = plan[s][k]
-                    t = decode(fr.tensor, expected_shape=(b - a,), expected_dtype="fp32")
-                    out[a:b].copy_(t)
-                k += 1
-                if k == len(plan[s]):
-                    yield ring_pb2.Frame(run_id=RUN_ID, step=j, tick=s, direction=ring_pb2.BACKWARD)
-                    j += 1
-                    k = 0
+                ack = rx.accept(fr)
+                if ack is not None:
+                    yield ack
 
     base = list(tls.GRPC_OPTIONS) + list(spec.opts)
     server = grpc.server(ThreadPoolExecutor(max_workers=spec.streams + 4), options=base)
@@ -584,6 +563,42 @@ def _layout(spec: Spec):
     return CertLayout(root=root, ca_cert=root / "ca.crt", ca_key=root / "ca.key", workers=2)
 
 
+class _PieceReceiver:
+    """What both gRPC receivers (sync and aio) do per frame: validate it against the
+    expected step, tick and piece, decode it into the reassembly target (or, for one
+    whole-tensor frame, decode only), and return the ACK once a tensor is complete."""
+
+    def __init__(self, plan, out, decode, single: bool) -> None:
+        self.plan, self.out, self.decode, self.single = plan, out, decode, single
+        self.j = self.k = 0
+        self.s: int | None = None
+
+    def accept(self, fr):
+        from mobius_fed.proto import ring_pb2
+        from mobius_fed.transport import codec
+
+        if self.s is None:
+            self.s = fr.tick
+        s, k = self.s, self.k
+        codec.validate_frame(
+            fr, run_id=RUN_ID, step=self.j, origin=0, tick=s, micro=k, direction=ring_pb2.FORWARD
+        )
+        if self.single:
+            t = self.decode(fr.tensor, expected_shape=SHAPE, expected_dtype="fp32")
+            del t  # would be handed to the stage as is (no reassembly copy)
+        else:
+            a, b = self.plan[s][k]
+            t = self.decode(fr.tensor, expected_shape=(b - a,), expected_dtype="fp32")
+            self.out[a:b].copy_(t)
+        self.k += 1
+        if self.k < len(self.plan[s]):
+            return None
+        ack = ring_pb2.Frame(run_id=RUN_ID, step=self.j, tick=s, direction=ring_pb2.BACKWARD)
+        self.j += 1
+        self.k = 0
+        return ack
+
+
 def _grpc_serve_aio(spec: Spec, conn) -> None:
     """The "grpc" receiver on grpc.aio: the same validation, decode and acks."""
     import asyncio
@@ -591,7 +606,7 @@ def _grpc_serve_aio(spec: Spec, conn) -> None:
     import grpc
     import torch
 
-    from mobius_fed.proto import ring_pb2, ring_pb2_grpc
+    from mobius_fed.proto import ring_pb2_grpc
     from mobius_fed.transport import codec, tls
 
     plan = bounds(spec)
@@ -600,22 +615,11 @@ def _grpc_serve_aio(spec: Spec, conn) -> None:
 
     class Servicer(ring_pb2_grpc.RingLinkServicer):
         async def Stream(self, request_iterator, context):
-            j = k = 0
-            s = None
+            rx = _PieceReceiver(plan, out, decode, single=False)
             async for fr in request_iterator:
-                if s is None:
-                    s = fr.tick
-                codec.validate_frame(
-                    fr, run_id=RUN_ID, step=j, origin=0, tick=s, micro=k, direction=ring_pb2.FORWARD
-                )
-                a, b = plan[s][k]
-                t = decode(fr.tensor, expected_shape=(b - a,), expected_dtype="fp32")
-                out[a:b].copy_(t)
-                k += 1
-                if k == len(plan[s]):
-                    yield ring_pb2.Frame(run_id=RUN_ID, step=j, tick=s, direction=ring_pb2.BACKWARD)
-                    j += 1
-                    k = 0
+                ack = rx.accept(fr)
+                if ack is not None:
+                    yield ack
 
     async def serve() -> None:
         server = grpc.aio.server(options=list(tls.GRPC_OPTIONS) + list(spec.opts))
