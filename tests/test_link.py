@@ -4,6 +4,7 @@ transient link faults (a TCP proxy that cuts the connection)."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import zlib
@@ -659,3 +660,38 @@ def test_close_releases_the_port_for_a_new_incarnation(certs: CertLayout) -> Non
     )
     assert fresh.start_server() == port
     fresh.close()
+
+
+def test_close_ends_a_dial_to_a_successor_that_never_answers(certs: CertLayout) -> None:
+    """An abort closes the links while connect() still dials a successor that is gone (a
+    killed worker): the dial gives up at once with PeerError, not after peer_timeout."""
+    cfg = _config(2)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    link = RingLinks(
+        FrameRules(cfg, 0, RUN, lambda: 0),
+        listen="127.0.0.1:0",
+        successor=f"127.0.0.1:{dead}",
+        tls=certs.bundle("worker-0"),
+        peer_timeout=60.0,
+    )
+    link.start_server()
+    raised: list[BaseException] = []
+
+    def dial() -> None:
+        try:
+            link.connect()
+        except BaseException as exc:
+            raised.append(exc)
+
+    dialer = threading.Thread(target=dial)
+    dialer.start()
+    time.sleep(1.5)  # a few backoff rounds
+    assert dialer.is_alive()
+    t0 = time.monotonic()
+    link.close()
+    dialer.join(timeout=10)
+    assert not dialer.is_alive() and time.monotonic() - t0 < 8.0
+    assert len(raised) == 1 and isinstance(raised[0], PeerError), raised
+    assert "closed while dialling" in str(raised[0])

@@ -148,6 +148,7 @@ class WorkerNode:
         self.snapshots = Snapshots(Path(cfg.out_dir) / "checkpoints")
         self.state, self.loss, self.tps = "registered", 0.0, 0.0
         self._links_lock = threading.Lock()
+        self._aborts = 0  # aborts so far: a ring join that saw one gives up
         self._session_end = None  # ends the current session: (outcome, reason)
         self.generation = 0  # registrations so far: a reply to an older one is stale
 
@@ -217,6 +218,7 @@ class WorkerNode:
     def rejoin_ring(self, ring_id: str, peers: list[str]) -> None:
         """Close the ring links (if any) and join ring incarnation ``ring_id``."""
         assert self.executor is not None
+        aborts = self._aborts
         self.close_links()
         self.executor.set_run_id(ring_id)
         self.cfg = self.cfg.model_copy(update={"peers": peers})
@@ -225,6 +227,9 @@ class WorkerNode:
             return
         links.start_server()
         with self._links_lock:  # published before the dial, so that an abort can cancel it
+            if self._aborts != aborts:  # an abort came while the links were being built
+                links.close()
+                raise PeerError(f"joining ring {ring_id} abandoned: the round was aborted")
             self.links = links
         links.connect()
         self.executor.links = links
@@ -239,7 +244,9 @@ class WorkerNode:
 
     def _abort(self, why: str) -> None:
         """Abandon the round in flight: wake the executor and close the ring links."""
-        links = self.links
+        with self._links_lock:
+            self._aborts += 1
+            links = self.links
         if links is not None:
             links.inbox.fail(PeerError(f"round abandoned: {why}"))
         self.close_links()

@@ -861,6 +861,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         deadline = time.monotonic() + self.peer_timeout
         delay = self.timers.first_backoff_s
         while True:
+            self._check_not_closed(target)
             self._channel = self._open_channel()
             try:
                 grpc.channel_ready_future(self._channel).result(timeout=min(delay * 4, 5.0))
@@ -884,6 +885,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                 raise _Retry(f"{code.name} {details}")
             except (grpc.FutureTimeoutError, grpc.RpcError, _Retry) as exc:
                 self._channel.close()
+                self._check_not_closed(target)
                 if time.monotonic() > deadline:
                     why = str(exc) if isinstance(exc, _Retry) else repr(exc)
                     raise PeerError(
@@ -896,8 +898,9 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                     target,
                     self.successor_addr,
                 )
-                time.sleep(delay)
+                self._closing.wait(delay)
                 delay = min(delay * 2, self.timers.max_backoff_s)
+        self._check_not_closed(target)  # close() raced the last dial: it cancelled the call
         self._out_state = "up"
         self._client_thread = threading.Thread(
             target=self._client_loop, daemon=True, name="ring-recv-bwd"
@@ -906,6 +909,11 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         log.info(
             "worker-%d connected to successor %s at %s", self.rank, target, self.successor_addr
         )
+
+    def _check_not_closed(self, target: str) -> None:
+        """An abort closes the links while connect() may still be dialling: give up then."""
+        if self._closing.is_set():
+            raise PeerError(f"worker-{self.rank}: link closed while dialling successor {target}")
 
     def _open_stream(
         self, handshake_s: float = HANDSHAKE_TIMEOUT_S
