@@ -184,3 +184,37 @@ def test_cli_experiment_with_seeds_and_sweep_refusal(
         main(["sweep", "--preset", "cpu-tiny", "--workers", "5", "--out", str(tmp_path / "s")])
     assert exc.value.code == 2
     assert "P=5 does not divide the 12 layers" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("home_layer", ["off", "mlp"])
+def test_analyze_a_coordinated_run_from_its_manifest(tmp_path: Path, home_layer: str) -> None:
+    """A real coordinated run (coordinator + 2 worker processes over mTLS) is assembled from
+    its newest manifest: the workers' groups, the averaged E/R and each site's home layer.
+    Its Eq. 8 terms equal the ones the ring itself evaluated at that round."""
+    from mobius_fed.cli.up import LocalFederation
+
+    train = _cfg(steps=4, sync_every=1, eval_every=4, privacy={"home_layer": home_layer})
+    fed = LocalFederation(tmp_path / "up", train, checkpoint_every=2, threads=1)
+    fed.prepare().start()
+    try:
+        final = fed.wait(timeout=300)
+        assert final["phase"] == "done", (final, fed.tail("coordinator"))
+        evals = fed.rest("/v1/history")["evals"]
+    finally:
+        fed.stop()
+    (last,) = [e for e in evals if e["step"] == 4]
+    manifest = tmp_path / "up" / "coordinator" / "checkpoints" / "round-000004" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    # With a home layer no copy goes to the coordinator: the workers' own files are read.
+    assert ("copy" in doc["workers"]["0"]) == (home_layer == "off")
+    model = analyze.load_model(tmp_path / "up")  # the up root: its newest manifest
+    assert model.cfg.privacy.home_layer == home_layer and "round 4" in model.name
+    sites = analyze.sites_for(model.cfg, manifest, None, tmp_path / "an")
+    assert sites[0].directory == tmp_path / "up" / "sites" / "site-0"  # found above the manifest
+    got = analyze.analyze_model(model, sites, batches=1)
+    assert got.origin_loss == pytest.approx(last["origin_losses"], abs=1e-5)
+    if home_layer == "off":  # a copy that does not match the manifest is refused
+        (manifest.parent / "worker-1.ckpt").write_bytes(b"not a checkpoint")
+        with pytest.raises(Exception, match="sha256"):
+            analyze.load_model(manifest)

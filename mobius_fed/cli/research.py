@@ -174,7 +174,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "analyze",
         help="depth roles inside the block groups (logit lens, update sizes, CKA)",
     )
-    p.add_argument("runs", nargs="+", help="run directories or checkpoint files (cyclic, ordered)")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        help="runs to compare (e.g. cyclic, ordered): a run directory or checkpoint file, or a "
+        "coordinated run (an up root, a coordinator's --out, or a checkpoint manifest)",
+    )
     p.add_argument("--data", type=Path, nargs="+", help="validation data (default: the run's)")
     p.add_argument("--batches", type=int, default=2, help="validation batches per origin")
     p.add_argument("--out", help="report directory (default: <first run>/analysis)")

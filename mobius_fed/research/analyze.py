@@ -92,13 +92,21 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
 
 
 def load_model(path: Path) -> Model:
-    """A reference-engine checkpoint file, or a run directory holding ``checkpoint.pt``."""
+    """A reference-engine checkpoint file or a run directory holding ``checkpoint.pt``; or a
+    coordinated run: a manifest, its round directory, a coordinator's output directory or an
+    ``up`` root (see :mod:`mobius_fed.research.manifest_model`)."""
     from mobius_fed.checkpoint import load_checkpoint
+    from mobius_fed.research.manifest_model import find_manifest, load_manifest_model
 
     path = Path(path)
     file = path / CHECKPOINT if path.is_dir() else path
-    if not file.is_file():
-        raise FileNotFoundError(f"analyze: no checkpoint at {file}")
+    if not file.is_file() or file.name == "manifest.json":
+        manifest = find_manifest(path)
+        if manifest is not None:
+            return load_manifest_model(manifest)
+        raise FileNotFoundError(
+            f"analyze: no checkpoint at {file} (nor a coordinator's checkpoint manifest)"
+        )
     state = load_checkpoint(file)
     if not isinstance(state, dict) or "groups" not in state or "replicas" not in state:
         raise ValueError(
@@ -372,8 +380,8 @@ def sites_for(cfg: TrainConfig, run: Path, data: Sequence[Path] | None, out: Pat
         return load_sites(
             Path(spec["sites"]), cfg.P, seq, cfg.encoding, coupled=spec.get("coupled_batches")
         )
-    if not data:
-        for root in (run_dir / "sites", run_dir.parent / "sites"):  # local / experiment
+    if not data:  # local / experiment: next to the run; up: a few levels above a manifest
+        for root in [d / "sites" for d in (run_dir, *run_dir.parents[:4])]:
             if all((root / f"site-{i}" / "meta.json").is_file() for i in range(cfg.P)):
                 return [SiteData(root / f"site-{i}", seq, cfg.encoding) for i in range(cfg.P)]
     from mobius_fed.data import embedded_corpus, prepare_sites
