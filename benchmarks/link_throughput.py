@@ -283,26 +283,29 @@ def decode_fast(msg, *, expected_shape, expected_dtype="fp32"):
 # ----------------------------------------------------------------------------- receiver
 
 
+def _accept_one(port: int, ready=None) -> tuple[socket.socket, socket.socket]:
+    """Listen on 127.0.0.1:port, say "ready" on ``ready`` if given, accept one TCP_NODELAY
+    connection; (listening socket, connection)."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port))
+    srv.listen(1)
+    if ready is not None:
+        ready.send("ready")
+    c, _ = srv.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return srv, c
+
+
 def _tcp_recv(spec: Spec, conn) -> None:
     import torch
 
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", spec.port))
-    srv.listen(1)
-    conn.send("ready")
-    c, _ = srv.accept()
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    srv, c = _accept_one(spec.port, conn)
     out = torch.empty(SHAPE, dtype=torch.float32)
     mv = memoryview(out.numpy()).cast("B")
     cpu0 = _cpu()
     for _ in range(spec.n):
-        got = 0
-        while got < NBYTES:
-            r = c.recv_into(mv[got:], NBYTES - got)
-            if r == 0:
-                raise ConnectionError("sender closed")
-            got += r
+        _recv_exact(c, mv)
         c.sendall(b"\x01")
     LOOP_CPU[0] = _cpu() - cpu0
     c.close()
@@ -341,13 +344,7 @@ def _tls_recv(spec: Spec, conn) -> None:
 
     from mobius_fed.transport.codec import _crc32
 
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", spec.port))
-    srv.listen(1)
-    conn.send("ready")
-    raw, _ = srv.accept()
-    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    srv, raw = _accept_one(spec.port, conn)
     c = _tls_context(spec, server=True).wrap_socket(raw, server_side=True)
     out = torch.empty(NUMEL, dtype=torch.float32)
     mv = memoryview(out.numpy()).cast("B")
