@@ -389,16 +389,25 @@ def _tls_send(spec: Spec, t) -> list[float]:
     c = _tls_context(spec, server=False).wrap_socket(_dial(spec.port))
     mv = memoryview(t.numpy()).cast("B")
     piece = spec.chunk or MiB
-    one = bytearray(1)
-    times = []
-    cpu0 = _cpu()
-    for _ in range(spec.n):
-        t0 = time.perf_counter()
+
+    def send_one() -> None:
         crcs = []
         for a in range(0, NBYTES, piece):
             crcs.append(_crc32(mv[a : a + piece]))
             c.sendall(mv[a : a + piece])
         c.sendall(struct.pack(f"<{len(crcs)}I", *crcs))
+
+    return _timed_sends(spec, c, send_one)
+
+
+def _timed_sends(spec: Spec, c, send_one) -> list[float]:
+    """``spec.n`` timed transfers on socket ``c``, each acknowledged by one byte; closes c."""
+    one = bytearray(1)
+    times = []
+    cpu0 = _cpu()
+    for _ in range(spec.n):
+        t0 = time.perf_counter()
+        send_one()
         if c.recv_into(one, 1) != 1:
             raise ConnectionError("receiver closed")
         times.append(time.perf_counter() - t0)
@@ -727,18 +736,8 @@ def receiver_main(conn) -> None:
 
 def _tcp_send(spec: Spec, t) -> list[float]:
     c = _dial(spec.port)
-    one = bytearray(1)
-    times = []
-    cpu0 = _cpu()
-    for _ in range(spec.n):
-        t0 = time.perf_counter()
-        c.sendall(memoryview(t.numpy()).cast("B"))
-        if c.recv_into(one, 1) != 1:
-            raise ConnectionError("receiver closed")
-        times.append(time.perf_counter() - t0)
-    LOOP_CPU[0] = _cpu() - cpu0
-    c.close()
-    return times
+    mv = memoryview(t.numpy()).cast("B")
+    return _timed_sends(spec, c, lambda: c.sendall(mv))
 
 
 def _gloo_send(spec: Spec, t) -> list[float]:
