@@ -96,6 +96,8 @@ class BarrierRounds:
     barrier_snapshots: bool = False
     hooks: Any = None  # after_train(rnd, replies, arrays), after_evaluate(rnd, replies),
     # and optionally before_train(rnd)
+    er_privacy: Any = None  # ErPrivacy: DP-FedAvg of the E/R (clip replies, noise the mean)
+    _round_start: ArrayRecord | None = None  # the arrays this round's train messages carry
 
     def global_round(self, server_round: int) -> int:
         return server_round + self.round_offset
@@ -113,6 +115,7 @@ class BarrierRounds:
         config["round"] = rnd
         if self.hooks is not None and hasattr(self.hooks, "before_train"):
             self.hooks.before_train(rnd)
+        self._round_start = arrays
         # Flower sees the run's round number, not start()'s count since the last (re)start:
         # FedAdam's bias correction depends on it.
         return list(super().configure_train(rnd, arrays, config, grid))  # type: ignore[misc]
@@ -122,7 +125,12 @@ class BarrierRounds:
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
         rnd = self.global_round(server_round)
+        dp = self.er_privacy
+        if dp is not None and self._round_start is not None:
+            dp.clip_replies(replies, self._round_start)
         arrays, metrics = super().aggregate_train(rnd, replies)  # type: ignore[misc]
+        if dp is not None and arrays is not None:
+            arrays = dp.add_noise(arrays, rnd)
         if self.hooks is not None:
             self.hooks.after_train(rnd, replies, arrays)
         return arrays, metrics

@@ -65,7 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=Path,
         metavar="DIR",
         help="only write one fresh noise key per site (DIR/site-<s>.key, for "
-        "--privacy-noise-key-dir; give each site only its own file) and exit",
+        "--privacy-noise-key-dir; give each site only its own file) and the coordinator's "
+        "(DIR/coordinator.key, for --privacy-er-noise; the coordinator's host only) and exit",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=lambda args: run_guarded(cmd_audit, args))

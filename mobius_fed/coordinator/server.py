@@ -37,6 +37,7 @@ from mobius_fed.coordinator.control import ControlService
 from mobius_fed.coordinator.grid import ControlGrid, GridTimeout, IncidentRaised, RunFailed
 from mobius_fed.coordinator.state import Incident, RunState, json_safe
 from mobius_fed.model import build_replica
+from mobius_fed.privacy.er_dp import ErPrivacy
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.strategies import (
     RoundPlan,
@@ -136,6 +137,7 @@ class Coordinator:
         self.cfg = cfg
         self.train = cfg.train
         self.plan = RoundPlan.of(cfg.train, cfg.checkpoint_round_interval())
+        self.er_privacy = ErPrivacy.of(cfg.train)  # reads the E/R noise key now: fail early
         self.state = RunState(
             run_id=cfg.run_id,
             P=cfg.train.P,
@@ -652,6 +654,7 @@ class Coordinator:
             round_offset=rnd,
         )
         strategy.hooks = self
+        strategy.er_privacy = self.er_privacy
         strategy.state_copy = self.cfg.state_copy == "coordinator"
         strategy.barrier_snapshots = self.cfg.barrier_snapshots
         # One more file than manifests: a worker writes round r before its manifest commits.

@@ -20,6 +20,7 @@ from flwr.supercore.run import Run
 
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
 from mobius_fed.model import Replica
+from mobius_fed.privacy.er_dp import ErPrivacy
 from mobius_fed.privacy.home import ensure_home_layers
 from mobius_fed.strategies import STEP_END, STEP_START
 from mobius_fed.transport.flower_wire import (
@@ -124,6 +125,8 @@ class EngineGrid(Grid):
 def train_with_strategy(engine: ReferenceEngine, strategy: Strategy) -> EngineGrid:
     """Train ``engine`` to ``cfg.steps`` with ``strategy`` doing every replica average."""
     engine.average_replicas = False  # averaging is the strategy's job here
+    if getattr(strategy, "er_privacy", None) is None:  # as the coordinator does
+        strategy.er_privacy = ErPrivacy.of(engine.cfg)  # type: ignore[attr-defined]
     ensure_home_layers(engine)
     set_task_identity(COORDINATOR_NODE_ID)
     grid = EngineGrid(engine)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from mobius_fed import schedule
 from mobius_fed.checkpoint import load_checkpoint, save_checkpoint
-from mobius_fed.config import TrainConfig
+from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.hops import HopContext, build_hops
 from mobius_fed.model import BlockGroup, Replica, build_group
@@ -103,6 +103,12 @@ class ReferenceEngine:
     def train_step(self) -> StepResult:
         """One step: forward K ticks, heads at home, backward in reverse, optimizer steps."""
         cfg, P = self.cfg, self.cfg.P
+        if self.average_replicas and cfg.privacy.er_noise > 0:  # before any work is done
+            raise ConfigError(
+                "privacy.er_noise (DP-FedAvg of the E/R) is applied by the Flower strategy "
+                "at each barrier: train with a coordinator (mobius-fed up, compose), or "
+                "drive this engine with mobius_fed.engine.federated.train_with_strategy"
+            )
         t0 = time.perf_counter()
         origin_losses = self.compute_gradients()
         for opts in self.group_opts + self.replica_opts:

@@ -50,3 +50,14 @@ def epsilon_spent(pc: PrivacyConfig, steps: int) -> float:
     accountant = _accountant_class(pc.accountant)()
     accountant.history = [(effective_multiplier(pc), pc.sample_rate, steps)]
     return float(accountant.get_epsilon(delta=pc.delta))
+
+
+def er_epsilon_spent(pc: PrivacyConfig, rounds: int) -> float:
+    """ε of the E/R's DP-FedAvg after ``rounds`` barriers (replace-one site: z/2, q = 1)."""
+    if rounds <= 0:
+        return 0.0
+    if pc.er_noise <= 0:
+        return float("inf")
+    accountant = _accountant_class(pc.accountant)()
+    accountant.history = [(pc.er_noise / 2.0, 1.0, rounds)]
+    return float(accountant.get_epsilon(delta=pc.delta))

@@ -59,16 +59,33 @@ class PrivacyConfig(BaseModel):
             "attacker could use as a stand-in)"
         ),
     )
+    er_noise: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "DP-FedAvg for the shared E/R: noise multiplier z; at each barrier every site's "
+            "E/R update is clipped to er_clip and N(0, (z*er_clip/P)^2) is added to the "
+            "average; 0 = off"
+        ),
+    )
+    er_clip: float = Field(
+        1.0, gt=0, description="DP-FedAvg: L2 bound C of one site's E/R update per barrier"
+    )
     noise_key_dir: str | None = Field(
         None,
         description=(
             "directory of site-<s>.key files: each site keys its noise with its own secret "
-            "(a worker reads only its own file); unset = keyed by the public seed, which any "
-            "worker can regenerate and subtract"
+            "(a worker reads only its own file; the coordinator reads coordinator.key for "
+            "the E/R noise); unset = keyed by the public seed, which any worker can "
+            "regenerate and subtract"
         ),
     )
     accountant: Literal["rdp", "prv"] = Field(
-        "rdp", description="Opacus accountant for the label defence's (epsilon, delta)"
+        "rdp",
+        description=(
+            "Opacus accountant for the (epsilon, delta) of the label defence and of the E/R's "
+            "DP-FedAvg"
+        ),
     )
     delta: float = Field(1e-5, gt=0, lt=1, description="delta of the reported (epsilon, delta)")
     sample_rate: float = Field(
@@ -87,4 +104,6 @@ class PrivacyConfig(BaseModel):
 
     def any_defence(self) -> bool:
         """True when any defence is on (noise, NoPeek or the private home layer)."""
-        return self.any_on() or self.decorrelation > 0 or self.home_layer != "off"
+        return (
+            self.any_on() or self.decorrelation > 0 or self.home_layer != "off" or self.er_noise > 0
+        )

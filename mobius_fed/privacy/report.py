@@ -9,6 +9,7 @@ from mobius_fed.privacy.accounting import (
     ACCOUNTANT_NAMES,
     PrivacyExtraMissing,
     epsilon_spent,
+    er_epsilon_spent,
 )
 
 if TYPE_CHECKING:
@@ -53,6 +54,15 @@ def defences(cfg: TrainConfig) -> list[dict[str, Any]]:
                 "trained": pc.home_layer_trained,
             }
         )
+    if pc.er_noise > 0:
+        out.append(
+            {
+                "name": "er_dp",
+                "hop": "the shared E/R each site sends at a barrier (DP-FedAvg)",
+                "z": pc.er_noise,
+                "clip": pc.er_clip,
+            }
+        )
     return out
 
 
@@ -61,7 +71,8 @@ def status_block(cfg: TrainConfig, step: int) -> dict[str, Any] | None:
 
     ``step`` is the number of training steps done. ``epsilon`` covers the label defence's
     hop only (see docs/privacy.md); it is None when the label defence is off, or when the
-    ``privacy`` extra is missing (``error`` then says what to install).
+    ``privacy`` extra is missing (``error`` then says what to install). ``er.epsilon`` is
+    the E/R's DP-FedAvg, for a whole site, after the barriers done.
     """
     pc = cfg.privacy
     if not pc.any_defence():
@@ -73,6 +84,15 @@ def status_block(cfg: TrainConfig, step: int) -> dict[str, Any] | None:
         "delta": pc.delta,
         "epsilon": None,
     }
+    if pc.er_noise > 0:  # DP-FedAvg of the shared E/R: whole-site adjacency, per barrier
+        rounds = -(-step // cfg.sync_every) if cfg.sync_every else 0
+        block["er"] = {"noise": pc.er_noise, "clip": pc.er_clip, "rounds": rounds}
+        block["accountant"] = ACCOUNTANT_NAMES[pc.accountant]
+        try:
+            eps = er_epsilon_spent(pc, rounds)
+            block["er"]["epsilon"] = eps if math.isfinite(eps) else None
+        except PrivacyExtraMissing as exc:
+            block["error"] = str(exc)
     if pc.label_noise > 0:
         block["accountant"] = ACCOUNTANT_NAMES[pc.accountant]
         block["sample_rate"] = pc.sample_rate

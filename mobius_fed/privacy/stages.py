@@ -36,13 +36,17 @@ def key_path(directory: str | Path, s: int) -> Path:
 
 
 def write_site_keys(directory: str | Path, sites: int) -> list[Path]:
-    """Make one random secret per site (each file belongs on its own site only)."""
+    """Make one random secret per site (each file belongs on its own site only) and the
+    coordinator's (``coordinator.key``, for the E/R noise; it belongs on the coordinator)."""
     import secrets
+
+    from mobius_fed.privacy.er_dp import COORDINATOR_KEY
 
     Path(directory).mkdir(parents=True, exist_ok=True)
     paths = []
-    for s in range(sites):
-        path = key_path(directory, s)
+    for path in [key_path(directory, s) for s in range(sites)] + [
+        Path(directory) / COORDINATOR_KEY
+    ]:
         path.write_bytes(secrets.token_bytes(KEY_BYTES))
         path.chmod(0o600)
         paths.append(path)

@@ -1,0 +1,86 @@
+"""DP-FedAvg for the shared E/R: central differential privacy with server-side fixed
+clipping (McMahan et al., "Learning Differentially Private Recurrent Language Models",
+ICLR 2018; Andrew et al., arXiv 1710.06963), with Flower's own clipping and noise-scale
+primitives.
+
+At every barrier each site's E/R update Δ_s = θ_s − θ (θ: the arrays the round started
+from) is clipped to L2 norm C over all E/R arrays together, the strategy aggregates the
+clipped replicas as usual, and Gaussian noise N(0, (z·C/P)²) is added to every aggregated
+array. The noise comes from a generator keyed by the coordinator's secret
+(``<noise_key_dir>/coordinator.key``; without it the public seed, which any party can
+regenerate) and the round: never the global RNG, so the reference engine and a ring
+draw the same noise, and a redone round draws it again.
+
+Accounting: one round releases every site's clipped update once. Replacing one site's
+data moves the mean by at most 2C/P, so under replace-one adjacency of a whole site the
+effective noise multiplier is z/2 (as for the label defence); rounds compose with q = 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message
+from flwr.supercore.differential_privacy import compute_clip_model_update, compute_stdv
+
+if TYPE_CHECKING:
+    from mobius_fed.config import TrainConfig
+
+COORDINATOR_KEY = "coordinator.key"
+
+
+def coordinator_key(directory: str | Path | None, seed: int) -> bytes:
+    """The coordinator's noise secret, or the public seed when no key directory is set."""
+    if directory is None:
+        return f"public-seed:{seed}".encode()
+    path = Path(directory) / COORDINATOR_KEY
+    if not path.is_file():
+        raise FileNotFoundError(f"privacy.noise_key_dir: {path} not found (the E/R noise key)")
+    data = path.read_bytes()
+    if len(data) < 16:
+        raise ValueError(f"privacy.noise_key_dir: {path} holds {len(data)} bytes (< 16)")
+    return data
+
+
+class ErPrivacy:
+    """Clip each reply's E/R update to C; add N(0, (z·C/P)²) to the aggregate."""
+
+    def __init__(self, noise: float, clip: float, P: int, seed: int, key: bytes) -> None:
+        self.noise, self.clip, self.P, self.seed, self.key = noise, clip, P, seed, key
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> ErPrivacy | None:
+        pc = cfg.privacy
+        if pc.er_noise <= 0:
+            return None
+        key = coordinator_key(pc.noise_key_dir, cfg.seed)
+        return cls(pc.er_noise, pc.er_clip, cfg.P, cfg.seed, key)
+
+    def clip_replies(self, replies: list[Message], start: ArrayRecord) -> None:
+        """Replace every reply's arrays by ``start`` + its update clipped to C (in place)."""
+        base = start.to_numpy_ndarrays()
+        for reply in replies:
+            for name, record in reply.content.array_records.items():
+                arrays = record.to_numpy_ndarrays()
+                compute_clip_model_update(arrays, base, self.clip)
+                reply.content[name] = ArrayRecord(
+                    {k: Array(np.asarray(v)) for k, v in zip(record.keys(), arrays, strict=True)}
+                )
+
+    def generator(self, rnd: int) -> np.random.Generator:
+        label = f"{self.seed}:er-dp:{rnd}".encode()
+        digest = hashlib.blake2b(label, key=self.key[:64], digest_size=8).digest()
+        return np.random.Generator(np.random.PCG64(int.from_bytes(digest, "little")))
+
+    def add_noise(self, arrays: ArrayRecord, rnd: int) -> ArrayRecord:
+        """``arrays`` plus round ``rnd``'s noise, std z·C/P, in each array's own dtype."""
+        std = compute_stdv(self.noise, self.clip, self.P)
+        gen = self.generator(rnd)
+        out = {}
+        for name, a in zip(arrays.keys(), arrays.to_numpy_ndarrays(), strict=True):
+            z = gen.standard_normal(a.shape, dtype=np.float32) * np.float32(std)
+            out[name] = Array(np.asarray(a + z.astype(a.dtype)))
+        return ArrayRecord(out)
