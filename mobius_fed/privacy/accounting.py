@@ -41,23 +41,23 @@ def effective_multiplier(pc: PrivacyConfig) -> float:
     return pc.label_noise / 2.0
 
 
-def epsilon_spent(pc: PrivacyConfig, steps: int) -> float:
-    """ε after ``steps`` steps at ``pc.delta`` (0 steps: 0; no noise: infinity)."""
-    if steps <= 0:
+def _epsilon(pc: PrivacyConfig, sigma: float, q: float, count: int) -> float:
+    """ε after ``count`` Gaussian releases of multiplier ``sigma`` at rate ``q``, at
+    ``pc.delta`` (none: 0; no noise: infinity)."""
+    if count <= 0:
         return 0.0
-    if pc.label_noise <= 0:
+    if sigma <= 0:
         return float("inf")
     accountant = _accountant_class(pc.accountant)()
-    accountant.history = [(effective_multiplier(pc), pc.sample_rate, steps)]
+    accountant.history = [(sigma, q, count)]
     return float(accountant.get_epsilon(delta=pc.delta))
+
+
+def epsilon_spent(pc: PrivacyConfig, steps: int) -> float:
+    """ε of the label defence after ``steps`` steps (0 steps: 0; no noise: infinity)."""
+    return _epsilon(pc, effective_multiplier(pc), pc.sample_rate, steps)
 
 
 def er_epsilon_spent(pc: PrivacyConfig, rounds: int) -> float:
     """ε of the E/R's DP-FedAvg after ``rounds`` barriers (replace-one site: z/2, q = 1)."""
-    if rounds <= 0:
-        return 0.0
-    if pc.er_noise <= 0:
-        return float("inf")
-    accountant = _accountant_class(pc.accountant)()
-    accountant.history = [(pc.er_noise / 2.0, 1.0, rounds)]
-    return float(accountant.get_epsilon(delta=pc.delta))
+    return _epsilon(pc, pc.er_noise / 2.0, 1.0, rounds)
