@@ -121,3 +121,18 @@ def test_a_coordinated_run_with_er_dp_equals_the_reference(tmp_path: Path) -> No
     fed.train = plain
     without, _ = reference(fed)
     assert max_diff(got, without) > 1e-3  # the defence changed the run
+
+
+def test_mobius_fed_status_shows_both_epsilons() -> None:
+    from rich.console import Console
+
+    from mobius_fed.cli.status import render_status
+
+    cfg = TrainConfig(preset="cpu-tiny", workers=P, privacy={"er_noise": 4.0, "label_noise": 2.0})
+    block = status_block(cfg, 10)
+    console = Console(record=True, width=200)
+    render_status({"phase": "training", "step": 10, "privacy": block}, console)
+    text = console.export_text()
+    assert "label_noise, er_dp" in text and "public seed" in text
+    assert f"{block['epsilon']:.3g}" in text
+    assert f"{block['er']['epsilon']:.3g} (10 barriers)" in text

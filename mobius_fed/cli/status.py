@@ -314,3 +314,24 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
                 "-" if i.get("steps_redone") is None else f"{i['steps_redone']} steps",
             )
         console.print(log)
+    if doc.get("privacy"):
+        console.print(_privacy_table(doc["privacy"]))
+
+
+def _privacy_table(block: dict[str, Any]) -> Table:
+    """The defences on, the noise key and (ε, δ) spent: the label defence's per target
+    occurrence, the E/R's DP-FedAvg per whole site."""
+    table = Table(title="privacy", show_header=True, header_style="bold")
+    for col in ("defences", "noise key", "ε (labels)", "ε (E/R, per site)", "δ"):
+        table.add_column(col, overflow="fold")
+    er = block.get("er") or {}
+    table.add_row(
+        ", ".join(str(d.get("name", "?")) for d in block.get("defences", [])) or "-",
+        str(block.get("noise_key", "-")),
+        _num(block.get("epsilon"), "{:.3g}"),
+        _num(er.get("epsilon"), "{:.3g}") + (f" ({er['rounds']} barriers)" if er else ""),
+        _num(block.get("delta"), "{:g}"),
+    )
+    if block.get("error"):
+        table.caption = str(block["error"])
+    return table
