@@ -18,7 +18,6 @@ effective noise multiplier is z/2 (as for the label defence); rounds compose wit
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,23 +25,17 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Message
 from flwr.supercore.differential_privacy import compute_clip_model_update, compute_stdv
 
+from mobius_fed.privacy.stages import COORDINATOR_KEY, keyed_digest, public_seed_key, read_key
+
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig
-
-COORDINATOR_KEY = "coordinator.key"
 
 
 def coordinator_key(directory: str | Path | None, seed: int) -> bytes:
     """The coordinator's noise secret, or the public seed when no key directory is set."""
     if directory is None:
-        return f"public-seed:{seed}".encode()
-    path = Path(directory) / COORDINATOR_KEY
-    if not path.is_file():
-        raise FileNotFoundError(f"privacy.noise_key_dir: {path} not found (the E/R noise key)")
-    data = path.read_bytes()
-    if len(data) < 16:
-        raise ValueError(f"privacy.noise_key_dir: {path} holds {len(data)} bytes (< 16)")
-    return data
+        return public_seed_key(seed)
+    return read_key(Path(directory) / COORDINATOR_KEY, " (the E/R noise key)")
 
 
 class ErPrivacy:
@@ -71,9 +64,8 @@ class ErPrivacy:
                 )
 
     def generator(self, rnd: int) -> np.random.Generator:
-        label = f"{self.seed}:er-dp:{rnd}".encode()
-        digest = hashlib.blake2b(label, key=self.key[:64], digest_size=8).digest()
-        return np.random.Generator(np.random.PCG64(int.from_bytes(digest, "little")))
+        seed = keyed_digest(self.key, f"{self.seed}:er-dp:{rnd}")
+        return np.random.Generator(np.random.PCG64(seed))
 
     def add_noise(self, arrays: ArrayRecord, rnd: int) -> ArrayRecord:
         """``arrays`` plus round ``rnd``'s noise, std z·C/P, in each array's own dtype."""

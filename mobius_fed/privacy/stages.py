@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from mobius_fed.engine.hops import Engine, HopContext, HopStage
 
 KEY_BYTES = 32
+COORDINATOR_KEY = "coordinator.key"  # the coordinator's secret for the E/R noise (er_dp.py)
 
 
 def key_path(directory: str | Path, s: int) -> Path:
@@ -40,8 +41,6 @@ def write_site_keys(directory: str | Path, sites: int) -> list[Path]:
     coordinator's (``coordinator.key``, for the E/R noise; it belongs on the coordinator)."""
     import secrets
 
-    from mobius_fed.privacy.er_dp import COORDINATOR_KEY
-
     Path(directory).mkdir(parents=True, exist_ok=True)
     paths = []
     for path in [key_path(directory, s) for s in range(sites)] + [
@@ -51,6 +50,27 @@ def write_site_keys(directory: str | Path, sites: int) -> list[Path]:
         path.chmod(0o600)
         paths.append(path)
     return paths
+
+
+def public_seed_key(seed: int) -> bytes:
+    """The key used without a key directory: public, so anyone can regenerate the noise."""
+    return f"public-seed:{seed}".encode()
+
+
+def read_key(path: Path, what: str = "") -> bytes:
+    """A secret key file (at least 16 bytes); errors name the file and the setting."""
+    if not path.is_file():
+        raise FileNotFoundError(f"privacy.noise_key_dir: {path} not found{what}")
+    data = path.read_bytes()
+    if len(data) < 16:
+        raise ValueError(f"privacy.noise_key_dir: {path} holds {len(data)} bytes (< 16)")
+    return data
+
+
+def keyed_digest(key: bytes, label: str) -> int:
+    """A 64-bit integer from ``label`` under the secret ``key`` (keyed BLAKE2b)."""
+    digest = hashlib.blake2b(label.encode(), key=key[:64], digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 class NoiseKeys:
@@ -64,26 +84,17 @@ class NoiseKeys:
 
     def key(self, s: int) -> bytes:
         if self.directory is None:
-            return f"public-seed:{self.seed}".encode()
+            return public_seed_key(self.seed)
         if s not in self._keys:
             if self.engine == "ring" and s != self.rank:
                 raise ValueError(f"worker {self.rank} has no noise key of site {s}")
-            path = key_path(self.directory, s)
-            if not path.is_file():
-                raise FileNotFoundError(f"privacy.noise_key_dir: {path} not found")
-            data = path.read_bytes()
-            if len(data) < 16:
-                raise ValueError(f"privacy.noise_key_dir: {path} holds {len(data)} bytes (< 16)")
-            self._keys[s] = data
+            self._keys[s] = read_key(key_path(self.directory, s))
         return self._keys[s]
 
     def generator(self, ctx: HopContext) -> torch.Generator:
         """The generator of hop ``ctx``, keyed by the sender's (= origin's) secret."""
-        label = (
-            f"{self.seed}:{ctx.phase}:{ctx.step}:{ctx.s}:{ctx.slot}:{ctx.m}:{ctx.direction}"
-        ).encode()
-        digest = hashlib.blake2b(label, key=self.key(ctx.s)[:64], digest_size=8).digest()
-        return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+        label = f"{self.seed}:{ctx.phase}:{ctx.step}:{ctx.s}:{ctx.slot}:{ctx.m}:{ctx.direction}"
+        return torch.Generator().manual_seed(keyed_digest(self.key(ctx.s), label) >> 1)
 
 
 def gaussian(like: Tensor, gen: torch.Generator) -> Tensor:
