@@ -96,11 +96,11 @@ def load_model(path: Path) -> Model:
     coordinated run: a manifest, its round directory, a coordinator's output directory or an
     ``up`` root (see :mod:`mobius_fed.research.manifest_model`)."""
     from mobius_fed.checkpoint import load_checkpoint
-    from mobius_fed.research.manifest_model import find_manifest, load_manifest_model
+    from mobius_fed.research.manifest_model import MANIFEST, find_manifest, load_manifest_model
 
     path = Path(path)
     file = path / CHECKPOINT if path.is_dir() else path
-    if not file.is_file() or file.name == "manifest.json":
+    if not file.is_file() or file.name == MANIFEST:
         manifest = find_manifest(path)
         if manifest is not None:
             return load_manifest_model(manifest)

@@ -16,15 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from mobius_fed.config import TrainConfig
-
-MANIFEST = "manifest.json"
+from mobius_fed.coordinator.server import MANIFEST, latest_manifest, manifest_problem
 
 
 def find_manifest(path: Path) -> Path | None:
     """The manifest ``path`` names: the file itself, a round directory, a coordinator's
     output directory or an ``up`` root (the newest complete manifest); None if none."""
-    from mobius_fed.coordinator.server import latest_manifest
-
     path = Path(path)
     if path.is_file():
         return path if path.name == MANIFEST else None
@@ -60,7 +57,6 @@ def _worker_file(manifest: Path, rank: int, entry: dict[str, Any]) -> Path:
 def load_manifest_model(manifest: Path):
     """The :class:`~mobius_fed.research.analyze.Model` that ``manifest`` describes."""
     from mobius_fed.checkpoint import load_checkpoint
-    from mobius_fed.coordinator.server import manifest_problem
     from mobius_fed.model.groups import BlockGroup, build_replica
     from mobius_fed.research.analyze import Model, model_config
     from mobius_fed.strategies import from_plain
@@ -80,8 +76,7 @@ def load_manifest_model(manifest: Path):
         if entry is None:
             raise ValueError(f"analyze: manifest {manifest} names no checkpoint of worker-{rank}")
         file = _worker_file(manifest, rank, entry)
-        sha = entry.get("copy_sha256") if file.parent == manifest.parent else entry["sha256"]
-        state = load_checkpoint(file, sha)
+        state = load_checkpoint(file, entry["sha256"])  # a copy was checked against it too
         if state.get("rank") != rank or "group" not in state or "replica" not in state:
             raise ValueError(f"analyze: {file} is not worker-{rank}'s checkpoint")
         group = BlockGroup(mc)
