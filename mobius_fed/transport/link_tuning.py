@@ -37,6 +37,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -155,18 +156,11 @@ class LinkConfig(BaseModel):
         "(fewer page faults per frame, glibc only); system: malloc as configured",
     )
 
-    @field_validator("rate")
+    @field_validator("rate", "rtt")
     @classmethod
-    def _rate(cls, v: str | None) -> str | None:
+    def _parses(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is not None:
-            parse_rate(v)
-        return v
-
-    @field_validator("rtt")
-    @classmethod
-    def _rtt(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_delay(v)
+            {"rate": parse_rate, "rtt": parse_delay}[info.field_name](v)
         return v
 
     @model_validator(mode="after")
