@@ -1,24 +1,27 @@
-"""Checkpoint files: tensors plus JSON, never pickle; atomic writes; verified reads.
+"""Checkpoint files: safetensors files, never pickle; atomic writes; verified reads.
 
-Layout of a file (all integers little-endian)::
-
-    u64  header_len
-    header_len bytes   UTF-8 JSON header, padded with spaces
-    data_len bytes     raw tensor/array/bytes payloads, each at a 64-byte aligned offset
-
-The header is ``{"format": "mobius-fed-checkpoint", "version": 1, "data_len": N,
-"data_sha256": "<hex>", "root": <value>}`` where a value is JSON ``null``/bool/int/str,
-a finite float, a JSON list (a Python list), or an object tagged by ``"T"``:
+A checkpoint (format 2) is a plain `safetensors <https://github.com/huggingface/safetensors>`_
+file written and parsed by the ``safetensors`` library: every tensor, numpy array and bytes
+value of the state is one named tensor (``group.blocks.0.attn.qkv.weight``), and the file's
+``__metadata__`` holds ``{"format": "mobius-fed-checkpoint", "version": "2",
+"data_sha256": "<hex>", "root": "<JSON>"}``. ``root`` is the state's structure, a JSON
+value: ``null``/bool/int/str, a finite float, a JSON list (a Python list), or an object
+tagged by ``"T"``:
 
 * ``{"T": "float", "v": "nan" | "inf" | "-inf"}``
 * ``{"T": "tuple", "v": [...]}``
 * ``{"T": "dict", "items": [[key, value], ...]}``: key a JSON str or int (kept as such);
   ``"odict"`` for an ``OrderedDict``, with ``"meta"`` holding a torch ``state_dict``'s
   ``_metadata`` when it has one
-* ``{"T": "tensor", "dtype": "bfloat16", "shape": [..], "at": [begin, end]}`` (torch)
-* ``{"T": "ndarray" | "npscalar", "dtype": "<f4", "shape": [..], "at": [begin, end]}``
-* ``{"T": "bytes", "at": [begin, end]}``
+* ``{"T": "tensor", "dtype": "bfloat16", "shape": [..], "key": name}`` (torch)
+* ``{"T": "ndarray" | "npscalar", "dtype": "<f4", "shape": [..], "key": name}``
+* ``{"T": "bytes", "key": name}``
 * ``{"T": "ArrayRecord", "items": [[name, ndarray value], ...]}`` (a Flower ArrayRecord)
+
+A value whose dtype safetensors lacks (complex128, a big-endian array) is stored as its raw
+bytes (``U8``); the tree's dtype and shape rebuild it. ``data_sha256`` is the SHA-256 of the
+tensors' bytes in the order of their names. Files of format 1 (a JSON header, then the
+payloads at the byte ranges ``"at": [begin, end]`` of the tree) are still read.
 
 Reading parses JSON and copies bytes into tensors: no code runs, whatever the file holds.
 Every problem (missing file, hash mismatch, truncation, corruption, a pickle, a value we
@@ -33,6 +36,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -43,10 +47,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, TensorSpec, deserialize, serialize_file
 
 FORMAT = "mobius-fed-checkpoint"
-VERSION = 1
-ALIGN = 64
+VERSION = 2  # what save_checkpoint writes; load_checkpoint reads 1 and 2
 MAX_HEADER_BYTES = 256 * 1024 * 1024
 TMP_MARKER = ".tmp-"
 
@@ -75,6 +79,28 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 _TORCH_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 _NUMPY_KINDS = frozenset("biufc")
+_ST_DTYPES = frozenset(  # the dtypes safetensors stores natively (others: raw bytes)
+    [
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "complex64",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    ]
+)
+_PATH_PART = re.compile(r"\['([^']*)'\]|\[(-?\d+)\]|\.(\w+)")
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 class CheckpointError(ValueError):
@@ -90,21 +116,35 @@ if sys.byteorder != "little":  # pragma: no cover - every supported host is litt
 
 
 # --------------------------------------------------------------------------- encoding
-class _Encoder:
-    def __init__(self) -> None:
-        self.chunks: list[memoryview] = []
-        self.size = 0
+def _tensor_name(where: str) -> str:
+    """``state['group'][0]['w']`` → ``group.0.w`` (a readable safetensors name)."""
+    parts = _PATH_PART.findall(where.removeprefix("state"))
+    return ".".join(a or b or c for a, b, c in parts) or "state"
 
-    def _put(self, data: memoryview) -> list[int]:
-        pad = -self.size % ALIGN
-        if pad:
-            self.chunks.append(memoryview(bytes(pad)))
-            self.size += pad
-        begin = self.size
-        if data.nbytes:
-            self.chunks.append(data)
-            self.size += data.nbytes
-        return [begin, self.size]
+
+class _Encoder:
+    """Walks a state into the JSON tree; every array goes to ``specs`` under a unique name."""
+
+    def __init__(self) -> None:
+        self.specs: dict[str, Any] = {}
+        self.arrays: dict[str, np.ndarray] = {}  # keeps every pointer alive while writing
+        self.metadata: dict[str, str] = {}
+
+    def _put(self, arr: np.ndarray, st_dtype: str, shape: list[int], where: str) -> str:
+        name = base = _tensor_name(where)
+        n = 1
+        while name in self.arrays:
+            n += 1
+            name = f"{base}#{n}"
+        self.arrays[name] = arr
+        self.specs[name] = TensorSpec(
+            dtype=st_dtype, shape=shape, data_ptr=arr.ctypes.data, data_len=arr.nbytes
+        )
+        return name
+
+    def _raw(self, arr: np.ndarray, where: str) -> str:
+        flat = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
+        return self._put(flat, "uint8", [flat.size], where)
 
     def value(self, v: Any, where: str) -> Any:
         if isinstance(v, np.ndarray | np.generic):  # before float: np.float64 is a float
@@ -120,7 +160,7 @@ class _Encoder:
         if isinstance(v, torch.Tensor):
             return self.tensor(v, where)
         if isinstance(v, bytes | bytearray):
-            return {"T": "bytes", "at": self._put(memoryview(bytes(v)))}
+            return {"T": "bytes", "key": self._raw(np.frombuffer(bytes(v), np.uint8), where)}
         if type(v).__name__ == "ArrayRecord" and type(v).__module__.startswith("flwr."):
             return self.array_record(v, where)
         if isinstance(v, dict):
@@ -152,19 +192,27 @@ class _Encoder:
         if t.is_sparse or t.layout != torch.strided or t.is_quantized:
             raise TypeError(f"{where}: only dense tensors can be stored")
         c = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+        node = {"T": "tensor", "dtype": name, "shape": list(c.shape)}
         raw = c.reshape(-1).view(torch.uint8) if c.numel() else torch.empty(0, dtype=torch.uint8)
-        data = memoryview(raw.numpy()).cast("B")
-        return {"T": "tensor", "dtype": name, "shape": list(c.shape), "at": self._put(data)}
+        if name in _ST_DTYPES:
+            node["key"] = self._put(raw.numpy(), name, list(c.shape), where)
+        else:
+            node["key"] = self._raw(raw.numpy(), where)
+        return node
 
     def ndarray(self, a: np.ndarray | np.generic, where: str) -> dict:
         kind = "npscalar" if isinstance(a, np.generic) else "ndarray"
         arr = np.asarray(a)
-        if arr.dtype.kind not in _NUMPY_KINDS or arr.dtype.hasobject or arr.dtype.fields:
-            raise TypeError(f"{where}: numpy dtype {arr.dtype} is not supported")
         if not arr.flags.c_contiguous:
             arr = arr.copy(order="C")
-        data = memoryview(arr.reshape(-1).view(np.uint8)).cast("B") if arr.size else memoryview(b"")
-        return {"T": kind, "dtype": arr.dtype.str, "shape": list(arr.shape), "at": self._put(data)}
+        if arr.dtype.kind not in _NUMPY_KINDS or arr.dtype.hasobject or arr.dtype.fields:
+            raise TypeError(f"{where}: numpy dtype {arr.dtype} is not supported")
+        node = {"T": kind, "dtype": arr.dtype.str, "shape": list(arr.shape)}
+        if arr.dtype.isnative and arr.dtype.name in _ST_DTYPES:
+            node["key"] = self._put(arr, arr.dtype.name, list(arr.shape), where)
+        else:
+            node["key"] = self._raw(arr, where)
+        return node
 
     def array_record(self, rec: Any, where: str) -> dict:
         from mobius_fed.transport.safe_arrays import UnsafeArrayError, array_to_numpy
@@ -177,24 +225,26 @@ class _Encoder:
                 raise TypeError(f"{where}[{k!r}]: {exc}") from None
         return {"T": "ArrayRecord", "items": items}
 
+    def digest(self) -> str:
+        """SHA-256 of every stored array's bytes, in the order of their names."""
+        h = hashlib.sha256()
+        for name in sorted(self.arrays):
+            h.update(memoryview(self.arrays[name]).cast("B"))
+        return h.hexdigest()
 
-def encode(state: Any) -> tuple[bytes, list[memoryview]]:
-    """``(header, payload chunks)`` of ``state``; TypeError names the key path of a bad value."""
+
+def encode(state: Any) -> _Encoder:
+    """The encoder holding ``state``'s tensors and, in ``metadata``, its tree and digest;
+    TypeError names the key path of a bad value."""
     enc = _Encoder()
     root = enc.value(state, "state")
-    h = hashlib.sha256()
-    for c in enc.chunks:
-        h.update(c)
-    header = {
+    enc.metadata = {
         "format": FORMAT,
-        "version": VERSION,
-        "data_len": enc.size,
-        "data_sha256": h.hexdigest(),
-        "root": root,
+        "version": str(VERSION),
+        "data_sha256": enc.digest(),
+        "root": json.dumps(root, separators=(",", ":"), allow_nan=False),
     }
-    text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
-    text += b" " * (-(8 + len(text)) % ALIGN)  # payloads start aligned in the file too
-    return len(text).to_bytes(8, "little") + text, enc.chunks
+    return enc
 
 
 # --------------------------------------------------------------------------- writing
@@ -216,6 +266,15 @@ def _oserror(path: Path, exc: OSError) -> CheckpointError:
     )
 
 
+def _write_error(exc: SafetensorError) -> OSError | TypeError:
+    """The OSError (errno named) behind a failed safetensors write, else a TypeError."""
+    m = _OS_ERROR.search(str(exc))
+    if m:
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code))
+    return TypeError(str(exc))
+
+
 def save_checkpoint(path: Path, state: dict, durable: bool = True) -> Path:
     """Write ``state`` to ``path`` atomically (temporary file, fsync, rename, fsync dir).
 
@@ -225,34 +284,33 @@ def save_checkpoint(path: Path, state: dict, durable: bool = True) -> Path:
     """
     path = Path(path)
     try:
-        head, chunks = encode(state)
+        enc = encode(state)
     except TypeError as exc:
         raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
+    # safetensors writes into a temporary file of its own, next to the one it is given:
+    # a private directory keeps both, and prune_checkpoints clears it if the writer dies.
+    tmp_dir = path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise _oserror(path, exc) from exc
-    tmp = path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
-    fd = -1
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        for chunk in (memoryview(head), *chunks):
-            view = chunk
-            while view.nbytes:
-                n = os.write(fd, view)
-                view = view[n:]
+        tmp_dir.mkdir()
+        tmp = tmp_dir / path.name
+        try:
+            serialize_file(enc.specs, tmp, metadata=enc.metadata)
+        except SafetensorError as exc:
+            raise _write_error(exc) from None
         if durable:
-            os.fsync(fd)
-        os.close(fd)
-        fd = -1
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
     except OSError as exc:
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise _oserror(path, exc) from exc
+    except TypeError as exc:
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     if durable:
         _fsync_dir(path.parent)
     return path
@@ -299,7 +357,10 @@ def prune_checkpoints(directory: Path, pattern: str, keep: int) -> list[Path]:
     for p in directory.glob(f".*{TMP_MARKER}*"):
         if _writer_gone(p):
             with contextlib.suppress(FileNotFoundError):
-                p.unlink()
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
                 removed.append(p)
     return removed
 
@@ -318,20 +379,12 @@ def _writer_gone(tmp: Path) -> bool:
 
 
 # --------------------------------------------------------------------------- reading
-def _read_bytes(path: Path) -> bytearray:
+def _read_bytes(path: Path) -> bytes:
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            buf = bytearray(size)
-            view = memoryview(buf)
-            got = 0
-            while got < size:
-                n = f.readinto(view[got:])
-                if not n:
-                    break
-                got += n
-            del view
-            if got != size:
+            buf = f.read()
+            if len(buf) != size:
                 raise CheckpointError(f"checkpoint {path} changed while being read")
             return buf
     except FileNotFoundError:
@@ -351,24 +404,23 @@ def _kind_of(head: bytes) -> str:
 
 
 class _Decoder:
-    def __init__(self, data: memoryview, path: Path) -> None:
-        self.data, self.path = data, path
+    """Rebuilds a state from its tree; ``payload`` gives a value's bytes (format 2: the
+    tensors safetensors parsed, by name; format 1: byte ranges of one payload)."""
+
+    def __init__(self, tensors: dict[str, bytearray], path: Path) -> None:
+        self.tensors, self.path = tensors, path
 
     def bad(self, where: str, why: str) -> CheckpointError:
         return CheckpointError(f"checkpoint {self.path} is corrupted: {where}: {why}")
 
-    def span(self, v: dict, where: str, nbytes: int | None = None) -> tuple[int, int]:
-        at = v.get("at")
-        if (
-            not isinstance(at, list)
-            or len(at) != 2
-            or not all(type(x) is int for x in at)
-            or not 0 <= at[0] <= at[1] <= self.data.nbytes
-        ):
-            raise self.bad(where, f"byte range {at!r} outside the {self.data.nbytes}-byte payload")
-        if nbytes is not None and at[1] - at[0] != nbytes:
-            raise self.bad(where, f"{at[1] - at[0]} bytes stored, {nbytes} needed")
-        return at[0], at[1]
+    def payload(self, v: dict, where: str, nbytes: int | None = None) -> bytearray:
+        """A writable buffer of the value's bytes, owned by the value built on it."""
+        data = self.tensors.get(v.get("key"))  # type: ignore[arg-type]
+        if data is None:
+            raise self.bad(where, f"no tensor named {v.get('key')!r} in the file")
+        if nbytes is not None and len(data) != nbytes:
+            raise self.bad(where, f"{len(data)} bytes stored, {nbytes} needed")
+        return data
 
     def shape(self, v: dict, where: str) -> list[int]:
         shape = v.get("shape")
@@ -400,8 +452,7 @@ class _Decoder:
         if tag in ("ndarray", "npscalar"):
             return self.ndarray(v, where)
         if tag == "bytes":
-            b, e = self.span(v, where)
-            return bytes(self.data[b:e])
+            return bytes(self.payload(v, where))
         if tag == "ArrayRecord":
             return self.array_record(v, where)
         raise self.bad(where, f"unknown value tag {tag!r}")
@@ -428,11 +479,10 @@ class _Decoder:
             raise self.bad(where, f"unknown tensor dtype {v.get('dtype')!r}")
         shape = self.shape(v, where)
         numel = math.prod(shape)
-        b, e = self.span(v, where, numel * dtype.itemsize)
+        data = self.payload(v, where, numel * dtype.itemsize)
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
-        raw = torch.from_numpy(np.frombuffer(self.data[b:e], dtype=np.uint8).copy())
-        return raw.view(dtype).view(shape)
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
 
     def ndarray(self, v: dict, where: str) -> np.ndarray | np.generic:
         try:
@@ -443,8 +493,8 @@ class _Decoder:
             raise self.bad(where, f"numpy dtype {dtype} is not allowed")
         shape = self.shape(v, where)
         numel = math.prod(shape)
-        b, e = self.span(v, where, numel * dtype.itemsize)
-        arr = np.frombuffer(self.data[b:e], dtype=dtype, count=numel).reshape(shape).copy()
+        data = self.payload(v, where, numel * dtype.itemsize)
+        arr = np.frombuffer(data, dtype=dtype, count=numel).reshape(shape)
         if v["T"] == "npscalar":
             if shape:
                 raise self.bad(where, "a numpy scalar with a shape")
@@ -468,18 +518,34 @@ class _Decoder:
         return ArrayRecord(arrays)
 
 
-def decode(buf: bytes | bytearray | memoryview, path: Path, *, verify_payload: bool = True) -> Any:
-    """Parse a whole checkpoint file held in memory (see the module doc).
+class _Format1Decoder(_Decoder):
+    """Format 1: every value's bytes are a range ``"at": [begin, end]`` of one payload."""
 
-    ``verify_payload=False`` skips the payload's own sha256 (when the whole file was
-    just checked against a manifest's hash).
-    """
-    data = memoryview(buf).cast("B")
+    def __init__(self, data: memoryview, path: Path) -> None:
+        super().__init__({}, path)
+        self.data = data
+
+    def payload(self, v: dict, where: str, nbytes: int | None = None) -> bytearray:
+        at = v.get("at")
+        if (
+            not isinstance(at, list)
+            or len(at) != 2
+            or not all(type(x) is int for x in at)
+            or not 0 <= at[0] <= at[1] <= self.data.nbytes
+        ):
+            raise self.bad(where, f"byte range {at!r} outside the {self.data.nbytes}-byte payload")
+        if nbytes is not None and at[1] - at[0] != nbytes:
+            raise self.bad(where, f"{at[1] - at[0]} bytes stored, {nbytes} needed")
+        return bytearray(self.data[at[0] : at[1]])
+
+
+def _header(data: memoryview, path: Path) -> tuple[int, dict]:
+    """``(header length, header)``: the JSON both formats start with (after a u64 length)."""
     if data.nbytes < 8:
         raise CheckpointError(f"checkpoint {path} is truncated: {data.nbytes} bytes")
     hlen = int.from_bytes(data[:8], "little")
+    what = _kind_of(bytes(data[:4]))
     if hlen > min(MAX_HEADER_BYTES, data.nbytes - 8):
-        what = _kind_of(bytes(data[:4]))
         if what != "not a mobius-fed checkpoint":
             raise CheckpointError(f"checkpoint {path} is {what}: refused, never unpickled")
         raise CheckpointError(
@@ -489,19 +555,25 @@ def decode(buf: bytes | bytearray | memoryview, path: Path, *, verify_payload: b
     try:
         header = json.loads(bytes(data[8 : 8 + hlen]))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        what = _kind_of(bytes(data[:4]))
         if what != "not a mobius-fed checkpoint":
             raise CheckpointError(
                 f"checkpoint {path} is {what}: refused, never unpickled"
             ) from None
         raise CheckpointError(f"checkpoint {path} has an unreadable header: {exc}") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
+    if not isinstance(header, dict):
         raise CheckpointError(f"checkpoint {path} is not a {FORMAT} file")
-    if header.get("version") != VERSION:
+    return hlen, header
+
+
+def _check_digest(path: Path, actual: str, header: dict) -> None:
+    if actual != header.get("data_sha256"):
         raise CheckpointError(
-            f"checkpoint {path} has format version {header.get('version')!r}; "
-            f"this build reads version {VERSION}"
+            f"checkpoint {path} is corrupted: payload sha256 {actual}, header says "
+            f"{header.get('data_sha256')}"
         )
+
+
+def _format1(data: memoryview, hlen: int, header: dict, path: Path, verify: bool) -> _Decoder:
     payload = data[8 + hlen :]
     want = header.get("data_len")
     if type(want) is not int or payload.nbytes != want:
@@ -509,14 +581,53 @@ def decode(buf: bytes | bytearray | memoryview, path: Path, *, verify_payload: b
             f"checkpoint {path} is truncated or has trailing bytes: payload of "
             f"{payload.nbytes} bytes, header says {want!r}"
         )
-    actual = hashlib.sha256(payload).hexdigest() if verify_payload else header.get("data_sha256")
-    if actual != header.get("data_sha256"):
+    if verify:
+        _check_digest(path, hashlib.sha256(payload).hexdigest(), header)
+    return _Format1Decoder(payload, path)
+
+
+def _format2(buf: bytes, meta: dict, path: Path, verify: bool) -> tuple[_Decoder, Any]:
+    try:
+        parsed = deserialize(buf)
+    except SafetensorError as exc:
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupted: {exc}") from None
+    tensors = {name: t["data"] for name, t in parsed}
+    if verify:
+        h = hashlib.sha256()
+        for name in sorted(tensors):
+            h.update(tensors[name])
+        _check_digest(path, h.hexdigest(), meta)
+    try:
+        root = json.loads(meta.get("root", ""))
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"checkpoint {path} is corrupted: unreadable tree: {exc}") from None
+    return _Decoder(tensors, path), root
+
+
+def decode(buf: bytes, path: Path, *, verify_payload: bool = True) -> Any:
+    """Parse a whole checkpoint file held in memory (see the module doc).
+
+    ``verify_payload=False`` skips the payload's own sha256 (when the whole file was
+    just checked against a manifest's hash).
+    """
+    data = memoryview(buf).cast("B")
+    hlen, header = _header(data, path)
+    meta = header.get("__metadata__") if "format" not in header else header
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        what = "a safetensors file without mobius-fed metadata" if meta is None else ""
+        raise CheckpointError(f"checkpoint {path} is {what or f'not a {FORMAT} file'}")
+    version = meta.get("version")
+    if version == 1:
+        decoder, root = _format1(data, hlen, header, path, verify_payload), header.get("root")
+    elif version == str(VERSION):
+        decoder, root = _format2(bytes(buf), meta, path, verify_payload)
+    else:
         raise CheckpointError(
-            f"checkpoint {path} is corrupted: payload sha256 {actual}, header says "
-            f"{header.get('data_sha256')}"
+            f"checkpoint {path} has format version {version!r}; this build reads versions 1 "
+            f"and {VERSION}"
         )
     try:
-        return _Decoder(payload, path).value(header.get("root"), "state")
+        return decoder.value(root, "state")
     except RecursionError:
         raise CheckpointError(f"checkpoint {path} is corrupted: nesting too deep") from None
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import math
 import os
@@ -33,6 +32,7 @@ from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 from mobius_fed.engine import ReferenceEngine
 
 REPO = Path(__file__).resolve().parents[1]
+LEGACY = REPO / "tests/fixtures/checkpoint-v1.ckpt"  # written by the format-1 writer
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -125,6 +125,61 @@ def test_round_trip_of_every_supported_value(tmp_path: Path) -> None:
         back["opts"][1]["param_groups"][0]["betas"], tuple
     )
     assert back["np_be"].dtype == np.dtype(">i4")
+
+
+def _legacy_state() -> dict:
+    """What tests/fixtures/checkpoint-v1.ckpt holds (it was written from this function)."""
+    from flwr.app import ArrayRecord
+
+    g = torch.Generator().manual_seed(22)
+    lin = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(3, 4, generator=g))
+        lin.bias.copy_(torch.randn(3, generator=g))
+    return {
+        "rank": 1,
+        "step": 7,
+        "group": lin.state_dict(),
+        "bf16": torch.randn(2, 3, generator=g).to(torch.bfloat16),
+        "ints": [torch.arange(4, dtype=d) for d in (torch.int8, torch.int64, torch.uint8)],
+        "bool": torch.tensor([True, False]),
+        "empty": torch.empty(0, 2),
+        "np": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "np_scalar": np.float64(2.5),
+        "bytes": b"\x00\x01binary",
+        "floats": [0.1, -0.0, math.nan, math.inf],
+        "tuple": (1, (2.0, "three")),
+        "int_keys": {0: "a", "7": "string key"},
+        "od": OrderedDict([("b", 1), ("a", 2)]),
+        "arrays": ArrayRecord({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}),
+    }
+
+
+def _same_legacy(back: dict) -> None:
+    want = _legacy_state()
+    arrays = (want.pop("arrays"), back.pop("arrays"))
+    assert_identical(want, back)
+    assert list(arrays[1].keys()) == ["w"] and arrays[1]["w"].data == arrays[0]["w"].data
+
+
+def test_format1_files_still_load(tmp_path: Path) -> None:
+    assert LEGACY.read_bytes()[8:60].startswith(b'{"format":"mobius-fed-checkpoint"')
+    _same_legacy(load_checkpoint(LEGACY))
+    _same_legacy(load_checkpoint(LEGACY, expected_sha256=sha256_of(LEGACY)))
+    again = save_checkpoint(tmp_path / "v2.ckpt", load_checkpoint(LEGACY))  # rewritten as v2
+    _same_legacy(load_checkpoint(again))
+
+
+def test_files_are_safetensors_with_named_tensors(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    path = save_checkpoint(tmp_path / "w.ckpt", _legacy_state())
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+        assert meta["format"] == "mobius-fed-checkpoint" and meta["version"] == "2"
+        assert torch.equal(f.get_tensor("group.weight"), _legacy_state()["group"]["weight"])
+        assert f.get_tensor("bf16").dtype == torch.bfloat16
+        assert {"ints.0", "ints.2", "np", "arrays.w", "bytes"} <= set(f.keys())
 
 
 def test_reference_engine_state_round_trips_bitwise_and_resumes(tmp_path: Path) -> None:
@@ -245,24 +300,58 @@ def test_truncated_file_is_named(tmp_path: Path, cut: int) -> None:
         load_checkpoint(path)
 
 
+def _rewrite_header(path: Path, data: bytes, header: dict) -> None:
+    import json
+
+    text = json.dumps(header).encode()
+    hlen = int.from_bytes(data[:8], "little")
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + hlen :])
+
+
 def test_corrupted_header_offsets_are_refused(tmp_path: Path) -> None:
     import json
 
     path = save_checkpoint(tmp_path / "h.ckpt", {"w": torch.randn(8)})
     data = path.read_bytes()
-    hlen = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + hlen])
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+
+    def node(h: dict, key: str, value) -> None:
+        root = json.loads(h["__metadata__"]["root"])
+        root["items"][0][1][key] = value
+        h["__metadata__"]["root"] = json.dumps(root)
+
     for mutate, why in (
-        (lambda h: h["root"]["items"][0][1].__setitem__("at", [0, 10**9]), "outside"),
-        (lambda h: h["root"]["items"][0][1].__setitem__("shape", [9]), "needed"),
-        (lambda h: h["root"]["items"][0][1].__setitem__("dtype", "object"), "unknown tensor dtype"),
-        (lambda h: h["root"]["items"][0][1].__setitem__("T", "pickle"), "unknown value tag"),
-        (lambda h: h.__setitem__("version", 99), "format version 99"),
+        (lambda h: node(h, "key", "nope"), "no tensor named 'nope'"),
+        (lambda h: node(h, "shape", [9]), "needed"),
+        (lambda h: node(h, "dtype", "object"), "unknown tensor dtype"),
+        (lambda h: node(h, "T", "pickle"), "unknown value tag"),
+        (lambda h: h["__metadata__"].__setitem__("version", "99"), "format version '99'"),
+        (lambda h: h["w"].__setitem__("data_offsets", [0, 10**9]), "truncated or corrupted"),
+        (lambda h: h.pop("__metadata__"), "safetensors file without mobius-fed metadata"),
     ):
         h = json.loads(json.dumps(header))
         mutate(h)
-        text = json.dumps(h).encode()
-        path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + hlen :])
+        _rewrite_header(path, data, h)
+        with pytest.raises(CheckpointError, match=why) as err:
+            load_checkpoint(path)
+        assert str(path) in str(err.value)
+
+
+def test_corrupted_format1_header_is_refused(tmp_path: Path) -> None:
+    import json
+
+    data = LEGACY.read_bytes()
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    path = tmp_path / "v1.ckpt"
+    for mutate, why in (
+        (lambda h: h["root"]["items"][2][1]["items"][0][1].__setitem__("at", [0, 10**9]), "outs"),
+        (lambda h: h["root"]["items"][2][1]["items"][0][1].__setitem__("shape", [9]), "needed"),
+        (lambda h: h.__setitem__("version", 99), "format version 99"),
+        (lambda h: h.__setitem__("data_sha256", "0" * 64), "payload sha256"),
+    ):
+        h = json.loads(json.dumps(header))
+        mutate(h)
+        _rewrite_header(path, data, h)
         with pytest.raises(CheckpointError, match=why) as err:
             load_checkpoint(path)
         assert str(path) in str(err.value)
@@ -300,14 +389,17 @@ def test_checkpoint_module_never_imports_pickle_loaders() -> None:
 
 
 def test_atomic_overwrite_and_failed_write_keeps_previous(tmp_path: Path, monkeypatch) -> None:
+    import safetensors
+
+    from mobius_fed import checkpoint
+
     path = save_checkpoint(tmp_path / "c.ckpt", {"v": 1})
-    real_write = os.write
 
-    def failing_write(fd, data):
-        real_write(fd, bytes(data)[:3])
-        raise OSError(errno.EIO, "Input/output error")
+    def failing_write(specs, filename, metadata=None):  # a disk that fails mid-file
+        Path(filename).write_bytes(b"par")
+        raise safetensors.SafetensorError("I/O error: Input/output error (os error 5)")
 
-    monkeypatch.setattr(os, "write", failing_write)
+    monkeypatch.setattr(checkpoint, "serialize_file", failing_write)
     with pytest.raises(CheckpointError, match=r"c\.ckpt.*Input/output error \(EIO\)"):
         save_checkpoint(path, {"v": 2})
     monkeypatch.undo()
@@ -402,7 +494,8 @@ def test_prune_keeps_the_newest(tmp_path: Path) -> None:
     for r in (1, 2, 3, 10):
         save_checkpoint(tmp_path / f"round-{r:06d}.ckpt", {"r": r})
     dead = tmp_path / f".round-000011.ckpt{TMP_MARKER}999999999-abcd"
-    dead.write_bytes(b"partial")
+    dead.mkdir()  # what a writer killed mid-file leaves: its private directory
+    (dead / "round-000011.ckpt").write_bytes(b"partial")
     removed = prune_checkpoints(tmp_path, "round-*.ckpt", keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["round-000003.ckpt", "round-000010.ckpt"]
     assert dead in removed

@@ -1,0 +1,117 @@
+"""Checkpoint save/load time: format 2 (safetensors) against format 1 (tensors + JSON).
+
+    python benchmarks/checkpoint_io.py [--presets cpu-base gpt2-small] [--workers 4]
+        [--repeats 3] [--dir /tmp] [--old-ref fc4dc2f]
+
+The state is one worker's file of a P-worker run: its block group F_i, an E/R replica and
+AdamW moments for both (what ``round-<r>.ckpt`` holds, the optimizer states dominating).
+Format 1 is timed with the writer and reader of ``--old-ref`` (the last commit with the
+format-1 writer, read with ``git show``). Prints the best of ``--repeats`` for each, and
+new/old ratios (below 1: faster). Durable writes (fsync) as in training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mobius_fed import checkpoint
+from mobius_fed.model.config import make_model_config
+from mobius_fed.model.groups import build_group, build_replica
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def old_module(ref: str, into: Path):
+    """mobius_fed/checkpoint.py as of git ``ref``, imported as a separate module."""
+    src = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{ref}:mobius_fed/checkpoint.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    file = into / "checkpoint_v1.py"
+    file.write_text(src)
+    spec = importlib.util.spec_from_file_location("checkpoint_v1", file)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def worker_state(preset: str, workers: int) -> dict:
+    """One worker's checkpoint-shaped state (group, replica, AdamW moments)."""
+    cfg = make_model_config(preset, groups=workers, vocab_size=50257)
+    group, replica = build_group(cfg, 0, seed=0), build_replica(cfg, seed=0)
+    opts = []
+    for module in (group, replica):
+        params = list(module.parameters())
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        for p in params:
+            opt.state[p] = {
+                "step": torch.tensor(10.0),
+                "exp_avg": torch.randn_like(p),
+                "exp_avg_sq": torch.rand_like(p),
+            }
+        opts.append(opt.state_dict())
+    return {
+        "rank": 0,
+        "step": 10,
+        "group": group.state_dict(),
+        "replica": replica.state_dict(),
+        "opts": opts,
+    }
+
+
+def best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def row(preset: str, workers: int, old, d: Path, repeats: int) -> str:
+    """One table row: save and load times of both formats on ``preset``'s worker state."""
+    state = worker_state(preset, workers)
+    nbytes = sum(t.numel() * t.element_size() for t in checkpoint.iter_tensors(state))
+    f1, f2 = d / "v1.ckpt", d / "v2.ckpt"
+    s1 = best(lambda: old.save_checkpoint(f1, state), repeats)
+    s2 = best(lambda: checkpoint.save_checkpoint(f2, state), repeats)
+    l1 = best(lambda: old.load_checkpoint(f1), repeats)
+    l2 = best(lambda: checkpoint.load_checkpoint(f2), repeats)
+    return (
+        f"| {preset} | {nbytes / 1e6:.0f} | {s1:.3f} | {s2:.3f} | {s2 / s1:.2f} "
+        f"| {l1:.3f} | {l2:.3f} | {l2 / l1:.2f} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", nargs="+", default=["cpu-base", "gpt2-small"])
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=None, help="where the files go (a temp dir)")
+    ap.add_argument("--old-ref", default="fc4dc2f", help="git ref of the format-1 writer")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        d = Path(tmp)
+        old = old_module(args.old_ref, d)
+        print("| preset | MB | save v1 s | save v2 s | ratio | load v1 s | load v2 s | ratio |")
+        print("|---|---|---|---|---|---|---|---|")
+        for preset in args.presets:
+            print(row(preset, args.workers, old, d, args.repeats), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
