@@ -47,6 +47,7 @@ PLUGINS: dict[str, tuple[str, ...]] = {
     "testbed": ("testbed",),
     "audit": ("audit",),
     "research": ("experiment", "sweep", "analyze"),
+    "export": ("export", "generate", "eval"),
 }
 
 

@@ -1,0 +1,153 @@
+"""Export a trained run as P standalone models, one per origin (``mobius-fed export``).
+
+Origin s's model is its path φ_s of block groups, the averaged E/R (each origin's replica
+for a reference-engine checkpoint, as its evaluation uses) and its private home layer, if
+any. Each goes to a directory holding ``model.safetensors``, ``config.json`` and the
+remote-code ``modeling_mobius.py`` that transformers loads with ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from mobius_fed import __version__, schedule
+
+WEIGHTS, CONFIG, MODELING = "model.safetensors", "config.json", "modeling_mobius.py"
+EOT = {"bytes": 256, "gpt2": 50256}  # <|endoftext|> of each encoding (no download needed)
+
+
+class ExportError(ValueError):
+    """A run cannot be exported; the message names the file or the problem."""
+
+
+def origin_dir(out: Path, s: int, single: bool) -> Path:
+    """Where origin s's model goes: ``out`` itself for one origin, else ``out/origin-<s>``."""
+    return Path(out) if single else Path(out) / f"origin-{s}"
+
+
+def origin_config(model: Any, s: int) -> dict:
+    """config.json of origin s of ``model`` (a :class:`~mobius_fed.research.analyze.Model`)."""
+    from mobius_fed.model.knobs import residual_epsilon
+    from mobius_fed.research.analyze import model_config
+
+    cfg = model.cfg
+    mc = model_config(cfg)
+    route = schedule.path(cfg.order, s, cfg.P, cfg.loops)
+    in_path = list(dict.fromkeys(route))  # the groups in the order the path first visits them
+    return {
+        "model_type": "mobius",
+        "architectures": ["MobiusForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "modeling_mobius.MobiusConfig",
+            "AutoModelForCausalLM": "modeling_mobius.MobiusForCausalLM",
+        },
+        "vocab_size": mc.vocab_size,
+        "d_model": mc.d_model,
+        "n_head": mc.n_head,
+        "head_dim": mc.head_dim,
+        "seq_len": mc.seq_len,
+        "layers_per_group": mc.layers_per_group,
+        "mlp_ratio": mc.mlp_ratio,
+        "logit_cap": mc.logit_cap,
+        "tied": mc.tied,
+        "depth_embedding": mc.depth_embedding,
+        "residual_epsilon": residual_epsilon(mc.residual_scale, mc.loops),
+        "home_layer": cfg.privacy.home_layer or "off",
+        "path": [in_path.index(i) for i in route],
+        "groups_in_path": len(in_path),
+        "source_groups": in_path,
+        "origin": s,
+        "workers": cfg.P,
+        "loops": cfg.loops,
+        "order": cfg.order,
+        "encoding": cfg.encoding,
+        "eos_token_id": EOT.get(cfg.encoding),
+        "torch_dtype": "float32",
+        "source": {
+            "run": model.name,
+            "mobius_fed": __version__,
+            "train": cfg.model_dump(mode="json"),
+        },
+    }
+
+
+def origin_state(model: Any, conf: dict) -> dict[str, torch.Tensor]:
+    """The tensors of one origin: E/R and home layer (``wte.``, ``lm_head.``, ``home.``),
+    then ``groups.<j>.`` for the j-th group of its path."""
+    s = conf["origin"]
+    state = {k: v for k, v in model.replicas[s].state_dict().items()}
+    for j, i in enumerate(conf["source_groups"]):
+        for k, v in model.groups[i].state_dict().items():
+            state[f"groups.{j}.{k}"] = v
+    return {k: v.detach().to("cpu").float().contiguous().clone() for k, v in state.items()}
+
+
+def write_origin(model: Any, s: int, directory: Path) -> Path:
+    """Write origin s's model into ``directory`` (replacing the three files atomically)."""
+    conf = origin_config(model, s)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".export-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        save_file(origin_state(model, conf), tmp / WEIGHTS, metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(conf, indent=2) + "\n")
+        shutil.copyfile(Path(__file__).with_name(MODELING), tmp / MODELING)
+        for name in (MODELING, CONFIG, WEIGHTS):
+            os.replace(tmp / name, directory / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def load_run(run: Path) -> Any:
+    """The :class:`~mobius_fed.research.analyze.Model` of a run: a manifest through
+    ``analyze``; a reference-engine checkpoint here too, with each origin's home layer."""
+    from mobius_fed.checkpoint import load_checkpoint
+    from mobius_fed.config import TrainConfig
+    from mobius_fed.model.groups import BlockGroup, Replica
+    from mobius_fed.research.analyze import CHECKPOINT, Model, load_model, model_config
+
+    file = run / CHECKPOINT if run.is_dir() else run
+    if not file.is_file() or file.name == "manifest.json":
+        return load_model(run)  # a coordinated run: analyze reads its manifest
+    state = load_checkpoint(file)
+    if "groups" not in state or "replicas" not in state or "config" not in state:
+        raise ValueError(f"{file} is not a reference-engine checkpoint (no groups/replicas)")
+    cfg = TrainConfig.model_validate(state["config"])
+    mc = model_config(cfg)
+    groups = [BlockGroup(mc) for _ in range(cfg.P)]
+    replicas = [Replica(mc, cfg.privacy.home_layer) for _ in range(cfg.P)]
+    for module, sd in zip(groups + replicas, state["groups"] + state["replicas"], strict=True):
+        module.load_state_dict(sd)
+    name = f"{file.parent.name} step {state.get('step')}"
+    return Model(cfg, groups, [r.eval() for r in replicas], name=name)
+
+
+def export_run(run: Path, out: Path, origins: list[int] | None = None) -> list[Path]:
+    """Export ``run`` (an ``up`` root, a coordinator ``--out``, a manifest or a
+    reference-engine checkpoint / run directory) into ``out``; returns the directories.
+
+    Every worker file a manifest names is checked against its sha256 first.
+    """
+    from mobius_fed.checkpoint import CheckpointError
+
+    try:
+        model = load_run(Path(run))
+    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+        raise ExportError(f"export: cannot read {run}: {exc}") from exc
+    P = model.cfg.P
+    wanted = list(range(P)) if origins is None else origins
+    bad = [s for s in wanted if not 0 <= s < P]
+    if bad:
+        raise ExportError(f"export: origin {bad[0]} does not exist (the run has P={P}: 0..{P - 1})")
+    single = origins is not None and len(wanted) == 1
+    with torch.no_grad():
+        return [write_origin(model, s, origin_dir(out, s, single)) for s in wanted]
