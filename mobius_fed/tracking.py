@@ -1,0 +1,357 @@
+"""Experiment trackers: the records of ``metrics.jsonl`` sent to TensorBoard, MLflow or W&B.
+
+``--tracker tensorboard|mlflow|wandb`` (or ``MOBIUS_TRACKER``) picks one; each writes
+through its own library, an optional extra (``pip install 'mobius-fed[tensorboard]'``…).
+A record (a line of ``metrics.jsonl`` of ``local`` or of the coordinator) becomes scalars
+at its ``step``: ``loss`` (Eq. 8 on the training batches), ``eval/loss`` (Eq. 8 on
+validation), ``origin/<s>/loss`` and ``eval/origin/<s>/loss``, the step or round time,
+each worker's ``worker/<r>/…`` figures with its ``wait_share``, bytes, incidents and the
+privacy ε where a record holds them.
+
+A tracker that fails (a full disk, a server gone) is logged once and then left alone: it
+never ends a run. :func:`start_tracking` follows a ``metrics.jsonl`` as it grows, so any
+command that writes one is tracked by two calls (start, then ``close`` at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("mobius_fed.tracking")
+
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+ENV = "MOBIUS_TRACKER"
+EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+
+
+class TrackerUnavailable(ValueError):
+    """The tracker's library is not installed (the message gives the pip command)."""
+
+
+# ------------------------------------------------------------------- records → scalars
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def _per_origin(prefix: str, values: Any, out: dict[str, float]) -> None:
+    if values and isinstance(values[0], list):  # a round line: one list per step, keep the last
+        values = values[-1]
+    for s, v in enumerate(values or []):
+        if _number(v) is not None:
+            out[f"{prefix}origin/{s}/loss"] = float(v)
+
+
+def _worker(rank: str, fig: dict, out: dict[str, float]) -> None:
+    for k, v in fig.items():
+        if _number(v) is not None:
+            out[f"worker/{rank}/{k}"] = float(v)
+    train, wait = _number(fig.get("train_s")), _number(fig.get("wait_s"))
+    if train and wait is not None and "wait_share" not in fig:
+        out[f"worker/{rank}/wait_share"] = min(1.0, wait / train)
+
+
+def scalars_of(record: dict[str, Any]) -> dict[str, float]:
+    """The scalars of one ``metrics.jsonl`` record (names in the module doc)."""
+    out: dict[str, float] = {}
+    renames = {"eval_loss": "eval/loss", "seconds": "time/seconds", "epsilon": "privacy/epsilon"}
+    for k, v in record.items():
+        if k in ("step", "time", "losses"):
+            continue
+        if k == "origin_losses":
+            _per_origin("", v, out)
+        elif k == "eval_origin_losses":
+            _per_origin("eval/", v, out)
+        elif k == "workers" and isinstance(v, dict):
+            for rank, fig in v.items():
+                if isinstance(fig, dict):
+                    _worker(str(rank), fig, out)
+        elif k == "incidents" and isinstance(v, list):
+            out["incidents"] = float(len(v))
+        elif k == "privacy" and isinstance(v, dict):
+            for pk, pv in v.items():
+                if _number(pv) is not None:
+                    out[f"privacy/{pk}"] = float(pv)
+        elif _number(v) is not None:
+            out[renames.get(k, k)] = float(v)
+    return out
+
+
+# --------------------------------------------------------------------------- backends
+class Tracker:
+    """One experiment tracker: scalars at a step, the run's configuration, close."""
+
+    name = "tracker"
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Flush and release the tracker (idempotent)."""
+
+
+class TensorBoardTracker(Tracker):
+    """Event files in ``directory`` (``tensorboard --logdir`` reads them)."""
+
+    name = "tensorboard"
+
+    def __init__(self, directory: Path, run_name: str, config: dict | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(directory))
+        if config:
+            self.writer.add_text("config", f"```\n{json.dumps(config, indent=2)}\n```", 0)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MlflowTracker(Tracker):
+    """An MLflow run: ``MLFLOW_TRACKING_URI`` if set, else a local store in ``directory``."""
+
+    name = "mlflow"
+
+    def __init__(self, directory: Path, run_name: str, config: dict | None = None) -> None:
+        from mlflow.tracking import MlflowClient
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:  # MLflow's local file store (MLflow 3 asks for this opt-in to use it)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = Path(directory).resolve().as_uri()
+        self.client = MlflowClient(tracking_uri=uri)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "mobius-fed")
+        exp = self.client.get_experiment_by_name(name)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
+        self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+        for k, v in _flat(config or {}):
+            self.client.log_param(self.run_id, k[:250], str(v)[:6000])
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in scalars.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        if self.run_id:
+            self.client.set_terminated(self.run_id)
+            self.run_id = ""
+
+
+class WandbTracker(Tracker):
+    """A W&B run; ``WANDB_MODE=offline`` (or no login) keeps it in ``directory``/wandb."""
+
+    name = "wandb"
+
+    def __init__(self, directory: Path, run_name: str, config: dict | None = None) -> None:
+        import wandb
+
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "mobius-fed"),
+            name=run_name,
+            dir=str(directory),
+            config=config or {},
+            reinit="create_new",
+        )
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+BACKENDS: dict[str, type[Tracker]] = {
+    "tensorboard": TensorBoardTracker,
+    "mlflow": MlflowTracker,
+    "wandb": WandbTracker,
+}
+
+
+def _flat(d: dict, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+# ------------------------------------------------------------------ safety and following
+class SafeTracker:
+    """A backend whose failures never reach the run: the first is logged (once) and the
+    tracker is switched off; records after that are dropped."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker: Tracker | None = tracker
+        self.name = tracker.name
+        self.failure: str | None = None
+
+    def _fail(self, what: str, exc: BaseException) -> None:
+        self.failure = f"{type(exc).__name__}: {exc}"
+        log.error("tracker %s failed (%s): %s; the run goes on without it", self.name, what, exc)
+        tracker, self.tracker = self.tracker, None
+        try:
+            if tracker is not None:
+                tracker.close()
+        except Exception:  # already failing: nothing more to report
+            pass
+
+    def record(self, record: dict[str, Any]) -> None:
+        """Log one ``metrics.jsonl`` record (nothing when it holds no step or no scalar)."""
+        step, scalars = record.get("step"), scalars_of(record)
+        if self.tracker is None or not isinstance(step, int) or not scalars:
+            return
+        try:
+            self.tracker.log(step, scalars)
+        except Exception as exc:  # a tracker never ends a run
+            self._fail(f"step {step}", exc)
+
+    def close(self) -> None:
+        if self.tracker is None:
+            return
+        try:
+            self.tracker.close()
+        except Exception as exc:
+            self._fail("close", exc)
+        self.tracker = None
+
+
+def tracker_kind(kind: str | None) -> str | None:
+    """``kind`` or ``MOBIUS_TRACKER``, checked; None for none (``none``/``off``/unset)."""
+    kind = (kind or os.environ.get(ENV) or "").strip().lower()
+    if kind in ("", "none", "off"):
+        return None
+    if kind not in BACKENDS:
+        raise ValueError(f"unknown tracker {kind!r} (expected one of {', '.join(TRACKERS)})")
+    return kind
+
+
+def make_tracker(
+    kind: str | None, directory: Path, run_name: str = "mobius-fed", config: dict | None = None
+) -> SafeTracker | None:
+    """The tracker ``kind`` names (see :func:`tracker_kind`) writing into ``directory``.
+
+    A missing library raises :class:`TrackerUnavailable` with its install command (before
+    the run starts); a tracker that cannot start (a server gone…) is logged and is None.
+    """
+    import importlib.util
+
+    kind = tracker_kind(kind)
+    if kind is None:
+        return None
+    module = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}[kind]
+    if importlib.util.find_spec(module) is None:
+        raise TrackerUnavailable(
+            f"--tracker {kind}: the {module} library is not installed: "
+            f"pip install 'mobius-fed[{EXTRAS[kind]}]'"
+        )
+    try:
+        return SafeTracker(BACKENDS[kind](Path(directory), run_name, config))
+    except Exception as exc:  # never end a run over its tracker
+        log.error("tracker %s cannot start: %s; the run goes on without it", kind, exc)
+        return None
+
+
+class MetricsFollower:
+    """Feeds every record appended to a ``metrics.jsonl`` to a tracker, from a thread
+    polling the file; :meth:`close` reads what is left, then closes the tracker. A file
+    rewritten shorter (a resumed run) is read again from the step it was cut back to."""
+
+    def __init__(self, path: Path, tracker: SafeTracker, poll_s: float = 1.0) -> None:
+        self.path, self.tracker, self.poll_s = Path(path), tracker, poll_s
+        self.offset, self.last_step = 0, -1
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="metrics-tracker", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.drain()
+
+    def drain(self) -> None:
+        """Send the complete lines written since the last call."""
+        with self._lock:
+            try:
+                size = self.path.stat().st_size
+                if size < self.offset:  # rewritten by a resume: its kept rows were sent
+                    self.offset = 0
+                    skip_below = self.last_step
+                else:
+                    skip_below = -1
+                with open(self.path, "rb") as f:
+                    f.seek(self.offset)
+                    data = f.read()
+            except OSError:  # not written yet, or gone: try again later
+                return
+            end = data.rfind(b"\n") + 1
+            self.offset += end
+            for line in data[:end].splitlines():
+                self._send(line, skip_below)
+
+    def _send(self, line: bytes, skip_below: int) -> None:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(record, dict) or record.get("step", 0) < skip_below:
+            return
+        self.last_step = max(self.last_step, int(record.get("step", 0)))
+        self.tracker.record(record)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.drain()
+        self.tracker.close()
+
+
+def start_tracking(
+    kind: str | None,
+    metrics_file: Path,
+    *,
+    run_name: str | None = None,
+    config: dict | None = None,
+    directory: Path | None = None,
+    poll_s: float = 1.0,
+) -> MetricsFollower | None:
+    """Track ``metrics_file`` with ``kind`` (or ``MOBIUS_TRACKER``); None when no tracker
+    is asked for. The tracker's files go to ``directory`` (default: next to the metrics,
+    ``tensorboard/``, ``mlruns/`` or ``wandb/``). Call ``close()`` when the run ends."""
+    metrics_file = Path(metrics_file)
+    kind = tracker_kind(kind)
+    if kind is None:
+        return None
+    where = directory or metrics_file.parent / {"mlflow": "mlruns"}.get(kind, kind)
+    name = run_name or metrics_file.parent.name
+    tracker = make_tracker(kind, where, name, config)
+    return None if tracker is None else MetricsFollower(metrics_file, tracker, poll_s)
+
+
+def add_tracker_flag(parser: Any) -> None:
+    """``--tracker {tensorboard,mlflow,wandb}`` (default: env MOBIUS_TRACKER, else none)."""
+    parser.add_argument(
+        "--tracker",
+        choices=[*TRACKERS, "none"],
+        default=None,
+        help="also log the metrics to TensorBoard, MLflow or W&B (an optional extra each; "
+        f"default: env {ENV}, else none)",
+    )
