@@ -203,6 +203,18 @@ def test_generate_and_eval_commands(
     assert "the text is empty" in capsys.readouterr().err
 
 
+def test_transformers_generate_matches_our_greedy_decoding(
+    site_dirs: list[Path], tmp_path: Path
+) -> None:
+    d = _export_one(site_dirs, tmp_path)
+    (hf,) = _hf_models([d])
+    prompt = [84, 104, 101, 32]
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+    new = out[0, len(prompt) :].tolist()
+    assert new == generate_ids(load(d), prompt, max_new_tokens=len(new), temperature=0)
+
+
 @pytest.mark.slow
 def test_coordinated_run_export_equals_the_rings_evaluation(tmp_path: Path) -> None:
     """A real coordinated run (coordinator + 2 worker processes over mTLS) with private

@@ -242,7 +242,12 @@ else:
 
         def __init__(self, **kwargs: Any) -> None:
             kwargs.setdefault("tie_word_embeddings", kwargs.get("tied", True))
+            kwargs.setdefault("use_cache", False)  # generate() reruns the window (no HF cache)
             super().__init__(**kwargs)
+            self.hidden_size = kwargs.get("d_model")
+            self.num_attention_heads = kwargs.get("n_head")
+            path, per_group = kwargs.get("path") or [], kwargs.get("layers_per_group") or 0
+            self.num_hidden_layers = len(path) * per_group
 
         @property
         def fields(self) -> dict:
