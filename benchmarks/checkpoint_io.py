@@ -7,7 +7,8 @@ The state is one worker's file of a P-worker run: its block group F_i, an E/R re
 AdamW moments for both (what ``round-<r>.ckpt`` holds, the optimizer states dominating).
 Format 1 is timed with the writer and reader of ``--old-ref`` (the last commit with the
 format-1 writer, read with ``git show``). Prints the best of ``--repeats`` for each, and
-new/old ratios (below 1: faster). Durable writes (fsync) as in training.
+new/old ratios (below 1: faster). Durable writes (fsync) as in training; the formats
+take turns, so a busy host slows both alike.
 """
 
 from __future__ import annotations
@@ -69,24 +70,25 @@ def worker_state(preset: str, workers: int) -> dict:
     }
 
 
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def row(preset: str, workers: int, old, d: Path, repeats: int) -> str:
-    """One table row: save and load times of both formats on ``preset``'s worker state."""
+    """One table row: the best save and load times of both formats on ``preset``'s worker
+    state, the two formats taking turns (a busy host slows both alike)."""
     state = worker_state(preset, workers)
     nbytes = sum(t.numel() * t.element_size() for t in checkpoint.iter_tensors(state))
     f1, f2 = d / "v1.ckpt", d / "v2.ckpt"
-    s1 = best(lambda: old.save_checkpoint(f1, state), repeats)
-    s2 = best(lambda: checkpoint.save_checkpoint(f2, state), repeats)
-    l1 = best(lambda: old.load_checkpoint(f1), repeats)
-    l2 = best(lambda: checkpoint.load_checkpoint(f2), repeats)
+    times: dict[str, list[float]] = {"s1": [], "s2": [], "l1": [], "l2": []}
+    for _ in range(repeats):
+        times["s1"].append(timed(lambda: old.save_checkpoint(f1, state)))
+        times["s2"].append(timed(lambda: checkpoint.save_checkpoint(f2, state)))
+        times["l1"].append(timed(lambda: old.load_checkpoint(f1)))
+        times["l2"].append(timed(lambda: checkpoint.load_checkpoint(f2)))
+    s1, s2, l1, l2 = (min(times[k]) for k in ("s1", "s2", "l1", "l2"))
     return (
         f"| {preset} | {nbytes / 1e6:.0f} | {s1:.3f} | {s2:.3f} | {s2 / s1:.2f} "
         f"| {l1:.3f} | {l2:.3f} | {l2 / l1:.2f} |"

@@ -1,6 +1,6 @@
 """Experiment trackers: the records of ``metrics.jsonl`` sent to TensorBoard, MLflow or W&B.
 
-``--tracker tensorboard|mlflow|wandb`` (or ``MOBIUS_TRACKER``) picks one; each writes
+``--tracker tensorboard|mlflow|wandb`` picks one (:func:`add_tracker_flag`); each writes
 through its own library, an optional extra (``pip install 'mobius-fed[tensorboard]'``…).
 A record (a line of ``metrics.jsonl`` of ``local`` or of the coordinator) becomes scalars
 at its ``step``: ``loss`` (Eq. 8 on the training batches), ``eval/loss`` (Eq. 8 on
@@ -28,7 +28,6 @@ from typing import Any
 log = logging.getLogger("mobius_fed.tracking")
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
-ENV = "MOBIUS_TRACKER"
 EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 
 
@@ -235,8 +234,8 @@ class SafeTracker:
 
 
 def tracker_kind(kind: str | None) -> str | None:
-    """``kind`` or ``MOBIUS_TRACKER``, checked; None for none (``none``/``off``/unset)."""
-    kind = (kind or os.environ.get(ENV) or "").strip().lower()
+    """``kind`` checked; None for no tracker (``none``, ``off``, empty or None)."""
+    kind = (kind or "").strip().lower()
     if kind in ("", "none", "off"):
         return None
     if kind not in BACKENDS:
@@ -333,8 +332,8 @@ def start_tracking(
     directory: Path | None = None,
     poll_s: float = 1.0,
 ) -> MetricsFollower | None:
-    """Track ``metrics_file`` with ``kind`` (or ``MOBIUS_TRACKER``); None when no tracker
-    is asked for. The tracker's files go to ``directory`` (default: next to the metrics,
+    """Track ``metrics_file`` with the tracker ``kind`` names; None when it names none.
+    The tracker's files go to ``directory`` (default: next to the metrics,
     ``tensorboard/``, ``mlruns/`` or ``wandb/``). Call ``close()`` when the run ends."""
     metrics_file = Path(metrics_file)
     kind = tracker_kind(kind)
@@ -346,12 +345,13 @@ def start_tracking(
     return None if tracker is None else MetricsFollower(metrics_file, tracker, poll_s)
 
 
-def add_tracker_flag(parser: Any) -> None:
-    """``--tracker {tensorboard,mlflow,wandb}`` (default: env MOBIUS_TRACKER, else none)."""
+def add_tracker_flag(parser: Any, default: str | None = None) -> None:
+    """``--tracker {tensorboard,mlflow,wandb,none}``; ``default`` (e.g. read from the
+    environment by the caller) when the flag is not given."""
     parser.add_argument(
         "--tracker",
         choices=[*TRACKERS, "none"],
-        default=None,
+        default=default,
         help="also log the metrics to TensorBoard, MLflow or W&B (an optional extra each; "
-        f"default: env {ENV}, else none)",
+        f"default: {default or 'none'})",
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -114,12 +115,11 @@ def test_the_follower_sends_appended_lines_and_a_resumed_files_new_rows(tmp_path
 def test_unknown_and_missing_trackers_are_named(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"unknown tracker 'neptune' \(expected one of"):
         make_tracker("neptune", tmp_path)
-    monkeypatch.setenv(tracking.ENV, "off")
-    assert start_tracking(None, tmp_path / "metrics.jsonl") is None
-    monkeypatch.setenv(tracking.ENV, "mlflow")
+    assert start_tracking("none", tmp_path / "metrics.jsonl") is None
+    assert tracking.tracker_kind(" off ") is None and tracking.tracker_kind("WandB") == "wandb"
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(TrackerUnavailable, match=r"pip install 'mobius-fed\[mlflow\]'"):
-        start_tracking(None, tmp_path / "metrics.jsonl")
+        start_tracking("mlflow", tmp_path / "metrics.jsonl")
 
 
 def _local_run(tmp_path: Path, kind: str) -> tuple[Path, list]:
@@ -178,21 +178,25 @@ def test_wandb_offline_is_read_back_from_its_run_file(tmp_path: Path, monkeypatc
     monkeypatch.setenv("WANDB_SILENT", "true")
     out, evals = _local_run(tmp_path, "wandb")
     (file,) = (out / "wandb").rglob("*.wandb")
-    rows = _wandb_history(file)
+    deadline = time.monotonic() + 60  # wandb's service may still be writing after finish()
+    while (rows := _wandb_history(file)) is None:
+        assert time.monotonic() < deadline, f"{file} has no exit record"
+        time.sleep(0.2)
     got = [(r["_step"], r["eval/loss"]) for r in rows if "eval/loss" in r]
     assert [g[0] for g in got] == [ev.step for ev in evals]
     assert [g[1] for g in got] == pytest.approx([ev.loss for ev in evals])
 
 
-def _wandb_history(file: Path) -> list[dict]:
-    """History rows of an offline W&B run file: wandb's ``Record`` protobufs in the LevelDB
-    log framing its store uses (a 7-byte ``:W&B`` header, 32 KiB blocks, 7-byte record
-    headers: crc32c, length, type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4)."""
+def _wandb_history(file: Path) -> list[dict] | None:
+    """History rows of an offline W&B run file (None until its exit record is written):
+    wandb's ``Record`` protobufs in the LevelDB log framing its store uses (a 7-byte
+    ``:W&B`` header, 32 KiB blocks, 7-byte record headers: crc32c, length, type FULL=1 /
+    FIRST=2 / MIDDLE=3 / LAST=4)."""
     from wandb.proto import wandb_internal_pb2
 
     data = file.read_bytes()
     assert data[:4] == b":W&B", data[:7]
-    pos, block, parts, rows = 7, 32768, b"", []
+    pos, block, parts, rows, done = 7, 32768, b"", [], False
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
@@ -206,6 +210,7 @@ def _wandb_history(file: Path) -> list[dict]:
             continue
         rec = wandb_internal_pb2.Record()
         rec.ParseFromString(parts)
+        done = done or rec.WhichOneof("record_type") == "exit"
         if rec.WhichOneof("record_type") == "history":
             rows.append(
                 {
