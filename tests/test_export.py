@@ -101,10 +101,13 @@ def test_one_origin_goes_to_out_itself_and_bad_origins_are_named(
     (d,) = export_run(ckpt, tmp_path / "one", [1])
     assert d == tmp_path / "one" and json.loads((d / "config.json").read_text())["origin"] == 1
     assert sorted(p.name for p in d.iterdir()) == [
+        "README.md",
         "config.json",
         "model.safetensors",
         "modeling_mobius.py",
     ]
+    card = (d / "README.md").read_text()
+    assert "origin 1 of P = 2, its path\nF1 → F0 applied L = 2 times" in card
     with pytest.raises(ExportError, match=r"origin 2 does not exist \(the run has P=2"):
         export_run(ckpt, tmp_path / "x", [2])
     with pytest.raises(ExportError, match="nowhere"):

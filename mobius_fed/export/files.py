@@ -3,7 +3,8 @@
 Origin s's model is its path φ_s of block groups, the averaged E/R (each origin's replica
 for a reference-engine checkpoint, as its evaluation uses) and its private home layer, if
 any. Each goes to a directory holding ``model.safetensors``, ``config.json`` and the
-remote-code ``modeling_mobius.py`` that transformers loads with ``trust_remote_code``.
+remote-code ``modeling_mobius.py`` that transformers loads with ``trust_remote_code``, and a
+model card ``README.md``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 from mobius_fed import __version__, schedule
 
 WEIGHTS, CONFIG, MODELING = "model.safetensors", "config.json", "modeling_mobius.py"
+CARD = "README.md"
 EOT = {"bytes": 256, "gpt2": 50256}  # <|endoftext|> of each encoding (no download needed)
 
 
@@ -90,8 +92,39 @@ def origin_state(model: Any, conf: dict) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").float().contiguous().clone() for k, v in state.items()}
 
 
+def model_card(conf: dict) -> str:
+    """README.md of an export: what the model is and the three ways to use it."""
+    groups = " → ".join(f"F{i}" for i in conf["source_groups"])
+    train = conf["source"]["train"]
+    return f"""---
+library_name: transformers
+tags: [mobius-fed, causal-lm]
+---
+# {conf["source"]["run"]}: origin {conf["origin"]}
+
+A causal language model trained with Möbius Learning (cyclic depth folding) by mobius-fed
+{conf["source"]["mobius_fed"]}: origin {conf["origin"]} of P = {conf["workers"]}, its path
+{groups} applied L = {conf["loops"]} times ({conf["order"]} order), the averaged
+embedding/head, home layer {conf["home_layer"]}. Preset {train.get("preset")}, context
+{conf["seq_len"]} tokens, encoding `{conf["encoding"]}`, {train.get("steps")} steps.
+
+```python
+from mobius_fed.export import load            # torch + safetensors only
+model = load(".")
+
+from transformers import AutoModelForCausalLM   # or transformers (remote code)
+model = AutoModelForCausalLM.from_pretrained(".", trust_remote_code=True)
+```
+
+```bash
+mobius-fed generate . --prompt "The"
+mobius-fed eval . --data text.txt
+```
+"""
+
+
 def write_origin(model: Any, s: int, directory: Path) -> Path:
-    """Write origin s's model into ``directory`` (replacing the three files atomically)."""
+    """Write origin s's model into ``directory`` (each file replaced atomically)."""
     conf = origin_config(model, s)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".export-{os.getpid()}-{secrets.token_hex(4)}"
@@ -99,8 +132,9 @@ def write_origin(model: Any, s: int, directory: Path) -> Path:
     try:
         save_file(origin_state(model, conf), tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(conf, indent=2) + "\n")
+        (tmp / CARD).write_text(model_card(conf))
         shutil.copyfile(Path(__file__).with_name(MODELING), tmp / MODELING)
-        for name in (MODELING, CONFIG, WEIGHTS):
+        for name in (CARD, MODELING, CONFIG, WEIGHTS):
             os.replace(tmp / name, directory / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
