@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-INNER = "MOBIUS_QUICKSTART_INNER"  # set in the copy, so its test command does not recurse
+INNER = "QUICKSTART_TEST_COPY"  # set in the copy, so its test command does not recurse
 
 
 def quickstart_commands(text: str) -> list[str]:
