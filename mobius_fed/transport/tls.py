@@ -484,9 +484,9 @@ def check_node_secrets(
         raise SecretsError(f"certificate {tls.cert}: {exc}") from None
     _check_role(identity, role, tls)
     now = now or dt.datetime.now(dt.timezone.utc)
-    _check_validity(cert, "certificate", Path(tls.cert), now)
     for ca in cas:
         _check_validity(ca, "CA certificate", Path(tls.ca), now)
+    _check_validity(cert, "certificate", Path(tls.cert), now)
     _check_issuer(cert, cas, tls)
     dirs: list[Path] = []
     for p in (tls.cert, tls.key, tls.ca):
