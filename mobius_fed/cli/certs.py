@@ -71,11 +71,22 @@ def cmd_certs_request(args: argparse.Namespace) -> int:
     from mobius_fed.transport.enroll import KEY_FILE, request_node
 
     out = Path(args.out or args.node)
-    if args.if_missing and (out / KEY_FILE).is_file() and (out / f"{args.node}.csr").is_file():
-        print(f"{out / KEY_FILE} and {out / args.node}.csr exist; nothing to do")
-        return 0
-    req = request_node(args.node, out, args.host or (), key=args.key, overwrite=args.overwrite)
-    kept = "your own key" if args.key else "a new key (mode 0600)"
+    csr = Path(args.csr_dir or out) / f"{args.node}.csr"
+    key = args.key
+    if args.if_missing and (out / KEY_FILE).is_file():
+        if csr.is_file():
+            print(f"{out / KEY_FILE} and {csr} exist; nothing to do")
+            return 0
+        key = key or out / KEY_FILE  # the request went missing: ask again for the same key
+    req = request_node(
+        args.node,
+        out,
+        args.host or (),
+        key=key,
+        overwrite=args.overwrite,
+        csr_dir=args.csr_dir,
+    )
+    kept = "the key" if key else "a new key (mode 0600)"
     print(
         f"{kept} in {req.key} and a signing request for {req.identity} in {req.csr}. "
         f"Send {req.csr.name} to the admin (it holds no secret); keep {req.key.name} here. "
@@ -170,6 +181,7 @@ def _add_enroll_parsers(csub) -> None:
     c.add_argument(
         "--key", type=Path, help="make the request for this key (your own PKI's; or to renew)"
     )
+    c.add_argument("--csr-dir", type=Path, help="write NODE.csr there (default: OUT)")
     c.add_argument("--overwrite", action="store_true", help="replace an existing tls.key")
     c.add_argument(
         "--if-missing", action="store_true", help="do nothing when the key and request exist"

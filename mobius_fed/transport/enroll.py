@@ -147,8 +147,10 @@ def request_node(
     *,
     key: Path | None = None,
     overwrite: bool = False,
+    csr_dir: Path | None = None,
 ) -> Request:
-    """Write ``out/tls.key`` (0600, unless ``key`` brings the site's own) and ``out/<node>.csr``.
+    """Write ``out/tls.key`` (0600, unless ``key`` brings the site's own) and ``<node>.csr``
+    (in ``csr_dir``, default ``out``).
 
     The request carries the node's SANs: its one ``mobius://`` identity, ``localhost``, its
     name, 127.0.0.1 and ``hosts``. An existing ``tls.key`` is kept (FileExistsError) unless
@@ -157,7 +159,8 @@ def request_node(
     node_name(node)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    csr_path = out / f"{node}.csr"
+    csr_path = Path(csr_dir if csr_dir is not None else out) / f"{node}.csr"
+    csr_path.parent.mkdir(parents=True, exist_ok=True)
     if key is not None:
         key_path = Path(key)
         if not key_path.is_file():
