@@ -437,6 +437,50 @@ def test_compose_keys_are_made_at_each_site_and_signed_by_the_admin() -> None:
     }
 
 
+def _mounted(svc: dict[str, Any], volumes: Path) -> dict[str, Path]:
+    """A service's mount targets -> where its volumes (and subpaths) live under ``volumes``."""
+    out = {}
+    for vol in svc.get("volumes", []):
+        sub = vol.get("volume", {}).get("subpath", "") if isinstance(vol, dict) else ""
+        out[_target(vol)] = volumes / _source(vol) / sub
+    return out
+
+
+def _on_disk(path: str, mounts: dict[str, Path]) -> str:
+    for target, where in mounts.items():
+        if path == target or path.startswith(target + "/"):
+            return str(where / path[len(target) :].lstrip("/"))
+    return path
+
+
+def test_compose_key_jobs_run_and_every_node_passes_its_startup_check(tmp_path: Path) -> None:
+    """The admin's and the sites' jobs, run for real in start order on directories standing
+    in for their volumes: every daemon then finds its own sound bundle, as it checks at
+    startup, and no key but its own in what it mounts."""
+    from mobius_fed.transport.enroll import check_bundle
+    from mobius_fed.transport.tls import NodeTLS
+
+    services, volumes = _services(), tmp_path / "volumes"
+    jobs = ["certs", *(f"{n}-key" for n in _nodes()), "sign"]
+    for name in jobs:
+        mounts = _mounted(services[name], volumes)
+        for where in mounts.values():
+            where.mkdir(parents=True, exist_ok=True)
+        argv = [_on_disk(a, mounts) for a in services[name]["command"]]
+        assert main_cli.main(argv[1:]) == 0, name
+    for node in _nodes():
+        svc = services[node]
+        mounts = _mounted(svc, volumes)
+        env = svc["environment"]
+        tls = NodeTLS(*(Path(_on_disk(env[f"MOBIUS_{k}"], mounts)) for k in ("CA", "CERT", "KEY")))
+        check_bundle(node, tls)
+        held = [p for d in mounts.values() if d.is_dir() for p in d.iterdir() if p.is_file()]
+        assert [p for p in held if b"PRIVATE KEY" in p.read_bytes()] == [tls.key], node
+    # the admin's volume holds the CA's and the operator's keys, no node's
+    admin_keys = sorted(p.name for p in (volumes / "certs").rglob("*.key"))
+    assert admin_keys == ["ca.key", "operator.key"]
+
+
 def test_compose_stops_cleanly_and_heals() -> None:
     """An init as PID 1 on every service (SIGTERM reaches the daemon, zombies are reaped), a
     grace period longer than the daemons' 2 s stop; workers restart on failure only, so a
