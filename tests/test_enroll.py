@@ -372,3 +372,33 @@ def test_command_line_flow_and_refusal(tmp_path: Path) -> None:
     assert wrong.returncode == 2 and "not worker-1's mobius://worker/1" in wrong.stderr
     again = _cli("request", "--node", "worker-0", "--if-missing", cwd=tmp_path)
     assert again.returncode == 0 and "nothing to do" in again.stdout
+
+
+def test_the_worker_daemon_refuses_an_expired_certificate_at_startup(
+    tmp_path: Path, ca: Path
+) -> None:
+    """mobius-worker itself: exit 2 and one line naming the file, before it dials anyone."""
+    w1 = _site(tmp_path, "worker-1", ca)
+    ca_key, ca_cert = load_ca(ca / "ca.crt", ca / "ca.key")
+    key = serialization.load_pem_private_key(w1.key.read_bytes(), None)
+    now = dt.datetime.now(dt.timezone.utc)
+    old = leaf_certificate(
+        key.public_key(),
+        "worker-1",
+        node_sans("worker-1", ()),
+        ca_key,
+        ca_cert,
+        now - dt.timedelta(days=9),
+        now - dt.timedelta(days=2),
+    )
+    w1.cert.write_bytes(old.public_bytes(serialization.Encoding.PEM))
+    argv = ["--coordinator", "127.0.0.1:9", "--data-dir", str(tmp_path / "data"), "--threads", "1"]
+    argv += ["--ca", str(w1.ca), "--cert", str(w1.cert), "--key", str(w1.key)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "mobius_fed.cli.worker", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert f"certificate {w1.cert} expired on" in proc.stderr
