@@ -402,3 +402,55 @@ def test_the_worker_daemon_refuses_an_expired_certificate_at_startup(
     )
     assert proc.returncode == 2
     assert f"certificate {w1.cert} expired on" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+def test_a_request_made_with_openssl_is_signed(tmp_path: Path, ca: Path, serve) -> None:
+    """The site's own tools (docs/keys.md): openssl makes the key and the request."""
+    key, csr = tmp_path / "site.key", tmp_path / "worker-3.csr"
+    subprocess.run(
+        ["openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(key)],
+        check=True,
+    )
+    san = "subjectAltName=URI:mobius://worker/3,DNS:worker-3,DNS:w3.example.org"
+    base = ["openssl", "req", "-new", "-key", str(key), "-subj", "/CN=worker-3"]
+    subprocess.run([*base, "-addext", san, "-out", str(csr)], check=True)
+    signed = sign_request(csr, "worker-3", ca)
+    assert signed.hosts == ("w3.example.org",)
+    tls = NodeTLS(signed.ca, signed.cert, key)
+    check_bundle("worker-3", tls)
+    w0 = _site(tmp_path, "worker-0", ca)
+    assert _ping(serve(tls), w0, "worker-3") == "mobius://worker/0"
+    extra = tmp_path / "extra.csr"
+    subprocess.run([*base, "-addext", san + ",URI:https://site.example", "-out", str(extra)])
+    with pytest.raises(EnrollError, match=r"extra URIs \['https://site.example'\]"):
+        sign_request(extra, "worker-3", ca)
+
+
+def test_a_certificate_from_the_sites_own_ca(tmp_path: Path, ca: Path, serve) -> None:
+    """A site's PKI issues its certificate: it works once every node trusts that CA too
+    (both CAs in ca.crt), with the same one-mobius://-URI rule; a site CA certificate
+    that nobody was given is named."""
+    site_ca = make_ca(tmp_path / "site-pki")
+    w1 = _site(tmp_path, "worker-1", site_ca)  # issued by the site's own CA
+    w0 = _site(tmp_path, "worker-0", ca)
+    with pytest.raises(SecretsError, match="not issued by the CA"):
+        check_bundle("worker-1", NodeTLS(ca / "ca.crt", w1.cert, w1.key))
+    both = tmp_path / "trust" / "ca.crt"
+    both.parent.mkdir()
+    both.write_bytes((ca / "ca.crt").read_bytes() + (site_ca / "ca.crt").read_bytes())
+    for site in (w0, w1):
+        shutil.copy(both, site.ca)
+    check_bundle("worker-1", w1)
+    assert _ping(serve(w1), w0, "worker-1") == "mobius://worker/0"
+    # the same rule: a site certificate with two mobius:// identities is refused
+    ca_key, ca_cert = load_ca(site_ca / "ca.crt", site_ca / "ca.key")
+    key = serialization.load_pem_private_key(w1.key.read_bytes(), None)
+    now = dt.datetime.now(dt.timezone.utc)
+    sans = [*node_sans("worker-1", ()), _uri("mobius://coordinator")]
+    two = leaf_certificate(
+        key.public_key(), "worker-1", sans, ca_key, ca_cert, now, now + dt.timedelta(days=1)
+    )
+    w1.cert.write_bytes(two.public_bytes(serialization.Encoding.PEM))
+    with pytest.raises(SecretsError, match="2 mobius:// URIs"):
+        check_bundle("worker-1", w1)
