@@ -747,7 +747,7 @@ def test_make_secret_checks_the_sites_bundle_before_kubectl(tmp_path: Path) -> N
     mobius.write_text(f'#!/bin/sh\nexec {sys.executable} -m mobius_fed.cli.main "$@"\n')
     for f in (fake, mobius):
         f.chmod(0o755)
-    env = {**os.environ, "KUBECTL": str(fake), "MOBIUS_FED": str(mobius), "DRY_RUN": "1"}
+    env = {**os.environ, "KUBECTL": str(fake), "MOBIUSFED": str(mobius), "DRY_RUN": "1"}
 
     def run(node: str) -> subprocess.CompletedProcess:
         return subprocess.run(

@@ -8,7 +8,7 @@
 #   # into worker-2/
 #   deploy/k8s/make-secret.sh worker-2 worker-2 [-n NAMESPACE ...]  # extra arguments: kubectl
 #
-# Runs `mobius-fed certs check` first (when mobius-fed is on PATH; MOBIUS_FED=... picks
+# Runs `mobius-fed certs check` first (when mobius-fed is on PATH; MOBIUSFED=... picks
 # another), so a bundle for another node, an expired certificate or a stray key is refused
 # here, not in a crash-looping pod. KUBECTL=... picks another kubectl binary; DRY_RUN=1
 # prints the manifest instead of applying it.
@@ -24,7 +24,7 @@ case $node in
     *) echo "$0: NODE is coordinator or worker-<i>, not '$node'" >&2; exit 2 ;;
 esac
 kubectl=${KUBECTL:-kubectl}
-mobius=${MOBIUS_FED:-mobius-fed}
+mobius=${MOBIUSFED:-mobius-fed}
 
 for f in ca.crt tls.crt tls.key; do
     [ -f "$dir/$f" ] || {
