@@ -477,8 +477,16 @@ def test_compose_key_jobs_run_and_every_node_passes_its_startup_check(tmp_path: 
         held = [p for d in mounts.values() if d.is_dir() for p in d.iterdir() if p.is_file()]
         assert [p for p in held if b"PRIVATE KEY" in p.read_bytes()] == [tls.key], node
     # the admin's volume holds the CA's and the operator's keys, no node's
-    admin_keys = sorted(p.name for p in (volumes / "certs").rglob("*.key"))
-    assert admin_keys == ["ca.key", "operator.key"]
+    # the operator's bundle where the namespace testbed's operator_certs() reads it
+    operator = volumes / "certs" / "nodes" / "operator"
+    assert sorted(p.name for p in operator.iterdir()) == sorted(BUNDLE_FILES.values())
+    admin_keys = sorted(p.relative_to(volumes).as_posix() for p in volumes.rglob("*.key"))
+    assert admin_keys == [
+        "certs/ca.key",
+        "certs/nodes/operator/tls.key",
+        "certs/operator.key",
+        *(f"{n}-key/tls.key" for n in _nodes()),
+    ]
 
 
 def test_compose_stops_cleanly_and_heals() -> None:

@@ -121,6 +121,23 @@ def test_request_writes_a_private_key_and_one_identity(tmp_path: Path) -> None:
     )
 
 
+def test_the_ca_directory_holds_no_node_key(ca: Path) -> None:
+    files = sorted(p.relative_to(ca).as_posix() for p in ca.rglob("*") if p.is_file())
+    assert files == [
+        "ca.crt",
+        "ca.key",
+        "nodes/operator/ca.crt",
+        "nodes/operator/tls.crt",
+        "nodes/operator/tls.key",
+        "operator.crt",
+        "operator.key",
+    ]
+    for p in ca.rglob("*.key"):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        make_ca(ca)
+
+
 def test_signed_bundles_pass_a_real_mtls_handshake(tmp_path: Path, ca: Path, serve) -> None:
     w1 = _site(tmp_path, "worker-1", ca)
     w2 = _site(tmp_path, "worker-2", ca, hosts=["w2.example.org"])

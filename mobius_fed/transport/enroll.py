@@ -76,7 +76,11 @@ def node_name(node: str) -> str:
 
 # --------------------------------------------------------------------------- admin: CA
 def make_ca(out: Path, *, days: int = 365, overwrite: bool = False) -> Path:
-    """A CA and the operator's client certificate in ``out`` (no node keys at all)."""
+    """A CA and the operator's client certificate in ``out`` (no node keys at all).
+
+    Writes ``ca.crt``, ``ca.key``, ``operator.crt``/``.key`` and the operator's bundle
+    ``nodes/operator/{ca.crt,tls.crt,tls.key}``, laid out as :func:`init_certs` does.
+    """
     out = Path(out)
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(
@@ -99,8 +103,14 @@ def make_ca(out: Path, *, days: int = 365, overwrite: bool = False) -> Path:
         not_before,
         not_after,
     )
+    op_pem, ca_pem = (c.public_bytes(serialization.Encoding.PEM) for c in (op, ca_cert))
     write_file(out / "operator.key", key_pem(op_key), 0o600)
-    write_file(out / "operator.crt", op.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_file(out / "operator.crt", op_pem, 0o644)
+    bundle = out / "nodes" / "operator"  # the same operator bundle `certs init` writes
+    bundle.mkdir(parents=True, exist_ok=True)
+    write_file(bundle / CA_FILE, ca_pem, 0o644)
+    write_file(bundle / CERT_FILE, op_pem, 0o644)
+    write_file(bundle / KEY_FILE, key_pem(op_key), 0o600)
     return out
 
 
