@@ -37,7 +37,10 @@ GRPC_PORT = 7300
 REST_PORT = 7380
 METRICS_PORT = 9464
 CERTS, DATA, STATE = "/srv/mobius/certs", "/srv/mobius/data", "/srv/mobius/state"
+KEY, REQUESTS = "/srv/mobius/key", "/srv/mobius/requests"
 WORKER_RE = re.compile(r"^worker-(\d+)$")
+ADMIN_JOBS = {"certs", "sign"}
+"""The compose services that play the admin: the only ones that mount the CA's volume whole."""
 
 BUNDLE = CertLayout(root=Path("/x"), ca_cert=Path("/x/ca.crt"), ca_key=Path("/x/ca.key"), workers=1)
 BUNDLE_FILES = {
@@ -225,7 +228,7 @@ def test_dockerfile_paths_ports_and_user() -> None:
     text = DOCKERFILE.read_text()
     mkdir = [ln for ln in text.splitlines() if "mkdir" in ln and "/srv/mobius" in ln]
     assert mkdir, "Dockerfile should mkdir /srv/mobius/{certs,data,state}"
-    for path in (CERTS, DATA, STATE):
+    for path in (CERTS, KEY, REQUESTS, DATA, STATE):
         assert path in mkdir[0].split(), f"Dockerfile mkdir line lacks {path}: {mkdir[0]!r}"
     assert re.search(r"chown -R mobius:mobius /srv/mobius\b", text)
     expose = re.search(r"^EXPOSE\s+(.+)$", text, re.M)
@@ -277,8 +280,7 @@ def test_compose_names_and_worker_count() -> None:
     coordinator_env = services["coordinator"]["environment"]
     assert int(coordinator_env["MOBIUS_WORKERS"]) == P
     certs = _parse(services["certs"]["command"])
-    assert certs.command == "certs" and certs.certs_command == "init"
-    assert certs.workers == P, "the certs job's --workers must equal the number of workers"
+    assert certs.command == "certs" and certs.certs_command == "ca", "the admin makes a CA only"
     assert str(certs.out) == CERTS
     for i in range(P):
         prep = _parse(services[f"data-{i}"]["command"])
@@ -338,9 +340,9 @@ def test_compose_ports_paths_and_identities() -> None:
         f"{METRICS_PORT}:{METRICS_PORT}",
     }
     assert env["MOBIUS_OUT_DIR"] == STATE
-    _check_tls_env(env, CERTS, "compose coordinator")
+    _check_tls_env(env, CERTS, "compose coordinator", key_dir=KEY)
     _check_compose_cert_mount(coord, "coordinator")
-    assert _volume_targets(coord) >= {CERTS, STATE}
+    assert _volume_targets(coord) == {CERTS, KEY, STATE}
     _check_health(_health_test(coord), GRPC_PORT, "coordinator", env)
 
     for i, svc in _compose_workers().items():
@@ -351,9 +353,9 @@ def test_compose_ports_paths_and_identities() -> None:
         assert env["MOBIUS_ADVERTISE"] == f"worker-{i}:{WORKER_PORT}"
         assert env["MOBIUS_DATA_DIR"] == f"{DATA}/site-{i}"
         assert env["MOBIUS_OUT_DIR"] == STATE
-        _check_tls_env(env, CERTS, f"compose worker-{i}")
+        _check_tls_env(env, CERTS, f"compose worker-{i}", key_dir=KEY)
         _check_compose_cert_mount(svc, f"worker-{i}")
-        assert _volume_targets(svc) == {CERTS, DATA, STATE}
+        assert _volume_targets(svc) == {CERTS, KEY, DATA, STATE}
         _check_health(_health_test(svc), WORKER_PORT, f"worker-{i}", env)
         assert svc["command"] == ["mobius-worker"]
         _parse(svc["command"])
@@ -377,12 +379,114 @@ def test_compose_each_worker_gets_only_its_own_key_and_site() -> None:
         assert users[f"worker-{i}-state"] == {f"worker-{i}"}
         networks = set(svc["networks"])
         assert networks == {f"site-{i}", "wan"}
-    # Only the certs job sees the whole certificate volume; everyone else mounts a bundle.
+    # Only the admin's jobs see the whole CA volume; every node mounts its public bundle.
     for name, svc in services.items():
         for vol in svc.get("volumes", []):
-            if _source(vol) == "certs" and name != "certs":
+            if _source(vol) == "certs" and name not in ADMIN_JOBS:
                 assert isinstance(vol, dict) and vol.get("volume", {}).get("subpath"), name
                 assert vol.get("read_only") is True, f"{name} mounts its certificates writable"
+
+
+def _nodes() -> list[str]:
+    return ["coordinator"] + [f"worker-{i}" for i in sorted(_compose_workers())]
+
+
+def _volume_users() -> dict[str, dict[str, Any]]:
+    """volume name -> {service: its mount of that volume}."""
+    users: dict[str, dict[str, Any]] = {}
+    for name, svc in _services().items():
+        for vol in svc.get("volumes", []):
+            users.setdefault(_source(vol), {})[name] = vol
+    return users
+
+
+def test_compose_keys_are_made_at_each_site_and_signed_by_the_admin() -> None:
+    """`certs request` per node writes its key where only that node looks; the admin's
+    `certs sign` sees the requests and the CA, never a node's key."""
+    services, users, nodes = _services(), _volume_users(), _nodes()
+    for node in nodes:
+        job = services[f"{node}-key"]
+        req = _parse(job["command"])
+        assert (req.certs_command, req.node, req.if_missing) == ("request", node, True)
+        assert (str(req.out), str(req.csr_dir)) == (KEY, REQUESTS)
+        assert job.get("network_mode") == "none"
+        assert {_source(v): _target(v) for v in job["volumes"]} == {
+            f"{node}-key": KEY,
+            "requests": REQUESTS,
+        }
+        assert set(users[f"{node}-key"]) == {f"{node}-key", node}, "a key volume is shared"
+        (own,) = [v for v in services[node]["volumes"] if _source(v) == f"{node}-key"]
+        assert _target(own) == KEY and own.get("read_only") is True
+        assert services[node]["depends_on"]["sign"]["condition"] == "service_completed_successfully"
+    assert set(users["requests"]) == {f"{n}-key" for n in nodes} | {"sign"}
+    for job in ADMIN_JOBS:
+        assert not [v for v in services[job]["volumes"] if _source(v).endswith("-key")], job
+    sign = services["sign"]
+    args = _parse(sign["command"])
+    assert args.certs_command == "sign" and str(args.ca) == CERTS
+    assert args.csr == [f"{REQUESTS}/{n}.csr" for n in nodes] and args.node == nodes
+    for node in nodes:  # it writes exactly the bundle directory each node mounts
+        written = (Path(args.out) / node).relative_to(CERTS).as_posix()
+        assert written == BUNDLE.bundle(node).cert.parent.relative_to(BUNDLE.root).as_posix()
+    (req_mount,) = [v for v in sign["volumes"] if _source(v) == "requests"]
+    assert req_mount.get("read_only") is True
+    assert {_source(v) for v in sign["volumes"]} == {"certs", "requests"}
+    waits = {k: v["condition"] for k, v in sign["depends_on"].items()}
+    assert waits == {
+        n: "service_completed_successfully" for n in ["certs", *(f"{m}-key" for m in nodes)]
+    }
+
+
+def _mounted(svc: dict[str, Any], volumes: Path) -> dict[str, Path]:
+    """A service's mount targets -> where its volumes (and subpaths) live under ``volumes``."""
+    out = {}
+    for vol in svc.get("volumes", []):
+        sub = vol.get("volume", {}).get("subpath", "") if isinstance(vol, dict) else ""
+        out[_target(vol)] = volumes / _source(vol) / sub
+    return out
+
+
+def _on_disk(path: str, mounts: dict[str, Path]) -> str:
+    for target, where in mounts.items():
+        if path == target or path.startswith(target + "/"):
+            return str(where / path[len(target) :].lstrip("/"))
+    return path
+
+
+def test_compose_key_jobs_run_and_every_node_passes_its_startup_check(tmp_path: Path) -> None:
+    """The admin's and the sites' jobs, run for real in start order on directories standing
+    in for their volumes: every daemon then finds its own sound bundle, as it checks at
+    startup, and no key but its own in what it mounts."""
+    from mobius_fed.transport.enroll import check_bundle
+    from mobius_fed.transport.tls import NodeTLS
+
+    services, volumes = _services(), tmp_path / "volumes"
+    jobs = ["certs", *(f"{n}-key" for n in _nodes()), "sign"]
+    for name in jobs:
+        mounts = _mounted(services[name], volumes)
+        for where in mounts.values():
+            where.mkdir(parents=True, exist_ok=True)
+        argv = [_on_disk(a, mounts) for a in services[name]["command"]]
+        assert main_cli.main(argv[1:]) == 0, name
+    for node in _nodes():
+        svc = services[node]
+        mounts = _mounted(svc, volumes)
+        env = svc["environment"]
+        tls = NodeTLS(*(Path(_on_disk(env[f"MOBIUS_{k}"], mounts)) for k in ("CA", "CERT", "KEY")))
+        check_bundle(node, tls)
+        held = [p for d in mounts.values() if d.is_dir() for p in d.iterdir() if p.is_file()]
+        assert [p for p in held if b"PRIVATE KEY" in p.read_bytes()] == [tls.key], node
+    # the admin's volume holds the CA's and the operator's keys, no node's
+    # the operator's bundle where the namespace testbed's operator_certs() reads it
+    operator = volumes / "certs" / "nodes" / "operator"
+    assert sorted(p.name for p in operator.iterdir()) == sorted(BUNDLE_FILES.values())
+    admin_keys = sorted(p.relative_to(volumes).as_posix() for p in volumes.rglob("*.key"))
+    assert admin_keys == [
+        "certs/ca.key",
+        "certs/nodes/operator/tls.key",
+        "certs/operator.key",
+        *(f"{n}-key/tls.key" for n in _nodes()),
+    ]
 
 
 def test_compose_stops_cleanly_and_heals() -> None:
@@ -434,10 +538,13 @@ def _check_compose_cert_mount(svc: dict[str, Any], node: str) -> None:
     )
 
 
-def _check_tls_env(env: dict[str, str], certs_dir: str, where: str) -> None:
+def _check_tls_env(
+    env: dict[str, str], certs_dir: str, where: str, key_dir: str | None = None
+) -> None:
     for key, file in BUNDLE_FILES.items():
         value = env[f"MOBIUS_{key.upper()}"]
-        assert value == f"{certs_dir}/{file}", f"{where}: MOBIUS_{key.upper()}={value}"
+        folder = key_dir if key == "key" and key_dir else certs_dir
+        assert value == f"{folder}/{file}", f"{where}: MOBIUS_{key.upper()}={value}"
 
 
 def _check_health(argv: list[str], port: int, server_name: str, env: dict[str, str]) -> None:
@@ -614,12 +721,61 @@ def _check_pod_security(pod: dict[str, Any], container: dict[str, Any]) -> None:
 
 
 def test_make_secrets_script_uses_the_bundle_layout() -> None:
-    text = (K8S / "make-secrets.sh").read_text()
-    assert "mobius-$node-tls" in text
-    assert "dir=$certs/nodes/$node" in text
+    one = (K8S / "make-secret.sh").read_text()
+    assert "mobius-$node-tls" in one
     for f in BUNDLE_FILES.values():
-        assert f'--from-file={f}="$dir/{f}"' in text
-    assert "nodes=coordinator" in text and 'nodes="$nodes worker-$i"' in text
+        assert f'--from-file={f}="$dir/{f}"' in one
+    assert 'certs check --node "$node" --dir "$dir"' in one
+    lab = (K8S / "make-secrets.sh").read_text()
+    assert "dir=$certs/nodes/$node" in lab
+    assert '"$(dirname "$0")/make-secret.sh" "$node" "$dir" "$@"' in lab
+    assert "nodes=coordinator" in lab and 'nodes="$nodes worker-$i"' in lab
+
+
+def test_make_secret_checks_the_sites_bundle_before_kubectl(tmp_path: Path) -> None:
+    """make-secret.sh with a bundle from the real request/sign flow, and a stand-in kubectl
+    that records what it was asked: the right Secret, or a refusal naming the problem."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from mobius_fed.transport.enroll import make_ca, request_node, sign_request
+
+    ca = make_ca(tmp_path / "admin")
+    site = tmp_path / "site"
+    req = request_node("worker-2", site)
+    signed = sign_request(req.csr, "worker-2", ca)
+    shutil.copy(signed.cert, site / "tls.crt")
+    shutil.copy(signed.ca, site / "ca.crt")
+    log = tmp_path / "kubectl.log"
+    fake = tmp_path / "kubectl"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\necho "kind: Secret"\n')
+    mobius = tmp_path / "mobius-fed"
+    mobius.write_text(f'#!/bin/sh\nexec {sys.executable} -m mobius_fed.cli.main "$@"\n')
+    for f in (fake, mobius):
+        f.chmod(0o755)
+    env = {**os.environ, "KUBECTL": str(fake), "MOBIUSFED": str(mobius), "DRY_RUN": "1"}
+
+    def run(node: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["sh", str(K8S / "make-secret.sh"), node, str(site), "-n", "site-2"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    done = run("worker-2")
+    assert done.returncode == 0, done.stderr
+    assert "kind: Secret" in done.stdout and "ok:" in done.stderr
+    (call,) = log.read_text().splitlines()
+    assert call.startswith("create secret generic mobius-worker-2-tls -n site-2 ")
+    for f in BUNDLE_FILES.values():
+        assert f"--from-file={f}={site}/{f}" in call
+    wrong = run("worker-1")
+    assert wrong.returncode != 0 and "not worker-1's mobius://worker/1" in wrong.stderr
+    assert len(log.read_text().splitlines()) == 1, "kubectl must not run for a refused bundle"
 
 
 # ----------------------------------------------------------------------------- systemd
@@ -652,6 +808,7 @@ def test_systemd_units_and_env_files(role: str) -> None:
     assert not set(env) - allowed, f"{example.name}: unknown variables {sorted(set(env) - allowed)}"
     _check_tls_env(env, "/etc/mobius/certs", example.name)
     assert any(env["MOBIUS_OUT_DIR"].startswith(w + "/") for w in writable)
+    _check_unit_key_commands(SYSTEMD / f"{UNITS[role]}.service", role)
     active = _env_file_active(example)
     if role == "coordinator":
         assert _port(active["MOBIUS_LISTEN"]) == GRPC_PORT
@@ -759,3 +916,27 @@ def test_dashboard_assets_are_package_data() -> None:
             rel = path.relative_to(static.parent)
             assert any(rel.match(g) or (g.endswith("**/*") and str(rel).startswith(g[:-4]))
                        for g in globs), rel  # fmt: skip
+
+
+def _check_unit_key_commands(unit: Path, role: str) -> None:
+    """The unit's install notes make the key on the host (certs request) and check the
+    bundle (certs check) into the paths the env file names; the commands parse."""
+    lines = [ln.lstrip("#").strip() for ln in unit.read_text().splitlines()]
+    commands, current = [], ""
+    for line in lines:
+        if line.startswith("sudo -u mobius") or current:
+            current += " " + line.split("#")[0].rstrip("\\ ").strip()
+            if not line.split("#")[0].rstrip().endswith("\\"):
+                commands.append(current.strip())
+                current = ""
+    node = "coordinator" if role == "coordinator" else "worker-<i>"
+    actions = {}
+    for cmd in commands:
+        argv = shlex.split(cmd.replace("<i>", "0").replace("<host>", "h.example.org"))
+        argv = argv[argv.index("sudo") + 3 :] if argv[0] == "sudo" else argv
+        args = _parse(["mobius-fed", *argv[1:]])
+        assert args.node == node.replace("<i>", "0")
+        actions[args.certs_command] = args
+    assert set(actions) == {"request", "check"}, commands
+    assert str(actions["request"].out) == "/etc/mobius/certs"
+    assert str(actions["check"].dir) == "/etc/mobius/certs"

@@ -61,7 +61,7 @@ def _proc(pid: int) -> dict:
         "cmdline": Path(f"/proc/{pid}/cmdline").read_text().split("\0"),
         "srv": sorted(os.listdir(root)),
         "data": sorted(os.listdir(data)) if data.exists() else None,
-        "key": (root / "certs" / "tls.key").read_bytes(),
+        "key": (root / "key" / "tls.key").read_bytes(),  # its own key volume
         "ca": (root / "certs" / "ca.crt").is_file(),
     }
 
@@ -113,6 +113,10 @@ def demo(tmp_path_factory):
         seen["final"] = wait_for_run(tb, 240)
         seen["coordinator_running"] = tb.running("coordinator")
         seen["certs_dir"] = tb.volume_path("certs")
+        seen["keys"] = {  # each node's key, made in its own volume (certs request)
+            node: (tb.volume_path(f"{node}-key") / "tls.key").read_bytes()
+            for node in ["coordinator", *(f"worker-{i}" for i in range(WORKERS))]
+        }
         seen["all_pids"] = set(pids.values())
     seen["seconds"] = time.monotonic() - t0
     seen["netns_after"] = list_netns()
@@ -146,7 +150,7 @@ def test_compose_demo_trains_and_cleans_up(demo):
     assert links_during == demo["links_before"]
     assert "10.213." not in addrs_during
     ours = set(demo["namespaces"])
-    assert len(ours) == 1 + 10  # switch + every compose service
+    assert len(ours) == 1 + 16  # switch + every compose service
     assert not ours & set(demo["netns_after"]), demo["netns_after"]
     assert not [ns for ns in demo["netns_after"] if ns.startswith(demo["prefix"] + "-")]
     assert demo["etc_after"] == []
@@ -155,27 +159,28 @@ def test_compose_demo_trains_and_cleans_up(demo):
 
 @needs_netns
 def test_workers_hold_only_their_own_site_and_key(demo):
-    certs = demo["certs_dir"] / "nodes"
     procs = demo["procs"]
-    keys = {i: (certs / f"worker-{i}" / "tls.key").read_bytes() for i in range(WORKERS)}
+    keys = {i: demo["keys"][f"worker-{i}"] for i in range(WORKERS)}
     assert len(set(keys.values())) == WORKERS
+    nodes = demo["certs_dir"] / "nodes"  # the admin's volume holds no node's key
+    assert not [k for k in nodes.glob("*/tls.key") if k.parent.name != "operator"]
     for i in range(WORKERS):
         p = procs[f"worker-{i}"]
         assert any(a.endswith("mobius-worker") for a in p["cmdline"][:2]), p["cmdline"]
         env = p["environ"]
         assert env["MOBIUS_DATA_DIR"] == f"/srv/mobius/data/site-{i}"
-        assert env["MOBIUS_KEY"] == "/srv/mobius/certs/tls.key"
+        assert env["MOBIUS_KEY"] == "/srv/mobius/key/tls.key"
         assert env["MOBIUS_ADVERTISE"] == f"worker-{i}:7000"
         assert p["key"] == keys[i]  # the key visible in its own mount namespace
         assert p["ca"]
         assert p["data"] == [f"site-{i}"]  # no other site's data is even visible
-        assert p["srv"] == ["certs", "data", "state"]
+        assert p["srv"] == ["certs", "data", "key", "state"]
         assert demo["write_errors"][i] is not None  # read-only data volume
     coord = procs["coordinator"]
     assert any(a.endswith("mobius-coordinator") for a in coord["cmdline"][:2])
     assert "MOBIUS_DATA_DIR" not in coord["environ"]
-    assert coord["data"] is None and coord["srv"] == ["certs", "state"]
-    assert coord["key"] == (certs / "coordinator" / "tls.key").read_bytes()
+    assert coord["data"] is None and coord["srv"] == ["certs", "key", "state"]
+    assert coord["key"] == demo["keys"]["coordinator"]
     assert coord["key"] not in keys.values()
 
 
@@ -318,8 +323,9 @@ def test_parse_real_compose_file():
     assert w.argv == ["mobius-worker"] and w.networks == {"site-2": [], "wan": []}
     assert w.environment["MOBIUS_DATA_DIR"] == "/srv/mobius/data/site-2"
     assert w.environment["MOBIUS_COORDINATOR"] == "coordinator:7300"  # from the anchor
-    certs, data, state = w.mounts
+    certs, key, data, state = w.mounts
     assert (certs.source, certs.subpath, certs.read_only) == ("certs", "nodes/worker-2", True)
+    assert (key.source, key.read_only) == ("worker-2-key", True)
     assert (data.source, data.read_only, state.read_only) == ("site-2-data", True, False)
     assert w.depends_on["coordinator"] == "service_healthy"
     assert (w.restart, w.max_restarts) == ("on-failure", 10)

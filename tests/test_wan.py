@@ -17,10 +17,12 @@ from mobius_fed.testbed.wan import (
     parse_rate,
     parse_site_shapes,
     tbf_args,
+    wan_tools_missing,
 )
 
 REPO = Path(__file__).resolve().parents[1]
 _REASON = netns_available()
+_REASON = _REASON or wan_tools_missing([WanShape(10**8, 0.02)])
 needs_netns = pytest.mark.skipif(_REASON is not None, reason=f"no namespace testbed: {_REASON}")
 
 
@@ -39,6 +41,19 @@ def test_parse_shapes_and_overrides():
     ):
         with pytest.raises(WanError, match=bad):
             call()
+
+
+def test_missing_wan_tools_are_named(monkeypatch):
+    """A shaped testbed on a machine without tc/iptables names each tool and its package."""
+    import mobius_fed.testbed.wan as wan
+
+    monkeypatch.setattr(wan.shutil, "which", lambda tool: None)
+    assert wan_tools_missing([WanShape()]) is None  # unshaped: nothing to exec
+    only_rate = wan_tools_missing([WanShape(10**9, 0.0)])
+    assert only_rate is not None and "tc," in only_rate and "iptables" not in only_rate
+    both = wan_tools_missing([WanShape(10**9, 0.025)])
+    assert both is not None and "tc and iptables" in both
+    assert "apt-get install iproute2 iptables" in both
 
 
 @needs_netns

@@ -5,8 +5,10 @@
 
 Every worker is its own one-replica StatefulSet, ``worker-<i>``, because a pod may only
 mount the Secret that holds its own key (``mobius-worker-<i>-tls``), and one StatefulSet
-cannot give each of its pods a different Secret. See README.md ("Kubernetes").
-Also set MOBIUS_WORKERS in configmap.yaml and run make-secrets.sh with the same P.
+cannot give each of its pods a different Secret. See docs/deployment.md ("Kubernetes").
+Also set MOBIUS_WORKERS in configmap.yaml, and give each worker its Secret: at its site,
+``make-secret.sh worker-<i> DIR`` (its own key, the admin's signed certificate; see
+docs/keys.md), or for a lab ``make-secrets.sh CERTS_DIR P``.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ PLUGINS: dict[str, tuple[str, ...]] = {
     "testbed": ("testbed",),
     "audit": ("audit",),
     "research": ("experiment", "sweep", "analyze"),
+    "certs": ("certs",),
     "export": ("export", "generate", "eval"),
 }
 
@@ -133,43 +134,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_certs_init(args: argparse.Namespace) -> int:
-    from mobius_fed.transport.certs import init_certs
-
-    if args.if_missing and (Path(args.out) / "ca.crt").is_file():
-        print(f"certificates already in {args.out}; nothing to do")
-        return 0
-    layout = init_certs(Path(args.out), args.workers, args.host or (), overwrite=args.overwrite)
-    print(f"CA and certificates for {args.workers} workers, coordinator, operator in {layout.root}")
-    return 0
-
-
-def cmd_certs_renew(args: argparse.Namespace) -> int:
-    from mobius_fed.transport.certs import identity_of, renew_node
-
-    try:
-        node = renew_node(Path(args.out), args.node, args.host or (), days=args.days)
-    except KeyError as exc:
-        raise CliError(str(exc)) from None
-    print(
-        f"new key and certificate for {args.node} ({identity_of(args.node)}) in "
-        f"{node.cert.parent}: deploy it to that node only. Its old certificate stays valid "
-        "until it expires; `mobius-fed certs rotate` cuts it off now."
-    )
-    return 0
-
-
-def cmd_certs_rotate(args: argparse.Namespace) -> int:
-    from mobius_fed.transport.certs import rotate_ca
-
-    layout = rotate_ca(Path(args.out), args.host or (), days=args.days)
-    print(
-        f"new CA and certificates for {layout.workers} workers, coordinator, operator in "
-        f"{layout.root}: deploy every nodes/<node>/ bundle and restart every node"
-    )
-    return 0
-
-
 def _add_local_parser(sub) -> None:
     p = sub.add_parser(
         "local",
@@ -239,35 +203,6 @@ def _add_prepare_parser(sub) -> None:
     p.set_defaults(func=cmd_prepare)
 
 
-def _add_certs_parser(sub) -> None:
-    p = sub.add_parser("certs", help="certificate authority and node certificates")
-    csub = p.add_subparsers(dest="certs_command", required=True, metavar="ACTION")
-    c = csub.add_parser("init", help="make a CA and certificates for every node")
-    c.add_argument("--workers", type=int, required=True, help="P: one certificate per worker")
-    c.add_argument("--out", type=Path, required=True, help="directory for the CA and bundles")
-    c.add_argument("--host", action="append", help="extra DNS name or IP for every node")
-    c.add_argument("--overwrite", action="store_true", help="replace existing certificates")
-    c.add_argument(
-        "--if-missing",
-        action="store_true",
-        help="do nothing when OUT/ca.crt exists (a one-shot init job)",
-    )
-    c.set_defaults(func=cmd_certs_init)
-    c = csub.add_parser("renew", help="new key and certificate for one node, same identity")
-    c.add_argument("--node", required=True, help="worker-<i>, coordinator or operator")
-    c.add_argument("--out", type=Path, required=True, help="the directory certs init wrote")
-    c.add_argument("--host", action="append", help="extra DNS name or IP for the node")
-    c.add_argument("--days", type=int, default=365, help="validity (default: 365)")
-    c.set_defaults(func=cmd_certs_renew)
-    c = csub.add_parser(
-        "rotate", help="new CA and certificates for every node (old ones stop working)"
-    )
-    c.add_argument("--out", type=Path, required=True, help="the directory certs init wrote")
-    c.add_argument("--host", action="append", help="extra DNS name or IP for every node")
-    c.add_argument("--days", type=int, default=365, help="validity (default: 365)")
-    c.set_defaults(func=cmd_certs_rotate)
-
-
 def cmd_config_show(args: argparse.Namespace) -> int:
     import json
 
@@ -311,7 +246,6 @@ def _add_config_parser(sub) -> None:
 BUILTIN = {
     "local": _add_local_parser,
     "prepare": _add_prepare_parser,
-    "certs": _add_certs_parser,
     "config": _add_config_parser,
 }
 
@@ -331,7 +265,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         BUILTIN["local"](sub)
     for module in plugins:
         _register(sub, module)
-    for name in ("prepare", "certs", "config"):
+    for name in ("prepare", "config"):
         if name in builtins:
             BUILTIN[name](sub)
     return parser

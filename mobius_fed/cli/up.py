@@ -485,12 +485,14 @@ def cmd_up(args, train: TrainConfig) -> int:
         max_restarts=args.max_restarts,
     )
     final: dict[str, Any] | None = None
-    linger = getattr(args, "linger", 0.0)
+    linger = linger_default(getattr(args, "linger", None))
     try:
         final = _up(fed, args, train)
         _report(final)
         if linger:
             _linger(fed, linger)
+        else:
+            _served_note(fed)
     except (KeyboardInterrupt, Terminated) as exc:
         stop.ignore()  # a second signal changes nothing: every child is being stopped
         signum = exc.signum if isinstance(exc, Terminated) else int(signal.SIGINT)
@@ -555,6 +557,25 @@ def _linger(fed: LocalFederation, seconds: float) -> None:
             console.print("the coordinator exited; nothing left to serve")
             return
         time.sleep(0.2)
+
+
+def linger_default(value: float | None) -> float:
+    """``--linger`` when given; otherwise serve until a signal only where a person watches
+    (standard output is a terminal), and exit at once in a script or CI job."""
+    if value is not None:
+        return value
+    return -1.0 if sys.stdout.isatty() else 0.0
+
+
+def _served_note(fed: LocalFederation) -> None:
+    """Where the status was served, for a run that exits at once (a script, ``--linger 0``)."""
+    ep = fed.endpoints()
+    console.print(
+        f"run ended; its status was served at {ep['rest']}/ (gRPC {ep['grpc']}); the "
+        f"coordinator has stopped. To keep it serving after a run: mobius-fed up --linger "
+        f"SECONDS|forever (then mobius-fed status --run {fed.root})",
+        highlight=False,
+    )
 
 
 def _print_endpoints(fed: LocalFederation) -> None:
@@ -682,7 +703,8 @@ def register(sub) -> None:
             description="A whole federation on 127.0.0.1: certificates, per-site data, the "
             "coordinator and P workers, supervised. Writes OUT/endpoints.json (addresses, "
             "operator certs) for `mobius-fed status|health|dashboard --run OUT`; after the "
-            "run the coordinator keeps serving status until Ctrl-C (see --linger).",
+            "run the coordinator keeps serving status until Ctrl-C when the output is a "
+            "terminal, and exits at once in a script (see --linger).",
         )
     finally:
         sub._parser_class = parser_class
@@ -735,10 +757,11 @@ def register(sub) -> None:
     p.add_argument(
         "--linger",
         type=linger_value,
-        default=-1.0,
+        default=None,
         metavar="SECONDS",
         help="after the run, keep the coordinator serving status, dashboard and metrics for "
-        "SECONDS (0: exit at once; default: forever, until Ctrl-C / SIGTERM)",
+        "SECONDS (0: exit at once; forever: until Ctrl-C / SIGTERM). Default: forever when "
+        "standard output is a terminal, 0 in a script",
     )
     add_resume_flag(
         p,

@@ -100,9 +100,12 @@ def netns_available() -> str | None:
         return "network namespaces need Linux"
     if os.geteuid() != 0:
         return "the namespace testbed needs root (ip netns, mount)"
-    for tool in ("ip", "unshare", "mount"):
+    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"), ("mount", "mount")):
         if shutil.which(tool) is None:
-            return f"{tool} is not installed"
+            return (
+                f"{tool} is not installed (apt-get install {package}, or "
+                "scripts/install_system_tools.sh)"
+            )
     name = f"mtbprobe{os.getpid()}"
     try:
         r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
@@ -307,6 +310,12 @@ class Testbed:
         reason = netns_available()
         if reason:
             raise TestbedError(reason)
+        if self.wan:
+            from mobius_fed.testbed.wan import wan_tools_missing
+
+            reason = wan_tools_missing(self.wan.values())
+            if reason:
+                raise TestbedError(reason)
         self._built = True
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.volumes_dir.mkdir(parents=True, exist_ok=True)

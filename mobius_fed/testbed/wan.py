@@ -29,13 +29,14 @@ import argparse
 import collections
 import contextlib
 import json
+import shutil
 import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from mobius_fed.transport.link_tuning import UnitError as WanError
@@ -126,6 +127,26 @@ def redirect_rules(netns: str, subnet: str) -> None:
     rule = ["-p", "tcp", "-d", subnet, "-m", "mark", "!", "--mark", hex(RELAY_MARK)]
     target = ["-j", "REDIRECT", "--to-ports", str(RELAY_PORT)]
     _run(["ip", "netns", "exec", netns, "iptables", "-t", "nat", "-A", "OUTPUT", *rule, *target])
+
+
+# The system tools WAN shaping execs inside the namespaces, and the Debian package of each.
+WAN_TOOLS = {"tc": "iproute2", "iptables": "iptables"}
+
+
+def wan_tools_missing(shapes: Iterable[WanShape]) -> str | None:
+    """None when the tools these shapes need are installed, else which are missing and how
+    to install them (a rate needs ``tc``, a delay ``iptables`` for the delay-line redirect)."""
+    shapes = list(shapes)
+    need = [t for t, used in (("tc", any(s.rate for s in shapes)),
+                              ("iptables", any(s.delay > 0 for s in shapes))) if used]  # fmt: skip
+    missing = [t for t in need if shutil.which(t) is None]
+    if not missing:
+        return None
+    pkgs = " ".join(sorted({WAN_TOOLS[t] for t in missing}))
+    return (
+        f"WAN shaping needs {' and '.join(missing)}, not installed here: apt-get install {pkgs} "
+        "(or scripts/install_system_tools.sh)"
+    )
 
 
 def _run(argv: list[str]) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mobius_fed.transport.tls import (
@@ -36,6 +36,9 @@ from mobius_fed.transport.tls import (
 )
 
 CA_NAME = "mobius-fed CA"
+
+PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
+PublicKey = ec.EllipticCurvePublicKey | rsa.RSAPublicKey
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,8 @@ def identity_of(name: str) -> str:
     raise ValueError(f"unknown node name {name!r}")
 
 
-def _write(path: Path, data: bytes, mode: int) -> None:
+def write_file(path: Path, data: bytes, mode: int) -> None:
+    """Write ``data`` to ``path`` with exactly ``mode`` (0600 for keys), replacing it."""
     if path.exists():
         path.unlink()  # O_CREAT keeps an existing file's mode; start fresh
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -90,7 +94,8 @@ def _write(path: Path, data: bytes, mode: int) -> None:
         f.write(data)
 
 
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+def key_pem(key: PrivateKey) -> bytes:
+    """A private key as unencrypted PEM PKCS#8."""
     return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -98,7 +103,9 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def _sans(name: str, hosts: Sequence[str]) -> list[x509.GeneralName]:
+def node_sans(name: str, hosts: Sequence[str]) -> list[x509.GeneralName]:
+    """SANs of node ``name``: its identity URI, ``localhost``, its name (not the operator's),
+    127.0.0.1 and every ``hosts`` value (DNS name or IP)."""
     sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity_of(name))]
     dns: list[str] = ["localhost"]
     ips: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [ipaddress.ip_address("127.0.0.1")]
@@ -118,10 +125,101 @@ def _sans(name: str, hosts: Sequence[str]) -> list[x509.GeneralName]:
     return sans
 
 
+def leaf_certificate(
+    public_key: PublicKey,
+    name: str,
+    sans: Sequence[x509.GeneralName],
+    ca_key: PrivateKey,
+    ca_cert: x509.Certificate,
+    not_before: dt.datetime,
+    not_after: dt.datetime,
+) -> x509.Certificate:
+    """A leaf for node ``name`` (CN ``name``, SANs ``sans``) signed by the CA: never a CA
+    itself, digitalSignature only, serverAuth and clientAuth (a worker is both)."""
+    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
+    return (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_key_usage(ca=False), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+
+
+def _key_usage(*, ca: bool) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+def new_ca(
+    not_before: dt.datetime, not_after: dt.datetime
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A fresh EC P-256 CA key and its self-signed certificate (path length 0)."""
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME)])
+    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(ca=True), critical=True)
+        .add_extension(ca_ski, critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return ca_key, ca_cert
+
+
+def load_ca(ca_cert: Path, ca_key: Path) -> tuple[PrivateKey, x509.Certificate]:
+    """The CA's key and certificate from PEM files; errors name the file."""
+    for path in (ca_cert, ca_key):
+        if not Path(path).is_file():
+            raise FileNotFoundError(
+                f"{path} not found: not a CA directory (make one: mobius-fed certs ca)"
+            )
+    key = serialization.load_pem_private_key(Path(ca_key).read_bytes(), None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey):
+        raise ValueError(f"{ca_key} is not an EC or RSA key")
+    cert = x509.load_pem_x509_certificate(Path(ca_cert).read_bytes())
+    if key.public_key().public_numbers() != cert.public_key().public_numbers():
+        raise ValueError(f"{ca_key} is not the key of {ca_cert}")
+    return key, cert
+
+
 def _issue(
     layout: CertLayout,
     name: str,
-    ca_key: ec.EllipticCurvePrivateKey,
+    ca_key: PrivateKey,
     ca_cert: x509.Certificate,
     sans: list[x509.GeneralName],
     not_before: dt.datetime,
@@ -129,54 +227,17 @@ def _issue(
 ) -> NodeTLS:
     """A fresh key and certificate for node ``name``, written flat and as its bundle."""
     key = ec.generate_private_key(ec.SECP256R1())
-    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(not_after)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
+    cert = leaf_certificate(key.public_key(), name, sans, ca_key, ca_cert, not_before, not_after)
     node = layout.node(name)
-    _write(node.key, _key_pem(key), 0o600)
-    _write(node.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_file(node.key, key_pem(key), 0o600)
+    write_file(node.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     # A per-node bundle (ca.crt, tls.crt, tls.key) to hand to exactly one host or
     # container: it holds that node's key and nobody else's.
     bundle = layout.bundle(name)
     bundle.cert.parent.mkdir(parents=True, exist_ok=True)
-    _write(bundle.ca, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    _write(bundle.key, _key_pem(key), 0o600)
-    _write(bundle.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_file(bundle.ca, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_file(bundle.key, key_pem(key), 0o600)
+    write_file(bundle.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return bundle
 
 
@@ -208,41 +269,13 @@ def init_certs(
     now = dt.datetime.now(dt.timezone.utc)
     not_before, not_after = now - dt.timedelta(minutes=5), now + dt.timedelta(days=days)
 
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME)])
-    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
-    ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(not_after)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(ca_ski, critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
+    ca_key, ca_cert = new_ca(not_before, not_after)
     layout = CertLayout(root=out, ca_cert=out / "ca.crt", ca_key=out / "ca.key", workers=workers)
-    _write(layout.ca_key, _key_pem(ca_key), 0o600)
-    _write(layout.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_file(layout.ca_key, key_pem(ca_key), 0o600)
+    write_file(layout.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
 
     for name in layout.names():
-        _issue(layout, name, ca_key, ca_cert, _sans(name, hosts), not_before, not_after)
+        _issue(layout, name, ca_key, ca_cert, node_sans(name, hosts), not_before, not_after)
     return layout
 
 
@@ -270,11 +303,8 @@ def renew_node(root: Path, name: str, hosts: Sequence[str] = (), *, days: int = 
     """
     layout = load_layout(root)
     layout.node(name)  # KeyError for an unknown node
-    ca_key = serialization.load_pem_private_key(layout.ca_key.read_bytes(), None)
-    ca_cert = x509.load_pem_x509_certificate(layout.ca_cert.read_bytes())
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise ValueError(f"{layout.ca_key} is not an EC key")
-    sans = _sans(name, hosts)
+    ca_key, ca_cert = load_ca(layout.ca_cert, layout.ca_key)
+    sans = node_sans(name, hosts)
     old = layout.node(name).cert
     if old.is_file():
         kept = x509.load_pem_x509_certificate(old.read_bytes())

@@ -23,6 +23,7 @@ A node holds only its own secrets: :func:`check_node_secrets`.
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import logging
 import os
@@ -374,17 +375,23 @@ def _public_der(key: Any) -> bytes:
     )
 
 
-def _cert_public_der(pem: bytes, what: str, path: Path) -> bytes:
-    from cryptography import x509
+def _spki(cert: Any) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
-    try:
-        cert = x509.load_pem_x509_certificate(pem)
-    except ValueError as exc:
-        raise SecretsError(f"{what} {path} is not a PEM certificate ({exc})") from None
     return cert.public_key().public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
+
+
+def _certificates(pem: bytes, what: str, path: Path) -> list[Any]:
+    """Every certificate in a PEM file (a CA file may hold several); SecretsError if none."""
+    from cryptography import x509
+
+    try:
+        certs = x509.load_pem_x509_certificates(pem)
+    except ValueError as exc:
+        raise SecretsError(f"{what} {path} is not a PEM certificate ({exc})") from None
+    return certs
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -394,42 +401,93 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_node_secrets(tls: NodeTLS) -> None:
+EXPIRY_WARNING_DAYS = 14
+"""A certificate that expires within this many days is logged as a warning at startup."""
+
+
+def _check_validity(cert: Any, what: str, path: Path, now: dt.datetime) -> None:
+    """Refuse a certificate outside its validity window; warn when it ends soon."""
+    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    if now > end:
+        raise SecretsError(
+            f"{what} {path} expired on {end:%Y-%m-%d %H:%M} UTC: the node needs a new one "
+            "(at the site: mobius-fed certs request --key <its key>; the admin: certs sign)"
+        )
+    if now < start:
+        raise SecretsError(
+            f"{what} {path} is not valid before {start:%Y-%m-%d %H:%M} UTC and this "
+            f"host's clock says {now:%Y-%m-%d %H:%M} UTC: check the clock"
+        )
+    if end - now < dt.timedelta(days=EXPIRY_WARNING_DAYS):
+        log.warning("%s %s expires on %s UTC: renew it soon", what, path, f"{end:%Y-%m-%d}")
+
+
+def _check_issuer(cert: Any, cas: list[Any], tls: NodeTLS) -> None:
+    """Refuse a certificate that no certificate in the CA file signed."""
+    from cryptography.exceptions import InvalidSignature
+
+    for ca in cas:
+        try:
+            cert.verify_directly_issued_by(ca)
+            return
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+    held = "; ".join(c.subject.rfc4514_string() for c in cas)
+    raise SecretsError(
+        f"certificate {tls.cert} was not issued by the CA in {tls.ca} (its issuer is "
+        f"{cert.issuer.rfc4514_string()!r}; {tls.ca} holds {held!r}): install the ca.crt "
+        "that came with the certificate"
+    )
+
+
+def _check_role(identity: str, role: str | None, tls: NodeTLS) -> None:
+    if role is None:
+        return
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; one of {ROLES}")
+    if parse_identity(identity)[0] != role:
+        raise SecretsError(
+            f"certificate {tls.cert} is {identity}, not a {role}'s identity: this node "
+            f"needs the certificate issued for its own name"
+        )
+
+
+def check_node_secrets(
+    tls: NodeTLS, *, role: str | None = None, now: dt.datetime | None = None
+) -> str:
     """Refuse to run with secrets that are not this node's own (:class:`SecretsError`).
 
-    Looks at the files directly inside each directory that holds the node's certificate,
-    key or CA certificate (not at subdirectories), and refuses:
+    Returns the node's identity. Refuses:
 
-    * the CA key: a file named ``ca.key``, or any private key whose public key is the CA
+    * a certificate without exactly one ``mobius://`` URI, or (with ``role``) whose
+      identity is not that role's (a worker's certificate on the coordinator);
+    * a certificate or CA certificate that expired or is not valid yet, and a certificate
+      that the CA file's certificates did not sign;
+    * the CA key: a file named ``ca.key``, or any private key whose public key is a CA
       certificate's;
     * any other node's key: a private key whose public key is not this node's
       certificate's, or a key file (``*.key``, PEM ``PRIVATE KEY``) that cannot be read
       to tell whose it is (encrypted, unknown format);
-    * a private key that does not belong to the certificate;
-    * a certificate without exactly one ``mobius://`` URI.
+    * a private key that does not belong to the certificate.
 
-    The message names the file and says why.
+    Looks at the files directly inside each directory that holds the node's certificate,
+    key or CA certificate (not at subdirectories). The message names the file and says why.
     """
     b = tls.load()
-    own_pub = _cert_public_der(b.cert, "certificate", Path(tls.cert))
-    ca_pub = _cert_public_der(b.ca, "CA certificate", Path(tls.ca))
-    own = _private_keys(b.key, Path(tls.key))
-    if not own:
-        raise SecretsError(f"private key {tls.key} holds no readable unencrypted private key")
-    for key in own:
-        if _public_der(key) == ca_pub:
-            raise SecretsError(
-                f"private key {tls.key} is the CA key: a node must never hold it. {COMPOSE_HINT}"
-            )
-        if _public_der(key) != own_pub:
-            raise SecretsError(
-                f"private key {tls.key} does not match certificate {tls.cert} "
-                "(they are from different nodes or different issues of the certificates)"
-            )
+    (cert, *_) = _certificates(b.cert, "certificate", Path(tls.cert))
+    cas = _certificates(b.ca, "CA certificate", Path(tls.ca))
+    own_pub, ca_pubs = _spki(cert), {_spki(c) for c in cas}
+    _check_own_key(tls, b.key, own_pub, ca_pubs)
     try:
-        certificate_identity(b.cert)
+        identity = certificate_identity(b.cert)
     except ValueError as exc:
         raise SecretsError(f"certificate {tls.cert}: {exc}") from None
+    _check_role(identity, role, tls)
+    now = now or dt.datetime.now(dt.timezone.utc)
+    for ca in cas:
+        _check_validity(ca, "CA certificate", Path(tls.ca), now)
+    _check_validity(cert, "certificate", Path(tls.cert), now)
+    _check_issuer(cert, cas, tls)
     dirs: list[Path] = []
     for p in (tls.cert, tls.key, tls.ca):
         # the directory as mounted, and where its symlinks (Kubernetes secrets) lead
@@ -438,10 +496,27 @@ def check_node_secrets(tls: NodeTLS) -> None:
                 dirs.append(d)
     for d in dirs:
         for f in sorted(d.iterdir()):
-            _check_file(f, tls, own_pub, ca_pub)
+            _check_file(f, tls, own_pub, ca_pubs)
+    return identity
 
 
-def _check_file(f: Path, tls: NodeTLS, own_pub: bytes, ca_pub: bytes) -> None:
+def _check_own_key(tls: NodeTLS, pem: bytes, own_pub: bytes, ca_pubs: set[bytes]) -> None:
+    own = _private_keys(pem, Path(tls.key))
+    if not own:
+        raise SecretsError(f"private key {tls.key} holds no readable unencrypted private key")
+    for key in own:
+        if _public_der(key) in ca_pubs:
+            raise SecretsError(
+                f"private key {tls.key} is the CA key: a node must never hold it. {COMPOSE_HINT}"
+            )
+        if _public_der(key) != own_pub:
+            raise SecretsError(
+                f"private key {tls.key} does not match certificate {tls.cert} "
+                "(they are from different nodes or different issues of the certificates)"
+            )
+
+
+def _check_file(f: Path, tls: NodeTLS, own_pub: bytes, ca_pubs: set[bytes]) -> None:
     try:
         if not f.is_file():
             return
@@ -464,7 +539,7 @@ def _check_file(f: Path, tls: NodeTLS, own_pub: bytes, ca_pub: bytes) -> None:
         )
     for key in keys:
         pub = _public_der(key)
-        if pub == ca_pub:
+        if pub in ca_pubs:
             raise SecretsError(
                 f"{f} holds the CA key: a node must never hold it (anyone with it can mint "
                 f"any identity). {COMPOSE_HINT}"

@@ -1,0 +1,117 @@
+"""The README's two quick-start commands, exactly as the README writes them.
+
+The commands are read from the README itself (the ```bash block under "## Quick start"), so
+the test and the page cannot drift apart. They run one after the other in a copy of this
+checkout and a fresh virtualenv, with standard input and output not a terminal, the way a
+script or a CI job runs them: both must return, and succeed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import venv
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+INNER = "QUICKSTART_TEST_COPY"  # set in the copy, so its test command does not recurse
+
+
+def quickstart_commands(text: str) -> list[str]:
+    """The shell commands of the first ```bash block under "## Quick start"."""
+    section = re.search(r"^## Quick start\n(.*?)(?=^## )", text, re.S | re.M)
+    if section is None:
+        raise ValueError("README.md has no '## Quick start' section")
+    block = re.search(r"^```bash\n(.*?)^```", section.group(1), re.S | re.M)
+    if block is None:
+        raise ValueError("README.md's quick start has no ```bash block")
+    lines = (line.strip() for line in block.group(1).splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_readme_has_the_two_commands_ci_runs() -> None:
+    run, test = quickstart_commands(README.read_text())  # exactly two
+    assert "mobius-fed up" in run and run.startswith("pip install")
+    assert test.endswith("python -m pytest -q") and "'.[dev]'" in test
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "-e '.[dev]'" in ci and "python -m pytest -q" in ci  # CI runs the same command
+
+
+def test_quickstart_parser_refuses_a_page_without_it() -> None:
+    with pytest.raises(ValueError, match="Quick start"):
+        quickstart_commands("# mobius-fed\n\n## Install\n")
+
+
+def _copy_checkout(dest: Path) -> None:
+    """The files a fresh clone has (tracked and untracked-not-ignored), nothing built."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "-co", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=False,
+    )
+    if listed.returncode != 0:  # not a git checkout: copy all but what is built or run
+        ignore = shutil.ignore_patterns(".git", "runs", "*.egg-info", "__pycache__", ".venv")
+        shutil.copytree(REPO, dest, ignore=ignore)
+        return
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        src = REPO / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(os.environ.get(INNER)), reason="inside the quick-start test's copy")
+def test_quickstart_commands_return_in_a_script(tmp_path: Path) -> None:
+    commands = quickstart_commands(README.read_text())
+    checkout, env_dir = tmp_path / "mobius-fed", tmp_path / "venv"
+    checkout.mkdir()
+    _copy_checkout(checkout)
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(
+        VIRTUAL_ENV=str(env_dir),
+        PATH=f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+        MOBIUS_STEPS="20",  # the run's length only; the command is the README's
+        MOBIUS_THREADS="1",
+        PYTEST_ADDOPTS="-p no:cacheprovider tests/test_schedule.py",  # a small part, once
+        **{INNER: "1"},
+    )
+    for command in commands:
+        done = subprocess.run(
+            ["bash", "-c", command],
+            cwd=checkout,
+            env=env,
+            stdin=subprocess.DEVNULL,  # neither stdin nor stdout is a terminal
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=900,
+        )
+        out = done.stdout.decode(errors="replace")
+        assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{out[-4000:]}"
+        if "mobius-fed up" in command:
+            assert "final validation loss (Eq. 8)" in out, out[-3000:]
+            assert "its status was served at https://127.0.0.1:" in out, out[-3000:]
+            assert (checkout / "runs" / "up" / "endpoints.json").is_file()
+    assert re.search(r"\d+ passed", out), out[-2000:]  # the test command ran tests
+
+
+def test_up_lingers_only_where_a_person_watches(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from mobius_fed.cli.up import linger_default
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr("sys.stdout", io.StringIO())  # a pipe or a file: a script
+    assert linger_default(None) == 0.0 and linger_default(30.0) == 30.0
+    monkeypatch.setattr("sys.stdout", Terminal())
+    assert linger_default(None) == -1.0 and linger_default(0.0) == 0.0
