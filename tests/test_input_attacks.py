@@ -87,3 +87,19 @@ def test_clusters_matched_to_public_frequencies_break_a_substitution_cipher():
     got = recovery(cluster_frequency(h, public, vocab), x)
     floor = recovery(frequency_floor(public, x.numel(), vocab), x)
     assert got.exact >= 0.8 and got.exact > floor.exact + 0.4, (got, floor)
+
+
+def test_audit_command_writes_the_leakage_tables(tmp_path, capsys):
+    import json
+
+    from mobius_fed.cli.main import main
+
+    argv = ["audit", "--leakage", "--preset", "cpu-tiny", "--workers", "2", "--steps", "1"]
+    argv += ["--batch-size", "2", "--threads", "1", "--inverter-steps", "1"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "leakage.json").read_text())
+    assert {r["slot"] for r in report["hops"]} == {1} and report["updates"][0]["round"] == 1
+    assert "What the coordinator learns" in (tmp_path / "leakage.md").read_text()
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--sweep", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "--leakage runs no sweep" in capsys.readouterr().err

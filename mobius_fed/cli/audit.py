@@ -106,8 +106,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     sites = resolve_sites(cfg, args.data, out)
     if args.leakage:
-        if args.sweep:
-            raise CliError("--leakage and --sweep are separate runs: give one of them")
+        if args.sweep or args.only:
+            raise CliError("--leakage runs no sweep: drop --sweep and --only")
         return leakage(cfg, sites, args, out)
     keys = cfg.privacy.noise_key_dir
     if keys is None and not args.public_seed_noise:

@@ -13,7 +13,10 @@ per row (higher = "this token was in the site's batch"):
   gradient direction (Σ p_v·u over the batch), the present ones do not;
 * ``residual``: ‖Δ_s^t[v] − c_t·Δ_s^{t−1}[v]‖, where c_t is the factor by which AdamW
   shrinks a zero-gradient row's step from one round to the next (public: β₁, β₂, the lr
-  schedule). Needs the site's previous update.
+  schedule). Needs the site's previous update;
+* ``residual sign``: the ``sign`` score of that residual. For a row whose gradient is
+  small against its history the residual points along the gradient, and the gradients of
+  absent tokens share one direction (tied head).
 
 :func:`presence` turns scores into precision and recall, two ways: the top-k rows with
 k = the size of the true bag (precision = recall there), and a threshold the coordinator
@@ -30,7 +33,7 @@ from torch import Tensor
 
 from mobius_fed.model.training import ADAM_BETAS
 
-SCORES = ("norm", "sign", "residual")
+SCORES = ("norm", "sign", "residual", "residual sign")
 
 
 @dataclass
@@ -74,16 +77,17 @@ def row_scores(
     delta = delta.float()
     if kind == "norm":
         return delta.norm(dim=-1)
+    if kind in ("residual", "residual sign"):
+        if previous is None:
+            raise ValueError("the residual score needs the site's previous update (round ≥ 2)")
+        residual = delta - decay * previous.float()
+        return residual.norm(dim=-1) if kind == "residual" else row_scores(residual, "sign")
     if kind == "sign":
         sign = delta.sign()
         majority = sign.sum(0).sign()
         score = (sign != majority).float().mean(-1)
         moved = delta.abs().sum(-1) > 0
         return torch.where(moved, score, torch.full_like(score, -1.0))
-    if kind == "residual":
-        if previous is None:
-            raise ValueError("the residual score needs the site's previous update (round ≥ 2)")
-        return (delta - decay * previous.float()).norm(dim=-1)
     raise ValueError(f"unknown score {kind!r}; choose from {', '.join(SCORES)}")
 
 

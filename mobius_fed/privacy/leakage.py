@@ -118,7 +118,7 @@ class LeakageAudit:
         for name, theta in after.items():
             delta = theta - before[name]
             for kind in er_attacks.SCORES:
-                if kind == "residual" and (decay is None or name not in self._previous):
+                if kind.startswith("residual") and (decay is None or name not in self._previous):
                     continue
                 scores = er_attacks.row_scores(delta, kind, self._previous.get(name), decay or 0.0)
                 p = er_attacks.presence(scores, bags[name], kind)
