@@ -46,14 +46,14 @@ def test_at_step_zero_every_hop_carries_the_embedding_and_nearest_row_reads_it(s
     first = {
         r.slot: r
         for r in report.hops
-        if r.stage == "step 0" and r.attack == "nearest row of E (cosine)"
+        if r.stage == "step 0" and r.attack == "nearest row of E"
     }
     assert sorted(first) == [1, 2, 3]
     for r in first.values():  # output projections start at zero: h = E(x) exactly
         assert r.exact == 1.0 and r.tokens == 4 * 32, r
     floor = [r for r in report.hops if r.attack.startswith("floor")]
     assert all(r.exact < 0.5 for r in floor)  # the attack, not the text, gives them away
-    assert "| step 0 | nearest row of E (cosine) | 100.0 % / 100.0 %" in describe(report)
+    assert "| step 0 | nearest row of E | 100.0 % / 100.0 %" in describe(report)
 
 
 def test_known_plaintext_undoes_an_unknown_linear_map_and_refuses_no_known_tokens():
@@ -68,6 +68,8 @@ def test_known_plaintext_undoes_an_unknown_linear_map_and_refuses_no_known_token
     assert rest.numel() == n - 100 and recovery(guesses, rest).exact >= 0.95
     with pytest.raises(ValueError, match="at least one known"):
         known_plaintext(h, x, wte, known_mask(n, 0.0, 0))
+    with pytest.raises(ValueError, match="metric must be"):
+        nearest_row(h, wte, metric="dot")
     with pytest.raises(ValueError, match="known fraction"):
         known_mask(n, 1.5, 0)
     with pytest.raises(ValueError, match="3 guesses for 2000 tokens"):

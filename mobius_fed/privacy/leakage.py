@@ -196,8 +196,7 @@ class LeakageAudit:
                 input_attacks.frequency_floor(public, x.numel(), vocab),
                 x,
             ),
-            ("nearest row of E (cosine)", input_attacks.nearest_row(h, wte), x),
-            ("nearest row of E (L2)", input_attacks.nearest_row(h, wte, metric="l2"), x),
+            ("nearest row of E", input_attacks.nearest_row(h, wte), x),
             (
                 "clusters + public frequencies",
                 input_attacks.cluster_frequency(h, public, vocab, seed=cfg.seed),
