@@ -8,6 +8,11 @@ the Markdown table; sweep.md, sweep.json and sweep.png (with matplotlib) land in
     python benchmarks/privacy_audit.py --only "label σ=0.1,input σ=4" --out runs/privacy-b
     python benchmarks/privacy_audit.py --merge runs/privacy/sweep.json \
         runs/privacy-b/sweep.json --out runs/privacy-all
+    python benchmarks/privacy_audit.py --leakage --preset cpu-tiny --out runs/leakage
+
+``--leakage`` runs ``mobius-fed audit --leakage`` instead: input attacks at every hop and
+the coordinator's attack on the victim's E/R update (leakage.md, leakage.json in --out).
+Any other flag (``--seed``, ``--optimizer``, ``--no-tied`` …) goes on to ``mobius-fed audit``.
 
 Every Δ in the table is measured against the no-defence row of the same run.
 """
@@ -30,13 +35,14 @@ def run() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="runs/privacy")
     p.add_argument("--only", default=None, help="comma-separated subset of the sweep's rows")
+    p.add_argument("--leakage", action="store_true", help="every hop and the E/R update")
     p.add_argument(
         "--merge",
         nargs="+",
         metavar="SWEEP_JSON",
         help="join the rows of earlier runs' sweep.json files into --out instead of training",
     )
-    a = p.parse_args()
+    a, extra = p.parse_known_args()
     if a.merge:
         from pathlib import Path
 
@@ -47,7 +53,7 @@ def run() -> int:
         return 0 if paths else 1
     argv = [
         "audit",
-        "--sweep",
+        "--leakage" if a.leakage else "--sweep",
         "--preset", a.preset,
         "--steps", str(a.steps),
         "--batch-size", str(a.batch_size),
@@ -57,7 +63,7 @@ def run() -> int:
         "--threads", str(a.threads),
         "--out", a.out,
     ]  # fmt: skip
-    return main(argv + (["--only", a.only] if a.only else []))
+    return main(argv + (["--only", a.only] if a.only else []) + extra)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Trains on the reference engine (it hands on exactly what a ring exchanges) while two
 workers keep what they legitimately receive, then attacks: target recovery at the last
 hop, input inversion at the first remote hop. ``--sweep`` repeats this for each defence
-strength and writes a trade-off table (and a figure with matplotlib).
+strength and writes a trade-off table (and a figure with matplotlib). ``--leakage`` runs
+the input attacks at every hop of the victim's stream and the coordinator's attack on the
+victim's E/R update instead.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from mobius_fed.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from mobius_fed.config import TrainConfig
+    from mobius_fed.data import SiteData
     from mobius_fed.privacy.audit import AuditReport
 
 
@@ -53,6 +59,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="ROWS",
         help="with --sweep: a comma-separated subset of the sweep's rows, e.g. "
         "'none,label σ=1,input σ=1' (default: all)",
+    )
+    p.add_argument(
+        "--leakage",
+        action="store_true",
+        help="input attacks at every hop (nearest row of E, clusters, known plaintext, "
+        "inverter) and the coordinator's attack on the victim's E/R update: "
+        "leakage.md and leakage.json in --out",
     )
     p.add_argument(
         "--public-seed-noise",
@@ -92,6 +105,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sites = resolve_sites(cfg, args.data, out)
+    if args.leakage:
+        if args.sweep or args.only:
+            raise CliError("--leakage runs no sweep: drop --sweep and --only")
+        return leakage(cfg, sites, args, out)
     keys = cfg.privacy.noise_key_dir
     if keys is None and not args.public_seed_noise:
         keys = str(out / "keys")
@@ -118,6 +135,23 @@ def cmd_audit(args: argparse.Namespace) -> int:
         print(json.dumps(report.as_dict(), indent=2))
     else:
         print(describe(report))
+    return 0
+
+
+def leakage(
+    cfg: TrainConfig, sites: Sequence[SiteData], args: argparse.Namespace, out: Path
+) -> int:
+    """``--leakage``: what every hop and the coordinator learn of the victim's tokens."""
+    from mobius_fed.privacy.leakage import LeakageAudit
+    from mobius_fed.privacy.leakage_report import describe as describe_leakage
+
+    report = LeakageAudit(
+        cfg, sites, victim=args.victim, inverter_steps=args.inverter_steps, log=console.print
+    ).run()
+    (out / "leakage.json").write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+    text = describe_leakage(report)
+    (out / "leakage.md").write_text(text + "\n")
+    print(json.dumps(report.as_dict(), indent=2) if args.json else text)
     return 0
 
 

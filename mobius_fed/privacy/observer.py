@@ -24,7 +24,8 @@ class Observer:
 
     ``forward_slots``/``backward_slots`` map a stream s to the slot recorded for it;
     ``on_backward`` (if given) is called with each recorded gradient's context, so that an
-    attack can run while the attacker's replica is as it was at that step.
+    attack can run while the attacker's replica is as it was at that step. ``train_steps``
+    (if given) limits the forward taps' training phase to those steps (evaluation is kept).
     """
 
     rank: int
@@ -33,6 +34,7 @@ class Observer:
     phases: tuple[str, ...] = ("train", "eval")
     on_backward: Callable[[HopContext, Tensor], None] | None = None
     sent_forward: dict[int, int] = field(default_factory=dict)
+    train_steps: frozenset[int] | None = None
     received: dict[Key, Tensor] = field(default_factory=dict)
     sent: dict[Key, Tensor] = field(default_factory=dict)
 
@@ -52,6 +54,9 @@ class _ForwardTap:
 
     def forward(self, h: Tensor, ctx: HopContext) -> Tensor:
         obs = self.obs
+        skipped = ctx.phase == "train" and obs.train_steps is not None
+        if skipped and ctx.step not in obs.train_steps:
+            return h
         if ctx.phase in obs.phases and ctx.remote:
             if ctx.consumer == obs.rank and obs.forward_slots.get(ctx.s) == ctx.slot:
                 obs.received[obs.key(ctx)] = h.detach().clone()

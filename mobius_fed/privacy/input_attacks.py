@@ -1,0 +1,174 @@
+"""Attacks on a stream's input tokens from a hidden state a worker receives at some hop.
+
+Each attack returns ``guesses`` [N, 5]: its five best token ids per position, best first,
+so that :func:`recovery` gives exact and top-5 recovery the same way for all of them.
+
+* :func:`nearest_row` — no training: the row of the attacker's own copy of the shared
+  embedding E (as the model embeds it, rms-normalised) nearest to the received vector,
+  by cosine or by L2. At step 0 the output projections are zero, so every hop carries E(x).
+* :func:`cluster_frequency` — no paired data: k-means over the received vectors, and the
+  clusters, by size, are given the tokens of public text by frequency (as one breaks a
+  substitution cipher).
+* :func:`known_plaintext` — the attacker knows a few (position, token) pairs of the
+  victim's stream: it fits a linear map from the received vectors at those positions to
+  their rows of E (ridge least squares), then takes the nearest row for every other one.
+* :func:`frequency_floor` — what the attacker predicts with no received vector at all:
+  the most frequent tokens of its own text (the floor under every attack above).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mobius_fed.model.layers import rms_norm
+
+TOP = 5
+
+
+@dataclass
+class Recovery:
+    """Exact and top-5 recovery of ``tokens`` positions."""
+
+    exact: float
+    top5: float
+    tokens: int
+
+
+def recovery(guesses: Tensor, tokens: Tensor) -> Recovery:
+    """``guesses`` [N, k] best first against true ``tokens`` [N]."""
+    tokens = tokens.reshape(-1)
+    if guesses.shape[0] != tokens.numel():
+        raise ValueError(f"{guesses.shape[0]} guesses for {tokens.numel()} tokens")
+    exact = (guesses[:, 0] == tokens).float().mean().item()
+    top = (guesses[:, :TOP] == tokens.unsqueeze(-1)).any(-1).float().mean().item()
+    return Recovery(exact, top, tokens.numel())
+
+
+def embedding_rows(wte: Tensor) -> Tensor:
+    """The vectors E(v) the model feeds in for every token v: rms_norm of E's rows [V, d]."""
+    return rms_norm(wte.detach().float())
+
+
+@torch.no_grad()
+def nearest_row(h: Tensor, wte: Tensor, *, metric: str = "cosine", chunk: int = 4096) -> Tensor:
+    """Top-5 ids of the rows of E nearest to each received vector of ``h`` [..., d]."""
+    if metric not in ("cosine", "l2"):
+        raise ValueError(f"metric must be 'cosine' or 'l2', not {metric!r}")
+    rows = embedding_rows(wte)
+    x = h.reshape(-1, h.size(-1)).float()
+    if metric == "cosine":
+        x = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        rows = rows / rows.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    out = []
+    for i in range(0, x.size(0), chunk):
+        part = x[i : i + chunk]
+        score = part @ rows.T if metric == "cosine" else -torch.cdist(part, rows)
+        out.append(score.topk(TOP, -1).indices)
+    return torch.cat(out)
+
+
+def frequency_ranking(public: Tensor, vocab: int) -> Tensor:
+    """Token ids of public text, most frequent first (every id of the vocabulary)."""
+    counts = torch.bincount(public.reshape(-1), minlength=vocab).float()
+    return counts.argsort(descending=True, stable=True)
+
+
+def frequency_floor(public: Tensor, n: int, vocab: int) -> Tensor:
+    """The guesses of an attacker who ignores the hidden state: the five most frequent
+    tokens of its own text, at every one of ``n`` positions."""
+    return frequency_ranking(public, vocab)[:TOP].expand(n, TOP)
+
+
+@torch.no_grad()
+def kmeans(x: Tensor, k: int, *, rounds: int = 25, seed: int = 0) -> Tensor:
+    """Euclidean k-means with k-means++ seeding; returns each row's cluster id."""
+    n = x.size(0)
+    k = max(1, min(k, n))
+    gen = torch.Generator().manual_seed(seed)
+    centres = [x[torch.randint(0, n, (1,), generator=gen)].squeeze(0)]
+    dist = (x - centres[0]).square().sum(-1)
+    for _ in range(k - 1):
+        if dist.sum() <= 0:
+            break
+        pick = torch.multinomial(dist / dist.sum(), 1, generator=gen)
+        centres.append(x[pick].squeeze(0))
+        dist = torch.minimum(dist, (x - centres[-1]).square().sum(-1))
+    c = torch.stack(centres)
+    for _ in range(rounds):
+        group = torch.cdist(x, c).argmin(-1)
+        sums = torch.zeros_like(c).index_add_(0, group, x)
+        sizes = torch.bincount(group, minlength=c.size(0)).unsqueeze(-1)
+        c = torch.where(sizes > 0, sums / sizes.clamp_min(1), c)
+    return torch.cdist(x, c).argmin(-1)
+
+
+@torch.no_grad()
+def cluster_frequency(
+    h: Tensor, public: Tensor, vocab: int, *, clusters: int | None = None, seed: int = 0
+) -> Tensor:
+    """Top-5 guesses of the unsupervised attack on ``h`` [..., d]: k-means over the
+    rms-normalised positions (k = the number of distinct tokens of the public text unless
+    given); the j-th largest cluster is read as the j-th most frequent public token, and
+    its top-5 are the public tokens of the two ranks either side."""
+    x = rms_norm(h.reshape(-1, h.size(-1)).float())
+    ranked = frequency_ranking(public, vocab)
+    distinct = int((torch.bincount(public.reshape(-1), minlength=vocab) > 0).sum())
+    k = clusters if clusters is not None else distinct
+    group = kmeans(x, k, seed=seed)
+    sizes = torch.bincount(group, minlength=int(group.max()) + 1)
+    order = sizes.argsort(descending=True, stable=True)
+    rank_of = torch.empty_like(order)
+    rank_of[order] = torch.arange(order.numel())
+    offsets = torch.tensor([0, -1, 1, -2, 2])
+    ranks = (rank_of[group].unsqueeze(-1) + offsets).clamp(0, vocab - 1)
+    return ranked[ranks]
+
+
+@torch.no_grad()
+def known_plaintext(
+    h: Tensor,
+    tokens: Tensor,
+    wte: Tensor,
+    known: Tensor,
+    *,
+    ridge: float = 1e-2,
+) -> tuple[Tensor, Tensor]:
+    """Fit A (d×d) with h·A ≈ E(x) on the ``known`` positions (bool mask over the flattened
+    positions of ``h`` [..., d]) by least squares with a ridge towards the identity (the
+    residual stream starts as E(x), so A = I is the attacker's prior), then take the
+    nearest row of E to h·A at every unknown position. Returns (top-5 guesses, true
+    tokens) of the unknown positions."""
+    x = h.reshape(-1, h.size(-1)).float()
+    t = tokens.reshape(-1)
+    known = known.reshape(-1)
+    if known.numel() != t.numel():
+        raise ValueError(f"known mask has {known.numel()} entries for {t.numel()} positions")
+    n_known = int(known.sum())
+    if n_known == 0:
+        raise ValueError(
+            "known plaintext needs at least one known (position, token) pair; got 0 "
+            "(raise the known fraction or the number of positions)"
+        )
+    if n_known == t.numel():
+        raise ValueError("every position is known: nothing is left to recover")
+    rows = embedding_rows(wte)
+    xk, yk = x[known], rows[t[known]]
+    d = x.size(-1)
+    lam = ridge * xk.square().sum() / max(1, n_known)
+    eye = torch.eye(d)
+    a = torch.linalg.solve(xk.T @ xk + lam * eye, xk.T @ yk + lam * eye)
+    return nearest_row(x[~known] @ a, wte), t[~known]
+
+
+def known_mask(n: int, fraction: float, seed: int) -> Tensor:
+    """A random mask of round(fraction · n) known positions out of n."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"known fraction must be in [0, 1), not {fraction}")
+    count = round(fraction * n)
+    mask = torch.zeros(n, dtype=torch.bool)
+    gen = torch.Generator().manual_seed(seed)
+    mask[torch.randperm(n, generator=gen)[:count]] = True
+    return mask

@@ -1,0 +1,245 @@
+"""The leakage audit: a site's input tokens at every hop, and its E/R update as the
+coordinator receives it.
+
+Training runs on the reference engine (it hands on exactly the tensors a ring
+exchanges). Observers keep what each worker on stream ``victim``'s path receives at its
+remote forward hops, for the first training batch (step 0) and the held-out text at the
+end; :mod:`mobius_fed.privacy.input_attacks` and the trained inverter of
+:mod:`mobius_fed.privacy.attacks` run on each. At every barrier the victim's E/R update
+Δ = θ_victim − θ̄ (what the coordinator receives, less the average it sent) goes to
+:mod:`mobius_fed.privacy.er_attacks`, against the site's true bag of tokens that round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from mobius_fed import schedule
+from mobius_fed.config import ConfigError, TrainConfig
+from mobius_fed.data import SiteData
+from mobius_fed.engine.reference import ReferenceEngine
+from mobius_fed.model.training import average_parameters
+from mobius_fed.privacy import er_attacks, input_attacks
+from mobius_fed.privacy.attacks import train_inverter
+from mobius_fed.privacy.home import ensure_home_layers
+from mobius_fed.privacy.input_attacks import TOP, recovery
+from mobius_fed.privacy.leakage_report import HopRow, LeakageReport, UpdateRow
+from mobius_fed.privacy.observer import Observer
+
+
+def remote_hops(cfg: TrainConfig, s: int) -> list[tuple[int, int]]:
+    """(slot, receiving worker) of every forward hop of stream s that another worker
+    receives (the final hop home is the origin's own)."""
+    path = schedule.path(cfg.order, s, cfg.P, cfg.loops)
+    out = []
+    for slot in range(cfg.K):
+        producer = path[slot - 1] if slot > 0 else s
+        if producer != path[slot] and path[slot] != s:
+            out.append((slot, path[slot]))
+    return out
+
+
+class LeakageAudit:
+    """One audited training run: input attacks at every hop, the E/R-update attack."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        sites: Sequence[SiteData],
+        *,
+        victim: int = 0,
+        inverter_steps: int = 400,
+        attacker_batches: int = 64,
+        known: Sequence[float] = (0.01, 0.05),
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        if cfg.P < 2:
+            raise ValueError("the audit needs P >= 2 workers: with one, nothing leaves a site")
+        if not 0 <= victim < cfg.P:
+            raise ValueError(f"victim {victim} is not an origin of P={cfg.P} workers")
+        if cfg.privacy.er_noise > 0:
+            raise ConfigError("the leakage audit measures plain FedAvg: set privacy.er_noise 0")
+        if cfg.sync_every < 1:
+            raise ConfigError("sync_every = 0 never sends an E/R update: nothing to attack")
+        self.cfg, self.sites, self.victim = cfg, list(sites), victim
+        self.inverter_steps, self.attacker_batches = inverter_steps, attacker_batches
+        self.known = tuple(known)
+        self.log = log or (lambda _msg: None)
+        self.engine = ReferenceEngine(cfg, self.sites)
+        ensure_home_layers(self.engine)
+        self.engine.average_replicas = False  # averaged here, after the update is read
+        self.hops = remote_hops(cfg, victim)
+        self.observers = []
+        for slot, worker in self.hops:
+            obs = Observer(rank=worker, forward_slots={victim: slot}, phases=("train", "eval"))
+            obs.train_steps = frozenset({0})
+            obs.attach(self.engine.hops)
+            self.observers.append(obs)
+        self.start_wte = {
+            w: self.engine.replicas[w].wte.weight.detach().clone() for _, w in self.hops
+        }
+        self.updates: list[UpdateRow] = []
+        self._previous: dict[str, Tensor] = {}
+
+    # ------------------------------------------------------------ E/R update
+    def _shared_rows(self) -> dict[str, Tensor]:
+        r = self.engine.replicas[self.victim]
+        if r.lm_head is None:
+            return {"E (tied: inputs and targets)": r.wte.weight.detach().clone()}
+        return {
+            "E (inputs)": r.wte.weight.detach().clone(),
+            "R (targets)": r.lm_head.weight.detach().clone(),
+        }
+
+    def _bags(self, steps: range) -> dict[str, Tensor]:
+        xs, ys = [], []
+        for n in steps:
+            for x, y in self.engine._micro("train", self.victim, n):
+                xs.append(x.reshape(-1))
+                ys.append(y.reshape(-1))
+        x, y = torch.cat(xs), torch.cat(ys)
+        return {
+            "E (tied: inputs and targets)": torch.cat([x, y]),
+            "E (inputs)": x,
+            "R (targets)": y,
+        }
+
+    def _attack_update(self, before: dict[str, Tensor], steps: range) -> None:
+        cfg, rnd = self.cfg, steps.stop // self.cfg.sync_every
+        after, bags = self._shared_rows(), self._bags(steps)
+        decay = None
+        if cfg.sync_every == 1 and steps.start >= 1:
+            n = steps.start
+            decay = er_attacks.adam_decay(n + 1, cfg.lr_multiplier(n), cfg.lr_multiplier(n - 1))
+        for name, theta in after.items():
+            delta = theta - before[name]
+            for kind in er_attacks.SCORES:
+                if kind.startswith("residual") and (decay is None or name not in self._previous):
+                    continue
+                scores = er_attacks.row_scores(delta, kind, self._previous.get(name), decay or 0.0)
+                p = er_attacks.presence(scores, bags[name], kind)
+                self.updates.append(
+                    UpdateRow(
+                        rnd, name, kind, p.topk_precision, p.precision, p.recall, p.base_rate, p.bag
+                    )
+                )
+            self._previous[name] = delta
+
+    # ----------------------------------------------------------------- train
+    def _train(self) -> float:
+        cfg, eng = self.cfg, self.engine
+        before, first = self._shared_rows(), 0
+        for n in range(cfg.steps):
+            eng.train_step()
+            if eng.step % cfg.sync_every == 0 or eng.step == cfg.steps:
+                self._attack_update(before, range(first, eng.step))
+                average_parameters(eng.replicas)
+                before, first = self._shared_rows(), eng.step
+            if cfg.eval_every and (n + 1) % cfg.eval_every == 0:
+                self.log(f"step {n}: training")
+        ev = eng.evaluate()
+        self.log(f"eval loss (Eq. 8) {ev.loss:.4f}")
+        return ev.loss
+
+    # ----------------------------------------------------------------- input
+    def _own_text(self, attacker: int) -> Tensor:
+        """The attacker's own training text (its public text): [S, T] token ids."""
+        cfg, site = self.cfg, self.sites[attacker]
+        return torch.cat(
+            [
+                site.batch("train", seed=cfg.seed + 7919, step=k, batch_size=cfg.batch_size)[0]
+                for k in range(self.attacker_batches)
+            ]
+        )
+
+    @torch.no_grad()
+    def _own_stream(self, slot: int, attacker: int) -> tuple[Tensor, Tensor]:
+        """(hidden states, tokens) of the attacker's own text through what it holds: E and
+        its own group, applied ``slot`` times as a stand-in for the groups it lacks."""
+        eng, x = self.engine, self._own_text(attacker)
+        e = eng.replicas[attacker].embed(x)
+        h = e
+        for t in range(slot):
+            h = eng.groups[attacker](h, t)
+        return torch.cat([h, e]), torch.cat([x, x])
+
+    def _received(self, obs: Observer, slot: int, stage: str) -> tuple[Tensor, Tensor]:
+        cfg, eng = self.cfg, self.engine
+        if stage == "step 0":
+            micro = eng._micro("train", self.victim, 0)
+            phase, step = "train", 0
+        else:
+            micro = [
+                mb for b in range(cfg.eval_batches) for mb in eng._micro("val", self.victim, b)
+            ]
+            phase, step = "eval", eng.step
+        got = [obs.received[(phase, step, self.victim, slot, j)] for j in range(len(micro))]
+        return torch.cat(got), torch.cat([x for x, _ in micro])
+
+    def _attack_hop(
+        self, slot: int, attacker: int, stage: str, h: Tensor, x: Tensor
+    ) -> list[HopRow]:
+        cfg, vocab = self.cfg, self.cfg.model().vocab_size
+        wte = (
+            self.start_wte[attacker]
+            if stage == "step 0"
+            else self.engine.replicas[attacker].wte.weight
+        )
+        public = self._own_text(attacker)
+        found: list[tuple[str, Tensor, Tensor]] = [
+            (
+                "floor: most frequent tokens",
+                input_attacks.frequency_floor(public, x.numel(), vocab),
+                x,
+            ),
+            ("nearest row of E", input_attacks.nearest_row(h, wte), x),
+            (
+                "clusters + public frequencies",
+                input_attacks.cluster_frequency(h, public, vocab, seed=cfg.seed),
+                x,
+            ),
+        ]
+        for f in self.known:
+            mask = input_attacks.known_mask(x.numel(), f, cfg.seed)
+            guesses, rest = input_attacks.known_plaintext(h, x, wte, mask)
+            found.append((f"known plaintext {100 * f:g} % + linear map", guesses, rest))
+        if stage == "trained":
+            feats, own = self._own_stream(slot, attacker)
+            model = train_inverter(feats, own, vocab, steps=self.inverter_steps, seed=cfg.seed)
+            with torch.no_grad():
+                guesses = model(h).topk(TOP, -1).indices.reshape(-1, TOP)
+            found.append(("inverter trained on its own text", guesses, x))
+        rows = []
+        for name, guesses, truth in found:
+            r = recovery(guesses, truth)
+            rows.append(HopRow(stage, slot, attacker, name, r.exact, r.top5, r.tokens))
+        return rows
+
+    # ------------------------------------------------------------------- run
+    def run(self) -> LeakageReport:
+        cfg, t0 = self.cfg, time.perf_counter()
+        loss = self._train()
+        report = LeakageReport(
+            preset=cfg.preset,
+            order=cfg.order,
+            optimizer=cfg.optimizer,
+            tied=cfg.tied,
+            steps=cfg.steps,
+            workers=cfg.P,
+            victim=self.victim,
+            vocab=cfg.model().vocab_size,
+            eval_loss=loss,
+            warmup_steps=cfg.warmup_steps,
+            updates=self.updates,
+        )
+        for stage in ("step 0", "trained"):
+            for (slot, attacker), obs in zip(self.hops, self.observers):
+                self.log(f"attacking slot {slot} ({stage}) as worker {attacker}")
+                h, x = self._received(obs, slot, stage)
+                report.hops.extend(self._attack_hop(slot, attacker, stage, h, x))
+        report.seconds = time.perf_counter() - t0
+        return report
