@@ -834,6 +834,7 @@ DISTRIBUTION = {
     "google": "protobuf",
     "yaml": "pyyaml",
     "prometheus_client": "prometheus-client",
+    "mlflow": "mlflow-skinny",  # the tracking client without the server's dependencies
 }
 
 
