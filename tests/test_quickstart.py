@@ -22,20 +22,32 @@ README = REPO / "README.md"
 INNER = "QUICKSTART_TEST_COPY"  # set in the copy, so its test command does not recurse
 
 
-def quickstart_commands(text: str) -> list[str]:
-    """The shell commands of the first ```bash block under "## Quick start"."""
+def quickstart_blocks(text: str) -> list[list[str]]:
+    """The shell commands of each ```bash block under "## Quick start", in order."""
     section = re.search(r"^## Quick start\n(.*?)(?=^## )", text, re.S | re.M)
     if section is None:
         raise ValueError("README.md has no '## Quick start' section")
-    block = re.search(r"^```bash\n(.*?)^```", section.group(1), re.S | re.M)
-    if block is None:
+    blocks = re.findall(r"^```bash\n(.*?)^```", section.group(1), re.S | re.M)
+    if not blocks:
         raise ValueError("README.md's quick start has no ```bash block")
-    lines = (line.strip() for line in block.group(1).splitlines())
-    return [line for line in lines if line and not line.startswith("#")]
+    lines = ([ln.strip() for ln in block.splitlines()] for block in blocks)
+    return [[ln for ln in block if ln and not ln.startswith("#")] for block in lines]
+
+
+def quickstart_commands(text: str) -> list[str]:
+    """The set-up commands: the first block (install and run, install and test)."""
+    return quickstart_blocks(text)[0]
+
+
+def use_commands(text: str) -> list[str]:
+    """What the quick start does with the trained model (the block after the set-up)."""
+    blocks = quickstart_blocks(text)
+    return blocks[1] if len(blocks) > 1 else []
 
 
 def test_readme_has_the_two_commands_ci_runs() -> None:
     run, test = quickstart_commands(README.read_text())  # exactly two
+    assert any("mobius-fed generate" in c for c in use_commands(README.read_text()))
     assert "mobius-fed up" in run and run.startswith("pip install")
     assert test.endswith("python -m pytest -q") and "'.[dev]'" in test
     ci = (REPO / ".ci" / "run").read_text()
@@ -83,7 +95,8 @@ def test_quickstart_commands_return_in_a_script(tmp_path: Path) -> None:
         PYTEST_ADDOPTS="-p no:cacheprovider tests/test_schedule.py",  # a small part, once
         **{INNER: "1"},
     )
-    for command in commands:
+    run, test = commands
+    for command in [run, *use_commands(README.read_text()), test]:
         done = subprocess.run(
             ["bash", "-c", command],
             cwd=checkout,
@@ -99,6 +112,9 @@ def test_quickstart_commands_return_in_a_script(tmp_path: Path) -> None:
             assert "final validation loss (Eq. 8)" in out, out[-3000:]
             assert "its status was served at https://127.0.0.1:" in out, out[-3000:]
             assert (checkout / "runs" / "up" / "endpoints.json").is_file()
+        if "mobius-fed generate" in command:
+            assert (checkout / "models" / "origin-0" / "model.safetensors").is_file()
+            assert out.strip(), "generate printed nothing"
     assert re.search(r"\d+ passed", out), out[-2000:]  # the test command ran tests
 
 
