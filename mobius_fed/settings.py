@@ -37,6 +37,8 @@ PROCESS_ENV = {
     "MOBIUS_TIKTOKEN_TIMEOUT": "seconds to wait for tiktoken's gpt2 files (default 60)",
     "MOBIUS_LOG_LEVEL": "daemon log verbosity: DEBUG, INFO, WARNING or ERROR (--log-level)",
     "MOBIUS_IMAGE": "docker compose only: the image every service runs",
+    "MOBIUS_TRACKER": "also log metrics to tensorboard, mlflow or wandb (--tracker; an "
+    "optional extra each); default none",
     # Former ring-link variables: a worker with one set refuses to start, naming the new one.
     "MOBIUS_LINK_RATE": "removed (a worker refuses to start): use MOBIUS_LINK__RATE",
     "MOBIUS_LINK_RTT": "removed (a worker refuses to start): use MOBIUS_LINK__RTT",

@@ -15,13 +15,14 @@ command that writes one is tracked by two calls (start, then ``close`` at the en
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -343,6 +344,18 @@ def start_tracking(
     name = run_name or metrics_file.parent.name
     tracker = make_tracker(kind, where, name, config)
     return None if tracker is None else MetricsFollower(metrics_file, tracker, poll_s)
+
+
+@contextlib.contextmanager
+def tracked(kind: str | None, metrics_file: Path, **options: Any) -> Iterator[None]:
+    """Follow ``metrics_file`` with the tracker ``kind`` names for the ``with`` block's
+    duration (nothing when it names none); the tracker is closed however the block ends."""
+    follower = start_tracking(kind, metrics_file, **options)
+    try:
+        yield
+    finally:
+        if follower is not None:
+            follower.close()
 
 
 def add_tracker_flag(parser: Any, default: str | None = None) -> None:

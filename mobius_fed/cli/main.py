@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from mobius_fed.cli.common import (
     run_guarded,
     train_config_from_args,
 )
+from mobius_fed.tracking import add_tracker_flag
 
 EPILOG = """\
 settings: every training setting is a flag (--steps), a MOBIUS_* variable (MOBIUS_STEPS,
@@ -69,6 +71,7 @@ def _progress():
 def cmd_local(args: argparse.Namespace) -> int:
     from mobius_fed.engine import ReferenceEngine
     from mobius_fed.engine.trainer import CHECKPOINT, train
+    from mobius_fed.tracking import tracked
 
     cfg = train_config_from_args(args)
     threads = apply_threads(args)
@@ -93,14 +96,16 @@ def cmd_local(args: argparse.Namespace) -> int:
         def on_eval(e) -> None:
             bar.console.print(f"step {e.step}: validation loss (Eq. 8) {e.loss:.4f}")
 
-        evals = train(
-            engine,
-            out,
-            checkpoint_every=args.checkpoint_every,
-            resume=args.resume,
-            on_step=on_step,
-            on_eval=on_eval,
-        )
+        config = cfg.model_dump(mode="json")
+        with tracked(args.tracker, out / "metrics.jsonl", config=config):
+            evals = train(
+                engine,
+                out,
+                checkpoint_every=args.checkpoint_every,
+                resume=args.resume,
+                on_step=on_step,
+                on_eval=on_eval,
+            )
     wall = time.perf_counter() - start
     if evals:
         final = evals[-1]
@@ -152,6 +157,7 @@ def _add_local_parser(sub) -> None:
     )
     add_checkpoint_flag(p, default=50)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    add_tracker_flag(p, default=os.environ.get("MOBIUS_TRACKER") or None)
     p.set_defaults(func=cmd_local)
 
 
