@@ -142,27 +142,11 @@ def write_origin(model: Any, s: int, directory: Path) -> Path:
 
 
 def load_run(run: Path) -> Any:
-    """The :class:`~mobius_fed.research.analyze.Model` of a run: a manifest through
-    ``analyze``; a reference-engine checkpoint here too, with each origin's home layer."""
-    from mobius_fed.checkpoint import load_checkpoint
-    from mobius_fed.config import TrainConfig
-    from mobius_fed.model.groups import BlockGroup, Replica
-    from mobius_fed.research.analyze import CHECKPOINT, Model, load_model, model_config
+    """The :class:`~mobius_fed.research.analyze.Model` of a run, read as ``analyze`` reads it:
+    a reference-engine checkpoint or run directory, or a coordinated run's manifest."""
+    from mobius_fed.research.analyze import load_model
 
-    file = run / CHECKPOINT if run.is_dir() else run
-    if not file.is_file() or file.name == "manifest.json":
-        return load_model(run)  # a coordinated run: analyze reads its manifest
-    state = load_checkpoint(file)
-    if "groups" not in state or "replicas" not in state or "config" not in state:
-        raise ValueError(f"{file} is not a reference-engine checkpoint (no groups/replicas)")
-    cfg = TrainConfig.model_validate(state["config"])
-    mc = model_config(cfg)
-    groups = [BlockGroup(mc) for _ in range(cfg.P)]
-    replicas = [Replica(mc, cfg.privacy.home_layer) for _ in range(cfg.P)]
-    for module, sd in zip(groups + replicas, state["groups"] + state["replicas"], strict=True):
-        module.load_state_dict(sd)
-    name = f"{file.parent.name} step {state.get('step')}"
-    return Model(cfg, groups, [r.eval() for r in replicas], name=name)
+    return load_model(run)
 
 
 def export_run(run: Path, out: Path, origins: list[int] | None = None) -> list[Path]:

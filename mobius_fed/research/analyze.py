@@ -114,7 +114,8 @@ def load_model(path: Path) -> Model:
         )
     cfg = TrainConfig.model_validate(state["config"])
     mc = model_config(cfg)
-    groups, replicas = [BlockGroup(mc) for _ in range(cfg.P)], [Replica(mc) for _ in range(cfg.P)]
+    groups = [BlockGroup(mc) for _ in range(cfg.P)]
+    replicas = [Replica(mc, cfg.privacy.home_layer) for _ in range(cfg.P)]  # home layers too
     for module, sd in zip(groups + replicas, state["groups"] + state["replicas"], strict=True):
         module.load_state_dict(sd)
         module.eval()
