@@ -7,11 +7,12 @@
 #   unshare     util-linux   per-service mount namespaces in the testbed
 #   mount       mount        the testbed's /etc/hosts, the tmpfs ENOSPC tests
 #   chromium    chromium     the dashboard's real-browser test
+#   openssl     openssl      a signing request made with a site's own tools (tests/test_enroll.py)
 set -uo pipefail
 declare -A PKG=([ip]=iproute2 [tc]=iproute2 [iptables]=iptables [unshare]=util-linux
-                [mount]=mount [umount]=mount [chromium]=chromium)
+                [mount]=mount [umount]=mount [chromium]=chromium [openssl]=openssl)
 missing=()
-for tool in ip tc iptables unshare mount umount chromium; do
+for tool in ip tc iptables unshare mount umount chromium openssl; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("${PKG[$tool]}")
 done
 [ ${#missing[@]} -eq 0 ] && exit 0
