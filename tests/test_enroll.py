@@ -421,7 +421,10 @@ def test_the_worker_daemon_refuses_an_expired_certificate_at_startup(
     assert f"certificate {w1.cert} expired on" in proc.stderr
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed: apt-get install openssl (or scripts/install_system_tools.sh)")
+@pytest.mark.skipif(
+    shutil.which("openssl") is None,
+    reason="openssl is not installed: apt-get install openssl (or scripts/install_system_tools.sh)",
+)
 def test_a_request_made_with_openssl_is_signed(tmp_path: Path, ca: Path, serve) -> None:
     """The site's own tools (docs/keys.md): openssl makes the key and the request."""
     key, csr = tmp_path / "site.key", tmp_path / "worker-3.csr"
