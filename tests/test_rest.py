@@ -85,6 +85,8 @@ def stranger(certs: CertLayout, tmp_path_factory: pytest.TempPathFactory) -> Nod
 def make_state() -> RunState:
     st = RunState(run_id='run-"7"', P=P, steps=20, strategy="fedavg", num_rounds=4)
     st.set(phase="training", round=2)
+    for rank in range(P):  # a worker registers before it trains
+        st.update_worker(rank, state="registered")
     st.update_worker(0, address="10.0.0.1:7400", state="training", last_heartbeat=time.time())
     st.update_worker(1, address="10.0.0.2:7400", state="training", last_heartbeat=time.time())
     st.update_worker(0, last_loss=3.25, tokens_per_s=1234.5, step=6)

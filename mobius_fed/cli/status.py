@@ -23,6 +23,9 @@ from rich.table import Table
 
 from mobius_fed.cli.common import CliError, run_endpoints
 from mobius_fed.coordinator.rest_client import COORDINATOR_NAME
+from mobius_fed.machines import EdgeState as E
+from mobius_fed.machines import IncidentState, Phase
+from mobius_fed.machines import WorkerState as W
 from mobius_fed.transport.tls import NodeTLS
 
 DEFAULT_COORDINATOR = "127.0.0.1:7300"
@@ -223,25 +226,29 @@ def _age(worker: dict[str, Any], doc: dict[str, Any]) -> str:
 
 
 _STATE_STYLE = {
-    "lost": "bold red",
-    "rejoining": "yellow",
-    "restoring": "yellow",
-    "recovered": "green",
-    "expected": "dim",
-    "done": "green",
-    "finished": "green",
-    "stopped": "yellow",
-    "training": "cyan",
+    W.LOST: "bold red",
+    W.REJOINING: "yellow",
+    W.RESTORING: "yellow",
+    W.RECOVERED: "green",
+    W.EXPECTED: "dim",
+    W.DONE: "green",
+    W.FINISHED: "green",
+    W.STOPPED: "yellow",
+    W.TRAINING: "cyan",
 }
 _PHASE_STYLE = {
-    "failed": "bold red",
-    "stopped": "yellow",
-    "recovering": "bold yellow",
-    "done": "green",
-    "training": "cyan",
+    Phase.FAILED: "bold red",
+    Phase.STOPPED: "yellow",
+    Phase.RECOVERING: "bold yellow",
+    Phase.DONE: "green",
+    Phase.TRAINING: "cyan",
 }
-_EDGE_STYLE = {"down": "bold red", "reconnecting": "yellow", "up": "green", "closed": "dim"}
-_INCIDENT_STYLE = {"open": "bold yellow", "failed": "bold red", "recovered": "green"}
+_EDGE_STYLE = {E.DOWN: "bold red", E.RECONNECTING: "yellow", E.UP: "green", E.CLOSED: "dim"}
+_INCIDENT_STYLE = {
+    IncidentState.OPEN: "bold yellow",
+    IncidentState.FAILED: "bold red",
+    IncidentState.RECOVERED: "green",
+}
 
 
 def _styled(text: str, styles: dict[str, str]) -> str:

@@ -38,12 +38,13 @@ from mobius_fed.cli.common import (
     default_threads,
 )
 from mobius_fed.coordinator.endpoints import write_endpoints
+from mobius_fed.machines import ENDED_PHASES, IncidentState
 from mobius_fed.transport.tls import NodeTLS
 
 if TYPE_CHECKING:  # torch loads only when up runs, not when `mobius-fed` builds its parser
     from mobius_fed.config import TrainConfig
 
-ENDED = ("done", "failed", "stopped")
+ENDED = ENDED_PHASES
 BUNDLE_FILES = ("ca.crt", "tls.crt", "tls.key")
 
 
@@ -603,9 +604,9 @@ def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
                 if told.get(inc["id"]) == inc["state"]:
                     continue
                 told[inc["id"]] = inc["state"]
-                if inc["state"] == "open":
+                if inc["state"] == IncidentState.OPEN:
                     bar.console.print(f"[yellow]incident {inc['id']}[/]: {inc['what']}")
-                elif inc["state"] == "recovered":
+                elif inc["state"] == IncidentState.RECOVERED:
                     bar.console.print(
                         f"[green]incident {inc['id']} recovered[/] in {inc['recovery_s']:.1f}s: "
                         f"rolled back to round {inc['rollback_round']}, "

@@ -36,6 +36,8 @@ from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.control import ControlService
 from mobius_fed.coordinator.grid import ControlGrid, GridTimeout, IncidentRaised, RunFailed
 from mobius_fed.coordinator.state import Incident, RunState, json_safe
+from mobius_fed.machines import LIVE_PHASES, IncidentState, Phase
+from mobius_fed.machines import WorkerState as W
 from mobius_fed.model import build_replica
 from mobius_fed.privacy.er_dp import ErPrivacy
 from mobius_fed.proto import control_pb2, control_pb2_grpc
@@ -283,7 +285,7 @@ class Coordinator:
         )
 
     def _watch_heartbeats(self) -> None:
-        while self.state.phase in ("waiting", "training", "recovering"):
+        while self.state.phase in LIVE_PHASES:
             self.service.expire_silent(self.cfg.heartbeat_timeout)
             time.sleep(min(0.5, self.cfg.heartbeat_interval))
 
@@ -317,7 +319,7 @@ class Coordinator:
             return self._fail(str(exc))
         self.snapshots[start.round] = start
         if start.round >= self.plan.num_rounds:  # resumed a finished run: nothing to train
-            self.state.finish("done")
+            self.state.finish(Phase.DONE)
             log.info(
                 "run %s was already complete (round %d); serving its status",
                 self.cfg.run_id,
@@ -331,7 +333,7 @@ class Coordinator:
             return self._fail(
                 f"workers never joined within {self.cfg.registration_timeout}s: {names}"
             )
-        self.state.set(phase="training")
+        self.state.move_phase(Phase.TRAINING)
         log.info("all %d workers joined", self.train.P)
         incident: Incident | None = None
         while True:
@@ -352,7 +354,7 @@ class Coordinator:
             except Exception as exc:  # a bug must end the run with a status, not a traceback
                 log.exception("run %s: internal error", self.cfg.run_id)
                 return self._fail(f"internal error in the coordinator: {exc!r}")
-        self.state.finish("done")
+        self.state.finish(Phase.DONE)
         self._flush_line()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.grid.broadcast_stop("done")
@@ -423,21 +425,21 @@ class Coordinator:
         rank holds a session again. RunFailed past the budget or the rejoin timeout."""
         raised = self.grid.take_incident() or exc
         incident = self._record(raised)
-        self.state.set(phase="recovering")
+        self.state.move_phase(Phase.RECOVERING)
         self.grid.broadcast("abort", raised.what)
         deadline = time.monotonic() + self.cfg.rejoin_timeout
         while True:
             self._check_budget(incident)
             missing = self.grid.wait_for_sessions(
                 min(1.0, max(0.0, deadline - time.monotonic())),
-                ready=lambda: all(w.state != "lost" for w in self.state.workers.values()),
+                ready=lambda: all(w.state != W.LOST for w in self.state.workers.values()),
             )
             extra = self.grid.take_incident()  # another loss while waiting: same recovery
             if extra is not None:
                 self._record(extra)
                 self.grid.broadcast("abort", extra.what)
                 continue
-            lost = [w.rank for w in self.state.workers.values() if w.state == "lost"]
+            lost = [w.rank for w in self.state.workers.values() if w.state == W.LOST]
             if not missing and not lost:
                 return incident
             if time.monotonic() >= deadline:
@@ -449,7 +451,7 @@ class Coordinator:
 
     def _record(self, raised: IncidentRaised) -> Incident:
         now = time.time()
-        last_seen = getattr(raised, "last_seen", None)
+        last_seen = raised.last_seen
         edge = raised.edge
         if edge is None and raised.rank is not None:
             edge = _edges([raised.rank], self.train.P)
@@ -476,14 +478,14 @@ class Coordinator:
         now = time.time()
         end = self.plan.steps_of(rnd)[1]  # round 0 ends at step 0
         for inc in self.state.incidents:
-            if inc.state != "open":
+            if inc.state != IncidentState.OPEN:
                 continue
             in_flight_end = self.plan.steps_of(inc.round)[1] if inc.round else end
             rank_w = self.state.workers.get(inc.rank) if inc.rank is not None else None
             back = rank_w.registered_at if rank_w and rank_w.registered_at else None
             self.state.update_incident(
                 inc,
-                state="recovered",
+                state=IncidentState.RECOVERED,
                 rollback_round=rnd,
                 steps_redone=max(0, in_flight_end - end),
                 recovered_at=now,
@@ -498,8 +500,8 @@ class Coordinator:
                 max(0, in_flight_end - end),
             )
         for w in self.state.workers.values():
-            if w.state in ("rejoining", "restoring"):
-                self.state.update_worker(w.rank, state="recovered")
+            if w.state in (W.REJOINING, W.RESTORING):
+                self.state.move_worker(w.rank, W.RECOVERED)
 
     # -------------------------------------------------------------- restore
     def _restore_ring(self, incident: Incident | None) -> int:
@@ -514,8 +516,8 @@ class Coordinator:
         while True:
             rnd, sources = self._choose_round(have, refused)
             for rank in range(self.train.P):
-                if self.state.workers[rank].state in ("rejoining", "lost"):
-                    self.state.update_worker(rank, state="restoring")
+                if self.state.workers[rank].state in (W.REJOINING, W.LOST):
+                    self.state.move_worker(rank, W.RESTORING)
             log.info("restoring round %d (%s)", rnd, sources)
             replies = self._send_all(
                 "query.restore",
@@ -556,7 +558,7 @@ class Coordinator:
         self._fresh = False
         end = self.plan.steps_of(rnd)[1]  # round 0 ends at step 0
         self.state.rollback(end, rnd)
-        self.state.set(phase="training")
+        self.state.move_phase(Phase.TRAINING)
         self._round_state = snap
         return rnd
 
@@ -693,11 +695,11 @@ class Coordinator:
     def _fail(self, reason: str) -> int:
         log.error("run %s failed: %s", self.cfg.run_id, reason)
         self.grid.fail(reason)
-        self.state.finish("failed", reason)
+        self.state.finish(Phase.FAILED, reason)
         self._flush_line()
         for inc in self.state.incidents:
-            if inc.state == "open":
-                self.state.update_incident(inc, state="failed")
+            if inc.state == IncidentState.OPEN:
+                self.state.update_incident(inc, state=IncidentState.FAILED)
         self.grid.broadcast_stop(reason)
         self._await_workers_leaving(timeout=10)
         return 1

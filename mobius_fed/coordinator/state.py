@@ -10,26 +10,23 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-log = logging.getLogger("mobius.coordinator")
-
-PHASES = ("waiting", "training", "recovering", "done", "failed", "stopped")
-WORKER_STATES = (
-    "expected",  # not registered yet
-    "registered",  # registered, no session yet
-    "ready",  # session open, idle
-    "training",
-    "evaluating",
-    "lost",  # session closed, heartbeat timeout or reported by a ring peer
-    "rejoining",  # lost, then registered again: waiting for the restore
-    "restoring",  # loading the rollback state
-    "recovered",  # back in the ring after an incident (until its next heartbeat)
-    "done",
-    "finished",  # the run ended done: the worker was told to stop
-    "stopped",  # the run failed or was stopped: the worker was told to stop
+from mobius_fed.machines import (
+    DOWN_STATES,
+    ENDED_PHASES,
+    INCIDENT,
+    PHASE,
+    WORKER,
+    EdgeState,
+    IncidentState,
+    Phase,
+    WorkerState,
 )
-ENDED_PHASES = ("done", "failed", "stopped")
-REPORTED_STATES = ("registered", "ready", "training", "evaluating", "restoring")
-"""States a worker may report about itself in a heartbeat (the rest are the coordinator's)."""
+
+log = logging.getLogger("mobius.coordinator")
+_NOT_UP = (WorkerState.LOST, WorkerState.EXPECTED, WorkerState.FINISHED, WorkerState.STOPPED)
+
+PHASES = tuple(Phase)
+WORKER_STATES = tuple(WorkerState)
 
 
 @dataclass
@@ -44,7 +41,7 @@ class Incident:
     round: int  # the round in flight when it was detected
     detected_at: float  # unix time
     detection_s: float | None  # detected_at − the last sign of life of the culprit
-    state: str = "open"  # open | recovered | failed
+    state: IncidentState = IncidentState.OPEN
     rollback_round: int | None = None
     steps_redone: int | None = None
     recovered_at: float | None = None
@@ -57,7 +54,7 @@ class WorkerStatus:
     rank: int
     identity: str
     address: str = ""
-    state: str = "expected"
+    state: WorkerState = WorkerState.EXPECTED
     step: int = 0
     last_heartbeat: float | None = None  # unix time
     registered_at: float | None = None  # unix time of its latest registration
@@ -86,7 +83,7 @@ class RunState:
     steps: int
     strategy: str
     num_rounds: int = 0
-    phase: str = "waiting"
+    phase: Phase = Phase.WAITING
     round: int = 0
     step: int = 0
     error: str | None = None
@@ -114,13 +111,34 @@ class RunState:
 
     # ------------------------------------------------------------- updates
     def update_worker(self, rank: int, **fields: Any) -> None:
+        """Set worker ``rank``'s figures; a ``state`` goes through its machine's table."""
         with self._lock:
             w = self.workers[rank]
+            if "state" in fields:
+                w.state = WORKER.step(w.state, fields.pop("state"), f"worker-{rank}")
             for k, v in fields.items():
                 setattr(w, k, v)
 
+    def move_worker(self, rank: int, new: WorkerState, **fields: Any) -> bool:
+        """Worker ``rank`` → ``new`` (with ``fields``) if the table allows it; else refused."""
+        with self._lock:
+            w = self.workers[rank]
+            if not WORKER.allowed(w.state, new):
+                WORKER.step(w.state, new, f"worker-{rank}")  # logs the refusal
+                return False
+            self.update_worker(rank, state=new, **fields)
+            return True
+
+    def move_phase(self, new: Phase) -> bool:
+        """The run's phase → ``new`` if the table allows it; else logged and refused."""
+        with self._lock:
+            self.phase = PHASE.step(self.phase, new, f"run {self.run_id}")
+            return self.phase == new
+
     def set(self, **fields: Any) -> None:
         with self._lock:
+            if "phase" in fields:
+                self.move_phase(fields.pop("phase"))
             for k, v in fields.items():
                 setattr(self, k, v)
 
@@ -195,7 +213,11 @@ class RunState:
             return inc
 
     def update_incident(self, incident: Incident, **fields: Any) -> None:
+        """Set ``incident``'s fields; a ``state`` goes through its machine's table."""
         with self._lock:
+            if "state" in fields:
+                new = fields.pop("state")
+                incident.state = INCIDENT.step(incident.state, new, f"incident {incident.id}")
             for k, v in fields.items():
                 setattr(incident, k, v)
 
@@ -207,16 +229,17 @@ class RunState:
             self.rounds = [r for r in self.rounds if r["round"] <= rnd]
             self.round, self.step = rnd, end_step
 
-    def finish(self, phase: str, error: str | None = None) -> None:
+    def finish(self, phase: Phase, error: str | None = None) -> None:
         """The run ended: every worker not lost shows ``finished`` (done) or ``stopped``."""
         with self._lock:
-            self.phase, self.error, self.finished_at = phase, error, time.time()
-            final = "finished" if phase == "done" else "stopped"
+            self.move_phase(phase)
+            self.error, self.finished_at = error, time.time()
+            final = WorkerState.FINISHED if phase == Phase.DONE else WorkerState.STOPPED
             for w in self.workers.values():
-                if w.state not in ("lost", "expected"):
-                    w.state = final
-                elif w.state == "expected" and phase != "done":
-                    w.state = "stopped"
+                if w.state not in (WorkerState.LOST, WorkerState.EXPECTED):
+                    w.state = WORKER.step(w.state, final, f"worker-{w.rank}")
+                elif w.state == WorkerState.EXPECTED and phase != Phase.DONE:
+                    w.state = WorkerState.STOPPED
 
     @property
     def ended(self) -> bool:
@@ -280,15 +303,11 @@ class RunState:
         edges = []
         for i in range(self.P):
             w, j = self.workers[i], (i + 1) % self.P
-            out = w.edges.get("out", {}) if w.state not in ("lost", "rejoining") else {}
-            state = out.get("state", "unknown")
-            lost = w.state in ("lost", "rejoining") or self.workers[j].state in (
-                "lost",
-                "rejoining",
-            )
-            state = "down" if lost else state
+            lost = w.state in DOWN_STATES or self.workers[j].state in DOWN_STATES
+            out = w.edges.get("out", {}) if w.state not in DOWN_STATES else {}
+            state = EdgeState.DOWN if lost else out.get("state", EdgeState.UNKNOWN)
             if self.phase in ENDED_PHASES and not lost:
-                state = "closed"  # the run ended: links were closed on purpose
+                state = EdgeState.CLOSED  # the run ended: links were closed on purpose
             edges.append(
                 {
                     "edge": f"worker-{i} → worker-{j}",
@@ -336,14 +355,14 @@ class RunState:
             doc["totals"] = {
                 **self.totals,
                 "incidents": len(self.incidents),
-                "recovered": sum(i.state == "recovered" for i in self.incidents),
+                "recovered": sum(i.state == IncidentState.RECOVERED for i in self.incidents),
                 "steps_redone": sum(i.steps_redone or 0 for i in self.incidents),
             }
             doc["workers"] = [
                 {
                     "rank": w.rank,
                     "state": w.state,
-                    "up": int(w.state not in ("lost", "expected", "finished", "stopped")),
+                    "up": int(w.state not in _NOT_UP),
                     "step": w.step,
                     "loss": w.last_loss,
                     "tokens_per_s": w.tokens_per_s,

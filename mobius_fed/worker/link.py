@@ -52,6 +52,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2
 
+from mobius_fed.machines import EDGE, EdgeState
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
 from mobius_fed.transport.allocator import tune_allocator
 from mobius_fed.transport.codec import (
@@ -508,7 +509,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         # client side: the session with the successor
         self._out = _Session(self.successor_identity, self._assembler(BACKWARD), self._capture)
         self._out.token = ""  # the successor's server hands the token out
-        self._out_state = "down"
+        self._out_state = EdgeState.DOWN
         self._out_reconnects = 0
         self._channel: grpc.Channel | None = None
         self._call = None
@@ -901,7 +902,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                 self._closing.wait(delay)
                 delay = min(delay * 2, self.timers.max_backoff_s)
         self._check_not_closed(target)  # close() raced the last dial: it cancelled the call
-        self._out_state = "up"
+        self._move_out(EdgeState.UP)
         self._client_thread = threading.Thread(
             target=self._client_loop, daemon=True, name="ring-recv-bwd"
         )
@@ -974,7 +975,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                 err = self._receive_backward(call, st)
                 s.end.end_stream(st)
                 if err is None or self._closing.is_set():
-                    self._out_state = "down"
+                    self._move_out(EdgeState.DOWN)
                     return
                 if not self._reconnect(err):
                     return
@@ -1023,9 +1024,9 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         s = self._out
         s.down_since, s.last_error = time.monotonic(), err
         if self._all_finished():
-            self._out_state = "down"
+            self._move_out(EdgeState.DOWN)
             return False
-        self._out_state = "reconnecting"
+        self._move_out(EdgeState.RECONNECTING)
         log.warning(
             "ring edge %s down (%s); reconnecting for up to %.0fs",
             self.edge_out,
@@ -1051,7 +1052,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
                 result = (exc.code(), exc.details())
             if result is None:
                 self._out_reconnects += 1
-                self._out_state = "up"
+                self._move_out(EdgeState.UP)
                 log.warning(
                     "ring edge %s back after %.1fs (%d frame(s) resent)",
                     self.edge_out,
@@ -1063,12 +1064,12 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             code, details = result
             s.last_error = f"{code.name} {details}"
             if code not in _RETRY:
-                self._out_state = "down"
+                self._move_out(EdgeState.DOWN)
                 self.inbox.fail(
                     PeerError(f"ring edge {self.edge_out}: reconnect refused: {s.last_error}")
                 )
                 return False
-        self._out_state = "down"
+        self._move_out(EdgeState.DOWN)
         if not self._closing.is_set() and not self._all_finished():
             msg = (
                 f"ring edge {self.edge_out} down for {self.link_grace:.0f}s "
@@ -1210,9 +1211,13 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             return s.end  # type: ignore[union-attr]
 
     # ---------------------------------------------------------------- status
+    def _move_out(self, new: EdgeState) -> None:
+        self._out_state = EDGE.step(self._out_state, new, f"edge {self.edge_out}")
+
     def _reconnecting(self) -> bool:
         s = self._in
-        return self._out_state == "reconnecting" or (s is not None and s.down_since is not None)
+        in_down = s is not None and s.down_since is not None
+        return self._out_state == EdgeState.RECONNECTING or in_down
 
     def edge_states(self) -> dict:
         """Both ring edges of this worker, for status reports::
@@ -1224,11 +1229,11 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
         now = time.monotonic()
         s = self._in
         if s is not None and s.down_since is not None:
-            in_state, in_down = "reconnecting", now - s.down_since
+            in_state, in_down = EdgeState.RECONNECTING, now - s.down_since
         elif s is not None and s.end.stream is not None:
-            in_state, in_down = "up", 0.0
+            in_state, in_down = EdgeState.UP, 0.0
         else:
-            in_state, in_down = "down", 0.0
+            in_state, in_down = EdgeState.DOWN, 0.0
         o = self._out
         out_down = now - o.down_since if o.down_since is not None else 0.0
         return {
@@ -1285,7 +1290,7 @@ class RingLinks(ring_pb2_grpc.RingLinkServicer):
             return
         self._closing.set()
         end = self._out.end
-        if self._out_state == "up":
+        if self._out_state == EdgeState.UP:
             end.close(ring_pb2.Frame(run_id=self.rules.run_id, direction=CLOSE).SerializeToString())
             with end.cond:
                 end.cond.wait_for(lambda: end.done, 2.0)
