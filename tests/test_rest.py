@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from mobius_fed.cli.common import CliError
-from mobius_fed.cli.status import add_status_parser, status_main
+from mobius_fed.cli.status import register, status_main
 from mobius_fed.coordinator.rest import RestServer, identity_from_cert
 from mobius_fed.coordinator.state import RunState
 from mobius_fed.transport import CertLayout, NodeTLS, init_certs
@@ -418,7 +418,7 @@ def ns(**kw) -> argparse.Namespace:
 
 def test_status_parser_registers() -> None:
     parser = argparse.ArgumentParser()
-    add_status_parser(parser.add_subparsers(dest="cmd"))
+    register(parser.add_subparsers(dest="cmd"))
     args = parser.parse_args(["status", "--rest", "http://127.0.0.1:9", "--json"])
     assert args.func is status_main and args.json and args.rest == "http://127.0.0.1:9"
     # Unset: status_main takes them from --run's endpoints.json, else 127.0.0.1:7300, certs/.

@@ -73,9 +73,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=status_main)
 
 
-add_status_parser = register  # the former name, until every caller uses register
-
-
 def status_main(args: argparse.Namespace) -> int:
     """Fetch and print the status; CliError (exit 2) when it cannot be read."""
     timeout = float(getattr(args, "timeout", 5.0) or 5.0)

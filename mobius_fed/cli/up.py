@@ -284,12 +284,8 @@ class LocalFederation:
 
     @property
     def metrics_url(self) -> str | None:
-        """The plain metrics listener's /metrics (None: off, or the coordinator lacks it)."""
+        """The plain metrics listener's /metrics (None: off)."""
         if not self.metrics:
-            return None
-        from mobius_fed.coordinator.config import CoordinatorConfig
-
-        if "metrics_listen" not in CoordinatorConfig.model_fields:  # an older coordinator
             return None
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
@@ -506,7 +502,7 @@ def cmd_up(args, train: TrainConfig) -> int:
         codes = fed.stop(grace=STOP_GRACE, sig=signum)
         if codes:
             console.print("exit status: " + ", ".join(f"{n} {c}" for n, c in codes.items()))
-        from mobius_fed.coordinator.server import latest_manifest
+        from mobius_fed.coordinator.manifests import latest_manifest
 
         manifest = latest_manifest(fed.coordinator_out)
         print(f"last complete checkpoint: {manifest or 'none'}")
