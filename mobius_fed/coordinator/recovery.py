@@ -34,7 +34,8 @@ from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.control import ControlService
 from mobius_fed.coordinator.grid import ControlGrid, GridTimeout, IncidentRaised, RunFailed
 from mobius_fed.coordinator.rounds import RoundState, RoundStore
-from mobius_fed.coordinator.state import Incident, RunState
+from mobius_fed.coordinator.state import RunState
+from mobius_fed.coordinator.status_model import IncidentModel as Incident
 from mobius_fed.machines import IncidentState, Phase
 from mobius_fed.machines import WorkerState as W
 from mobius_fed.transport.flower_wire import rank_of_node, worker_node_id

@@ -7,9 +7,10 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
+from mobius_fed.coordinator.status_model import IncidentModel, WorkerModel
 from mobius_fed.machines import (
     DOWN_STATES,
     ENDED_PHASES,
@@ -30,51 +31,6 @@ WORKER_STATES = tuple(WorkerState)
 
 
 @dataclass
-class Incident:
-    """One loss of a worker or a ring edge, from detection to recovery."""
-
-    id: int
-    kind: str  # "worker lost" | "ring edge down" | "worker error"
-    what: str
-    rank: int | None
-    edge: str | None  # "worker-1 → worker-2" when a ring edge is involved
-    round: int  # the round in flight when it was detected
-    detected_at: float  # unix time
-    detection_s: float | None  # detected_at − the last sign of life of the culprit
-    state: IncidentState = IncidentState.OPEN
-    rollback_round: int | None = None
-    steps_redone: int | None = None
-    recovered_at: float | None = None
-    recovery_s: float | None = None  # detection → training resumed
-    rejoin_s: float | None = None  # the culprit's re-registration → training resumed
-
-
-@dataclass
-class WorkerStatus:
-    rank: int
-    identity: str
-    address: str = ""
-    state: WorkerState = WorkerState.EXPECTED
-    step: int = 0
-    last_heartbeat: float | None = None  # unix time
-    registered_at: float | None = None  # unix time of its latest registration
-    last_loss: float | None = None
-    tokens_per_s: float = 0.0
-    incidents: int = 0  # incidents in which this worker was the one lost
-    edges: dict[str, Any] = field(default_factory=dict)  # its ring links as it reports them
-    # Its latest training round, as it reported it (None: not reported).
-    train_s: float | None = None
-    wait_s: float | None = None
-    compute_s: float | None = None
-    wait_share: float | None = None  # wait_s / train_s
-    bytes_per_s: float | None = None  # bytes it sent / train_s
-    # Totals over the run (redone rounds included).
-    train_s_total: float = 0.0
-    wait_s_total: float = 0.0
-    bytes_sent_total: float = 0.0
-
-
-@dataclass
 class RunState:
     """Everything the status endpoints report; mutate only through the methods."""
 
@@ -90,11 +46,11 @@ class RunState:
     checkpoint: str | None = None
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
-    workers: dict[int, WorkerStatus] = field(default_factory=dict)
+    workers: dict[int, WorkerModel] = field(default_factory=dict)
     losses: dict[int, dict[int, float]] = field(default_factory=dict)  # step → origin → loss
     evals: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
-    incidents: list[Incident] = field(default_factory=list)
+    incidents: list[IncidentModel] = field(default_factory=list)
     config: dict[str, Any] | None = None  # the run's configuration, for status and dashboard
     privacy: Callable[[int], dict[str, Any] | None] | None = None  # step → status block
     totals: dict[str, float] = field(
@@ -107,7 +63,7 @@ class RunState:
 
     def __post_init__(self) -> None:
         for i in range(self.P):
-            self.workers.setdefault(i, WorkerStatus(rank=i, identity=f"mobius://worker/{i}"))
+            self.workers.setdefault(i, WorkerModel(rank=i, identity=f"mobius://worker/{i}"))
 
     # ------------------------------------------------------------- updates
     def update_worker(self, rank: int, **fields: Any) -> None:
@@ -206,13 +162,13 @@ class RunState:
         with self._lock:
             self.totals["heartbeats"] += 1
 
-    def open_incident(self, **fields: Any) -> Incident:
+    def open_incident(self, **fields: Any) -> IncidentModel:
         with self._lock:
-            inc = Incident(id=len(self.incidents) + 1, **fields)
+            inc = IncidentModel(id=len(self.incidents) + 1, **fields)
             self.incidents.append(inc)
             return inc
 
-    def update_incident(self, incident: Incident, **fields: Any) -> None:
+    def update_incident(self, incident: IncidentModel, **fields: Any) -> None:
         """Set ``incident``'s fields; a ``state`` goes through its machine's table."""
         with self._lock:
             if "state" in fields:
@@ -266,13 +222,13 @@ class RunState:
                 "eval_origin_losses": last_eval["origin_losses"] if last_eval else None,
                 "server_time": now,
                 "ring": self._ring_doc(),
-                "incidents": [asdict(i) for i in self.incidents],
+                "incidents": [i.model_dump() for i in self.incidents],
                 "config": self.config,
                 "privacy": self._privacy_block(),
                 "train_loss": self._train_loss(),
                 "workers": [
                     {
-                        **asdict(w),
+                        **w.model_dump(),
                         "heartbeat_age_s": None
                         if w.last_heartbeat is None
                         else max(0.0, now - w.last_heartbeat),
@@ -333,7 +289,7 @@ class RunState:
                 "steps": steps,
                 "evals": list(self.evals),
                 "rounds": list(self.rounds),
-                "incidents": [asdict(i) for i in self.incidents],
+                "incidents": [i.model_dump() for i in self.incidents],
             }
 
     @property
