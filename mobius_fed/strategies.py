@@ -27,6 +27,7 @@ from flwr.serverapp.strategy import (
 )
 
 from mobius_fed.config import ConfigError, TrainConfig
+from mobius_fed.messages import STEP_END, STEP_START, TrainOrder  # noqa: F401 - engine reads STEP_START here
 
 STRATEGIES: dict[str, type[FedAvg]] = {
     "fedavg": FedAvg,
@@ -38,10 +39,6 @@ STRATEGIES: dict[str, type[FedAvg]] = {
     "fedmedian": FedMedian,
     "fedtrimmedavg": FedTrimmedAvg,
 }
-# Keys of the ConfigRecord a train/evaluate message carries.
-STEP_START, STEP_END, CHECKPOINT = "step-start", "step-end", "checkpoint"
-STATE_COPY = "state-copy"  # the worker also sends its checkpoint's bytes (a copy kept elsewhere)
-BARRIER_SNAPSHOT = "barrier-snapshot"  # the worker writes its barrier state to disk too
 # Server-side state a strategy keeps between rounds (saved in checkpoints).
 SERVER_STATE_ATTRS = ("current_arrays", "momentum_vector", "m_t", "v_t")
 
@@ -119,12 +116,16 @@ class BarrierRounds:
     ) -> list[Message]:
         rnd = self.global_round(server_round)
         start, end = self.plan.steps_of(rnd)
-        config[STEP_START], config[STEP_END] = start, end
-        config[CHECKPOINT] = self.plan.checkpoints(rnd)
-        config[STATE_COPY] = self.state_copy and self.plan.checkpoints(rnd)
-        config["keep-checkpoints"] = self.keep_checkpoints
-        config[BARRIER_SNAPSHOT] = self.barrier_snapshots
-        config["round"] = rnd
+        checkpoint = self.plan.checkpoints(rnd)
+        TrainOrder(
+            rnd,
+            start,
+            end,
+            checkpoint,
+            state_copy=self.state_copy and checkpoint,
+            keep_checkpoints=self.keep_checkpoints,
+            barrier_snapshot=self.barrier_snapshots,
+        ).fill(config)
         if self.hooks is not None and hasattr(self.hooks, "before_train"):
             self.hooks.before_train(rnd)
         self._round_start = arrays

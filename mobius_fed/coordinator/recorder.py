@@ -12,8 +12,8 @@ from typing import Any
 from flwr.app import Message
 
 from mobius_fed.checkpoint import CheckpointError, write_bytes_atomic
-from mobius_fed.coordinator.replies import OPTIONAL_FIGURES
 from mobius_fed.coordinator.state import RunState, json_safe
+from mobius_fed.messages import METRICS, TrainReport
 from mobius_fed.strategies import RoundPlan
 from mobius_fed.transport.flower_wire import rank_of_node
 
@@ -41,17 +41,13 @@ class RunRecorder:
         figures: dict[int, dict[str, float]] = {}
         for reply in replies:
             rank = rank_of_node(reply.metadata.src_node_id)
-            metrics = reply.content["metrics"]
-            losses = list(metrics["losses"])
-            self.state.record_losses(rank, start, losses)
-            self.state.update_worker(rank, last_loss=losses[-1], step=end)
-            worker_seconds = max(worker_seconds, float(metrics["train-seconds"]))
-            snapshot_seconds = max(snapshot_seconds, float(metrics.get("snapshot-seconds", 0.0)))
-            tokens += float(metrics["num-examples"])
-            figures[rank] = {"train_s": float(metrics["train-seconds"])}
-            for key, name in OPTIONAL_FIGURES.items():
-                if key in metrics:
-                    figures[rank][name] = float(metrics[key])  # type: ignore[arg-type]
+            report = TrainReport.of(reply.content[METRICS])
+            self.state.record_losses(rank, start, report.losses)
+            self.state.update_worker(rank, last_loss=report.losses[-1], step=end)
+            worker_seconds = max(worker_seconds, report.train_s)
+            snapshot_seconds = max(snapshot_seconds, report.snapshot_s)
+            tokens += report.num_examples
+            figures[rank] = report.figures()
         self.state.record_round(
             rnd,
             seconds,

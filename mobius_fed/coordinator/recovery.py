@@ -26,6 +26,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from flwr.app import ConfigRecord, Message, RecordDict
@@ -38,6 +39,7 @@ from mobius_fed.coordinator.state import RunState
 from mobius_fed.coordinator.status_model import IncidentModel as Incident
 from mobius_fed.machines import IncidentState, Phase
 from mobius_fed.machines import WorkerState as W
+from mobius_fed.messages import CONFIG, RestoreOrder, RestoreReply, RingOrder, StateReply
 from mobius_fed.transport.flower_wire import rank_of_node, worker_node_id
 
 log = logging.getLogger("mobius.coordinator")
@@ -187,13 +189,12 @@ class Recovery:
     def _ask_rounds(self) -> dict[int, set[int]]:
         replies = self.send_all(
             "query.state",
-            lambda rank: RecordDict({"config": ConfigRecord({})}),
+            lambda rank: ConfigRecord({}),
             self.cfg.restore_timeout,
             "report the rounds it can restore",
         )
         return {
-            rank_of_node(r.metadata.src_node_id): {int(x) for x in r.content["config"]["rounds"]}
-            | {0}
+            rank_of_node(r.metadata.src_node_id): {*StateReply.of(r.content[CONFIG]).rounds, 0}
             for r in replies
         }
 
@@ -234,30 +235,27 @@ class Recovery:
         log.info("restoring round %d (%s)", rnd, sources)
         replies = self.send_all(
             "query.restore",
-            lambda rank: self._restore_content(rank, rnd, rnd in have[rank]),
+            lambda rank: self._restore_order(rank, rnd, rnd in have[rank]),
             self.cfg.restore_timeout,
             "load the rollback state",
         )
-        return {
-            rank_of_node(r.metadata.src_node_id): str(r.content["config"]["reason"])
-            for r in replies
-            if not bool(r.content["config"]["ok"])
-        }
+        answers = {rank_of_node(r.metadata.src_node_id): RestoreReply.of(r.content[CONFIG])
+                   for r in replies}  # fmt: skip
+        return {rank: a.reason for rank, a in answers.items() if not a.ok}
 
-    def _restore_content(self, rank: int, rnd: int, has_it: bool) -> RecordDict:
+    def _restore_order(self, rank: int, rnd: int, has_it: bool) -> RestoreOrder:
         end = self.plan.steps_of(rnd)[1]  # round 0 ends at step 0
-        conf = ConfigRecord({"round": rnd, "step": end, "sha256": "", "fresh": self.store.fresh})
+        order = RestoreOrder(rnd, end, fresh=self.store.fresh)
         manifest = self.store.manifest_doc(rnd)
         entry = manifest["workers"].get(str(rank)) if manifest else None
-        if entry:
-            conf["sha256"] = entry["sha256"]
-            conf["file"] = Path(entry["path"]).name
-            if entry.get("copy") and not has_it:  # only to a worker that needs it
-                copy = Path(manifest["dir"]) / entry["copy"]
-                conf["copy-sha256"] = entry["copy_sha256"]
-                if copy.is_file():
-                    conf["copy"] = copy.read_bytes()
-        return RecordDict({"config": conf})
+        if not entry:
+            return order
+        order = replace(order, sha256=entry["sha256"], file=Path(entry["path"]).name)
+        if entry.get("copy") and not has_it:  # only to a worker that needs it
+            copy = Path(manifest["dir"]) / entry["copy"]
+            data = copy.read_bytes() if copy.is_file() else None
+            order = replace(order, copy_sha256=entry["copy_sha256"], copy=data)
+        return order
 
     def _open_ring(self, rnd: int) -> None:
         self.ring_epoch += 1
@@ -266,13 +264,18 @@ class Recovery:
         peers = self.service.peers()
         self.send_all(
             "query.ring",
-            lambda rank: RecordDict({"config": ConfigRecord({"ring-id": ring_id, "peers": peers})}),
+            lambda rank: RingOrder(ring_id, peers),
             self.cfg.restore_timeout,
             "join the ring",
         )
 
-    def send_all(self, kind: str, content, timeout: float, what: str) -> list[Message]:
-        messages = [Message(content(rank), worker_node_id(rank), kind) for rank in range(self.P)]
+    def send_all(self, kind: str, order, timeout: float, what: str) -> list[Message]:
+        """``order(rank)`` (a typed message or a ConfigRecord) to every worker; the replies."""
+        messages = []
+        for rank in range(self.P):
+            conf = order(rank)
+            conf = conf if isinstance(conf, ConfigRecord) else conf.to_record()
+            messages.append(Message(RecordDict({CONFIG: conf}), worker_node_id(rank), kind))
         try:
             return list(self.grid.send_and_receive(messages, timeout=timeout))
         except GridTimeout as exc:

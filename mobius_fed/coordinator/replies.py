@@ -7,15 +7,9 @@ from typing import Any
 from flwr.app import Message
 
 from mobius_fed.coordinator.grid import RunFailed
+from mobius_fed.messages import OPTIONAL_FIGURES
 from mobius_fed.transport.safe_arrays import UnsafeArrayError, validate_array_record
 from mobius_fed.transport.tls import worker_identity
-
-OPTIONAL_FIGURES = {  # a worker's train reply metric → the coordinator's name for it
-    "wait-seconds": "wait_s",
-    "compute-seconds": "compute_s",
-    "bytes-sent": "bytes_sent",
-    "frames-sent": "frames_sent",
-}
 
 
 def validate_reply(rank: int, reply: Message, replica_spec: Any) -> None:

@@ -35,6 +35,7 @@ from mobius_fed.coordinator.manifests import (
 )
 from mobius_fed.coordinator.recorder import HISTORY_FILE, METRICS_FILE, RunRecorder
 from mobius_fed.coordinator.state import RunState
+from mobius_fed.messages import Checkpoint
 from mobius_fed.model import build_replica
 from mobius_fed.strategies import RoundPlan, from_plain, to_plain
 from mobius_fed.transport.flower_wire import rank_of_node
@@ -221,15 +222,15 @@ class RoundStore:
             rank = rank_of_node(reply.metadata.src_node_id)
             if "checkpoint" not in reply.content:
                 raise RunFailed(f"worker-{rank} did not confirm its round-{rnd} checkpoint")
-            ck = reply.content["checkpoint"]
-            entry = {"identity": worker_identity(rank), "path": ck["path"], "sha256": ck["sha256"]}
-            if "copy" in ck:
-                data = bytes(ck["copy"])
+            ck = Checkpoint.of(reply.content["checkpoint"])
+            entry = {"identity": worker_identity(rank), "path": ck.path, "sha256": ck.sha256}
+            if ck.copy is not None:
+                data = ck.copy
                 digest = hashlib.sha256(data).hexdigest()
-                if digest != ck["sha256"]:
+                if digest != ck.sha256:
                     raise RunFailed(
                         f"worker-{rank}'s copy of its round-{rnd} checkpoint does not match its "
-                        f"sha256 (expected {ck['sha256']}, got {digest})"
+                        f"sha256 (expected {ck.sha256}, got {digest})"
                     )
                 name = f"worker-{rank}.ckpt"
                 write_bytes_atomic(rdir / name, data)
