@@ -339,30 +339,6 @@ class RunState:
         return self.metrics.render().decode()
 
 
-def escape_label_value(value: str) -> str:
-    """Escape a Prometheus label value: backslash, double quote and line feed."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def escape_help(text: str) -> str:
-    """Escape a Prometheus HELP text: backslash and line feed."""
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def format_sample(value: object) -> str:
-    """A sample value as Prometheus text: ints as-is, floats by repr, NaN/+Inf/-Inf."""
-    if isinstance(value, bool):
-        return str(int(value))
-    if isinstance(value, int):
-        return str(value)
-    v = float(value)  # type: ignore[arg-type]
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(v)
-
-
 def json_safe(doc: Any) -> Any:
     """``doc`` with every non-finite float (NaN, ±inf) replaced by None (strict JSON)."""
     if isinstance(doc, float):

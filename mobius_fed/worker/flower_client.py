@@ -31,6 +31,7 @@ from mobius_fed.checkpoint import (
     sha256_of,
     write_bytes_atomic,
 )
+from mobius_fed.machines import WorkerState
 from mobius_fed.messages import (
     ARRAYS,
     CONFIG,
@@ -167,7 +168,7 @@ def make_client_app(
     snapshots: Snapshots,
     rejoin_ring: Callable[[str, list[str]], None],
     on_step: Callable[[WorkerStep], None] | None = None,
-    on_state: Callable[[str], None] | None = None,
+    on_state: Callable[[WorkerState], None] | None = None,
 ) -> ClientApp:
     """The ClientApp of ``executor``; ``rejoin_ring(ring_id, peers)`` replaces its ring links."""
     app = ClientApp()
@@ -189,14 +190,14 @@ class WorkerHandlers:
         snapshots: Snapshots,
         rejoin_ring: Callable[[str, list[str]], None],
         on_step: Callable[[WorkerStep], None] | None = None,
-        on_state: Callable[[str], None] | None = None,
+        on_state: Callable[[WorkerState], None] | None = None,
     ) -> None:
         self.executor, self.snapshots, self.rejoin_ring = executor, snapshots, rejoin_ring
         self.on_step, self.on_state = on_step, on_state
         cfg = executor.cfg
         self.tokens_per_step = cfg.batch_size * cfg.model().seq_len
 
-    def state(self, s: str) -> None:
+    def state(self, s: WorkerState) -> None:
         if self.on_state:
             self.on_state(s)
 
@@ -208,7 +209,7 @@ class WorkerHandlers:
                 f"worker-{executor.rank} is at step {executor.step}, round asks for {start}..{end}"
             )
         load_replica(executor, msg.content[ARRAYS])
-        self.state("training")
+        self.state(WorkerState.TRAINING)
         report = self._train_steps(start, end)
         t0 = time.perf_counter()  # the barrier snapshot's cost on the critical path
         snap = copy.deepcopy(executor.state_dict())
@@ -220,7 +221,7 @@ class WorkerHandlers:
             reply["checkpoint"] = self._checkpoint(order, snap).to_record()
             self.snapshots.prune_disk(order.keep_checkpoints)
         self.snapshots.keep(rnd, snap, order.checkpoint)
-        self.state("ready")
+        self.state(WorkerState.READY)
         return Message(reply, reply_to=msg)
 
     def _train_steps(self, start: int, end: int) -> TrainReport:
@@ -281,10 +282,10 @@ class WorkerHandlers:
 
     def evaluate(self, msg: Message) -> Message:
         load_replica(self.executor, msg.content[ARRAYS])
-        self.state("evaluating")
+        self.state(WorkerState.EVALUATING)
         t0 = time.perf_counter()
         loss = self.executor.evaluate()
-        self.state("ready")
+        self.state(WorkerState.READY)
         metrics = MetricRecord(
             {"num-examples": 1, "eval-loss": loss, "eval-seconds": time.perf_counter() - t0}
         )
@@ -296,7 +297,7 @@ class WorkerHandlers:
 
     def restore(self, msg: Message) -> Message:
         order, executor = RestoreOrder.of(msg.content[CONFIG]), self.executor
-        self.state("restoring")
+        self.state(WorkerState.RESTORING)
         try:
             source = restore_round(executor, self.snapshots, order)
             if executor.step != order.step:
@@ -318,7 +319,7 @@ class WorkerHandlers:
         order = RingOrder.of(msg.content[CONFIG])
         log.info("worker-%d joining ring %s", self.executor.rank, order.ring_id)
         self.rejoin_ring(order.ring_id, order.peers)
-        self.state("ready")
+        self.state(WorkerState.READY)
         return Message(RecordDict({CONFIG: ConfigRecord({"ok": True})}), reply_to=msg)
 
 

@@ -43,7 +43,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
 from mobius_fed.machines import EDGE, EdgeState
@@ -85,7 +84,6 @@ from mobius_fed.worker.link_session import (
     LinkTimers,
     PeerError,
     Session,
-    StreamCall,
 )
 
 log = logging.getLogger("mobius.link")
@@ -151,24 +149,8 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
         self._closing = threading.Event()
         self._relayed: set[FrameKey] = set()
         self._relay_lock = threading.Lock()
-        # server side: the predecessor's session
-        self._lock = threading.Lock()
-        self._in_ready = threading.Condition(self._lock)
-        self._in: Session | None = None
-        self._handlers = 0
-        self._in_reconnects = 0
-        self._old_bytes = 0  # bytes sent by ended predecessor sessions
-        self._server: grpc.Server | None = None
-        # client side: the session with the successor
-        self._out = self._new_session(self.successor_identity, BACKWARD)
-        self._out.token = ""  # the successor's server hands the token out
-        self._out_state = EdgeState.DOWN
-        self._out_reconnects = 0
-        self._channel: grpc.Channel | None = None
-        self._call = None
-        self._dialing = None
-        self._out_stream: StreamCall | None = None
-        self._client_thread: threading.Thread | None = None
+        self._init_server()
+        self._init_client()
 
     @property
     def forward_out(self) -> Endpoint:

@@ -40,6 +40,18 @@ class SuccessorClient:
     """The gRPC client half of :class:`~mobius_fed.worker.link.RingLinks` (a mixin: the
     attributes it uses are set by ``RingLinks.__init__``)."""
 
+    def _init_client(self) -> None:
+        """The session with the successor (its server hands the token out), not dialled."""
+        self._out = self._new_session(self.successor_identity, BACKWARD)
+        self._out.token = ""
+        self._out_state = EdgeState.DOWN
+        self._out_reconnects = 0
+        self._channel: grpc.Channel | None = None
+        self._call = None
+        self._dialing = None
+        self._out_stream: StreamCall | None = None
+        self._client_thread: threading.Thread | None = None
+
     def _channel_options(self) -> list[tuple[str, int | str]]:
         t = self.timers
         opts: list[tuple[str, int | str]] = [

@@ -48,6 +48,16 @@ class PredecessorServer:
     """The gRPC server half of :class:`~mobius_fed.worker.link.RingLinks` (a mixin: the
     attributes it uses are set by ``RingLinks.__init__``)."""
 
+    def _init_server(self) -> None:
+        """The predecessor's session, and the server that carries it."""
+        self._lock = threading.Lock()
+        self._in_ready = threading.Condition(self._lock)
+        self._in: Session | None = None
+        self._handlers = 0
+        self._in_reconnects = 0
+        self._old_bytes = 0  # bytes sent by ended predecessor sessions
+        self._server: grpc.Server | None = None
+
     def _server_options(self) -> list[tuple[str, int]]:
         t = self.timers
         return [
@@ -175,64 +185,67 @@ class PredecessorServer:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"worker-{self.rank} is busy with {self._handlers} ring streams",
                 )
-            s = self._in
-            if token:
-                if s is None or not hmac.compare_digest(token.encode(), s.token.encode()):
-                    return (
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"worker-{self.rank} has no such ring session (it restarted, or "
-                        "dropped the session after the grace period)",
+            admit = self._resume_session if token else self._open_session
+            refusal = admit(st, token, ack, label)
+            if refusal is None:
+                self._handlers += 1
+            return refusal
+
+    def _resume_session(self, st: StreamCall, token: str, ack: int, label: str):
+        """``st`` carries on the session ``token`` names from the peer's count ``ack``."""
+        s = self._in
+        if s is None or not hmac.compare_digest(token.encode(), s.token.encode()):
+            return (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker-{self.rank} has no such ring session (it restarted, or "
+                "dropped the session after the grace period)",
+            )
+        with s.rx_lock:  # a frame in progress on the old stream finishes first
+            old = s.end.stream
+            err = s.end.resume(ack, st)
+            st.rx_at_start = s.end.rx
+        if err is not None:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"cannot resume: {err}"
+        if old is not None:
+            log.warning("worker-%d: %s resumed its session on edge %s; the old stream is "
+                        "dropped", self.rank, label, self.edge_in)  # fmt: skip
+        if s.down_since is not None:
+            log.warning("ring edge %s back after %.1fs (%d frame(s) to resend)", self.edge_in,
+                        time.monotonic() - s.down_since, s.end.sent_hi - ack)  # fmt: skip
+        self._in_reconnects += 1
+        s.down_since = None
+        if s.timer is not None:
+            s.timer.cancel()
+        st.session = s
+        return None
+
+    def _open_session(self, st: StreamCall, token: str, ack: int, label: str):
+        """``st`` starts a new session; one it replaces is dropped (its frames with it)."""
+        s = self._in
+        if s is not None and s.end.stream is not None:
+            return (
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"worker-{self.rank} already has a live ring stream from {s.who} on "
+                f"edge {self.edge_in}; a second one is refused (is another process "
+                "using this worker's key?)",
+            )
+        if ack != 0:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"a new session starts at {MD_ACK} 0"
+        if s is not None:
+            self._drop_session(s, f"replaced by a new session from {label}")
+            if s.carrying and not s.finished:  # the ring's frames in flight are gone
+                self.inbox.fail(
+                    PeerError(
+                        f"ring edge {self.edge_in}: a new session from {label} replaced "
+                        f"the interrupted one (did worker-{self.pred} restart?)"
                     )
-                with s.rx_lock:  # a frame in progress on the old stream finishes first
-                    old = s.end.stream
-                    err = s.end.resume(ack, st)
-                    st.rx_at_start = s.end.rx
-                if err is not None:
-                    return grpc.StatusCode.INVALID_ARGUMENT, f"cannot resume: {err}"
-                if old is not None:
-                    log.warning(
-                        "worker-%d: %s resumed its session on edge %s; the old stream is dropped",
-                        self.rank,
-                        label,
-                        self.edge_in,
-                    )
-                if s.down_since is not None:
-                    log.warning(
-                        "ring edge %s back after %.1fs (%d frame(s) to resend)",
-                        self.edge_in,
-                        time.monotonic() - s.down_since,
-                        s.end.sent_hi - ack,
-                    )
-                self._in_reconnects += 1
-                s.down_since = None
-                if s.timer is not None:
-                    s.timer.cancel()
-            else:
-                if s is not None and s.end.stream is not None:
-                    return (
-                        grpc.StatusCode.ALREADY_EXISTS,
-                        f"worker-{self.rank} already has a live ring stream from {s.who} on "
-                        f"edge {self.edge_in}; a second one is refused (is another process "
-                        "using this worker's key?)",
-                    )
-                if ack != 0:
-                    return grpc.StatusCode.INVALID_ARGUMENT, f"a new session starts at {MD_ACK} 0"
-                if s is not None:
-                    self._drop_session(s, f"replaced by a new session from {label}")
-                    if s.carrying and not s.finished:  # the ring's frames in flight are gone
-                        self.inbox.fail(
-                            PeerError(
-                                f"ring edge {self.edge_in}: a new session from {label} replaced "
-                                f"the interrupted one (did worker-{self.pred} restart?)"
-                            )
-                        )
-                s = self._in = self._new_session(label, FORWARD)
-                s.end.resume(0, st)
-                st.rx_at_start = 0
-                self._in_ready.notify_all()
-            st.session = s
-            self._handlers += 1
-            return None
+                )
+        s = self._in = self._new_session(label, FORWARD)
+        s.end.resume(0, st)
+        st.rx_at_start = 0
+        self._in_ready.notify_all()
+        st.session = s
+        return None
 
     def _serve_receive(self, s: Session, st: StreamCall, request_iterator) -> None:
         how = "broken"  # a stream that ends without CLOSE may be resumed
