@@ -292,34 +292,42 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         )
     console.print(workers)
     if doc.get("ring"):
-        ring = Table(title="ring edges", show_header=True, header_style="bold")
-        for col in ("edge", "state", "reconnects", "down (s)"):
-            ring.add_column(col)
-        for e in doc["ring"]:
-            ring.add_row(
-                str(e.get("edge", "?")),
-                _styled(str(e.get("state", "?")), _EDGE_STYLE),
-                str(e.get("reconnects", 0)),
-                _num(e.get("down_s"), "{:.1f}"),
-            )
-        console.print(ring)
+        console.print(_ring_table(doc["ring"]))
     if doc.get("incidents"):
-        log = Table(title="incidents", show_header=True, header_style="bold")
-        for col in ("#", "state", "what", "detected (s)", "recovered (s)", "rollback", "redone"):
-            log.add_column(col, overflow="fold")
-        for i in doc["incidents"]:
-            log.add_row(
-                str(i.get("id", "?")),
-                _styled(str(i.get("state", "?")), _INCIDENT_STYLE),
-                str(i.get("what", "")),
-                _num(i.get("detection_s"), "{:.2f}"),
-                _num(i.get("recovery_s"), "{:.2f}"),
-                "-" if i.get("rollback_round") is None else f"round {i['rollback_round']}",
-                "-" if i.get("steps_redone") is None else f"{i['steps_redone']} steps",
-            )
-        console.print(log)
+        console.print(_incident_table(doc["incidents"]))
     if doc.get("privacy"):
         console.print(_privacy_table(doc["privacy"]))
+
+
+def _ring_table(edges: list[dict[str, Any]]) -> Table:
+    ring = Table(title="ring edges", show_header=True, header_style="bold")
+    for col in ("edge", "state", "reconnects", "down (s)"):
+        ring.add_column(col)
+    for e in edges:
+        ring.add_row(
+            str(e.get("edge", "?")),
+            _styled(str(e.get("state", "?")), _EDGE_STYLE),
+            str(e.get("reconnects", 0)),
+            _num(e.get("down_s"), "{:.1f}"),
+        )
+    return ring
+
+
+def _incident_table(incidents: list[dict[str, Any]]) -> Table:
+    log = Table(title="incidents", show_header=True, header_style="bold")
+    for col in ("#", "state", "what", "detected (s)", "recovered (s)", "rollback", "redone"):
+        log.add_column(col, overflow="fold")
+    for i in incidents:
+        log.add_row(
+            str(i.get("id", "?")),
+            _styled(str(i.get("state", "?")), _INCIDENT_STYLE),
+            str(i.get("what", "")),
+            _num(i.get("detection_s"), "{:.2f}"),
+            _num(i.get("recovery_s"), "{:.2f}"),
+            "-" if i.get("rollback_round") is None else f"round {i['rollback_round']}",
+            "-" if i.get("steps_redone") is None else f"{i['steps_redone']} steps",
+        )
+    return log
 
 
 def _privacy_table(block: dict[str, Any]) -> Table:

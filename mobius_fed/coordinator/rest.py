@@ -88,8 +88,20 @@ def make_app(state: RunState, routes: Routes = "full") -> FastAPI:
         redoc_url=None,
         openapi_url="/openapi.json" if full else None,
     )
-    denied = {403: {"model": ErrorModel, "description": "caller's identity not enrolled"}}
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    _status_routes(app, state)
+    if full:
+        _docs_routes(app)
+    return app
+
+
+_DENIED: dict[int | str, dict[str, Any]] = {
+    403: {"model": ErrorModel, "description": "caller's identity not enrolled"}
+}
+
+
+def _status_routes(app: FastAPI, state: RunState) -> None:
+    """The dashboard, status, history, metrics and health routes of ``state``."""
 
     @app.get("/", include_in_schema=False)
     def dashboard() -> FileResponse:
@@ -99,12 +111,12 @@ def make_app(state: RunState, routes: Routes = "full") -> FastAPI:
     def favicon() -> FileResponse:
         return FileResponse(STATIC_DIR / "favicon.svg", media_type="image/svg+xml")
 
-    @app.get("/v1/status", response_model=StatusModel, responses=denied, tags=["status"])
+    @app.get("/v1/status", response_model=StatusModel, responses=_DENIED, tags=["status"])
     def get_status() -> Any:
         """Run id, phase, round, step and every worker's state, heartbeat, loss, speed."""
         return json_safe(state.status_doc())
 
-    @app.get("/v1/history", response_model=HistoryModel, responses=denied, tags=["status"])
+    @app.get("/v1/history", response_model=HistoryModel, responses=_DENIED, tags=["status"])
     def get_history() -> Any:
         """Loss per step and per origin, evaluation results, round timings."""
         return json_safe(state.history_doc())
@@ -112,14 +124,14 @@ def make_app(state: RunState, routes: Routes = "full") -> FastAPI:
     @app.get(
         "/metrics",
         response_class=Response,
-        responses={200: {"content": {PROMETHEUS_CONTENT_TYPE: {}}}, **denied},
+        responses={200: {"content": {PROMETHEUS_CONTENT_TYPE: {}}}, **_DENIED},
         tags=["status"],
     )
     def get_metrics() -> Response:
         """Prometheus text exposition format 0.0.4 (``prometheus_client``)."""
         return Response(state.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
-    @app.get("/healthz", response_model=HealthModel, responses=denied, tags=["health"])
+    @app.get("/healthz", response_model=HealthModel, responses=_DENIED, tags=["health"])
     def get_health() -> Any:
         """Liveness: 200 whenever the server answers, whatever the run's phase."""
         return {"status": "ok", "phase": state.phase}
@@ -127,7 +139,7 @@ def make_app(state: RunState, routes: Routes = "full") -> FastAPI:
     @app.get(
         "/readyz",
         response_model=ReadyModel,
-        responses={503: {"model": ReadyModel, "description": "run failed or stopped"}, **denied},
+        responses={503: {"model": ReadyModel, "description": "run failed or stopped"}, **_DENIED},
         tags=["health"],
     )
     def get_ready() -> Any:
@@ -137,29 +149,29 @@ def make_app(state: RunState, routes: Routes = "full") -> FastAPI:
         ready = phase not in ENDED_PHASES or phase == Phase.DONE
         return JSONResponse({"ready": ready, "phase": phase}, status_code=200 if ready else 503)
 
-    if full:
 
-        @app.get("/docs", include_in_schema=False)
-        def swagger() -> HTMLResponse:
-            return get_swagger_ui_html(
-                openapi_url="/openapi.json",
-                title="mobius-fed coordinator — Swagger UI",
-                swagger_js_url="/static/vendor/swagger-ui/swagger-ui-bundle.js",
-                swagger_css_url="/static/vendor/swagger-ui/swagger-ui.css",
-                swagger_favicon_url="/static/favicon.svg",
-            )
+def _docs_routes(app: FastAPI) -> None:
+    """Swagger UI and ReDoc, from the assets in ``static/vendor``."""
 
-        @app.get("/redoc", include_in_schema=False)
-        def redoc() -> HTMLResponse:
-            return get_redoc_html(
-                openapi_url="/openapi.json",
-                title="mobius-fed coordinator — ReDoc",
-                redoc_js_url="/static/vendor/redoc/redoc.standalone.js",
-                redoc_favicon_url="/static/favicon.svg",
-                with_google_fonts=False,
-            )
+    @app.get("/docs", include_in_schema=False)
+    def swagger() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title="mobius-fed coordinator — Swagger UI",
+            swagger_js_url="/static/vendor/swagger-ui/swagger-ui-bundle.js",
+            swagger_css_url="/static/vendor/swagger-ui/swagger-ui.css",
+            swagger_favicon_url="/static/favicon.svg",
+        )
 
-    return app
+    @app.get("/redoc", include_in_schema=False)
+    def redoc() -> HTMLResponse:
+        return get_redoc_html(
+            openapi_url="/openapi.json",
+            title="mobius-fed coordinator — ReDoc",
+            redoc_js_url="/static/vendor/redoc/redoc.standalone.js",
+            redoc_favicon_url="/static/favicon.svg",
+            with_google_fonts=False,
+        )
 
 
 # --------------------------------------------------------------------------- identity
@@ -354,32 +366,7 @@ class RestServer:
             raise RuntimeError("RestServer already started")
         if self.tls is not None:
             self.tls.load()  # FileNotFoundError naming the missing file, in the caller
-        app = _AccessMiddleware(
-            make_app(self.state, "metrics" if self.metrics else "full"),
-            allowed=self.allowed,
-            local=self.local,
-            public=self.metrics,
-        )
-        kwargs: dict[str, Any] = {}
-        if self.tls is not None:
-            kwargs = dict(
-                ssl_certfile=str(self.tls.cert),
-                ssl_keyfile=str(self.tls.key),
-                ssl_ca_certs=str(self.tls.ca),
-                ssl_cert_reqs=ssl.CERT_REQUIRED,
-            )
-        config = _TLS13Config(
-            app,
-            http=_PeerCertH11Protocol,
-            ws="none",
-            lifespan="off",
-            proxy_headers=False,  # never take the client address from X-Forwarded-For
-            server_header=False,
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=2,
-            **kwargs,
-        )
+        config = self._config()
         self._sock = self._bind()  # bind here: errors raise in the caller, port 0 resolved
         self.port = self._sock.getsockname()[1]
         self._server = _ThreadServer(config)
@@ -403,6 +390,39 @@ class RestServer:
                 self.stop()
                 raise TimeoutError(f"REST status server not up after {timeout} s")
             time.sleep(0.01)
+        self._log_mode()
+        return self
+
+    def _config(self) -> uvicorn.Config:
+        """uvicorn's settings: the app behind the access check, TLS 1.3 when not plain."""
+        app = _AccessMiddleware(
+            make_app(self.state, "metrics" if self.metrics else "full"),
+            allowed=self.allowed,
+            local=self.local,
+            public=self.metrics,
+        )
+        kwargs: dict[str, Any] = {}
+        if self.tls is not None:
+            kwargs = dict(
+                ssl_certfile=str(self.tls.cert),
+                ssl_keyfile=str(self.tls.key),
+                ssl_ca_certs=str(self.tls.ca),
+                ssl_cert_reqs=ssl.CERT_REQUIRED,
+            )
+        return _TLS13Config(
+            app,
+            http=_PeerCertH11Protocol,
+            ws="none",
+            lifespan="off",
+            proxy_headers=False,  # never take the client address from X-Forwarded-For
+            server_header=False,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=2,
+            **kwargs,
+        )
+
+    def _log_mode(self) -> None:
         if self.metrics:
             log.warning(
                 "metrics listener on %s: plain HTTP, no authentication, read-only "
@@ -417,7 +437,6 @@ class RestServer:
             )
         else:
             log.info("REST status (mutual TLS) on %s", self.url)
-        return self
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop serving; returns once the thread has ended (or after ``timeout``)."""
