@@ -79,6 +79,11 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def flag_args(flags: dict[str, Any]) -> list[str]:
+    """``{"--flag": value}`` as a command line's words (in order)."""
+    return [word for flag, value in flags.items() for word in (flag, str(value))]
+
+
 def toml_table(name: str, doc: dict[str, Any]) -> list[str]:
     """``doc`` as TOML lines under ``[name]``; nested dicts become sub-tables, None is left
     out (TOML has no null). Strings and numbers are written as JSON, which TOML reads."""
@@ -195,39 +200,23 @@ class LocalFederation:
         """The coordinator's command line; ``resume`` overrides the federation's setting."""
         tls = self.bundle("coordinator")
         resume = self.resume if resume is None else resume
-        cmd = [
-            sys.executable,
-            "-m",
-            "mobius_fed.cli.coordinator",
-            "--listen",
-            f"127.0.0.1:{self.coord_port}",
-            "--rest-mode",
-            self.rest_mode,
-            "--rest-listen",
-            f"127.0.0.1:{self.rest_port}",
-            "--ca",
-            str(tls.ca),
-            "--cert",
-            str(tls.cert),
-            "--key",
-            str(tls.key),
-            "--out-dir",
-            str(self.coordinator_out),
-            "--strategy",
-            self.strategy,
-            "--checkpoint-every",
-            str(self.checkpoint_every),
-            "--linger",
-            "-1",
-            "--heartbeat-timeout",
-            str(self.heartbeat_timeout),
-            "--heartbeat-interval",
-            str(min(1.0, self.heartbeat_timeout / 4)),
-            "--run-id",
-            "local-up",
-            "--config",
-            str(self.write_train_toml()),
-        ]
+        flags = {
+            "--listen": f"127.0.0.1:{self.coord_port}",
+            "--rest-mode": self.rest_mode,
+            "--rest-listen": f"127.0.0.1:{self.rest_port}",
+            "--ca": tls.ca,
+            "--cert": tls.cert,
+            "--key": tls.key,
+            "--out-dir": self.coordinator_out,
+            "--strategy": self.strategy,
+            "--checkpoint-every": self.checkpoint_every,
+            "--linger": "-1",
+            "--heartbeat-timeout": self.heartbeat_timeout,
+            "--heartbeat-interval": min(1.0, self.heartbeat_timeout / 4),
+            "--run-id": "local-up",
+            "--config": self.write_train_toml(),
+        }
+        cmd = [sys.executable, "-m", "mobius_fed.cli.coordinator", *flag_args(flags)]
         for k, v in self.strategy_options.items():
             cmd += ["--strategy-option", f"{k}={json.dumps(v)}"]
         if self.metrics_url:
@@ -248,27 +237,17 @@ class LocalFederation:
     def worker_cmd(self, i: int) -> list[str]:
         tls = self.bundle(f"worker-{i}")
         threads = self.threads or default_threads(self.train.P)
-        return [
-            sys.executable,
-            "-m",
-            "mobius_fed.cli.worker",
-            "--coordinator",
-            f"127.0.0.1:{self.coord_port}",
-            "--listen",
-            f"127.0.0.1:{self.worker_ports[i]}",
-            "--data-dir",
-            str(self.sites / f"site-{i}"),
-            "--out-dir",
-            str(self.worker_out(i)),
-            "--ca",
-            str(tls.ca),
-            "--cert",
-            str(tls.cert),
-            "--key",
-            str(tls.key),
-            "--threads",
-            str(threads),
-        ]
+        flags = {
+            "--coordinator": f"127.0.0.1:{self.coord_port}",
+            "--listen": f"127.0.0.1:{self.worker_ports[i]}",
+            "--data-dir": self.sites / f"site-{i}",
+            "--out-dir": self.worker_out(i),
+            "--ca": tls.ca,
+            "--cert": tls.cert,
+            "--key": tls.key,
+            "--threads": threads,
+        }
+        return [sys.executable, "-m", "mobius_fed.cli.worker", *flag_args(flags)]
 
     def start(self, workers: bool = True) -> LocalFederation:
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
