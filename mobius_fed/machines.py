@@ -1,4 +1,5 @@
-"""The run's four state machines: run phase, worker state, incident state, ring-edge state.
+"""The run's four state machines: run phase, worker state, incident state, ring-edge state
+(docs/architecture.md §10).
 
 Each state is a ``StrEnum`` (it serialises as its string: status JSON, gRPC and metrics
 carry the same words as before), and each machine is one table of allowed edges. A

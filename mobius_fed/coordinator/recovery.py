@@ -1,4 +1,5 @@
-"""The recovery driver: from a lost worker or ring edge back to training, with no restart.
+"""The recovery driver: from a lost worker or ring edge back to training, with no restart
+(docs/architecture.md §11).
 
 ::
 

@@ -6,7 +6,7 @@ successor i+1 (FORWARD frames leave, BACKWARD frames arrive). Frames for other w
 relayed in the same direction; frames for this worker are validated, decoded and put in
 the inbox the step executor reads.
 
-Trust (ARCHITECTURE §7, §8). Every frame has one producer and one route, computed from the
+Trust (docs/architecture.md §7, §8). Every frame has one producer and one route, computed from the
 schedule (:meth:`FrameRules.arrival`): a frame is accepted only when the authenticated
 neighbour it came from is the hop before this worker on that route, at every hop. A
 server keeps one *session* for its predecessor and at most one live stream in it; a
@@ -16,7 +16,7 @@ relayed tensors it had not completed and its delivered-but-unconsumed frames are
 Each frame key is consumed (or relayed) once; a replay is refused. Relays forward a tensor
 only once all of its pieces validated, so nothing partial leaves a dead session.
 
-Transient faults (ARCHITECTURE §11). A session survives its stream: each side keeps the
+Transient faults (docs/architecture.md §11). A session survives its stream: each side keeps the
 frames it sent until the other side acknowledges them (ACK frames, every few frames), and
 counts the frames it received. When a stream breaks, the client re-dials with backoff for
 up to ``link_grace`` seconds and presents the session's secret token and its count; the
