@@ -43,7 +43,7 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.federated import train_with_strategy
 from mobius_fed.engine.reference import ReferenceEngine
-from mobius_fed.machines import ENDED_PHASES, IncidentState
+from mobius_fed.machines import ENDED_PHASES, IncidentState, Phase
 from mobius_fed.strategies import RoundPlan, make_strategy
 from mobius_fed.testbed.proxy import CuttableProxy
 
@@ -71,14 +71,18 @@ class Tally:
     incidents: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     coordinator_redone: int = 0  # steps redone after a coordinator restart
     step_seen: int = 0
+    killed_at: int | None = None  # the step a killed coordinator had reached
     frozen: set[int] = field(default_factory=set)
     epoch: int = 0  # coordinator incarnations seen (incident ids restart with each)
 
     def observe(self, doc: dict[str, Any]) -> None:
         for inc in doc["incidents"]:
             self.incidents[(self.epoch, inc["id"])] = inc
-        if doc["step"] < self.step_seen:  # a restarted coordinator resumed earlier
-            self.coordinator_redone += self.step_seen - doc["step"]
+        if doc["phase"] == Phase.WAITING:  # a restarted coordinator before its ring is back
+            return
+        if self.killed_at is not None:  # it resumed from its newest manifest
+            self.coordinator_redone += max(0, self.killed_at - doc["step"])
+            self.killed_at = None
         self.step_seen = doc["step"]
 
     def report(self) -> dict[str, Any]:
@@ -123,6 +127,8 @@ def inject(fed: ChaosFederation, kind: str, rng: random.Random, tally: Tally, ar
     if kind == "kill coordinator":
         os.kill(fed.procs["coordinator"].pid, signal.SIGKILL)
         tally.epoch += 1
+        if tally.killed_at is None:
+            tally.killed_at = tally.step_seen
     elif kind == "edge cut":
         i = rng.randrange(fed.train.P)
         seconds = rng.uniform(*args.cut)
