@@ -510,14 +510,12 @@ def _link(spec: Spec, rank: int, current_step):
     cfg = TrainConfig(preset="cpu-base", workers=2, batch_size=8)
     rules = FrameRules(cfg, rank, RUN_ID, current_step)
     rules.shape = SHAPE  # the benchmark's tensor, not the preset's hidden state
-    from mobius_fed.worker import link as link_module
+    from mobius_fed.worker.link_session import ACK_EVERY
 
     _BenchTuning = _bench_tuning()
-    if not hasattr(link_module, "_BENCH_ACK_EVERY"):
-        link_module._BENCH_ACK_EVERY = link_module.ACK_EVERY  # type: ignore[attr-defined]
-    link_module.ACK_EVERY = spec.ack_every or link_module._BENCH_ACK_EVERY  # type: ignore[attr-defined]
     ports = (spec.port2, spec.port)
     kw: dict = {} if spec.chunk is None else {"chunk_bytes": spec.chunk}
+    kw["ack_every"] = spec.ack_every or ACK_EVERY
     kw["tuning"] = _BenchTuning(**dict(spec.tuning), extra=tuple(spec.opts))
     return RingLinks(
         rules,

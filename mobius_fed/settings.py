@@ -305,20 +305,7 @@ def layered_config(
     data: dict[str, Any] = {}
     origin: dict[tuple[str, ...], str] = {}
     if path is not None:
-        doc = read_toml(path)
-        nested = {f for f, i in model.model_fields.items() if submodel(i.annotation)}
-        tables = {k for k, v in doc.items() if isinstance(v, dict)}
-        if not tables & set(TOML_TABLES) and tables <= nested:  # a bare table of settings
-            doc = {section: doc}
-        expected = ", ".join(f"[{t}]" for t in TOML_TABLES)
-        for table in doc:
-            if not isinstance(doc[table], dict):
-                raise ConfigError(f"{path}: {table} = … outside a table (put it in {expected})")
-            if table not in TOML_TABLES:
-                raise ConfigError(f"{path}: unknown table [{table}] (expected {expected})")
-        data = dict(doc.get(section, {}))
-        if flatten and "train" in doc:
-            data["train"] = _merge(data.get("train", {}), doc["train"])
+        data = _file_layer(model, section, path, flatten)
         origin[("<file>",)] = str(path)
         for s in settings:
             if _get(data, s.path) is not None:
@@ -352,6 +339,28 @@ def layered_config(
         hints = {s.path: f"{s.flag} or {s.env}" for s in settings}
         problem = describe_validation_error(exc, origin, hints)
         raise ConfigError(f"invalid {what}: {problem}") from exc
+
+
+def _file_layer(
+    model: type[BaseModel], section: str, path: Path, flatten: tuple[str, ...]
+) -> dict[str, Any]:
+    """The ``[section]`` table of the TOML file at ``path`` (with ``[train]`` merged into its
+    ``train`` field when ``flatten``); a table the file should not have is refused."""
+    doc = read_toml(path)
+    nested = {f for f, i in model.model_fields.items() if submodel(i.annotation)}
+    tables = {k for k, v in doc.items() if isinstance(v, dict)}
+    if not tables & set(TOML_TABLES) and tables <= nested:  # a bare table of settings
+        doc = {section: doc}
+    expected = ", ".join(f"[{t}]" for t in TOML_TABLES)
+    for table in doc:
+        if not isinstance(doc[table], dict):
+            raise ConfigError(f"{path}: {table} = … outside a table (put it in {expected})")
+        if table not in TOML_TABLES:
+            raise ConfigError(f"{path}: unknown table [{table}] (expected {expected})")
+    data = dict(doc.get(section, {}))
+    if flatten and "train" in doc:
+        data["train"] = _merge(data.get("train", {}), doc["train"])
+    return data
 
 
 def _parsed(setting: Setting, text: str, source: str) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
@@ -27,6 +27,7 @@ from flwr.serverapp.strategy import (
 )
 
 from mobius_fed.config import ConfigError, TrainConfig
+from mobius_fed.messages import STEP_END, STEP_START, TrainOrder  # noqa: F401 - engine reads STEP_START here
 
 STRATEGIES: dict[str, type[FedAvg]] = {
     "fedavg": FedAvg,
@@ -38,10 +39,6 @@ STRATEGIES: dict[str, type[FedAvg]] = {
     "fedmedian": FedMedian,
     "fedtrimmedavg": FedTrimmedAvg,
 }
-# Keys of the ConfigRecord a train/evaluate message carries.
-STEP_START, STEP_END, CHECKPOINT = "step-start", "step-end", "checkpoint"
-STATE_COPY = "state-copy"  # the worker also sends its checkpoint's bytes (a copy kept elsewhere)
-BARRIER_SNAPSHOT = "barrier-snapshot"  # the worker writes its barrier state to disk too
 # Server-side state a strategy keeps between rounds (saved in checkpoints).
 SERVER_STATE_ATTRS = ("current_arrays", "momentum_vector", "m_t", "v_t")
 
@@ -84,6 +81,19 @@ class RoundPlan:
         return bool(self.checkpoint_every) and rnd % self.checkpoint_every == 0
 
 
+class RoundHooks(Protocol):
+    """What the owner of a run hears from its strategy (``before_train`` is optional)."""
+
+    def after_train(self, rnd: int, replies: list[Message], arrays: ArrayRecord | None) -> None: ...
+
+    def after_evaluate(self, rnd: int, replies: list[Message]) -> None: ...
+
+
+BARRIER_SETTINGS = frozenset(
+    {"hooks", "er_privacy", "state_copy", "keep_checkpoints", "barrier_snapshots"}
+)
+
+
 class BarrierRounds:
     """Mixin over a Flower strategy: adds the step range to each round's train config and
     evaluates only on the plan's evaluation rounds. ``round_offset`` continues the round
@@ -94,8 +104,7 @@ class BarrierRounds:
     state_copy: bool = False
     keep_checkpoints: int = 0  # checkpoint files a worker keeps (0: all)
     barrier_snapshots: bool = False
-    hooks: Any = None  # after_train(rnd, replies, arrays), after_evaluate(rnd, replies),
-    # and optionally before_train(rnd)
+    hooks: RoundHooks | None = None
     er_privacy: Any = None  # ErPrivacy: DP-FedAvg of the E/R (clip replies, noise the mean)
     _round_start: ArrayRecord | None = None  # the arrays this round's train messages carry
 
@@ -107,12 +116,16 @@ class BarrierRounds:
     ) -> list[Message]:
         rnd = self.global_round(server_round)
         start, end = self.plan.steps_of(rnd)
-        config[STEP_START], config[STEP_END] = start, end
-        config[CHECKPOINT] = self.plan.checkpoints(rnd)
-        config[STATE_COPY] = self.state_copy and self.plan.checkpoints(rnd)
-        config["keep-checkpoints"] = self.keep_checkpoints
-        config[BARRIER_SNAPSHOT] = self.barrier_snapshots
-        config["round"] = rnd
+        checkpoint = self.plan.checkpoints(rnd)
+        TrainOrder(
+            rnd,
+            start,
+            end,
+            checkpoint,
+            state_copy=self.state_copy and checkpoint,
+            keep_checkpoints=self.keep_checkpoints,
+            barrier_snapshot=self.barrier_snapshots,
+        ).fill(config)
         if self.hooks is not None and hasattr(self.hooks, "before_train"):
             self.hooks.before_train(rnd)
         self._round_start = arrays
@@ -157,12 +170,24 @@ class BarrierRounds:
 
 
 def make_strategy(
-    name: str, P: int, plan: RoundPlan, options: dict[str, Any] | None = None, round_offset: int = 0
+    name: str,
+    P: int,
+    plan: RoundPlan,
+    options: dict[str, Any] | None = None,
+    round_offset: int = 0,
+    **barrier: Any,
 ) -> Strategy:
-    """A Flower strategy by name (fedavg, fedavgm, …) that waits for and trains all P workers."""
+    """A Flower strategy by name (fedavg, fedavgm, …) that waits for and trains all P workers.
+
+    ``barrier``: the :class:`BarrierRounds` settings it is built with (``hooks``,
+    ``er_privacy``, ``state_copy``, ``keep_checkpoints``, ``barrier_snapshots``).
+    """
     key = name.lower()
     if key not in STRATEGIES:
         raise ConfigError(f"unknown strategy {name!r} (expected one of {', '.join(STRATEGIES)})")
+    unknown = set(barrier) - BARRIER_SETTINGS
+    if unknown:
+        raise TypeError(f"make_strategy: unknown barrier setting(s) {', '.join(sorted(unknown))}")
     base = STRATEGIES[key]
     cls = type(f"Barrier{base.__name__}", (BarrierRounds, base), {})
     kwargs = dict(
@@ -179,6 +204,8 @@ def make_strategy(
     except TypeError as exc:
         raise ConfigError(f"strategy {name}: bad option ({exc})") from exc
     strategy.plan, strategy.round_offset = plan, round_offset
+    for k, v in barrier.items():
+        setattr(strategy, k, v)
     return strategy
 
 

@@ -18,7 +18,7 @@ import pytest
 from mobius_fed.checkpoint import load_checkpoint, sha256_of
 from mobius_fed.cli.up import LocalFederation
 from mobius_fed.config import TrainConfig
-from mobius_fed.coordinator.server import latest_manifest
+from mobius_fed.coordinator.manifests import latest_manifest
 from mobius_fed.data import SiteData
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.federated import train_with_strategy

@@ -226,7 +226,7 @@ def test_coordinated_run_keeps_home_layers_on_their_sites(tmp_path: Path):
     import json
 
     from mobius_fed.cli.up import LocalFederation
-    from mobius_fed.coordinator.server import latest_manifest
+    from mobius_fed.coordinator.manifests import latest_manifest
     from tests.test_coordinator import reference, ring_history, run
 
     train = TrainConfig(

@@ -18,6 +18,7 @@ def busy_state() -> RunState:
     st.metrics  # noqa: B018 - the histograms exist before the first round
     st.set(phase="training")
     for rank in range(2):
+        st.update_worker(rank, state="registered")  # a worker registers before it trains
         st.update_worker(rank, state="training", last_heartbeat=1.0, last_loss=4.0)
         st.record_losses(rank, 0, [4.0, 3.9])
     fig = {"train_s": 0.5, "wait_s": 0.1, "bytes_sent": 4096.0, "frames_sent": 4.0}

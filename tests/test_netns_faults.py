@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from mobius_fed.config import TrainConfig
-from mobius_fed.coordinator.server import latest_manifest
+from mobius_fed.coordinator.manifests import latest_manifest
 from mobius_fed.data import SiteData
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.federated import train_with_strategy

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from mobius_fed.cli.common import CliError
-from mobius_fed.cli.status import add_status_parser, status_main
+from mobius_fed.cli.status import register, status_main
 from mobius_fed.coordinator.rest import RestServer, identity_from_cert
 from mobius_fed.coordinator.state import RunState
 from mobius_fed.transport import CertLayout, NodeTLS, init_certs
@@ -85,6 +85,8 @@ def stranger(certs: CertLayout, tmp_path_factory: pytest.TempPathFactory) -> Nod
 def make_state() -> RunState:
     st = RunState(run_id='run-"7"', P=P, steps=20, strategy="fedavg", num_rounds=4)
     st.set(phase="training", round=2)
+    for rank in range(P):  # a worker registers before it trains
+        st.update_worker(rank, state="registered")
     st.update_worker(0, address="10.0.0.1:7400", state="training", last_heartbeat=time.time())
     st.update_worker(1, address="10.0.0.2:7400", state="training", last_heartbeat=time.time())
     st.update_worker(0, last_loss=3.25, tokens_per_s=1234.5, step=6)
@@ -416,7 +418,7 @@ def ns(**kw) -> argparse.Namespace:
 
 def test_status_parser_registers() -> None:
     parser = argparse.ArgumentParser()
-    add_status_parser(parser.add_subparsers(dest="cmd"))
+    register(parser.add_subparsers(dest="cmd"))
     args = parser.parse_args(["status", "--rest", "http://127.0.0.1:9", "--json"])
     assert args.func is status_main and args.json and args.rest == "http://127.0.0.1:9"
     # Unset: status_main takes them from --run's endpoints.json, else 127.0.0.1:7300, certs/.

@@ -22,7 +22,7 @@ from mobius_fed.cli import worker as worker_cli
 from mobius_fed.cli.common import flag_values
 from mobius_fed.cli.up import LocalFederation
 from mobius_fed.config import TrainConfig
-from mobius_fed.coordinator.server import latest_manifest
+from mobius_fed.coordinator.manifests import latest_manifest
 
 # Two workers, the smallest model, one torch thread each: the 2 cores are shared.
 TINY = dict(workers=2, preset="cpu-tiny", batch_size=2, optimizer="adamw", eval_every=0)

@@ -105,9 +105,6 @@ def register(sub) -> None:
     p.set_defaults(func=health_main)
 
 
-add_health_parser = register  # the former name, until every caller uses register
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m mobius_fed.cli.health``: the probe alone (a healthcheck's command)."""
     import sys

@@ -23,6 +23,9 @@ from rich.table import Table
 
 from mobius_fed.cli.common import CliError, run_endpoints
 from mobius_fed.coordinator.rest_client import COORDINATOR_NAME
+from mobius_fed.machines import EdgeState as E
+from mobius_fed.machines import IncidentState, Phase
+from mobius_fed.machines import WorkerState as W
 from mobius_fed.transport.tls import NodeTLS
 
 DEFAULT_COORDINATOR = "127.0.0.1:7300"
@@ -68,9 +71,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the raw status document")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
     p.set_defaults(func=status_main)
-
-
-add_status_parser = register  # the former name, until every caller uses register
 
 
 def status_main(args: argparse.Namespace) -> int:
@@ -223,25 +223,29 @@ def _age(worker: dict[str, Any], doc: dict[str, Any]) -> str:
 
 
 _STATE_STYLE = {
-    "lost": "bold red",
-    "rejoining": "yellow",
-    "restoring": "yellow",
-    "recovered": "green",
-    "expected": "dim",
-    "done": "green",
-    "finished": "green",
-    "stopped": "yellow",
-    "training": "cyan",
+    W.LOST: "bold red",
+    W.REJOINING: "yellow",
+    W.RESTORING: "yellow",
+    W.RECOVERED: "green",
+    W.EXPECTED: "dim",
+    W.DONE: "green",
+    W.FINISHED: "green",
+    W.STOPPED: "yellow",
+    W.TRAINING: "cyan",
 }
 _PHASE_STYLE = {
-    "failed": "bold red",
-    "stopped": "yellow",
-    "recovering": "bold yellow",
-    "done": "green",
-    "training": "cyan",
+    Phase.FAILED: "bold red",
+    Phase.STOPPED: "yellow",
+    Phase.RECOVERING: "bold yellow",
+    Phase.DONE: "green",
+    Phase.TRAINING: "cyan",
 }
-_EDGE_STYLE = {"down": "bold red", "reconnecting": "yellow", "up": "green", "closed": "dim"}
-_INCIDENT_STYLE = {"open": "bold yellow", "failed": "bold red", "recovered": "green"}
+_EDGE_STYLE = {E.DOWN: "bold red", E.RECONNECTING: "yellow", E.UP: "green", E.CLOSED: "dim"}
+_INCIDENT_STYLE = {
+    IncidentState.OPEN: "bold yellow",
+    IncidentState.FAILED: "bold red",
+    IncidentState.RECOVERED: "green",
+}
 
 
 def _styled(text: str, styles: dict[str, str]) -> str:
@@ -288,34 +292,42 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         )
     console.print(workers)
     if doc.get("ring"):
-        ring = Table(title="ring edges", show_header=True, header_style="bold")
-        for col in ("edge", "state", "reconnects", "down (s)"):
-            ring.add_column(col)
-        for e in doc["ring"]:
-            ring.add_row(
-                str(e.get("edge", "?")),
-                _styled(str(e.get("state", "?")), _EDGE_STYLE),
-                str(e.get("reconnects", 0)),
-                _num(e.get("down_s"), "{:.1f}"),
-            )
-        console.print(ring)
+        console.print(_ring_table(doc["ring"]))
     if doc.get("incidents"):
-        log = Table(title="incidents", show_header=True, header_style="bold")
-        for col in ("#", "state", "what", "detected (s)", "recovered (s)", "rollback", "redone"):
-            log.add_column(col, overflow="fold")
-        for i in doc["incidents"]:
-            log.add_row(
-                str(i.get("id", "?")),
-                _styled(str(i.get("state", "?")), _INCIDENT_STYLE),
-                str(i.get("what", "")),
-                _num(i.get("detection_s"), "{:.2f}"),
-                _num(i.get("recovery_s"), "{:.2f}"),
-                "-" if i.get("rollback_round") is None else f"round {i['rollback_round']}",
-                "-" if i.get("steps_redone") is None else f"{i['steps_redone']} steps",
-            )
-        console.print(log)
+        console.print(_incident_table(doc["incidents"]))
     if doc.get("privacy"):
         console.print(_privacy_table(doc["privacy"]))
+
+
+def _ring_table(edges: list[dict[str, Any]]) -> Table:
+    ring = Table(title="ring edges", show_header=True, header_style="bold")
+    for col in ("edge", "state", "reconnects", "down (s)"):
+        ring.add_column(col)
+    for e in edges:
+        ring.add_row(
+            str(e.get("edge", "?")),
+            _styled(str(e.get("state", "?")), _EDGE_STYLE),
+            str(e.get("reconnects", 0)),
+            _num(e.get("down_s"), "{:.1f}"),
+        )
+    return ring
+
+
+def _incident_table(incidents: list[dict[str, Any]]) -> Table:
+    log = Table(title="incidents", show_header=True, header_style="bold")
+    for col in ("#", "state", "what", "detected (s)", "recovered (s)", "rollback", "redone"):
+        log.add_column(col, overflow="fold")
+    for i in incidents:
+        log.add_row(
+            str(i.get("id", "?")),
+            _styled(str(i.get("state", "?")), _INCIDENT_STYLE),
+            str(i.get("what", "")),
+            _num(i.get("detection_s"), "{:.2f}"),
+            _num(i.get("recovery_s"), "{:.2f}"),
+            "-" if i.get("rollback_round") is None else f"round {i['rollback_round']}",
+            "-" if i.get("steps_redone") is None else f"{i['steps_redone']} steps",
+        )
+    return log
 
 
 def _privacy_table(block: dict[str, Any]) -> Table:

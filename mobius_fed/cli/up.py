@@ -38,12 +38,13 @@ from mobius_fed.cli.common import (
     default_threads,
 )
 from mobius_fed.coordinator.endpoints import write_endpoints
+from mobius_fed.machines import ENDED_PHASES, IncidentState
 from mobius_fed.transport.tls import NodeTLS
 
 if TYPE_CHECKING:  # torch loads only when up runs, not when `mobius-fed` builds its parser
     from mobius_fed.config import TrainConfig
 
-ENDED = ("done", "failed", "stopped")
+ENDED = ENDED_PHASES
 BUNDLE_FILES = ("ca.crt", "tls.crt", "tls.key")
 
 
@@ -76,6 +77,11 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def flag_args(flags: dict[str, Any]) -> list[str]:
+    """``{"--flag": value}`` as a command line's words (in order)."""
+    return [word for flag, value in flags.items() for word in (flag, str(value))]
 
 
 def toml_table(name: str, doc: dict[str, Any]) -> list[str]:
@@ -194,39 +200,23 @@ class LocalFederation:
         """The coordinator's command line; ``resume`` overrides the federation's setting."""
         tls = self.bundle("coordinator")
         resume = self.resume if resume is None else resume
-        cmd = [
-            sys.executable,
-            "-m",
-            "mobius_fed.cli.coordinator",
-            "--listen",
-            f"127.0.0.1:{self.coord_port}",
-            "--rest-mode",
-            self.rest_mode,
-            "--rest-listen",
-            f"127.0.0.1:{self.rest_port}",
-            "--ca",
-            str(tls.ca),
-            "--cert",
-            str(tls.cert),
-            "--key",
-            str(tls.key),
-            "--out-dir",
-            str(self.coordinator_out),
-            "--strategy",
-            self.strategy,
-            "--checkpoint-every",
-            str(self.checkpoint_every),
-            "--linger",
-            "-1",
-            "--heartbeat-timeout",
-            str(self.heartbeat_timeout),
-            "--heartbeat-interval",
-            str(min(1.0, self.heartbeat_timeout / 4)),
-            "--run-id",
-            "local-up",
-            "--config",
-            str(self.write_train_toml()),
-        ]
+        flags = {
+            "--listen": f"127.0.0.1:{self.coord_port}",
+            "--rest-mode": self.rest_mode,
+            "--rest-listen": f"127.0.0.1:{self.rest_port}",
+            "--ca": tls.ca,
+            "--cert": tls.cert,
+            "--key": tls.key,
+            "--out-dir": self.coordinator_out,
+            "--strategy": self.strategy,
+            "--checkpoint-every": self.checkpoint_every,
+            "--linger": "-1",
+            "--heartbeat-timeout": self.heartbeat_timeout,
+            "--heartbeat-interval": min(1.0, self.heartbeat_timeout / 4),
+            "--run-id": "local-up",
+            "--config": self.write_train_toml(),
+        }
+        cmd = [sys.executable, "-m", "mobius_fed.cli.coordinator", *flag_args(flags)]
         for k, v in self.strategy_options.items():
             cmd += ["--strategy-option", f"{k}={json.dumps(v)}"]
         if self.metrics_url:
@@ -247,27 +237,17 @@ class LocalFederation:
     def worker_cmd(self, i: int) -> list[str]:
         tls = self.bundle(f"worker-{i}")
         threads = self.threads or default_threads(self.train.P)
-        return [
-            sys.executable,
-            "-m",
-            "mobius_fed.cli.worker",
-            "--coordinator",
-            f"127.0.0.1:{self.coord_port}",
-            "--listen",
-            f"127.0.0.1:{self.worker_ports[i]}",
-            "--data-dir",
-            str(self.sites / f"site-{i}"),
-            "--out-dir",
-            str(self.worker_out(i)),
-            "--ca",
-            str(tls.ca),
-            "--cert",
-            str(tls.cert),
-            "--key",
-            str(tls.key),
-            "--threads",
-            str(threads),
-        ]
+        flags = {
+            "--coordinator": f"127.0.0.1:{self.coord_port}",
+            "--listen": f"127.0.0.1:{self.worker_ports[i]}",
+            "--data-dir": self.sites / f"site-{i}",
+            "--out-dir": self.worker_out(i),
+            "--ca": tls.ca,
+            "--cert": tls.cert,
+            "--key": tls.key,
+            "--threads": threads,
+        }
+        return [sys.executable, "-m", "mobius_fed.cli.worker", *flag_args(flags)]
 
     def start(self, workers: bool = True) -> LocalFederation:
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -283,12 +263,8 @@ class LocalFederation:
 
     @property
     def metrics_url(self) -> str | None:
-        """The plain metrics listener's /metrics (None: off, or the coordinator lacks it)."""
+        """The plain metrics listener's /metrics (None: off)."""
         if not self.metrics:
-            return None
-        from mobius_fed.coordinator.config import CoordinatorConfig
-
-        if "metrics_listen" not in CoordinatorConfig.model_fields:  # an older coordinator
             return None
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
@@ -507,7 +483,7 @@ def cmd_up(args, train: TrainConfig) -> int:
         codes = fed.stop(grace=STOP_GRACE, sig=signum)
         if codes:
             console.print("exit status: " + ", ".join(f"{n} {c}" for n, c in codes.items()))
-        from mobius_fed.coordinator.server import latest_manifest
+        from mobius_fed.coordinator.manifests import latest_manifest
 
         manifest = latest_manifest(fed.coordinator_out)
         print(f"last complete checkpoint: {manifest or 'none'}")
@@ -624,9 +600,9 @@ def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
                 if told.get(inc["id"]) == inc["state"]:
                     continue
                 told[inc["id"]] = inc["state"]
-                if inc["state"] == "open":
+                if inc["state"] == IncidentState.OPEN:
                     bar.console.print(f"[yellow]incident {inc['id']}[/]: {inc['what']}")
-                elif inc["state"] == "recovered":
+                elif inc["state"] == IncidentState.RECOVERED:
                     bar.console.print(
                         f"[green]incident {inc['id']} recovered[/] in {inc['recovery_s']:.1f}s: "
                         f"rolled back to round {inc['rollback_round']}, "

@@ -12,7 +12,15 @@ from collections.abc import Callable
 import grpc
 
 from mobius_fed.coordinator.grid import ControlGrid, IncidentRaised, RunFailed
-from mobius_fed.coordinator.state import REPORTED_STATES, RunState, json_safe
+from mobius_fed.coordinator.state import RunState, json_safe
+from mobius_fed.machines import (
+    LIVE_PHASES,
+    OFF_STATES,
+    REPORTED_STATES,
+    EdgeState,
+    Phase,
+    WorkerState,
+)
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.transport.tls import (
     COORDINATOR_IDENTITY,
@@ -71,7 +79,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         once every rank holds a session.
         """
         rank = self._worker_rank(context)
-        if self.state.phase not in ("waiting", "training", "recovering"):
+        if self.state.phase not in LIVE_PHASES:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"run {self.state.run_id} has ended ({self.state.phase}"
@@ -93,19 +101,19 @@ class ControlService(control_pb2_grpc.ControlServicer):
             )
         with self._cond:
             w = self.state.workers[rank]
-            if rank in self._registered and w.state not in ("lost", "expected"):
+            if rank in self._registered and w.state not in _UNJOINED:
                 msg = (
                     f"worker-{rank} is already registered from {self._registered[rank]}; "
                     "refusing a second process with the same identity"
                 )
                 log.error("refused: %s", msg)
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, msg)
-            rejoin = w.state == "lost"
+            rejoin = w.state == WorkerState.LOST
             self._registered[rank] = address
-            self.state.update_worker(
+            self.state.move_worker(
                 rank,
+                WorkerState.REJOINING if rejoin else WorkerState.REGISTERED,
                 address=address,
-                state="rejoining" if rejoin else "registered",
                 last_heartbeat=time.time(),
                 registered_at=time.time(),
             )
@@ -138,34 +146,34 @@ class ControlService(control_pb2_grpc.ControlServicer):
         if request.links_json:
             fields["edges"] = json.loads(request.links_json)
         with self._cond:  # never over a "lost" that mark_lost wrote meanwhile
-            if w.state in ("lost", "expected"):  # a frozen or cut-off worker coming back
+            if w.state in _UNJOINED:  # a frozen or cut-off worker coming back
                 return control_pb2.HeartbeatReply(
                     stop=False,
                     rejoin=True,
                     reason=f"worker-{rank} was counted lost; register again",
                 )
-            if w.state != "rejoining" and request.state and not self.state.ended:
+            if w.state != WorkerState.REJOINING and request.state and not self.state.ended:
                 fields["state"] = request.state  # after the end it shows finished/stopped
             self.state.update_worker(rank, **fields)
         self.state.count_heartbeat()
         failure = self.grid.failure
         if failure:
             return control_pb2.HeartbeatReply(stop=True, reason=failure)
-        if self.state.phase in ("done", "failed", "stopped"):
+        if self.state.ended:
             return control_pb2.HeartbeatReply(stop=True, reason=self.state.error or "done")
         return control_pb2.HeartbeatReply(stop=False)
 
     # -------------------------------------------------------------- session
     def Session(self, request_iterator, context):
         rank = self._worker_rank(context)
-        if rank not in self._registered or self.state.workers[rank].state in ("lost", "expected"):
+        if rank not in self._registered or self.state.workers[rank].state in _UNJOINED:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker-{rank} must register first")
         try:
             box = self.grid.open_session(rank)
         except RunFailed as exc:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        if self.state.workers[rank].state != "rejoining" and not self.state.ended:
-            self.state.update_worker(rank, state="ready", last_heartbeat=time.time())
+        if self.state.workers[rank].state != WorkerState.REJOINING and not self.state.ended:
+            self.state.move_worker(rank, WorkerState.READY, last_heartbeat=time.time())
         log.info("worker-%d session open", rank)
 
         def receive() -> None:
@@ -181,7 +189,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             finally:
                 if self.grid.close_session(rank, box) is box:
                     box.put(_END)
-                    if self.state.phase not in ("done", "failed", "stopped"):
+                    if not self.state.ended:
                         self.mark_lost(rank, "its session closed (process gone or network cut)")
 
         threading.Thread(target=receive, daemon=True, name=f"session-{rank}").start()
@@ -196,16 +204,16 @@ class ControlService(control_pb2_grpc.ControlServicer):
         incident if a round may be waiting for it."""
         with self._cond:
             w = self.state.workers[rank]
-            if w.state in ("lost", "expected", "done", "finished", "stopped"):
+            if w.state in OFF_STATES:
                 return
             last_seen = w.last_heartbeat
-            self.state.update_worker(rank, state="lost", incidents=w.incidents + 1)
+            self.state.move_worker(rank, WorkerState.LOST, incidents=w.incidents + 1)
         reason = f"worker-{rank} ({worker_identity(rank)}) lost: {why}"
         log.error(reason)
-        if self.state.phase in ("training", "recovering"):  # before the session goes, so a
-            incident = IncidentRaised("worker lost", reason, rank)  # round sees an incident
-            incident.last_seen = last_seen  # type: ignore[attr-defined]
-            self.grid.raise_incident(incident)
+        if self.state.phase in _RUNNING:  # before the session goes, so a round sees it
+            self.grid.raise_incident(
+                IncidentRaised("worker lost", reason, rank, last_seen=last_seen)
+            )
         box = self.grid.close_session(rank)
         if box is not None:
             box.put(_END)
@@ -214,10 +222,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         """Count lost every worker whose last heartbeat is older than ``timeout`` seconds."""
         now = time.time()
         for w in list(self.state.workers.values()):
-            if (
-                w.state in ("lost", "expected", "done", "finished", "stopped")
-                or w.last_heartbeat is None
-            ):
+            if w.state in OFF_STATES or w.last_heartbeat is None:
                 continue
             if now - w.last_heartbeat > timeout:
                 self.mark_lost(
@@ -231,7 +236,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
         return control_pb2.StatusReply(json=json.dumps(json_safe(self.state.status_doc())))
 
 
-_LINK_STATES = ("up", "down", "reconnecting", "closed", "unknown")
+_UNJOINED = (WorkerState.LOST, WorkerState.EXPECTED)
+_RUNNING = (Phase.TRAINING, Phase.RECOVERING)
 
 
 def _valid_address(address: str) -> bool:
@@ -259,7 +265,7 @@ def heartbeat_problem(request: control_pb2.HeartbeatRequest, steps: int) -> str 
         if not isinstance(links, dict) or not set(links) <= {"in", "out"}:
             return "links_json must be an object with 'in' and/or 'out'"
         for side, edge in links.items():
-            if not isinstance(edge, dict) or edge.get("state", "unknown") not in _LINK_STATES:
+            if not isinstance(edge, dict) or edge.get("state", "unknown") not in tuple(EdgeState):
                 return f"links_json.{side}: unknown state"
             for key in ("reconnects", "down_s"):
                 v = edge.get(key, 0)

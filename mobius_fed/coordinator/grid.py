@@ -52,9 +52,18 @@ class GridTimeout(RunFailed):
 class IncidentRaised(RuntimeError):
     """A worker or ring edge was lost: the round in flight is abandoned."""
 
-    def __init__(self, kind: str, what: str, rank: int | None, edge: str | None = None):
+    def __init__(
+        self,
+        kind: str,
+        what: str,
+        rank: int | None,
+        edge: str | None = None,
+        *,
+        last_seen: float | None = None,
+    ):
         super().__init__(what)
         self.kind, self.what, self.rank, self.edge = kind, what, rank, edge
+        self.last_seen = last_seen  # unix time of the culprit's last sign of life, if known
 
 
 class ControlGrid(Grid):

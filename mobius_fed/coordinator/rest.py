@@ -41,11 +41,18 @@ from fastapi import FastAPI
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, Field
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mobius_fed.coordinator.metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
-from mobius_fed.coordinator.state import ENDED_PHASES, RunState, json_safe
+from mobius_fed.coordinator.state import RunState, json_safe
+from mobius_fed.coordinator.status_model import (
+    ErrorModel,
+    HealthModel,
+    HistoryModel,
+    ReadyModel,
+    StatusModel,
+)
+from mobius_fed.machines import ENDED_PHASES, Phase
 from mobius_fed.transport.tls import NodeTLS, identity_or_reason
 
 log = logging.getLogger(__name__)
@@ -61,162 +68,6 @@ SHUTDOWN_GRACE_S = 0.5
 """How long :meth:`RestServer.stop` lets open connections finish before aborting them."""
 
 Allowed = Callable[[str | None], bool]
-
-
-# --------------------------------------------------------------------------- models
-class WorkerModel(BaseModel):
-    """One worker as the coordinator sees it."""
-
-    rank: int = Field(description="ring position (0-based)")
-    identity: str = Field(description="certificate identity, mobius://worker/<rank>")
-    address: str = Field(description="host:port of the worker's ring link ('' until registered)")
-    state: str = Field(
-        description="expected | registered | ready | training | evaluating | lost | "
-        "rejoining | restoring | recovered | finished (run done) | stopped (run failed or "
-        "stopped)"
-    )
-    step: int = Field(description="last step the worker reported")
-    last_heartbeat: float | None = Field(description="unix time of the last heartbeat")
-    heartbeat_age_s: float | None = Field(
-        None, description="seconds since the last heartbeat (coordinator clock)"
-    )
-    last_loss: float | None = Field(
-        description="last training loss of the worker's own origin (null if none / non-finite)"
-    )
-    tokens_per_s: float = Field(description="worker throughput, tokens per second")
-    registered_at: float | None = Field(None, description="unix time of its latest registration")
-    incidents: int = Field(0, description="incidents in which this worker was the one lost")
-    edges: dict[str, Any] = Field(
-        default_factory=dict, description="its ring links as it reports them ('in', 'out')"
-    )
-    train_s: float | None = Field(None, description="its latest round's training seconds")
-    wait_s: float | None = Field(
-        None, description="seconds of its latest round spent waiting for frames (if reported)"
-    )
-    compute_s: float | None = Field(None, description="compute seconds (if reported)")
-    wait_share: float | None = Field(None, description="wait_s / train_s of its latest round")
-    bytes_per_s: float | None = Field(
-        None, description="bytes it sent per training second (if reported)"
-    )
-    train_s_total: float = Field(0.0, description="training seconds over the run")
-    wait_s_total: float = Field(0.0, description="wait seconds over the run")
-    bytes_sent_total: float = Field(0.0, description="bytes sent over the run (if reported)")
-
-
-class EdgeModel(BaseModel):
-    """One ring edge i → i+1, as its sender reports it."""
-
-    edge: str = Field(description="'worker-<i> → worker-<i+1>'")
-    state: str = Field(description="up | reconnecting | down | unknown | closed (run ended)")
-    reconnects: int = Field(description="times the link reconnected within its grace")
-    down_s: float = Field(description="seconds it has been down (0 while up)")
-    bytes_per_s: float | None = Field(
-        None, description="bytes/s its sender reported for its latest round"
-    )
-    wait_share: float | None = Field(
-        None, description="share of its receiver's latest round spent waiting for frames"
-    )
-
-
-class IncidentModel(BaseModel):
-    """A worker or ring edge lost, from detection to recovery."""
-
-    id: int
-    kind: str = Field(description="worker lost | ring edge down | worker error")
-    what: str
-    rank: int | None
-    edge: str | None = Field(description="the ring edges involved")
-    round: int = Field(description="the round in flight when it was detected (0: none)")
-    detected_at: float = Field(description="unix time")
-    detection_s: float | None = Field(description="detection − the culprit's last sign of life")
-    state: str = Field(description="open | recovered | failed")
-    rollback_round: int | None = Field(description="the round every worker rolled back to")
-    steps_redone: int | None
-    recovered_at: float | None
-    recovery_s: float | None = Field(description="detection → training resumed")
-    rejoin_s: float | None = Field(
-        description="the lost worker's re-registration → training resumed"
-    )
-
-
-class StatusModel(BaseModel):
-    """``GET /v1/status``: where the run stands (same document as gRPC ``GetStatus``)."""
-
-    run_id: str
-    phase: str = Field(description="waiting | training | recovering | done | failed | stopped")
-    round: int = Field(description="Flower rounds (step barriers) started")
-    num_rounds: int
-    step: int = Field(description="training steps completed")
-    steps: int = Field(description="training steps of the whole run")
-    strategy: str
-    error: str | None = None
-    checkpoint: str | None = Field(None, description="latest checkpoint manifest")
-    started_at: float = Field(description="unix time")
-    finished_at: float | None = None
-    eval_loss: float | None = Field(None, description="latest validation loss (Eq. 8)")
-    eval_origin_losses: list[float | None] | None = None
-    server_time: float | None = Field(None, description="coordinator clock at this reply")
-    ring: list[EdgeModel] = Field(default_factory=list, description="every ring edge")
-    incidents: list[IncidentModel] = Field(default_factory=list)
-    train_loss: float | None = Field(
-        None, description="training loss of the latest step every origin reported (mean)"
-    )
-    config: dict[str, Any] | None = Field(None, description="the run's configuration")
-    privacy: dict[str, Any] | None = Field(
-        None, description="privacy defences and their accounting (when reported)"
-    )
-    workers: list[WorkerModel]
-
-
-class StepLossModel(BaseModel):
-    step: int
-    loss: float | None = Field(description="mean over origins; null until every origin reported")
-    origin_losses: list[float | None] = Field(description="loss per origin (index = origin)")
-
-
-class EvalModel(BaseModel):
-    round: int
-    step: int
-    loss: float | None = Field(description="mean validation loss over origins (Eq. 8)")
-    origin_losses: list[float | None]
-
-
-class RoundModel(BaseModel):
-    round: int
-    seconds: float
-    overhead_s: float = Field(description="round wall time not spent in the workers")
-    train_s: float = Field(0.0, description="the slowest worker's training time")
-    snapshot_s: float = Field(0.0, description="the slowest worker's barrier snapshot copy")
-    steps: int = Field(0, description="training steps in the round")
-    workers: dict[str, dict[str, float | None]] = Field(
-        default_factory=dict,
-        description="rank → its figures: train_s, and where reported wait_s, compute_s, "
-        "bytes_sent, frames_sent",
-    )
-
-
-class HistoryModel(BaseModel):
-    """``GET /v1/history``: training loss per step and origin, evaluations, round times."""
-
-    run_id: str
-    steps: list[StepLossModel]
-    evals: list[EvalModel]
-    rounds: list[RoundModel]
-    incidents: list[IncidentModel] = Field(default_factory=list)
-
-
-class HealthModel(BaseModel):
-    status: str = Field(description="always 'ok' while the server answers")
-    phase: str
-
-
-class ReadyModel(BaseModel):
-    ready: bool = Field(description="false once the run failed or was stopped")
-    phase: str
-
-
-class ErrorModel(BaseModel):
-    detail: str
 
 
 # --------------------------------------------------------------------------- app
@@ -237,8 +88,20 @@ def make_app(state: RunState, routes: Routes = "full") -> FastAPI:
         redoc_url=None,
         openapi_url="/openapi.json" if full else None,
     )
-    denied = {403: {"model": ErrorModel, "description": "caller's identity not enrolled"}}
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    _status_routes(app, state)
+    if full:
+        _docs_routes(app)
+    return app
+
+
+_DENIED: dict[int | str, dict[str, Any]] = {
+    403: {"model": ErrorModel, "description": "caller's identity not enrolled"}
+}
+
+
+def _status_routes(app: FastAPI, state: RunState) -> None:
+    """The dashboard, status, history, metrics and health routes of ``state``."""
 
     @app.get("/", include_in_schema=False)
     def dashboard() -> FileResponse:
@@ -248,12 +111,12 @@ def make_app(state: RunState, routes: Routes = "full") -> FastAPI:
     def favicon() -> FileResponse:
         return FileResponse(STATIC_DIR / "favicon.svg", media_type="image/svg+xml")
 
-    @app.get("/v1/status", response_model=StatusModel, responses=denied, tags=["status"])
+    @app.get("/v1/status", response_model=StatusModel, responses=_DENIED, tags=["status"])
     def get_status() -> Any:
         """Run id, phase, round, step and every worker's state, heartbeat, loss, speed."""
         return json_safe(state.status_doc())
 
-    @app.get("/v1/history", response_model=HistoryModel, responses=denied, tags=["status"])
+    @app.get("/v1/history", response_model=HistoryModel, responses=_DENIED, tags=["status"])
     def get_history() -> Any:
         """Loss per step and per origin, evaluation results, round timings."""
         return json_safe(state.history_doc())
@@ -261,14 +124,14 @@ def make_app(state: RunState, routes: Routes = "full") -> FastAPI:
     @app.get(
         "/metrics",
         response_class=Response,
-        responses={200: {"content": {PROMETHEUS_CONTENT_TYPE: {}}}, **denied},
+        responses={200: {"content": {PROMETHEUS_CONTENT_TYPE: {}}}, **_DENIED},
         tags=["status"],
     )
     def get_metrics() -> Response:
         """Prometheus text exposition format 0.0.4 (``prometheus_client``)."""
         return Response(state.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
-    @app.get("/healthz", response_model=HealthModel, responses=denied, tags=["health"])
+    @app.get("/healthz", response_model=HealthModel, responses=_DENIED, tags=["health"])
     def get_health() -> Any:
         """Liveness: 200 whenever the server answers, whatever the run's phase."""
         return {"status": "ok", "phase": state.phase}
@@ -276,39 +139,39 @@ def make_app(state: RunState, routes: Routes = "full") -> FastAPI:
     @app.get(
         "/readyz",
         response_model=ReadyModel,
-        responses={503: {"model": ReadyModel, "description": "run failed or stopped"}, **denied},
+        responses={503: {"model": ReadyModel, "description": "run failed or stopped"}, **_DENIED},
         tags=["health"],
     )
     def get_ready() -> Any:
         """Readiness: 200 while the run waits, trains, recovers or is done; 503 once it
         failed or was stopped."""
         phase = state.phase
-        ready = phase not in ENDED_PHASES or phase == "done"
+        ready = phase not in ENDED_PHASES or phase == Phase.DONE
         return JSONResponse({"ready": ready, "phase": phase}, status_code=200 if ready else 503)
 
-    if full:
 
-        @app.get("/docs", include_in_schema=False)
-        def swagger() -> HTMLResponse:
-            return get_swagger_ui_html(
-                openapi_url="/openapi.json",
-                title="mobius-fed coordinator — Swagger UI",
-                swagger_js_url="/static/vendor/swagger-ui/swagger-ui-bundle.js",
-                swagger_css_url="/static/vendor/swagger-ui/swagger-ui.css",
-                swagger_favicon_url="/static/favicon.svg",
-            )
+def _docs_routes(app: FastAPI) -> None:
+    """Swagger UI and ReDoc, from the assets in ``static/vendor``."""
 
-        @app.get("/redoc", include_in_schema=False)
-        def redoc() -> HTMLResponse:
-            return get_redoc_html(
-                openapi_url="/openapi.json",
-                title="mobius-fed coordinator — ReDoc",
-                redoc_js_url="/static/vendor/redoc/redoc.standalone.js",
-                redoc_favicon_url="/static/favicon.svg",
-                with_google_fonts=False,
-            )
+    @app.get("/docs", include_in_schema=False)
+    def swagger() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title="mobius-fed coordinator — Swagger UI",
+            swagger_js_url="/static/vendor/swagger-ui/swagger-ui-bundle.js",
+            swagger_css_url="/static/vendor/swagger-ui/swagger-ui.css",
+            swagger_favicon_url="/static/favicon.svg",
+        )
 
-    return app
+    @app.get("/redoc", include_in_schema=False)
+    def redoc() -> HTMLResponse:
+        return get_redoc_html(
+            openapi_url="/openapi.json",
+            title="mobius-fed coordinator — ReDoc",
+            redoc_js_url="/static/vendor/redoc/redoc.standalone.js",
+            redoc_favicon_url="/static/favicon.svg",
+            with_google_fonts=False,
+        )
 
 
 # --------------------------------------------------------------------------- identity
@@ -503,32 +366,7 @@ class RestServer:
             raise RuntimeError("RestServer already started")
         if self.tls is not None:
             self.tls.load()  # FileNotFoundError naming the missing file, in the caller
-        app = _AccessMiddleware(
-            make_app(self.state, "metrics" if self.metrics else "full"),
-            allowed=self.allowed,
-            local=self.local,
-            public=self.metrics,
-        )
-        kwargs: dict[str, Any] = {}
-        if self.tls is not None:
-            kwargs = dict(
-                ssl_certfile=str(self.tls.cert),
-                ssl_keyfile=str(self.tls.key),
-                ssl_ca_certs=str(self.tls.ca),
-                ssl_cert_reqs=ssl.CERT_REQUIRED,
-            )
-        config = _TLS13Config(
-            app,
-            http=_PeerCertH11Protocol,
-            ws="none",
-            lifespan="off",
-            proxy_headers=False,  # never take the client address from X-Forwarded-For
-            server_header=False,
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=2,
-            **kwargs,
-        )
+        config = self._config()
         self._sock = self._bind()  # bind here: errors raise in the caller, port 0 resolved
         self.port = self._sock.getsockname()[1]
         self._server = _ThreadServer(config)
@@ -552,6 +390,39 @@ class RestServer:
                 self.stop()
                 raise TimeoutError(f"REST status server not up after {timeout} s")
             time.sleep(0.01)
+        self._log_mode()
+        return self
+
+    def _config(self) -> uvicorn.Config:
+        """uvicorn's settings: the app behind the access check, TLS 1.3 when not plain."""
+        app = _AccessMiddleware(
+            make_app(self.state, "metrics" if self.metrics else "full"),
+            allowed=self.allowed,
+            local=self.local,
+            public=self.metrics,
+        )
+        kwargs: dict[str, Any] = {}
+        if self.tls is not None:
+            kwargs = dict(
+                ssl_certfile=str(self.tls.cert),
+                ssl_keyfile=str(self.tls.key),
+                ssl_ca_certs=str(self.tls.ca),
+                ssl_cert_reqs=ssl.CERT_REQUIRED,
+            )
+        return _TLS13Config(
+            app,
+            http=_PeerCertH11Protocol,
+            ws="none",
+            lifespan="off",
+            proxy_headers=False,  # never take the client address from X-Forwarded-For
+            server_header=False,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=2,
+            **kwargs,
+        )
+
+    def _log_mode(self) -> None:
         if self.metrics:
             log.warning(
                 "metrics listener on %s: plain HTTP, no authentication, read-only "
@@ -566,7 +437,6 @@ class RestServer:
             )
         else:
             log.info("REST status (mutual TLS) on %s", self.url)
-        return self
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop serving; returns once the thread has ended (or after ``timeout``)."""

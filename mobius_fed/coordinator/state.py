@@ -7,74 +7,27 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("mobius.coordinator")
-
-PHASES = ("waiting", "training", "recovering", "done", "failed", "stopped")
-WORKER_STATES = (
-    "expected",  # not registered yet
-    "registered",  # registered, no session yet
-    "ready",  # session open, idle
-    "training",
-    "evaluating",
-    "lost",  # session closed, heartbeat timeout or reported by a ring peer
-    "rejoining",  # lost, then registered again: waiting for the restore
-    "restoring",  # loading the rollback state
-    "recovered",  # back in the ring after an incident (until its next heartbeat)
-    "done",
-    "finished",  # the run ended done: the worker was told to stop
-    "stopped",  # the run failed or was stopped: the worker was told to stop
+from mobius_fed.coordinator.status_model import IncidentModel, WorkerModel
+from mobius_fed.machines import (
+    DOWN_STATES,
+    ENDED_PHASES,
+    INCIDENT,
+    PHASE,
+    WORKER,
+    EdgeState,
+    IncidentState,
+    Phase,
+    WorkerState,
 )
-ENDED_PHASES = ("done", "failed", "stopped")
-REPORTED_STATES = ("registered", "ready", "training", "evaluating", "restoring")
-"""States a worker may report about itself in a heartbeat (the rest are the coordinator's)."""
 
+log = logging.getLogger("mobius.coordinator")
+_NOT_UP = (WorkerState.LOST, WorkerState.EXPECTED, WorkerState.FINISHED, WorkerState.STOPPED)
 
-@dataclass
-class Incident:
-    """One loss of a worker or a ring edge, from detection to recovery."""
-
-    id: int
-    kind: str  # "worker lost" | "ring edge down" | "worker error"
-    what: str
-    rank: int | None
-    edge: str | None  # "worker-1 → worker-2" when a ring edge is involved
-    round: int  # the round in flight when it was detected
-    detected_at: float  # unix time
-    detection_s: float | None  # detected_at − the last sign of life of the culprit
-    state: str = "open"  # open | recovered | failed
-    rollback_round: int | None = None
-    steps_redone: int | None = None
-    recovered_at: float | None = None
-    recovery_s: float | None = None  # detection → training resumed
-    rejoin_s: float | None = None  # the culprit's re-registration → training resumed
-
-
-@dataclass
-class WorkerStatus:
-    rank: int
-    identity: str
-    address: str = ""
-    state: str = "expected"
-    step: int = 0
-    last_heartbeat: float | None = None  # unix time
-    registered_at: float | None = None  # unix time of its latest registration
-    last_loss: float | None = None
-    tokens_per_s: float = 0.0
-    incidents: int = 0  # incidents in which this worker was the one lost
-    edges: dict[str, Any] = field(default_factory=dict)  # its ring links as it reports them
-    # Its latest training round, as it reported it (None: not reported).
-    train_s: float | None = None
-    wait_s: float | None = None
-    compute_s: float | None = None
-    wait_share: float | None = None  # wait_s / train_s
-    bytes_per_s: float | None = None  # bytes it sent / train_s
-    # Totals over the run (redone rounds included).
-    train_s_total: float = 0.0
-    wait_s_total: float = 0.0
-    bytes_sent_total: float = 0.0
+PHASES = tuple(Phase)
+WORKER_STATES = tuple(WorkerState)
 
 
 @dataclass
@@ -86,18 +39,18 @@ class RunState:
     steps: int
     strategy: str
     num_rounds: int = 0
-    phase: str = "waiting"
+    phase: Phase = Phase.WAITING
     round: int = 0
     step: int = 0
     error: str | None = None
     checkpoint: str | None = None
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
-    workers: dict[int, WorkerStatus] = field(default_factory=dict)
+    workers: dict[int, WorkerModel] = field(default_factory=dict)
     losses: dict[int, dict[int, float]] = field(default_factory=dict)  # step → origin → loss
     evals: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
-    incidents: list[Incident] = field(default_factory=list)
+    incidents: list[IncidentModel] = field(default_factory=list)
     config: dict[str, Any] | None = None  # the run's configuration, for status and dashboard
     privacy: Callable[[int], dict[str, Any] | None] | None = None  # step → status block
     totals: dict[str, float] = field(
@@ -110,17 +63,38 @@ class RunState:
 
     def __post_init__(self) -> None:
         for i in range(self.P):
-            self.workers.setdefault(i, WorkerStatus(rank=i, identity=f"mobius://worker/{i}"))
+            self.workers.setdefault(i, WorkerModel(rank=i, identity=f"mobius://worker/{i}"))
 
     # ------------------------------------------------------------- updates
     def update_worker(self, rank: int, **fields: Any) -> None:
+        """Set worker ``rank``'s figures; a ``state`` goes through its machine's table."""
         with self._lock:
             w = self.workers[rank]
+            if "state" in fields:
+                w.state = WORKER.step(w.state, fields.pop("state"), f"worker-{rank}")
             for k, v in fields.items():
                 setattr(w, k, v)
 
+    def move_worker(self, rank: int, new: WorkerState, **fields: Any) -> bool:
+        """Worker ``rank`` → ``new`` (with ``fields``) if the table allows it; else refused."""
+        with self._lock:
+            w = self.workers[rank]
+            if not WORKER.allowed(w.state, new):
+                WORKER.step(w.state, new, f"worker-{rank}")  # logs the refusal
+                return False
+            self.update_worker(rank, state=new, **fields)
+            return True
+
+    def move_phase(self, new: Phase) -> bool:
+        """The run's phase → ``new`` if the table allows it; else logged and refused."""
+        with self._lock:
+            self.phase = PHASE.step(self.phase, new, f"run {self.run_id}")
+            return self.phase == new
+
     def set(self, **fields: Any) -> None:
         with self._lock:
+            if "phase" in fields:
+                self.move_phase(fields.pop("phase"))
             for k, v in fields.items():
                 setattr(self, k, v)
 
@@ -188,14 +162,18 @@ class RunState:
         with self._lock:
             self.totals["heartbeats"] += 1
 
-    def open_incident(self, **fields: Any) -> Incident:
+    def open_incident(self, **fields: Any) -> IncidentModel:
         with self._lock:
-            inc = Incident(id=len(self.incidents) + 1, **fields)
+            inc = IncidentModel(id=len(self.incidents) + 1, **fields)
             self.incidents.append(inc)
             return inc
 
-    def update_incident(self, incident: Incident, **fields: Any) -> None:
+    def update_incident(self, incident: IncidentModel, **fields: Any) -> None:
+        """Set ``incident``'s fields; a ``state`` goes through its machine's table."""
         with self._lock:
+            if "state" in fields:
+                new = fields.pop("state")
+                incident.state = INCIDENT.step(incident.state, new, f"incident {incident.id}")
             for k, v in fields.items():
                 setattr(incident, k, v)
 
@@ -207,16 +185,17 @@ class RunState:
             self.rounds = [r for r in self.rounds if r["round"] <= rnd]
             self.round, self.step = rnd, end_step
 
-    def finish(self, phase: str, error: str | None = None) -> None:
+    def finish(self, phase: Phase, error: str | None = None) -> None:
         """The run ended: every worker not lost shows ``finished`` (done) or ``stopped``."""
         with self._lock:
-            self.phase, self.error, self.finished_at = phase, error, time.time()
-            final = "finished" if phase == "done" else "stopped"
+            self.move_phase(phase)
+            self.error, self.finished_at = error, time.time()
+            final = WorkerState.FINISHED if phase == Phase.DONE else WorkerState.STOPPED
             for w in self.workers.values():
-                if w.state not in ("lost", "expected"):
-                    w.state = final
-                elif w.state == "expected" and phase != "done":
-                    w.state = "stopped"
+                if w.state not in (WorkerState.LOST, WorkerState.EXPECTED):
+                    w.state = WORKER.step(w.state, final, f"worker-{w.rank}")
+                elif w.state == WorkerState.EXPECTED and phase != Phase.DONE:
+                    w.state = WorkerState.STOPPED
 
     @property
     def ended(self) -> bool:
@@ -243,13 +222,13 @@ class RunState:
                 "eval_origin_losses": last_eval["origin_losses"] if last_eval else None,
                 "server_time": now,
                 "ring": self._ring_doc(),
-                "incidents": [asdict(i) for i in self.incidents],
+                "incidents": [i.model_dump() for i in self.incidents],
                 "config": self.config,
                 "privacy": self._privacy_block(),
                 "train_loss": self._train_loss(),
                 "workers": [
                     {
-                        **asdict(w),
+                        **w.model_dump(),
                         "heartbeat_age_s": None
                         if w.last_heartbeat is None
                         else max(0.0, now - w.last_heartbeat),
@@ -280,15 +259,11 @@ class RunState:
         edges = []
         for i in range(self.P):
             w, j = self.workers[i], (i + 1) % self.P
-            out = w.edges.get("out", {}) if w.state not in ("lost", "rejoining") else {}
-            state = out.get("state", "unknown")
-            lost = w.state in ("lost", "rejoining") or self.workers[j].state in (
-                "lost",
-                "rejoining",
-            )
-            state = "down" if lost else state
+            lost = w.state in DOWN_STATES or self.workers[j].state in DOWN_STATES
+            out = w.edges.get("out", {}) if w.state not in DOWN_STATES else {}
+            state = EdgeState.DOWN if lost else out.get("state", EdgeState.UNKNOWN)
             if self.phase in ENDED_PHASES and not lost:
-                state = "closed"  # the run ended: links were closed on purpose
+                state = EdgeState.CLOSED  # the run ended: links were closed on purpose
             edges.append(
                 {
                     "edge": f"worker-{i} → worker-{j}",
@@ -314,7 +289,7 @@ class RunState:
                 "steps": steps,
                 "evals": list(self.evals),
                 "rounds": list(self.rounds),
-                "incidents": [asdict(i) for i in self.incidents],
+                "incidents": [i.model_dump() for i in self.incidents],
             }
 
     @property
@@ -336,14 +311,14 @@ class RunState:
             doc["totals"] = {
                 **self.totals,
                 "incidents": len(self.incidents),
-                "recovered": sum(i.state == "recovered" for i in self.incidents),
+                "recovered": sum(i.state == IncidentState.RECOVERED for i in self.incidents),
                 "steps_redone": sum(i.steps_redone or 0 for i in self.incidents),
             }
             doc["workers"] = [
                 {
                     "rank": w.rank,
                     "state": w.state,
-                    "up": int(w.state not in ("lost", "expected", "finished", "stopped")),
+                    "up": int(w.state not in _NOT_UP),
                     "step": w.step,
                     "loss": w.last_loss,
                     "tokens_per_s": w.tokens_per_s,
@@ -362,30 +337,6 @@ class RunState:
     def prometheus(self) -> str:
         """Prometheus text exposition format (version 0.0.4), by ``prometheus_client``."""
         return self.metrics.render().decode()
-
-
-def escape_label_value(value: str) -> str:
-    """Escape a Prometheus label value: backslash, double quote and line feed."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def escape_help(text: str) -> str:
-    """Escape a Prometheus HELP text: backslash and line feed."""
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def format_sample(value: object) -> str:
-    """A sample value as Prometheus text: ints as-is, floats by repr, NaN/+Inf/-Inf."""
-    if isinstance(value, bool):
-        return str(int(value))
-    if isinstance(value, int):
-        return str(value)
-    v = float(value)  # type: ignore[arg-type]
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(v)
 
 
 def json_safe(doc: Any) -> Any:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mobius_fed.config import TrainConfig
-from mobius_fed.coordinator.server import MANIFEST, latest_manifest, manifest_problem
+from mobius_fed.coordinator.manifests import MANIFEST, latest_manifest, manifest_problem
 
 
 def find_manifest(path: Path) -> Path | None:

@@ -363,40 +363,59 @@ def load_compose(
     notes: list[str] = []
     services: dict[str, Service] = {}
     for name, raw in doc["services"].items():
-        name = str(name)
-        raw = raw or {}
-        for key in raw:
-            if key in _SUPPORTED_KEYS:
-                continue
-            why = _IGNORED_KEYS.get(key, "not supported by the namespace testbed; ignored")
-            notes.append(f"service {name}: {key}: {why}")
-        argv = _argv(raw.get("entrypoint"), f"service {name}: entrypoint") + _argv(
-            raw.get("command"), f"service {name}: command"
-        )
-        if not argv:
-            raise ComposeError(f"service {name}: no command (there is no image to supply one)")
-        mounts = []
-        for spec in raw.get("volumes") or []:
-            if isinstance(spec, str):
-                mounts.append(_short_volume(spec, name))
-            elif isinstance(spec, dict):
-                mounts.append(_long_volume(spec, name))
-            else:
-                raise ComposeError(f"service {name}: cannot parse volume {spec!r}")
-        policy, count = _restart(raw.get("restart"), name)
-        services[name] = Service(
-            name=name,
-            argv=argv,
-            environment=_environment(raw.get("environment"), name),
-            mounts=mounts,
-            networks=_networks(raw, name),
-            depends_on=_depends_on(raw.get("depends_on"), name),
-            healthcheck=_healthcheck(raw.get("healthcheck"), name),
-            restart=policy,
-            max_restarts=count,
-        )
+        services[str(name)] = _service(str(name), raw or {}, notes)
     networks = {str(k): dict(v or {}) for k, v in (doc.get("networks") or {}).items()}
     volumes = {str(k): dict(v or {}) for k, v in (doc.get("volumes") or {}).items()}
+    _check_references(services, networks, volumes)
+    for net, opts in networks.items():
+        for key in opts:
+            if key not in ("internal", "driver", "name", "labels", "attachable"):
+                notes.append(f"network {net}: {key}: ignored")
+    name = project or str(doc.get("name") or path.resolve().parent.name)
+    proj = ComposeProject(name, path.resolve().parent, services, networks, volumes, notes)
+    proj.start_order()  # reject cycles early
+    return proj
+
+
+def _service(name: str, raw: dict, notes: list[str]) -> Service:
+    """One service of the compose file; keys the testbed ignores are noted."""
+    for key in raw:
+        if key in _SUPPORTED_KEYS:
+            continue
+        why = _IGNORED_KEYS.get(key, "not supported by the namespace testbed; ignored")
+        notes.append(f"service {name}: {key}: {why}")
+    argv = _argv(raw.get("entrypoint"), f"service {name}: entrypoint") + _argv(
+        raw.get("command"), f"service {name}: command"
+    )
+    if not argv:
+        raise ComposeError(f"service {name}: no command (there is no image to supply one)")
+    mounts = []
+    for spec in raw.get("volumes") or []:
+        if isinstance(spec, str):
+            mounts.append(_short_volume(spec, name))
+        elif isinstance(spec, dict):
+            mounts.append(_long_volume(spec, name))
+        else:
+            raise ComposeError(f"service {name}: cannot parse volume {spec!r}")
+    policy, count = _restart(raw.get("restart"), name)
+    return Service(
+        name=name,
+        argv=argv,
+        environment=_environment(raw.get("environment"), name),
+        mounts=mounts,
+        networks=_networks(raw, name),
+        depends_on=_depends_on(raw.get("depends_on"), name),
+        healthcheck=_healthcheck(raw.get("healthcheck"), name),
+        restart=policy,
+        max_restarts=count,
+    )
+
+
+def _check_references(
+    services: dict[str, Service], networks: dict[str, dict], volumes: dict[str, dict]
+) -> None:
+    """Every network, volume and dependency a service names is declared (the default network
+    is added when used)."""
     for svc in services.values():
         for net in svc.networks:
             if net not in networks:
@@ -414,11 +433,3 @@ def load_compose(
                     f"service {svc.name}: depends on {dep} being healthy, but {dep} has no "
                     "healthcheck"
                 )
-    for net, opts in networks.items():
-        for key in opts:
-            if key not in ("internal", "driver", "name", "labels", "attachable"):
-                notes.append(f"network {net}: {key}: ignored")
-    name = project or str(doc.get("name") or path.resolve().parent.name)
-    proj = ComposeProject(name, path.resolve().parent, services, networks, volumes, notes)
-    proj.start_order()  # reject cycles early
-    return proj

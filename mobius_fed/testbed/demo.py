@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mobius_fed.machines import ENDED_PHASES
 from mobius_fed.testbed.netns import Testbed, TestbedError
-
-FINAL_PHASES = ("done", "failed", "stopped")
 
 
 def operator_certs(tb: Testbed, volume: str = "certs") -> Path:
@@ -90,7 +89,7 @@ def wait_for_run(
         else:
             if on_status is not None:
                 on_status(last)
-            if last.get("phase") in FINAL_PHASES:
+            if last.get("phase") in ENDED_PHASES:
                 return last
         time.sleep(poll)
     raise TestbedError(

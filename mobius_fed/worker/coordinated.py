@@ -26,6 +26,7 @@ from flwr.app import Context, Error, Message, RecordDict
 from mobius_fed.checkpoint import CheckpointError
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.data import SiteData
+from mobius_fed.machines import WorkerState
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.transport.flower_wire import (
     ERROR_FATAL,
@@ -146,7 +147,7 @@ class WorkerNode:
         self.executor: RingExecutor | None = None
         self.links: RingLinks | None = None
         self.snapshots = Snapshots(Path(cfg.out_dir) / "checkpoints")
-        self.state, self.loss, self.tps = "registered", 0.0, 0.0
+        self.state, self.loss, self.tps = WorkerState.REGISTERED, 0.0, 0.0
         self._links_lock = threading.Lock()
         self._aborts = 0  # aborts so far: a ring join that saw one gives up
         self._session_end = None  # ends the current session: (outcome, reason)
@@ -271,32 +272,11 @@ class WorkerNode:
                 if outcome == "rejoin":
                     responses.cancel()
 
-        def read_session() -> None:
-            try:
-                for env in responses:
-                    if env.note == "stop":
-                        reason = env.flower_message.decode() or "stopped"
-                        end("done" if reason == "done" else "stopped", reason)
-                        return
-                    if env.note == "abort":
-                        log.warning("worker-%d: abort: %s", self.cfg.rank, env.flower_message)
-                        _drain(instructions)
-                        self._abort(env.flower_message.decode())
-                        continue
-                    if env.flower_message:
-                        instructions.put(env.flower_message)
-                end("rejoin", "the coordinator closed the session")
-            except grpc.RpcError as exc:
-                end("rejoin", f"lost the coordinator: {exc.code().name} {exc.details()}")
-            except Exception as exc:  # never leave the main loop waiting
-                log.exception("worker-%d: session reader failed", self.cfg.rank)
-                end("rejoin", f"session reader failed: {exc!r}")
-
         def on_step(r: WorkerStep) -> None:
             self.loss = r.loss
             self.tps = executor.cfg.batch_size * executor.cfg.model().seq_len / max(r.seconds, 1e-9)
 
-        def on_state(s: str) -> None:
+        def on_state(s: WorkerState) -> None:
             self.state = s
 
         app = make_client_app(executor, self.snapshots, self.rejoin_ring, on_step, on_state)
@@ -307,9 +287,12 @@ class WorkerNode:
             state=RecordDict(),
             run_config={},
         )
-        self.state = "ready"  # the session is open; the handlers say what comes next
+        self.state = WorkerState.READY  # the session is open; the handlers say what is next
         self._session_end = end
-        threading.Thread(target=read_session, daemon=True, name="session").start()
+        threading.Thread(
+            target=self._read_session, args=(responses, instructions, end), daemon=True,
+            name="session",
+        ).start()  # fmt: skip
         try:
             while (data := instructions.get()) is not None:
                 msg = message_from_bytes(data)
@@ -323,8 +306,30 @@ class WorkerNode:
         if outcome == "done" and self.links is not None:
             self.links.finish(timeout=min(self.cfg.peer_timeout, 30.0))
         self.close_links()
-        self.state = "registered"
+        self.state = WorkerState.REGISTERED
         return outcome, reason
+
+    def _read_session(self, responses, instructions: queue.Queue, end) -> None:
+        """The coordinator's side of the session: notes are acted on, messages queued."""
+        try:
+            for env in responses:
+                if env.note == "stop":
+                    reason = env.flower_message.decode() or "stopped"
+                    end("done" if reason == "done" else "stopped", reason)
+                    return
+                if env.note == "abort":
+                    log.warning("worker-%d: abort: %s", self.cfg.rank, env.flower_message)
+                    _drain(instructions)
+                    self._abort(env.flower_message.decode())
+                    continue
+                if env.flower_message:
+                    instructions.put(env.flower_message)
+            end("rejoin", "the coordinator closed the session")
+        except grpc.RpcError as exc:
+            end("rejoin", f"lost the coordinator: {exc.code().name} {exc.details()}")
+        except Exception as exc:  # never leave the main loop waiting
+            log.exception("worker-%d: session reader failed", self.cfg.rank)
+            end("rejoin", f"session reader failed: {exc!r}")
 
     def _handle(self, app, msg: Message, context: Context) -> Message:
         """Run one message; an exception becomes a Flower Error the coordinator can act on."""

@@ -76,34 +76,7 @@ def run_static_ring(cfg: WorkerConfig) -> Path:
     try:
         with metrics.open("a") as f:
             while executor.step < train.steps:
-                r = executor.train_step()
-                row = {
-                    "step": r.step,
-                    "origin": cfg.rank,
-                    "loss": r.loss,
-                    "compute_s": r.compute_s,
-                    "wait_s": r.wait_s,
-                    "seconds": r.seconds,
-                    "bytes_sent": links.bytes_sent if links else 0,
-                }
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                log.info(
-                    "worker-%d step %d loss %.4f (%.2fs, waited %.2fs)",
-                    cfg.rank,
-                    r.step,
-                    r.loss,
-                    r.seconds,
-                    r.wait_s,
-                )
-                last = executor.step == train.steps
-                if last or (train.eval_every and executor.step % train.eval_every == 0):
-                    val = executor.evaluate()
-                    f.write(
-                        json.dumps({"step": executor.step, "origin": cfg.rank, "eval_loss": val})
-                        + "\n"
-                    )
-                    log.info("worker-%d validation loss (origin %d) %.4f", cfg.rank, cfg.rank, val)
+                _train_step(cfg, executor, links, f)
         save_checkpoint(out / f"worker-{cfg.rank}.pt", executor.state_dict())
     except BaseException:
         if links is not None:
@@ -113,3 +86,26 @@ def run_static_ring(cfg: WorkerConfig) -> Path:
         links.finish(timeout=cfg.peer_timeout)
     log.info("worker-%d done in %.1fs", cfg.rank, time.perf_counter() - start)
     return metrics
+
+
+def _train_step(cfg: WorkerConfig, executor: RingExecutor, links: RingLinks | None, f) -> None:
+    """One step on the static ring, its line in metrics.jsonl (and an evaluation's, when due)."""
+    train, r = cfg.train, executor.train_step()
+    row = {
+        "step": r.step,
+        "origin": cfg.rank,
+        "loss": r.loss,
+        "compute_s": r.compute_s,
+        "wait_s": r.wait_s,
+        "seconds": r.seconds,
+        "bytes_sent": links.bytes_sent if links else 0,
+    }
+    f.write(json.dumps(row) + "\n")
+    f.flush()
+    log.info("worker-%d step %d loss %.4f (%.2fs, waited %.2fs)",
+             cfg.rank, r.step, r.loss, r.seconds, r.wait_s)  # fmt: skip
+    last = executor.step == train.steps
+    if last or (train.eval_every and executor.step % train.eval_every == 0):
+        val = executor.evaluate()
+        f.write(json.dumps({"step": executor.step, "origin": cfg.rank, "eval_loss": val}) + "\n")
+        log.info("worker-%d validation loss (origin %d) %.4f", cfg.rank, cfg.rank, val)

@@ -11,6 +11,7 @@ copy of it when asked), and reply with this worker's E/R arrays and metrics.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import logging
 import re
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from mobius_fed.checkpoint import (
@@ -30,11 +31,22 @@ from mobius_fed.checkpoint import (
     sha256_of,
     write_bytes_atomic,
 )
-from mobius_fed.strategies import BARRIER_SNAPSHOT, CHECKPOINT, STATE_COPY, STEP_END, STEP_START
+from mobius_fed.machines import WorkerState
+from mobius_fed.messages import (
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    Checkpoint,
+    RestoreOrder,
+    RestoreReply,
+    RingOrder,
+    StateReply,
+    TrainOrder,
+    TrainReport,
+)
 from mobius_fed.transport.safe_arrays import array_record_to_torch, spec_of
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
 
-ARRAYS, METRICS, CONFIG = "arrays", "metrics", "config"
 COPY_LIMIT_BYTES = 192 << 20  # a state copy rides in one control message (limit 256 MiB)
 CHECKPOINT_FILE = re.compile(r"^round-(\d{6})\.ckpt$")
 BARRIER_FILE = re.compile(r"^barrier-(\d{6})\.ckpt$")
@@ -156,164 +168,173 @@ def make_client_app(
     snapshots: Snapshots,
     rejoin_ring: Callable[[str, list[str]], None],
     on_step: Callable[[WorkerStep], None] | None = None,
-    on_state: Callable[[str], None] | None = None,
+    on_state: Callable[[WorkerState], None] | None = None,
 ) -> ClientApp:
     """The ClientApp of ``executor``; ``rejoin_ring(ring_id, peers)`` replaces its ring links."""
     app = ClientApp()
-    cfg = executor.cfg
-    tokens_per_step = cfg.batch_size * cfg.model().seq_len
+    worker = WorkerHandlers(executor, snapshots, rejoin_ring, on_step, on_state)
+    app.train()(lambda msg, context: worker.train(msg))
+    app.evaluate()(lambda msg, context: worker.evaluate(msg))
+    app.query("state")(lambda msg, context: worker.query_state(msg))
+    app.query("restore")(lambda msg, context: worker.restore(msg))
+    app.query("ring")(lambda msg, context: worker.join_ring(msg))
+    return app
 
-    def state(s: str) -> None:
-        if on_state:
-            on_state(s)
 
-    def bytes_sent_since(links, links_before, sent_before: int) -> int:
-        if links is None:
-            return 0
-        return max(0, links.bytes_sent - (sent_before if links is links_before else 0))
+class WorkerHandlers:
+    """What a worker does with each coordinator message (see :mod:`mobius_fed.messages`)."""
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        conf = msg.content[CONFIG]
-        start, end = int(conf[STEP_START]), int(conf[STEP_END])
-        rnd = int(conf["round"])
+    def __init__(
+        self,
+        executor: RingExecutor,
+        snapshots: Snapshots,
+        rejoin_ring: Callable[[str, list[str]], None],
+        on_step: Callable[[WorkerStep], None] | None = None,
+        on_state: Callable[[WorkerState], None] | None = None,
+    ) -> None:
+        self.executor, self.snapshots, self.rejoin_ring = executor, snapshots, rejoin_ring
+        self.on_step, self.on_state = on_step, on_state
+        cfg = executor.cfg
+        self.tokens_per_step = cfg.batch_size * cfg.model().seq_len
+
+    def state(self, s: WorkerState) -> None:
+        if self.on_state:
+            self.on_state(s)
+
+    def train(self, msg: Message) -> Message:
+        order, executor = TrainOrder.of(msg.content[CONFIG]), self.executor
+        start, end, rnd = order.step_start, order.step_end, order.round
         if executor.step != start:
             raise RuntimeError(
                 f"worker-{executor.rank} is at step {executor.step}, round asks for {start}..{end}"
             )
         load_replica(executor, msg.content[ARRAYS])
-        state("training")
-        losses, seconds, wait_s, compute_s = [], 0.0, 0.0, 0.0
-        links_before = executor.links  # a new ring incarnation brings new links (counted from 0)
-        sent_before = links_before.bytes_sent if links_before is not None else 0
-        for _ in range(start, end):
-            r = executor.train_step()
-            losses.append(r.loss)
-            seconds += r.seconds
-            wait_s += r.wait_s
-            compute_s += r.compute_s
-            if on_step:
-                on_step(r)
+        self.state(WorkerState.TRAINING)
+        report = self._train_steps(start, end)
         t0 = time.perf_counter()  # the barrier snapshot's cost on the critical path
         snap = copy.deepcopy(executor.state_dict())
-        checkpointed = bool(conf[CHECKPOINT])
-        if not checkpointed and bool(conf.get(BARRIER_SNAPSHOT, False)):
-            snapshots.write_barrier(rnd, snap)
-        snapshot_s = time.perf_counter() - t0
-        reply = RecordDict(
-            {
-                ARRAYS: replica_arrays(executor),
-                METRICS: MetricRecord(
-                    {
-                        "num-examples": tokens_per_step * (end - start),
-                        "loss": losses[-1],
-                        "losses": losses,
-                        "train-seconds": seconds,
-                        "snapshot-seconds": snapshot_s,
-                        "wait-seconds": wait_s,
-                        "compute-seconds": compute_s,
-                        "bytes-sent": bytes_sent_since(executor.links, links_before, sent_before),
-                    }
-                ),
-            }
-        )
-        if checkpointed:
-            snapshots.wait_written()
-            path = save_checkpoint(checkpoint_path(snapshots.directory, rnd), snap)
-            ck = ConfigRecord({"path": str(path.resolve()), "sha256": sha256_of(path)})
-            if bool(conf.get(STATE_COPY, False)):
-                size = path.stat().st_size
-                if executor.replica.private_parameters():
-                    log.warning(
-                        "worker-%d: no copy of round %d for the coordinator: the checkpoint "
-                        "holds the private home layer, which never leaves this site",
-                        executor.rank,
-                        rnd,
-                    )
-                elif size <= COPY_LIMIT_BYTES:
-                    ck["copy"] = path.read_bytes()
-                else:
-                    log.warning(
-                        "worker-%d: no copy of round %d for the coordinator: %d bytes exceed "
-                        "the control channel's %d",
-                        executor.rank,
-                        rnd,
-                        size,
-                        COPY_LIMIT_BYTES,
-                    )
-            reply["checkpoint"] = ck
-            snapshots.prune_disk(int(conf.get("keep-checkpoints", 0)))
-        snapshots.keep(rnd, snap, checkpointed)
-        state("ready")
+        if not order.checkpoint and order.barrier_snapshot:
+            self.snapshots.write_barrier(rnd, snap)
+        report = dataclasses.replace(report, snapshot_s=time.perf_counter() - t0)
+        reply = RecordDict({ARRAYS: replica_arrays(executor), METRICS: report.to_record()})
+        if order.checkpoint:
+            reply["checkpoint"] = self._checkpoint(order, snap).to_record()
+            self.snapshots.prune_disk(order.keep_checkpoints)
+        self.snapshots.keep(rnd, snap, order.checkpoint)
+        self.state(WorkerState.READY)
         return Message(reply, reply_to=msg)
 
-    @app.evaluate()
-    def evaluate(msg: Message, context: Context) -> Message:
-        load_replica(executor, msg.content[ARRAYS])
-        state("evaluating")
+    def _train_steps(self, start: int, end: int) -> TrainReport:
+        links_before = self.executor.links  # a new ring incarnation brings new links
+        sent_before = links_before.bytes_sent if links_before is not None else 0
+        losses, seconds, wait_s, compute_s = [], 0.0, 0.0, 0.0
+        for _ in range(start, end):
+            r = self.executor.train_step()
+            losses.append(r.loss)
+            seconds, wait_s, compute_s = (
+                seconds + r.seconds,
+                wait_s + r.wait_s,
+                compute_s + r.compute_s,
+            )
+            if self.on_step:
+                self.on_step(r)
+        links = self.executor.links
+        sent = (
+            0 if links is None else links.bytes_sent - (sent_before if links is links_before else 0)
+        )
+        return TrainReport(
+            losses=losses,
+            num_examples=self.tokens_per_step * (end - start),
+            train_s=seconds,
+            wait_s=wait_s,
+            compute_s=compute_s,
+            bytes_sent=max(0, sent),
+        )
+
+    def _checkpoint(self, order: TrainOrder, snap: dict) -> Checkpoint:
+        """Write round ``order.round``'s checkpoint; with a copy of it when asked and allowed."""
+        executor, rnd = self.executor, order.round
+        self.snapshots.wait_written()
+        path = save_checkpoint(checkpoint_path(self.snapshots.directory, rnd), snap)
+        ck = Checkpoint(str(path.resolve()), sha256_of(path))
+        if not order.state_copy:
+            return ck
+        size = path.stat().st_size
+        if executor.replica.private_parameters():
+            log.warning(
+                "worker-%d: no copy of round %d for the coordinator: the checkpoint "
+                "holds the private home layer, which never leaves this site",
+                executor.rank,
+                rnd,
+            )
+        elif size <= COPY_LIMIT_BYTES:
+            return dataclasses.replace(ck, copy=path.read_bytes())
+        else:
+            log.warning(
+                "worker-%d: no copy of round %d for the coordinator: %d bytes exceed "
+                "the control channel's %d",
+                executor.rank,
+                rnd,
+                size,
+                COPY_LIMIT_BYTES,
+            )
+        return ck
+
+    def evaluate(self, msg: Message) -> Message:
+        load_replica(self.executor, msg.content[ARRAYS])
+        self.state(WorkerState.EVALUATING)
         t0 = time.perf_counter()
-        loss = executor.evaluate()
-        state("ready")
+        loss = self.executor.evaluate()
+        self.state(WorkerState.READY)
         metrics = MetricRecord(
             {"num-examples": 1, "eval-loss": loss, "eval-seconds": time.perf_counter() - t0}
         )
         return Message(RecordDict({METRICS: metrics}), reply_to=msg)
 
-    @app.query("state")
-    def query_state(msg: Message, context: Context) -> Message:
-        conf = ConfigRecord({"rounds": sorted(snapshots.rounds()), "step": executor.step})
-        return Message(RecordDict({CONFIG: conf}), reply_to=msg)
+    def query_state(self, msg: Message) -> Message:
+        reply = StateReply(sorted(self.snapshots.rounds()), self.executor.step)
+        return Message(RecordDict({CONFIG: reply.to_record()}), reply_to=msg)
 
-    @app.query("restore")
-    def restore(msg: Message, context: Context) -> Message:
-        conf = msg.content[CONFIG]
-        rnd = int(conf["round"])
-        state("restoring")
+    def restore(self, msg: Message) -> Message:
+        order, executor = RestoreOrder.of(msg.content[CONFIG]), self.executor
+        self.state(WorkerState.RESTORING)
         try:
-            source = restore_round(executor, snapshots, rnd, conf)
-            want = int(conf.get("step", executor.step))
-            if executor.step != want:
+            source = restore_round(executor, self.snapshots, order)
+            if executor.step != order.step:
                 raise CheckpointError(
-                    f"the state loaded from {source} is at step {executor.step}, round {rnd} "
-                    f"ends at step {want}"
+                    f"the state loaded from {source} is at step {executor.step}, round "
+                    f"{order.round} ends at step {order.step}"
                 )
         except Exception as exc:  # any failure is a refusal, so an earlier round is tried
             executor.abandon_step()
-            log.error("worker-%d cannot restore round %d: %s", executor.rank, rnd, exc)
-            reply = ConfigRecord({"ok": False, "reason": str(exc)})
-            return Message(RecordDict({CONFIG: reply}), reply_to=msg)
-        log.info(
-            "worker-%d restored round %d (step %d) from %s",
-            executor.rank,
-            rnd,
-            executor.step,
-            source,
-        )
-        reply = ConfigRecord({"ok": True, "reason": "", "source": source})
-        return Message(RecordDict({CONFIG: reply}), reply_to=msg)
+            log.error("worker-%d cannot restore round %d: %s", executor.rank, order.round, exc)
+            reply = RestoreReply(False, str(exc))
+        else:
+            log.info("worker-%d restored round %d (step %d) from %s",
+                     executor.rank, order.round, executor.step, source)  # fmt: skip
+            reply = RestoreReply(True, "", source)
+        return Message(RecordDict({CONFIG: reply.to_record()}), reply_to=msg)
 
-    @app.query("ring")
-    def join_ring(msg: Message, context: Context) -> Message:
-        conf = msg.content[CONFIG]
-        log.info("worker-%d joining ring %s", executor.rank, conf["ring-id"])
-        rejoin_ring(str(conf["ring-id"]), [str(p) for p in conf["peers"]])
-        state("ready")
+    def join_ring(self, msg: Message) -> Message:
+        order = RingOrder.of(msg.content[CONFIG])
+        log.info("worker-%d joining ring %s", self.executor.rank, order.ring_id)
+        self.rejoin_ring(order.ring_id, order.peers)
+        self.state(WorkerState.READY)
         return Message(RecordDict({CONFIG: ConfigRecord({"ok": True})}), reply_to=msg)
 
-    return app
 
-
-def restore_round(executor: RingExecutor, snapshots: Snapshots, rnd: int, conf) -> str:
+def restore_round(executor: RingExecutor, snapshots: Snapshots, order: RestoreOrder) -> str:
     """Load this worker's state at round ``rnd``; return where it came from.
 
     Order: memory; then, for a round with a manifest (its sha256 given), only the verified
     checkpoint file or the coordinator's copy; for a round without one, the barrier file
     (which checks its own payload hash). Snapshots of later rounds are forgotten: they
     belong to a timeline that is being redone."""
+    rnd = order.round
     executor.abandon_step()
     for later in [r for r in snapshots.memory if r > rnd]:
         del snapshots.memory[later]
-    if bool(conf.get("fresh", False)):
+    if order.fresh:
         snapshots.set_aside()
     if rnd in snapshots.memory:
         executor.load_state_dict(copy.deepcopy(snapshots.memory[rnd]))
@@ -322,7 +343,7 @@ def restore_round(executor: RingExecutor, snapshots: Snapshots, rnd: int, conf) 
         executor.load_state_dict(executor.initial_state())
         return "the seed"
     snapshots.wait_written()
-    expected = str(conf.get("sha256", "")) or None
+    expected = order.sha256 or None
     path = checkpoint_path(snapshots.directory, rnd)
     barrier = barrier_path(snapshots.directory, rnd)
     if expected is None and barrier.is_file():
@@ -335,19 +356,18 @@ def restore_round(executor: RingExecutor, snapshots: Snapshots, rnd: int, conf) 
             snapshots.keep(rnd, copy.deepcopy(executor.state_dict()), True)
             return str(path)
         except CheckpointError as exc:
-            if "copy" not in conf:
+            if order.copy is None:
                 raise
             log.error("worker-%d: %s; using the coordinator's copy", executor.rank, exc)
-    if "copy" not in conf:
+    if order.copy is None:
         raise CheckpointError(
             f"no state for round {rnd}: {path} is missing and the coordinator keeps no copy"
         )
-    data = bytes(conf["copy"])
+    data = order.copy
     digest = hashlib.sha256(data).hexdigest()
-    if digest != conf["copy-sha256"]:
+    if digest != order.copy_sha256:
         raise CheckpointError(
-            f"the coordinator's copy of round {rnd}: sha256 {digest}, expected "
-            f"{conf['copy-sha256']}"
+            f"the coordinator's copy of round {rnd}: sha256 {digest}, expected {order.copy_sha256}"
         )
     write_bytes_atomic(path, data)  # becomes this worker's own file again
     executor.load_state_dict(load_checkpoint(path, digest))

@@ -1,0 +1,64 @@
+"""What a worker's reply must hold before the strategy or status sees it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flwr.app import Message
+
+from mobius_fed.coordinator.grid import RunFailed
+from mobius_fed.messages import OPTIONAL_FIGURES
+from mobius_fed.transport.safe_arrays import UnsafeArrayError, validate_array_record
+from mobius_fed.transport.tls import worker_identity
+
+
+def validate_reply(rank: int, reply: Message, replica_spec: Any) -> None:
+    """E/R arrays exactly the replica's names, shapes and dtypes; losses finite; the records
+    each message type needs. RunFailed names the worker."""
+    who = f"worker-{rank} ({worker_identity(rank)})"
+    content = reply.content
+    if "arrays" in content:
+        try:
+            validate_array_record(content["arrays"], expected=replica_spec)
+        except UnsafeArrayError as exc:
+            raise RunFailed(f"{who} sent bad arrays: {exc}") from None
+    problem = reply_problem(reply.metadata.message_type, content)
+    if problem:
+        raise RunFailed(f"{who} sent an unusable {reply.metadata.message_type} reply: {problem}")
+
+
+def _finite_loss(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e4
+
+
+def _finite_figure(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e18
+
+
+def reply_problem(kind: str, content: Any) -> str | None:
+    """Why a worker's reply of message type ``kind`` is unusable (None: it is fine)."""
+    try:
+        if kind == "train":
+            m = content["metrics"]
+            losses = list(m["losses"])
+            if not losses or not all(_finite_loss(v) for v in losses):
+                return "losses must be a non-empty list of finite losses in [0, 1e4)"
+            if not float(m["num-examples"]) > 0 or not float(m["train-seconds"]) >= 0:
+                return "num-examples must be > 0 and train-seconds ≥ 0"
+            for key in OPTIONAL_FIGURES:
+                if key in m and not _finite_figure(m[key]):
+                    return f"{key} must be a finite number ≥ 0"
+        elif kind == "evaluate":
+            if not _finite_loss(content["metrics"]["eval-loss"]):
+                return "eval-loss must be a finite loss in [0, 1e4)"
+        elif kind == "query.state":
+            rounds = list(content["config"]["rounds"])
+            if not all(isinstance(r, int) and r >= 0 for r in rounds):
+                return "rounds must be non-negative integers"
+        elif kind == "query.restore":
+            if not isinstance(content["config"]["ok"], bool):
+                return "ok must be a boolean"
+            str(content["config"]["reason"])
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"missing or malformed field ({exc!r})"
+    return None

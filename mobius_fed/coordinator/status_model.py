@@ -1,0 +1,169 @@
+"""The status model: one definition of what a run reports, for every way it is read.
+
+:class:`WorkerModel` and :class:`IncidentModel` are the records :class:`RunState` keeps
+(mutated under its lock); :class:`StatusModel` and :class:`HistoryModel` are the documents
+``RunState.status_doc``/``history_doc`` build. REST (``/v1/status``, its OpenAPI schema),
+gRPC ``GetStatus``, ``mobius-fed status``, the dashboard and ``/metrics`` all render them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from mobius_fed.machines import EdgeState, IncidentState, Phase, WorkerState
+
+
+class WorkerModel(BaseModel):
+    """One worker as the coordinator sees it."""
+
+    rank: int = Field(description="ring position (0-based)")
+    identity: str = Field(description="certificate identity, mobius://worker/<rank>")
+    address: str = Field("", description="host:port of its ring link ('' until registered)")
+    state: WorkerState = Field(
+        WorkerState.EXPECTED,
+        description="finished: the run ended done; stopped: it failed or was stopped",
+    )
+    step: int = Field(0, description="last step the worker reported")
+    last_heartbeat: float | None = Field(None, description="unix time of the last heartbeat")
+    heartbeat_age_s: float | None = Field(
+        None, description="seconds since the last heartbeat (coordinator clock)"
+    )
+    registered_at: float | None = Field(None, description="unix time of its latest registration")
+    last_loss: float | None = Field(
+        None, description="last training loss of its own origin (null if none / non-finite)"
+    )
+    tokens_per_s: float = Field(0.0, description="worker throughput, tokens per second")
+    incidents: int = Field(0, description="incidents in which this worker was the one lost")
+    edges: dict[str, Any] = Field(
+        default_factory=dict, description="its ring links as it reports them ('in', 'out')"
+    )
+    train_s: float | None = Field(None, description="its latest round's training seconds")
+    wait_s: float | None = Field(
+        None, description="seconds of its latest round spent waiting for frames (if reported)"
+    )
+    compute_s: float | None = Field(None, description="compute seconds (if reported)")
+    wait_share: float | None = Field(None, description="wait_s / train_s of its latest round")
+    bytes_per_s: float | None = Field(
+        None, description="bytes it sent per training second (if reported)"
+    )
+    train_s_total: float = Field(0.0, description="training seconds over the run")
+    wait_s_total: float = Field(0.0, description="wait seconds over the run")
+    bytes_sent_total: float = Field(0.0, description="bytes sent over the run (if reported)")
+
+
+class EdgeModel(BaseModel):
+    """One ring edge i → i+1, as its sender reports it."""
+
+    edge: str = Field(description="'worker-<i> → worker-<i+1>'")
+    state: EdgeState = Field(description="closed: the run ended")
+    reconnects: int = Field(description="times the link reconnected within its grace")
+    down_s: float = Field(description="seconds it has been down (0 while up)")
+    bytes_per_s: float | None = Field(
+        None, description="bytes/s its sender reported for its latest round"
+    )
+    wait_share: float | None = Field(
+        None, description="share of its receiver's latest round spent waiting for frames"
+    )
+
+
+class IncidentModel(BaseModel):
+    """A worker or ring edge lost, from detection to recovery."""
+
+    id: int
+    kind: str = Field(description="worker lost | ring edge down | worker error")
+    what: str
+    rank: int | None
+    edge: str | None = Field(description="the ring edges involved")
+    round: int = Field(description="the round in flight when it was detected (0: none)")
+    detected_at: float = Field(description="unix time")
+    detection_s: float | None = Field(description="detection − the culprit's last sign of life")
+    state: IncidentState = IncidentState.OPEN
+    rollback_round: int | None = Field(None, description="the round every worker rolled back to")
+    steps_redone: int | None = None
+    recovered_at: float | None = None
+    recovery_s: float | None = Field(None, description="detection → training resumed")
+    rejoin_s: float | None = Field(
+        None, description="the lost worker's re-registration → training resumed"
+    )
+
+
+class StatusModel(BaseModel):
+    """``GET /v1/status``: where the run stands (same document as gRPC ``GetStatus``)."""
+
+    run_id: str
+    phase: Phase
+    round: int = Field(description="Flower rounds (step barriers) started")
+    num_rounds: int
+    step: int = Field(description="training steps completed")
+    steps: int = Field(description="training steps of the whole run")
+    strategy: str
+    error: str | None = None
+    checkpoint: str | None = Field(None, description="latest checkpoint manifest")
+    started_at: float = Field(description="unix time")
+    finished_at: float | None = None
+    eval_loss: float | None = Field(None, description="latest validation loss (Eq. 8)")
+    eval_origin_losses: list[float | None] | None = None
+    server_time: float | None = Field(None, description="coordinator clock at this reply")
+    ring: list[EdgeModel] = Field(default_factory=list, description="every ring edge")
+    incidents: list[IncidentModel] = Field(default_factory=list)
+    train_loss: float | None = Field(
+        None, description="training loss of the latest step every origin reported (mean)"
+    )
+    config: dict[str, Any] | None = Field(None, description="the run's configuration")
+    privacy: dict[str, Any] | None = Field(
+        None, description="privacy defences and their accounting (when reported)"
+    )
+    workers: list[WorkerModel]
+
+
+class StepLossModel(BaseModel):
+    step: int
+    loss: float | None = Field(description="mean over origins; null until every origin reported")
+    origin_losses: list[float | None] = Field(description="loss per origin (index = origin)")
+
+
+class EvalModel(BaseModel):
+    round: int
+    step: int
+    loss: float | None = Field(description="mean validation loss over origins (Eq. 8)")
+    origin_losses: list[float | None]
+
+
+class RoundModel(BaseModel):
+    round: int
+    seconds: float
+    overhead_s: float = Field(description="round wall time not spent in the workers")
+    train_s: float = Field(0.0, description="the slowest worker's training time")
+    snapshot_s: float = Field(0.0, description="the slowest worker's barrier snapshot copy")
+    steps: int = Field(0, description="training steps in the round")
+    workers: dict[str, dict[str, float | None]] = Field(
+        default_factory=dict,
+        description="rank → its figures: train_s, and where reported wait_s, compute_s, "
+        "bytes_sent, frames_sent",
+    )
+
+
+class HistoryModel(BaseModel):
+    """``GET /v1/history``: training loss per step and origin, evaluations, round times."""
+
+    run_id: str
+    steps: list[StepLossModel]
+    evals: list[EvalModel]
+    rounds: list[RoundModel]
+    incidents: list[IncidentModel] = Field(default_factory=list)
+
+
+class HealthModel(BaseModel):
+    status: str = Field(description="always 'ok' while the server answers")
+    phase: Phase
+
+
+class ReadyModel(BaseModel):
+    ready: bool = Field(description="false once the run failed or was stopped")
+    phase: Phase
+
+
+class ErrorModel(BaseModel):
+    detail: str

@@ -1,0 +1,163 @@
+"""The run's four state machines: run phase, worker state, incident state, ring-edge state
+(docs/architecture.md §10).
+
+Each state is a ``StrEnum`` (it serialises as its string: status JSON, gRPC and metrics
+carry the same words as before), and each machine is one table of allowed edges. A
+transition goes through :meth:`Machine.step`: an edge not in the table is a bug, logged
+and refused (the state stays). Staying in the same state is not a transition.
+
+Run phase::
+
+    waiting ──► training ◄──► recovering
+       │           │              │
+       └───────────┴──────────────┴──► done | failed | stopped   (ended: no way out)
+
+Worker state (the coordinator's view of one rank)::
+
+    expected ─register─► registered ─session─► ready ◄─heartbeat─► training | evaluating
+                                                 │                  restoring (reported)
+                           any live state ─mark_lost─► lost ─register─► rejoining
+                           lost | rejoining ─restore─► restoring ─ring resumed─► recovered
+                           recovered ─heartbeat─► a reported state
+                           any live state ─run ended─► finished (done) | stopped
+
+Incident::  open ──► recovered | failed
+
+Ring edge (a worker's link to its successor)::
+
+    down ─connect─► up ─stream broke─► reconnecting ─resumed─► up
+                    up | reconnecting ─grace spent / closed─► down
+
+``unknown`` (not reported yet) and ``closed`` (the run ended) are the coordinator's words
+for an edge it has no live report of; no link moves into them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
+from typing import Generic, TypeVar
+
+log = logging.getLogger("mobius.machines")
+
+
+class Phase(StrEnum):
+    WAITING = "waiting"
+    TRAINING = "training"
+    RECOVERING = "recovering"
+    DONE = "done"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class WorkerState(StrEnum):
+    EXPECTED = "expected"  # not registered yet
+    REGISTERED = "registered"  # registered, no session yet
+    READY = "ready"  # session open, idle
+    TRAINING = "training"
+    EVALUATING = "evaluating"
+    LOST = "lost"  # session closed, heartbeat timeout or reported by a ring peer
+    REJOINING = "rejoining"  # lost, then registered again: waiting for the restore
+    RESTORING = "restoring"  # loading the rollback state
+    RECOVERED = "recovered"  # back in the ring after an incident (until its next heartbeat)
+    DONE = "done"  # kept for the wire; nothing sets it today
+    FINISHED = "finished"  # the run ended done: the worker was told to stop
+    STOPPED = "stopped"  # the run failed or was stopped: the worker was told to stop
+
+
+class IncidentState(StrEnum):
+    OPEN = "open"
+    RECOVERED = "recovered"
+    FAILED = "failed"
+
+
+class EdgeState(StrEnum):
+    UP = "up"
+    DOWN = "down"
+    RECONNECTING = "reconnecting"
+    CLOSED = "closed"
+    UNKNOWN = "unknown"
+
+
+S = TypeVar("S", bound=StrEnum)
+
+
+class Machine(Generic[S]):
+    """One state machine: its states and the table of allowed edges."""
+
+    def __init__(self, name: str, states: type[S], edges: Mapping[S, Iterable[S]]) -> None:
+        self.name, self.states = name, states
+        self.edges: dict[S, frozenset[S]] = {s: frozenset(edges.get(s, ())) for s in states}
+
+    def allowed(self, old: S | str, new: S | str) -> bool:
+        old, new = self.states(old), self.states(new)
+        return old == new or new in self.edges[old]
+
+    def step(self, old: S | str, new: S | str, who: str = "") -> S:
+        """``new`` when the table allows ``old → new``; else log the bug and stay at ``old``."""
+        old, new = self.states(old), self.states(new)
+        if self.allowed(old, new):
+            return new
+        log.error(
+            "illegal %s transition%s: %s → %s (allowed: %s); refused",
+            self.name,
+            f" of {who}" if who else "",
+            old,
+            new,
+            ", ".join(sorted(self.edges[old])) or "none",
+        )
+        return old
+
+
+ENDED_PHASES = frozenset({Phase.DONE, Phase.FAILED, Phase.STOPPED})
+LIVE_PHASES = frozenset({Phase.WAITING, Phase.TRAINING, Phase.RECOVERING})
+_END = (Phase.DONE, Phase.FAILED, Phase.STOPPED)
+PHASE = Machine(
+    "run phase",
+    Phase,
+    {
+        Phase.WAITING: (Phase.TRAINING, *_END),
+        Phase.TRAINING: (Phase.RECOVERING, *_END),
+        Phase.RECOVERING: (Phase.TRAINING, Phase.FAILED, Phase.STOPPED),
+    },
+)
+
+W = WorkerState
+REPORTED_STATES = (W.REGISTERED, W.READY, W.TRAINING, W.EVALUATING, W.RESTORING)
+"""States a worker may report about itself in a heartbeat (the rest are the coordinator's)."""
+LIVE_STATES = frozenset({*REPORTED_STATES, W.RECOVERED})
+OFF_STATES = frozenset({W.LOST, W.EXPECTED, W.DONE, W.FINISHED, W.STOPPED})
+"""States ``mark_lost`` leaves alone: never joined, already lost, or the run let it go."""
+DOWN_STATES = frozenset({W.LOST, W.REJOINING})
+"""States in which a worker's ring edges are down."""
+_OUT = (W.LOST, W.FINISHED, W.STOPPED)
+WORKER = Machine(
+    "worker state",
+    WorkerState,
+    {
+        W.EXPECTED: (W.REGISTERED, W.STOPPED),
+        **{s: (*REPORTED_STATES, *_OUT) for s in (W.REGISTERED, W.READY, W.TRAINING)},
+        W.EVALUATING: (*REPORTED_STATES, *_OUT),
+        W.RESTORING: (*REPORTED_STATES, W.RECOVERED, *_OUT),
+        W.RECOVERED: (*REPORTED_STATES, *_OUT),
+        W.LOST: (W.REJOINING, W.RESTORING),
+        W.REJOINING: (W.RESTORING, W.RECOVERED, *_OUT),
+        W.DONE: _OUT,
+    },
+)
+
+INCIDENT = Machine(
+    "incident state",
+    IncidentState,
+    {IncidentState.OPEN: (IncidentState.RECOVERED, IncidentState.FAILED)},
+)
+
+E = EdgeState
+EDGE = Machine(
+    "ring edge state",
+    EdgeState,
+    {E.DOWN: (E.UP,), E.UP: (E.RECONNECTING, E.DOWN), E.RECONNECTING: (E.UP, E.DOWN)},
+)
+
+MACHINES = (PHASE, WORKER, INCIDENT, EDGE)

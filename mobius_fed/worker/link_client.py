@@ -1,0 +1,326 @@
+"""The successor side of a ring link: worker i dials worker i+1's ``RingLink.Stream``,
+receives BACKWARD frames on it, and re-dials with backoff within ``link_grace`` when the
+stream breaks, resuming the session where the successor's count says."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from mobius_fed.machines import EdgeState
+from mobius_fed.proto import ring_pb2, ring_pb2_grpc
+from mobius_fed.transport.codec import (
+    FrameError,
+)
+from mobius_fed.transport.tls import (
+    channel_credentials,
+)
+from mobius_fed.worker.frames import (
+    BACKWARD,
+)
+from mobius_fed.worker.link_session import (
+    HANDSHAKE_TIMEOUT_S,
+    MD_ACK,
+    MD_RUN,
+    MD_SESSION,
+    STREAM_METHOD,
+    PeerError,
+    StreamCall,
+    culprit,
+)
+
+log = logging.getLogger("mobius.link")
+
+
+class SuccessorClient:
+    """The gRPC client half of :class:`~mobius_fed.worker.link.RingLinks` (a mixin: the
+    attributes it uses are set by ``RingLinks.__init__``)."""
+
+    def _init_client(self) -> None:
+        """The session with the successor (its server hands the token out), not dialled."""
+        self._out = self._new_session(self.successor_identity, BACKWARD)
+        self._out.token = ""
+        self._out_state = EdgeState.DOWN
+        self._out_reconnects = 0
+        self._channel: grpc.Channel | None = None
+        self._call = None
+        self._dialing = None
+        self._out_stream: StreamCall | None = None
+        self._client_thread: threading.Thread | None = None
+
+    def _channel_options(self) -> list[tuple[str, int | str]]:
+        t = self.timers
+        opts: list[tuple[str, int | str]] = [
+            ("grpc.max_receive_message_length", self.max_receive),
+            ("grpc.max_send_message_length", self.max_message),
+            *self.tuning.grpc_options(),
+            ("grpc.keepalive_time_ms", t.client_keepalive_ms),
+            ("grpc.keepalive_timeout_ms", t.keepalive_timeout_ms),
+            # grpcio ≥ 1.6x waits this long for any ping's ack (default: a minute or more);
+            # without it an unanswered keepalive ping does not end the connection.
+            ("grpc.http2.ping_timeout_ms", t.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.enable_retries", 0),
+            ("grpc.initial_reconnect_backoff_ms", int(t.first_backoff_s * 1000) or 1),
+            ("grpc.max_reconnect_backoff_ms", int(t.max_backoff_s * 1000) or 1),
+        ]
+        if not self.insecure:
+            opts.append(("grpc.ssl_target_name_override", f"worker-{self.succ}"))
+        return opts
+
+    def _open_channel(self) -> grpc.Channel:
+        if self.tls is not None:
+            creds = channel_credentials(self.tls)
+            return grpc.secure_channel(self.successor_addr, creds, self._channel_options())
+        if not self.insecure:
+            raise ValueError("no TLS material given; plaintext needs an explicit insecure=True")
+        log.warning(
+            "!!! INSECURE: connecting to %s WITHOUT TLS — no encryption, no authentication. "
+            "Local debugging only; never on a real network. !!!",
+            self.successor_addr,
+        )
+        return grpc.insecure_channel(self.successor_addr, self._channel_options())
+
+    def connect(self) -> None:
+        """Open the session with the successor, retrying with backoff until peer_timeout."""
+        target = f"worker-{self.succ}"
+        deadline = time.monotonic() + self.peer_timeout
+        delay = self.timers.first_backoff_s
+        while True:
+            self._check_not_closed(target)
+            self._channel = self._open_channel()
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=min(delay * 4, 5.0))
+                reply = ring_pb2_grpc.RingLinkStub(self._channel).Ping(
+                    ring_pb2.PingRequest(), timeout=10
+                )
+                if not self.insecure and reply.identity != self.successor_identity:
+                    raise PeerError(
+                        f"successor at {self.successor_addr} is {reply.identity}, "
+                        f"expected {self.successor_identity}"
+                    )
+                err = self._open_stream()
+                if err is None:
+                    break
+                code, details = err
+                if code not in _RETRY:
+                    raise PeerError(
+                        f"worker-{self.rank}: successor {target} at {self.successor_addr} "
+                        f"refused the ring stream: {code.name} {details}"
+                    )
+                raise _Retry(f"{code.name} {details}")
+            except (grpc.FutureTimeoutError, grpc.RpcError, _Retry) as exc:
+                self._channel.close()
+                self._check_not_closed(target)
+                if time.monotonic() > deadline:
+                    why = str(exc) if isinstance(exc, _Retry) else repr(exc)
+                    raise PeerError(
+                        f"worker-{self.rank}: successor {target} at {self.successor_addr} "
+                        f"unreachable after {self.peer_timeout:.0f}s ({why})"
+                    ) from exc
+                log.info(
+                    "worker-%d waiting for successor %s at %s",
+                    self.rank,
+                    target,
+                    self.successor_addr,
+                )
+                self._closing.wait(delay)
+                delay = min(delay * 2, self.timers.max_backoff_s)
+        self._check_not_closed(target)  # close() raced the last dial: it cancelled the call
+        self._move_out(EdgeState.UP)
+        self._client_thread = threading.Thread(
+            target=self._client_loop, daemon=True, name="ring-recv-bwd"
+        )
+        self._client_thread.start()
+        log.info(
+            "worker-%d connected to successor %s at %s", self.rank, target, self.successor_addr
+        )
+
+    def _check_not_closed(self, target: str) -> None:
+        """An abort closes the links while connect() may still be dialling: give up then."""
+        if self._closing.is_set():
+            raise PeerError(f"worker-{self.rank}: link closed while dialling successor {target}")
+
+    def _open_stream(
+        self, handshake_s: float = HANDSHAKE_TIMEOUT_S
+    ) -> tuple[grpc.StatusCode, str] | None:
+        """Start one Stream call of the session and resume it; None on success."""
+        s, st = self._out, StreamCall(self.successor_identity)
+        assert self._channel is not None
+        stream = self._channel.stream_stream(
+            STREAM_METHOD, request_serializer=None, response_deserializer=None
+        )  # raw frame bytes both ways
+        end = s.end
+
+        def requests() -> Iterator[bytes]:
+            st.go.wait()
+            yield from end.frames(st, self._ack_frame)
+
+        md = ((MD_RUN, self.rules.run_id), (MD_SESSION, s.token), (MD_ACK, str(end.rx)))
+        call = stream(requests(), metadata=md)
+        self._dialing = call  # close() cancels it
+        watchdog = threading.Timer(handshake_s, call.cancel)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            got = dict(call.initial_metadata() or ())
+        finally:
+            watchdog.cancel()
+        if MD_ACK not in got or MD_SESSION not in got:
+            st.dead = True
+            st.go.set()
+            call.cancel()
+            code = call.code() or grpc.StatusCode.UNKNOWN
+            return code, call.details() or "no handshake from the successor"
+        if s.token and got[MD_SESSION] != s.token:
+            st.dead = True
+            st.go.set()
+            call.cancel()
+            return grpc.StatusCode.FAILED_PRECONDITION, "the successor answered another session"
+        try:
+            n = int(got[MD_ACK])
+        except ValueError:
+            n = -1
+        err = end.resume(n, st) if n >= 0 else "not a number"
+        if err is not None:
+            st.dead = True
+            st.go.set()
+            call.cancel()
+            return grpc.StatusCode.FAILED_PRECONDITION, f"cannot resume: {err}"
+        s.token = got[MD_SESSION]
+        self._call, self._out_stream = call, st
+        return None
+
+    def _client_loop(self) -> None:
+        """Receive BACKWARD frames; re-dial within the grace when the stream breaks."""
+        s = self._out
+        try:
+            while True:
+                call, st = self._call, self._out_stream
+                err = self._receive_backward(call, st)
+                s.end.end_stream(st)
+                if err is None or self._closing.is_set():
+                    self._move_out(EdgeState.DOWN)
+                    return
+                if not self._reconnect(err):
+                    return
+        finally:
+            with s.end.cond:
+                s.end.done = True
+                s.end.cond.notify_all()
+
+    def _receive_backward(self, call, st: StreamCall) -> str | None:
+        """Serve one stream; None when it ended for good, else why it broke."""
+        s = self._out
+        try:
+            for data in call:
+                with s.rx_lock:
+                    self._accept(data, BACKWARD, s)
+            if not self._closing.is_set():
+                log.info("ring edge %s: worker-%d closed the stream", self.edge_out, self.succ)
+            return None
+        except FrameError as exc:
+            msg = culprit(exc, self.successor_identity, f"{self.edge_out} (BACKWARD side)")
+            self._refused(msg)
+            call.cancel()
+            self.inbox.fail(PeerError(msg))
+            return None
+        except grpc.RpcError as exc:
+            if self._closing.is_set():
+                return None
+            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            if code not in _RETRY:
+                self.inbox.fail(
+                    PeerError(
+                        f"ring edge {self.edge_out}: worker-{self.succ} ended the link: "
+                        f"{code.name} {details}"
+                    )
+                )
+                return None
+            return f"{code.name} {details}"
+        except Exception as exc:  # a bug must not leave the executor waiting silently
+            log.exception("worker-%d: receiving on edge %s failed", self.rank, self.edge_out)
+            self.inbox.fail(exc)
+            return None
+
+    def _reconnect(self, err: str) -> bool:
+        """Re-dial until the session resumes (True) or the grace is spent (False)."""
+        s = self._out
+        s.down_since, s.last_error = time.monotonic(), err
+        if self._all_finished():
+            self._move_out(EdgeState.DOWN)
+            return False
+        self._move_out(EdgeState.RECONNECTING)
+        log.warning(
+            "ring edge %s down (%s); reconnecting for up to %.0fs",
+            self.edge_out,
+            err,
+            self.link_grace,
+        )
+        delay = self.timers.first_backoff_s
+        while not self._closing.is_set():
+            waited = time.monotonic() - s.down_since
+            if waited >= self.link_grace:
+                break
+            if self._closing.wait(min(delay, max(self.link_grace - waited, 0.0))):
+                break
+            delay = min(delay * 2, self.timers.max_backoff_s)
+            old = self._channel
+            self._channel = self._open_channel()
+            if old is not None:
+                old.close()
+            try:
+                left = self.link_grace - (time.monotonic() - s.down_since)
+                result = self._open_stream(max(1.0, min(HANDSHAKE_TIMEOUT_S, left)))
+            except grpc.RpcError as exc:  # pragma: no cover - raised by some grpcio versions
+                result = (exc.code(), exc.details())
+            if result is None:
+                self._out_reconnects += 1
+                self._move_out(EdgeState.UP)
+                log.warning(
+                    "ring edge %s back after %.1fs (%d frame(s) resent)",
+                    self.edge_out,
+                    time.monotonic() - s.down_since,
+                    s.end.sent_hi - s.end.acked,
+                )
+                s.down_since = None
+                return True
+            code, details = result
+            s.last_error = f"{code.name} {details}"
+            if code not in _RETRY:
+                self._move_out(EdgeState.DOWN)
+                self.inbox.fail(
+                    PeerError(f"ring edge {self.edge_out}: reconnect refused: {s.last_error}")
+                )
+                return False
+        self._move_out(EdgeState.DOWN)
+        if not self._closing.is_set() and not self._all_finished():
+            msg = (
+                f"ring edge {self.edge_out} down for {self.link_grace:.0f}s "
+                f"(last error: {s.last_error})"
+            )
+            log.error("%s", msg)
+            self.inbox.fail(PeerError(msg))
+        return False
+
+
+class _Retry(Exception):
+    """A transient refusal while connecting: try again."""
+
+
+_RETRY = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+"""Codes after which the client re-dials (within the grace) rather than giving up."""

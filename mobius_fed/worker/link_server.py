@@ -1,0 +1,354 @@
+"""The predecessor side of a ring link: worker i serves ``RingLink.Stream`` for worker
+i-1, admits one live stream per session, resumes a broken one within ``link_grace`` and
+drops a session (and all it delivered but nobody consumed) when it ends for good."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from mobius_fed.proto import ring_pb2
+from mobius_fed.transport.codec import (
+    FrameError,
+)
+from mobius_fed.transport.tls import (
+    add_port,
+    peer_identity,
+    worker_identity,
+)
+from mobius_fed.worker.frames import (
+    FORWARD,
+)
+from mobius_fed.worker.link_session import (
+    IDLE_CONNECTION_MS,
+    MAX_CONCURRENT_RPCS,
+    MAX_STREAMS_PER_CONNECTION,
+    MD_ACK,
+    MD_RUN,
+    MD_SESSION,
+    RING_HANDLERS,
+    RING_SERVICE,
+    SERVER_THREADS,
+    PeerError,
+    Session,
+    StreamCall,
+    culprit,
+)
+
+log = logging.getLogger("mobius.link")
+
+
+class PredecessorServer:
+    """The gRPC server half of :class:`~mobius_fed.worker.link.RingLinks` (a mixin: the
+    attributes it uses are set by ``RingLinks.__init__``)."""
+
+    def _init_server(self) -> None:
+        """The predecessor's session, and the server that carries it."""
+        self._lock = threading.Lock()
+        self._in_ready = threading.Condition(self._lock)
+        self._in: Session | None = None
+        self._handlers = 0
+        self._in_reconnects = 0
+        self._old_bytes = 0  # bytes sent by ended predecessor sessions
+        self._server: grpc.Server | None = None
+
+    def _server_options(self) -> list[tuple[str, int]]:
+        t = self.timers
+        return [
+            ("grpc.max_receive_message_length", self.max_receive),
+            ("grpc.max_send_message_length", self.max_message),
+            *self.tuning.grpc_options(),
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+            ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
+            ("grpc.keepalive_time_ms", t.server_keepalive_ms),
+            ("grpc.keepalive_timeout_ms", t.keepalive_timeout_ms),
+            ("grpc.http2.ping_timeout_ms", t.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_ping_interval_without_data_ms", t.min_ping_interval_ms),
+            ("grpc.so_reuseport", 0),  # a second process on this port fails loudly
+        ]
+
+    def start_server(self) -> int:
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="ring"),
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+            options=self._server_options(),
+        )
+        # Registered by hand so that Stream moves raw bytes both ways: requests are parsed
+        # here (the relay needs the received bytes) and responses are sent pre-serialized.
+        handlers = {
+            "Stream": grpc.stream_stream_rpc_method_handler(self.Stream),
+            "Ping": grpc.unary_unary_rpc_method_handler(
+                self.Ping,
+                request_deserializer=ring_pb2.PingRequest.FromString,
+                response_serializer=ring_pb2.PingReply.SerializeToString,
+            ),
+        }
+        self.health = health.HealthServicer()
+        # Health answers Check only: Watch is a long-lived stream that nothing here uses.
+        check = grpc.unary_unary_rpc_method_handler(
+            self.health.Check,
+            request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+        )
+        self._server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(RING_SERVICE, handlers),
+                grpc.method_handlers_generic_handler("grpc.health.v1.Health", {"Check": check}),
+            )
+        )
+        try:
+            port = add_port(self._server, self.listen, self.tls, insecure=self.insecure)
+        except RuntimeError as exc:  # newer grpcio raises instead of returning 0
+            raise PeerError(f"worker-{self.rank}: cannot listen on {self.listen}: {exc}") from exc
+        if port == 0:
+            raise PeerError(f"worker-{self.rank}: cannot listen on {self.listen}")
+        self._server.start()
+        for name in ("", "mobius_fed.ring.v1.RingLink"):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("worker-%d listening on %s", self.rank, self.listen)
+        return port
+
+    def Ping(self, request: ring_pb2.PingRequest, context: grpc.ServicerContext):
+        return ring_pb2.PingReply(
+            identity=worker_identity(self.rank), peer=peer_identity(context) or ""
+        )
+
+    def Stream(self, request_iterator, context: grpc.ServicerContext):
+        who = peer_identity(context)
+        label = who or "<plaintext peer>"
+        if not self.insecure and who != self.predecessor_identity:
+            msg = (
+                f"worker-{self.rank} accepts ring frames only from its predecessor "
+                f"{self.predecessor_identity}, not {who or '<no identity>'}"
+            )
+            log.error("refused stream: %s", msg)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)
+        md = dict(context.invocation_metadata())
+        run = md.get(MD_RUN)
+        if run is None:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"no {MD_RUN} metadata: not a ring link client (from {label})",
+            )
+        if run != self.rules.run_id:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"worker-{self.rank} serves run {self.rules.run_id!r}, not {run!r}",
+            )
+        try:
+            ack = int(md.get(MD_ACK, "0"))
+        except ValueError:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad {MD_ACK} metadata")
+        token = md.get(MD_SESSION, "")
+        st = StreamCall(label)
+        refusal = self._admit(st, token, ack, label)
+        if refusal is not None:
+            code, msg = refusal
+            log.warning("refused stream from %s on edge %s: %s", label, self.edge_in, msg)
+            context.abort(code, msg)
+        s = st.session
+        assert s is not None
+        try:
+            if not context.add_callback(lambda: self._stream_ended(s, st, "broken")):
+                return  # the call ended already (finally: the stream ends with it)
+            context.send_initial_metadata(((MD_SESSION, s.token), (MD_ACK, str(st.rx_at_start))))
+            threading.Thread(
+                target=self._serve_receive,
+                args=(s, st, request_iterator),
+                daemon=True,
+                name="ring-recv-fwd",
+            ).start()
+            yield from s.end.frames(st, self._ack_frame)
+            if st.failure:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, st.failure)
+        finally:
+            if not st.ended:  # e.g. the call was cancelled while this handler started
+                self._stream_ended(s, st, "broken")
+            with self._lock:
+                self._handlers -= 1
+
+    def _admit(self, st: StreamCall, token: str, ack: int, label: str):
+        """Bind ``st`` to a session; return (status, reason) to refuse it instead."""
+        with self._lock:
+            if self._closing.is_set():
+                return grpc.StatusCode.UNAVAILABLE, f"worker-{self.rank} is closing its links"
+            if self._handlers >= RING_HANDLERS:
+                return (
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"worker-{self.rank} is busy with {self._handlers} ring streams",
+                )
+            admit = self._resume_session if token else self._open_session
+            refusal = admit(st, token, ack, label)
+            if refusal is None:
+                self._handlers += 1
+            return refusal
+
+    def _resume_session(self, st: StreamCall, token: str, ack: int, label: str):
+        """``st`` carries on the session ``token`` names from the peer's count ``ack``."""
+        s = self._in
+        if s is None or not hmac.compare_digest(token.encode(), s.token.encode()):
+            return (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker-{self.rank} has no such ring session (it restarted, or "
+                "dropped the session after the grace period)",
+            )
+        with s.rx_lock:  # a frame in progress on the old stream finishes first
+            old = s.end.stream
+            err = s.end.resume(ack, st)
+            st.rx_at_start = s.end.rx
+        if err is not None:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"cannot resume: {err}"
+        if old is not None:
+            log.warning("worker-%d: %s resumed its session on edge %s; the old stream is "
+                        "dropped", self.rank, label, self.edge_in)  # fmt: skip
+        if s.down_since is not None:
+            log.warning("ring edge %s back after %.1fs (%d frame(s) to resend)", self.edge_in,
+                        time.monotonic() - s.down_since, s.end.sent_hi - ack)  # fmt: skip
+        self._in_reconnects += 1
+        s.down_since = None
+        if s.timer is not None:
+            s.timer.cancel()
+        st.session = s
+        return None
+
+    def _open_session(self, st: StreamCall, token: str, ack: int, label: str):
+        """``st`` starts a new session; one it replaces is dropped (its frames with it)."""
+        s = self._in
+        if s is not None and s.end.stream is not None:
+            return (
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"worker-{self.rank} already has a live ring stream from {s.who} on "
+                f"edge {self.edge_in}; a second one is refused (is another process "
+                "using this worker's key?)",
+            )
+        if ack != 0:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"a new session starts at {MD_ACK} 0"
+        if s is not None:
+            self._drop_session(s, f"replaced by a new session from {label}")
+            if s.carrying and not s.finished:  # the ring's frames in flight are gone
+                self.inbox.fail(
+                    PeerError(
+                        f"ring edge {self.edge_in}: a new session from {label} replaced "
+                        f"the interrupted one (did worker-{self.pred} restart?)"
+                    )
+                )
+        s = self._in = self._new_session(label, FORWARD)
+        s.end.resume(0, st)
+        st.rx_at_start = 0
+        self._in_ready.notify_all()
+        st.session = s
+        return None
+
+    def _serve_receive(self, s: Session, st: StreamCall, request_iterator) -> None:
+        how = "broken"  # a stream that ends without CLOSE may be resumed
+        try:
+            for data in request_iterator:
+                with s.rx_lock:
+                    if st.dead:
+                        return
+                    if self._accept(data, FORWARD, s):
+                        how = "closed"
+                        return
+        except FrameError as exc:
+            msg = culprit(exc, st.who, self.edge_in)
+            self._refused(msg)
+            st.failure = msg
+            how = "refused"
+        except grpc.RpcError:
+            pass
+        except Exception as exc:  # a bug must not leave the executor waiting silently
+            log.exception("worker-%d: receiving on edge %s failed", self.rank, self.edge_in)
+            st.failure = f"internal error on edge {self.edge_in}: {exc!r}"
+            how = "refused"
+        finally:
+            self._stream_ended(s, st, how)
+
+    def _stream_ended(self, s: Session, st: StreamCall, how: str) -> None:
+        """A predecessor stream ended: ``closed`` (CLOSE), ``refused`` or ``broken``."""
+        fail: str | None = None
+        with self._lock:
+            if st.ended:
+                return
+            st.ended = True
+            current = s.end.stream is st
+            s.end.end_stream(st)
+            if self._in is not s or not current or self._closing.is_set():
+                return
+            if how == "refused":
+                self._drop_session(s, "it sent a frame that was refused")
+                if s.carrying:
+                    fail = st.failure
+            elif how == "closed" and s.fin_seen:
+                s.finished = True
+            elif how == "closed":
+                self._drop_session(s, "closed before finishing")
+                if s.carrying:
+                    fail = f"ring edge {self.edge_in}: {s.who} closed the link before finishing"
+            elif s.fin_seen or self._all_finished():
+                s.finished = True
+            else:
+                s.down_since = time.monotonic()
+                s.last_error = "the stream broke"
+                log.warning(
+                    "ring edge %s down (stream from %s broke); waiting up to %.0fs for it to "
+                    "reconnect",
+                    self.edge_in,
+                    s.who,
+                    self.link_grace,
+                )
+                s.timer = threading.Timer(self.link_grace, self._grace_over, args=(s,))
+                s.timer.daemon = True
+                s.timer.start()
+        if fail:
+            self.inbox.fail(PeerError(fail))
+
+    def _grace_over(self, s: Session) -> None:
+        with self._lock:
+            if self._in is not s or s.down_since is None or self._closing.is_set():
+                return
+            self._drop_session(s, f"down for {self.link_grace:.0f}s")
+            carrying = s.carrying
+        msg = (
+            f"ring edge {self.edge_in} down for {self.link_grace:.0f}s ({s.who} did not reconnect)"
+        )
+        log.error("%s", msg)
+        if carrying:
+            self.inbox.fail(PeerError(msg))
+
+    def _drop_session(self, s: Session, why: str) -> None:
+        """Forget session ``s`` and everything it delivered but nobody consumed (lock held)."""
+        if self._in is s:
+            self._in = None
+        self._old_bytes += s.end.bytes_sent
+        if s.timer is not None:
+            s.timer.cancel()
+        s.end.close()
+        st = s.end.stream
+        if st is not None:
+            s.end.end_stream(st)
+        with s.rx_lock:  # a frame being processed lands first; later ones see st.dead
+            dropped = self.inbox.drop(s)
+            partial = s.pieces.pending + len(s.relay_hold)
+            s.relay_hold.clear()
+            s.pieces = self._assembler(FORWARD)
+        unsent = s.end.queued - s.end.acked
+        if dropped or partial or unsent or not s.finished:
+            log.warning(
+                "worker-%d: session of %s on edge %s ended (%s): dropped %d unconsumed "
+                "frame(s), %d partial tensor(s), %d unacknowledged frame(s) to it",
+                self.rank,
+                s.who,
+                self.edge_in,
+                why,
+                dropped,
+                partial,
+                unsent,
+            )

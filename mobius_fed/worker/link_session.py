@@ -1,0 +1,391 @@
+"""The state a ring link keeps across its gRPC streams: the inbox of decoded tensors,
+and each edge's session (frames sent and kept until acknowledged, frames received).
+
+A session survives its stream: each side keeps the frames it sent until the other side
+acknowledges them (ACK frames, every ``ack_every`` frames), and counts the frames it
+received. A stream that breaks is resumed by presenting the session's token and count;
+both sides then resend the rest, in order (see :mod:`mobius_fed.worker.link`).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mobius_fed.proto import ring_pb2
+from mobius_fed.transport.codec import (
+    FrameError,
+    TensorAssembler,
+)
+from mobius_fed.worker.frames import (
+    FrameKey,
+)
+
+log = logging.getLogger("mobius.link")
+RING_SERVICE = ring_pb2.DESCRIPTOR.services_by_name["RingLink"].full_name
+STREAM_METHOD = f"/{RING_SERVICE}/Stream"
+
+# Handshake metadata (see ring.proto).
+MD_RUN, MD_SESSION, MD_ACK = "mobius-run", "mobius-session", "mobius-ack"
+
+ACK_EVERY = 8
+"""A receiver acknowledges after this many frames (and at once after a FIN)."""
+SERVER_THREADS = 16
+"""gRPC handler threads of a worker's server: ring streams take at most RING_HANDLERS."""
+RING_HANDLERS = 4
+"""Stream handlers at once: the live one plus ones being refused or taking over."""
+MAX_CONCURRENT_RPCS = 32
+"""Beyond this many RPCs in flight the server answers RESOURCE_EXHAUSTED at once."""
+MAX_STREAMS_PER_CONNECTION = 8
+IDLE_CONNECTION_MS = 120_000
+"""A connection with no RPC for this long is closed (a live ring stream is never idle)."""
+HANDSHAKE_TIMEOUT_S = 10.0
+"""A dialled stream whose server does not answer the handshake within this is dropped."""
+
+
+@dataclass(frozen=True)
+class LinkTimers:
+    """HTTP/2 keepalive of ring links and the client's re-dial backoff.
+
+    The server accepts a client ping every ``min_ping_interval_ms`` even when no data flows
+    (it must not exceed ``client_keepalive_ms``, else the server answers the client's
+    pings with GOAWAY "too_many_pings"); both sides ping, so a connection that died
+    without a FIN/RST is noticed within ``*_keepalive_ms + keepalive_timeout_ms``.
+    """
+
+    client_keepalive_ms: int = 5_000
+    server_keepalive_ms: int = 5_000
+    keepalive_timeout_ms: int = 5_000
+    min_ping_interval_ms: int = 4_000
+    first_backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.min_ping_interval_ms > self.client_keepalive_ms:
+            raise ValueError(
+                f"min_ping_interval_ms {self.min_ping_interval_ms} > client_keepalive_ms "
+                f"{self.client_keepalive_ms}: the server would refuse the client's pings"
+            )
+
+
+class PeerError(RuntimeError):
+    """A ring peer is unreachable, went away, or sent something unusable."""
+
+
+def culprit(exc: FrameError, who: str, edge: str) -> str:
+    """``frame rejected: X`` → ``frame rejected from <who> on edge <edge>: X``."""
+    text = str(exc)
+    for head in ("frame rejected", "tensor rejected"):
+        if text.startswith(head + ": "):
+            return f"{head} from {who} on edge {edge}: {text[len(head) + 2 :]}"
+    return f"frame rejected from {who} on edge {edge}: {text}"
+
+
+# ----------------------------------------------------------------------------- inbox
+
+
+class Inbox:
+    """Decoded tensors addressed to this worker, keyed by :class:`FrameKey`.
+
+    Each entry remembers the session that delivered it (:meth:`drop` removes a dead
+    session's unconsumed entries); a key is consumed once per step window, and a key
+    already queued or consumed is refused (:meth:`check_new`).
+    """
+
+    def __init__(self, current_step: Callable[[], int] = lambda: 0) -> None:
+        self._items: dict[FrameKey, tuple[torch.Tensor, object]] = {}
+        self._consumed: set[FrameKey] = set()
+        self._pruned_at = -1
+        self._current_step = current_step
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self.fins: set[int] = set()
+        self._fin_from: dict[int, object] = {}
+        self.last_problem: str | None = None  # named in a timeout: why a frame never came
+        self.on_consume: Callable[[object], None] = lambda owner: None
+        self.held: Callable[[], bool] = lambda: False  # timeouts pause while this is true
+        self.describe_links: Callable[[], str] = lambda: ""
+
+    def check_new(self, key: FrameKey) -> None:
+        with self._cond:
+            self._check_new(key)
+
+    def _check_new(self, key: FrameKey) -> None:
+        if key in self._items:
+            raise FrameError(f"frame rejected: duplicate {key.describe()} (already queued)")
+        if key in self._consumed:
+            raise FrameError(f"frame rejected: replay of {key.describe()} (already consumed)")
+
+    def put(self, key: FrameKey, tensor: torch.Tensor, owner: object = None) -> None:
+        with self._cond:
+            self._check_new(key)
+            self._items[key] = (tensor, owner)
+            self._cond.notify_all()
+
+    def drop(self, owner: object) -> int:
+        """Forget the unconsumed entries and the FINs ``owner`` delivered; return how many
+        entries."""
+        with self._cond:
+            keys = [k for k, (_, o) in self._items.items() if o is owner]
+            for k in keys:
+                del self._items[k]
+            for origin in [o for o, who in self._fin_from.items() if who is owner]:
+                del self._fin_from[origin]
+                self.fins.discard(origin)
+            return len(keys)
+
+    def add_fin(self, origin: int, owner: object = None) -> bool:
+        """Record worker ``origin``'s FIN; False if it was already recorded."""
+        with self._cond:
+            if origin in self.fins:
+                return False
+            self.fins.add(origin)
+            self._fin_from[origin] = owner
+            self._cond.notify_all()
+            return True
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def _prune(self) -> None:
+        now = self._current_step()
+        if now != self._pruned_at:  # frames of earlier steps are refused by the window
+            self._consumed = {k for k in self._consumed if k.step >= now - 1}
+            self._pruned_at = now
+
+    def get(self, key: FrameKey, timeout: float, waiting_for: str) -> torch.Tensor:
+        """Wait for ``key``. Time while a ring edge is reconnecting does not count."""
+        deadline = time.monotonic() + timeout
+        last = time.monotonic()
+        with self._cond:
+            while key not in self._items:
+                if self._error is not None:
+                    raise PeerError(str(self._error)) from self._error
+                now = time.monotonic()
+                if self.held():
+                    deadline += now - last
+                last = now
+                left = deadline - now
+                if left <= 0:
+                    hint = f"; last refused frame: {self.last_problem}" if self.last_problem else ""
+                    links = self.describe_links()
+                    raise PeerError(
+                        f"timed out after {timeout:.0f}s waiting for {waiting_for}{hint}"
+                        + (f" ({links})" if links else "")
+                    )
+                self._cond.wait(min(left, 0.5))
+            tensor, owner = self._items.pop(key)
+            self._prune()
+            self._consumed.add(key)
+        self.on_consume(owner)
+        return tensor
+
+    def wait_fins(self, expected: set[int], timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: expected <= self.fins or self._error is not None, timeout
+            )
+
+
+class Capture:
+    """Audit file of every frame's bytes this worker sends, shared by its senders."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("ab", buffering=0)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            if self._file.closed:  # a late frame while the link shuts down
+                return
+            view = memoryview(data)
+            while view:  # unbuffered writes may be partial
+                view = view[self._file.write(view) :]
+
+
+# ------------------------------------------------------------------- session state
+
+
+class StreamCall:
+    """One gRPC Stream call carrying a session."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.cursor = 1  # sequence number of the next frame to send on this stream
+        self.dead = False
+        self.ended = False
+        self.failure: str | None = None
+        self.go = threading.Event()  # client side: the handshake told us where to resume
+        self.session: Session | None = None
+        self.rx_at_start = 0  # server side: the count sent back in the handshake
+
+
+class Endpoint:
+    """One end of a ring edge's session: the frames it sends, kept until acknowledged,
+    and the count of frames it received from the other end.
+
+    Frames are numbered from 1 in the order :meth:`put` receives them; a stream sends them
+    from its cursor on, interleaved with ACK frames that report ``rx``.
+    """
+
+    def __init__(self, capture: Capture | None, ack_every: int = ACK_EVERY) -> None:
+        self.ack_every = ack_every
+        self.cond = threading.Condition()
+        self._buf: dict[int, bytes] = {}
+        self.acked = 0  # frames the other end confirmed (dropped from the buffer)
+        self.queued = 0  # frames put so far (sequence number of the newest)
+        self.sent_hi = 0  # highest sequence number handed to gRPC on any stream
+        self.closed = False  # no more frames: streams end after the last one
+        self.done = False  # client side: no stream will carry this session any more
+        self.goodbye: bytes | None = None  # sent (uncounted) after the last frame
+        self.rx = 0  # frames of the other direction received and processed
+        self.rx_acked = 0  # the last count sent in an ACK
+        self.flush_ack = False
+        self.bytes_sent = 0
+        self.frames_sent = 0
+        self.resent = 0
+        self.stream: StreamCall | None = None
+        self._capture = capture
+
+    def put(self, data: bytes) -> int:
+        """Queue one frame; return its sequence number (0: dropped, the link is closed)."""
+        with self.cond:
+            if self.closed:
+                log.debug("dropping a frame sent after the link closed")
+                return 0
+            self.queued += 1
+            self._buf[self.queued] = data
+            self.cond.notify_all()
+            return self.queued
+
+    def close(self, goodbye: bytes | None = None) -> None:
+        """No more frames; a stream ends after the last one (then sends ``goodbye``)."""
+        with self.cond:
+            self.closed = True
+            self.goodbye = self.goodbye or goodbye
+            self.cond.notify_all()
+
+    def end_stream(self, st: StreamCall) -> None:
+        with self.cond:
+            st.dead = True
+            if self.stream is st:
+                self.stream = None
+            self.cond.notify_all()
+
+    def on_ack(self, n: int) -> None:
+        with self.cond:
+            if not self.acked <= n <= self.sent_hi:
+                raise FrameError(
+                    f"frame rejected: ACK {n} (expected {self.acked}..{self.sent_hi}: "
+                    "frames sent and not yet acknowledged)"
+                )
+            for seq in range(self.acked + 1, n + 1):
+                self._buf.pop(seq, None)
+            self.acked = n
+            self.cond.notify_all()
+
+    def resume(self, n: int, st: StreamCall) -> str | None:
+        """Make ``st`` this session's stream, resending after the peer's count ``n``."""
+        with self.cond:
+            if not self.acked <= n <= self.sent_hi:
+                return (
+                    f"the peer reports {n} frames received, but {self.acked}..{self.sent_hi} "
+                    "are possible"
+                )
+            if self.stream is not None:
+                self.stream.dead = True
+            for seq in range(self.acked + 1, n + 1):
+                self._buf.pop(seq, None)
+            self.acked = n
+            self.resent += self.sent_hi - n
+            st.cursor = n + 1
+            self.stream = st
+            st.go.set()
+            self.cond.notify_all()
+            return None
+
+    def received(self, flush: bool = False) -> None:
+        with self.cond:
+            self.rx += 1
+            self.flush_ack = self.flush_ack or flush
+            if flush or self.rx - self.rx_acked >= self.ack_every:
+                self.cond.notify_all()
+
+    def frames(self, st: StreamCall, ack_frame: Callable[[int], bytes]) -> Iterator[bytes]:
+        """What stream ``st`` sends: frames from its cursor on, and ACKs when due."""
+        while True:
+            counted = False
+            with self.cond:
+                while True:
+                    if st.dead or self.stream is not st:
+                        return
+                    due = self.rx - self.rx_acked
+                    if due > 0 and (self.flush_ack or due >= self.ack_every):
+                        self.rx_acked, self.flush_ack = self.rx, False
+                        data = ack_frame(self.rx)
+                        break
+                    if st.cursor <= self.queued:
+                        seq = max(st.cursor, self.acked + 1)
+                        data = self._buf[seq]
+                        st.cursor = seq + 1
+                        self.sent_hi = max(self.sent_hi, seq)
+                        self.bytes_sent += len(data)
+                        self.frames_sent += 1
+                        counted = True
+                        break
+                    if self.closed:
+                        if self.goodbye is None:
+                            return
+                        data, self.goodbye = self.goodbye, None
+                        break
+                    self.cond.wait()
+            if counted and self._capture is not None:
+                self._capture.write(data)
+            yield data
+
+    def wait_acked(self, seq: int, timeout: float) -> bool:
+        """Wait until the peer confirmed frames up to ``seq`` or the link ended for good."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.acked >= seq or self.done, timeout)
+
+
+class Session:
+    """Everything one ring edge's session owns on this worker."""
+
+    def __init__(
+        self,
+        who: str,
+        pieces: TensorAssembler,
+        capture: Capture | None,
+        ack_every: int = ACK_EVERY,
+    ) -> None:
+        self.who = who
+        self.token = secrets.token_hex(16)
+        self.end = Endpoint(capture, ack_every)
+        self.pieces = pieces
+        self.relay_hold: dict[FrameKey, list[bytes]] = {}
+        self.rx_lock = threading.Lock()  # one frame at a time; a takeover waits for it
+        self.carrying = False  # its frames were consumed, or this worker sent it frames
+        self.fin_seen = False  # the sending neighbour's own FIN came through it
+        self.finished = False
+        self.down_since: float | None = None
+        self.last_error = ""
+        self.timer: threading.Timer | None = None
