@@ -474,3 +474,20 @@ def test_a_certificate_from_the_sites_own_ca(tmp_path: Path, ca: Path, serve) ->
     w1.cert.write_bytes(two.public_bytes(serialization.Encoding.PEM))
     with pytest.raises(SecretsError, match="2 mobius:// URIs"):
         check_bundle("worker-1", w1)
+
+
+def test_a_coordinator_started_with_a_workers_certificate_is_refused(
+    tmp_path: Path, ca: Path
+) -> None:
+    """mobius-coordinator checks the role of its own identity at startup (exit 2, named)."""
+    w1 = _site(tmp_path, "worker-1", ca)
+    argv = ["--listen", "127.0.0.1:0", "--out-dir", str(tmp_path / "coord"), "--workers", "2"]
+    argv += ["--ca", str(w1.ca), "--cert", str(w1.cert), "--key", str(w1.key)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "mobius_fed.cli.coordinator", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "not a coordinator's identity" in proc.stderr, proc.stderr[-2000:]

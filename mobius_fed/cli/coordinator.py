@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+from pathlib import Path
 
 from mobius_fed import __version__
 from mobius_fed.cli.common import (
@@ -16,6 +18,7 @@ from mobius_fed.cli.common import (
     print_config,
     run_daemon,
 )
+from mobius_fed.tracking import add_tracker_flag
 
 DESCRIPTION = """\
 Coordinate a Möbius ring with a Flower strategy: register P workers, run one Flower round
@@ -72,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     own_keys = {s.key for s in SETTINGS if s.path[0] != "train"}
     add_settings_flags(train, CoordinatorConfig, flatten=("train",), skip=own_keys)
     train.add_argument("--untied", dest="tied", action="store_false", help="same as --no-tied")
+    add_tracker_flag(own, default=os.environ.get("MOBIUS_TRACKER") or None)
     return p
 
 
@@ -92,7 +96,9 @@ def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
     from mobius_fed.cli.common import config_path
     from mobius_fed.cli.flags import flag_values
     from mobius_fed.coordinator.config import CoordinatorConfig, load_coordinator_config
+    from mobius_fed.coordinator.recorder import METRICS_FILE
     from mobius_fed.coordinator.server import Coordinator
+    from mobius_fed.tracking import tracked
 
     flags = flag_values(args, CoordinatorConfig, flatten=("train",))
     flags["resume"] = args.resume
@@ -104,7 +110,9 @@ def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
     coordinator = Coordinator(cfg)
     if stop is not None:  # a stop signal exits 0 once the run is done (e.g. while lingering)
         stop.finished = lambda: coordinator.state.phase == "done"
-    rc = coordinator.run()
+    metrics, config = Path(cfg.out_dir) / METRICS_FILE, cfg.train.model_dump(mode="json")
+    with tracked(args.tracker, metrics, run_name=cfg.run_id, config=config):
+        rc = coordinator.run()
     doc = coordinator.state.status_doc()
     if rc:
         print(f"run {cfg.run_id} failed: {doc['error']}")

@@ -215,6 +215,7 @@ class LocalFederation:
             "--heartbeat-interval": min(1.0, self.heartbeat_timeout / 4),
             "--run-id": "local-up",
             "--config": self.write_train_toml(),
+            "--tracker": "none",  # up itself tracks (one tracker across coordinator restarts)
         }
         cmd = [sys.executable, "-m", "mobius_fed.cli.coordinator", *flag_args(flags)]
         for k, v in self.strategy_options.items():
@@ -462,8 +463,14 @@ def cmd_up(args, train: TrainConfig) -> int:
     )
     final: dict[str, Any] | None = None
     linger = linger_default(getattr(args, "linger", None))
+    from mobius_fed.coordinator.recorder import METRICS_FILE
+    from mobius_fed.tracking import tracked
+
+    metrics = fed.coordinator_out / METRICS_FILE
+    config = train.model_dump(mode="json")
     try:
-        final = _up(fed, args, train)
+        with tracked(getattr(args, "tracker", None), metrics, run_name="up", config=config):
+            final = _up(fed, args, train)
         _report(final)
         if linger:
             _linger(fed, linger)
@@ -743,4 +750,7 @@ def register(sub) -> None:
         p,
         "continue from the newest complete manifest; --resume auto: only if there is one",
     )
+    from mobius_fed.tracking import add_tracker_flag
+
+    add_tracker_flag(p, default=os.environ.get("MOBIUS_TRACKER") or None)
     p.set_defaults(func=up_main)

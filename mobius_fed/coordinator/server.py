@@ -51,7 +51,7 @@ class Coordinator:
     checkpoints and serves status."""
 
     def __init__(self, cfg: CoordinatorConfig) -> None:
-        check_node_secrets(cfg.tls())
+        check_node_secrets(cfg.tls(), role="coordinator")
         self.cfg, self.train = cfg, cfg.train
         self.plan = RoundPlan.of(cfg.train, cfg.checkpoint_round_interval())
         self.er_privacy = ErPrivacy.of(cfg.train)  # reads the E/R noise key now: fail early

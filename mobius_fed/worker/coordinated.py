@@ -136,7 +136,7 @@ class WorkerNode:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         if not cfg.insecure:
-            check_node_secrets(cfg.tls())  # type: ignore[arg-type]
+            check_node_secrets(cfg.tls(), role="worker")  # type: ignore[arg-type]
         self.channel = open_channel(
             cfg.coordinator,  # type: ignore[arg-type]
             cfg.tls(),
