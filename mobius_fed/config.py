@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mobius_fed.model.config import PRESETS, ModelConfig, Precision, make_model_config
 from mobius_fed.model.knobs import LoopKnobs
+from mobius_fed.model.memory import MemoryConfig
 from mobius_fed.model.subspace import SubspaceConfig
 from mobius_fed.privacy.config import PrivacyConfig
 from mobius_fed.schedule import ORDERS, Order
@@ -89,6 +90,7 @@ class TrainConfig(BaseModel):
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     knobs: LoopKnobs = Field(default_factory=LoopKnobs)
     subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
 
     @field_validator("preset")
     @classmethod
@@ -141,6 +143,7 @@ class TrainConfig(BaseModel):
             knobs=self.knobs,
             precision=self.precision,
             subspace_rank=self.subspace.rank,
+            loss_chunk=self.memory.loss_chunk,
         )
 
     @property

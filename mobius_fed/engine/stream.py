@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from mobius_fed.model.groups import build_basis
 from mobius_fed.model.subspace import StreamBasis
@@ -49,6 +50,7 @@ class StreamMaps:
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         basis = build_basis(cfg.model(), cfg.seed)
         self.basis = None if basis is None else StreamBasis(basis.to(device), cfg.subspace.mode)
+        self.recompute = cfg.memory.recompute
 
     def enter(self, e: Tensor, grad: bool = True) -> Entry:
         """Slot 0 of a stream from its embedding ``e`` (with ``grad``: a training step)."""
@@ -63,10 +65,20 @@ class StreamMaps:
         self, group: nn.Module, x: Tensor, t: int, worker: int, origin: int, entry: Entry | None
     ) -> Tensor:
         """Group ``worker`` at application t on a slot of stream ``origin``; ``entry`` is
-        that stream's own :class:`Entry` where the worker is its origin (else None)."""
+        that stream's own :class:`Entry` where the worker is its origin (else None).
+
+        With ``memory.recompute`` (in a training step) only the inputs are kept; the
+        group's activations are recomputed in backward, bit for bit."""
+        base = None
+        if self.basis is not None and entry is not None and worker == origin:
+            base = entry.base
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._apply, group, x, t, base, use_reentrant=False)
+        return self._apply(group, x, t, base)
+
+    def _apply(self, group: nn.Module, x: Tensor, t: int, base: Tensor | None) -> Tensor:
         if self.basis is None:
             return group(x, t)
-        base = entry.base if entry is not None and worker == origin else None
         return self.basis.apply(group, x, t, base)
 
     def head(self, x: Tensor, entry: Entry) -> Tensor:

@@ -32,6 +32,7 @@ class ModelConfig(BaseModel):
     residual_scale: ResidualScale = "off"
     precision: Precision = "bf16"
     subspace_rank: int = Field(0, ge=0, description="k of the shared residual subspace; 0 = off")
+    loss_chunk: int = Field(0, ge=0, description="tokens per head cross-entropy chunk; 0 = off")
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -85,6 +86,7 @@ def make_model_config(
     knobs: LoopKnobs | None = None,
     precision: Precision = "bf16",
     subspace_rank: int = 0,
+    loss_chunk: int = 0,
 ) -> ModelConfig:
     """Resolve a preset name into a ModelConfig; unknown names raise ValueError.
 
@@ -111,5 +113,6 @@ def make_model_config(
         residual_scale=knobs.residual_scale,
         precision=precision,
         subspace_rank=subspace_rank,
+        loss_chunk=loss_chunk,
         **spec,
     )
