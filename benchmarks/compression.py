@@ -44,7 +44,9 @@ ARMS = (("cyclic", 1), ("ordered", 1), ("cyclic", 2), ("ordered", 2))
 
 
 def step_bytes(cfg) -> tuple[int, int]:
-    """(codec bytes, fp32 bytes) of one training step's remote hops, both directions."""
+    """(bytes, fp32 bytes) of one training step's remote hops in both directions, the whole
+    ring: the codec's payloads (``wire_dtype`` where a direction has none) of what a slot
+    carries (k-wide coordinates with the subspace on), against fp32 d-wide hidden states."""
     from mobius_fed import schedule
     from mobius_fed.transport.wire_stages import codecs
 
@@ -58,7 +60,8 @@ def step_bytes(cfg) -> tuple[int, int]:
         nodes = [s, *path, s]
         remote += sum(a != b for a, b in itertools.pairwise(nodes))
     hops = remote * cfg.micro_batches
-    size = lambda c: 4 * math.prod(shape) if c.lossless else c.payload_bytes(shape)  # noqa: E731
+    plain = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.wire_dtype] * math.prod(shape)
+    size = lambda c: plain if c.lossless else c.payload_bytes(shape)  # noqa: E731
     return hops * (size(fwd) + size(bwd)), hops * 2 * fp32
 
 
