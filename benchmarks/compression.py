@@ -76,6 +76,21 @@ def parse_subspace(text: str) -> dict:
     return {"rank": int(fields["rank"]), "mode": fields.get("mode", "stream")}
 
 
+def _pin_threads_and_kernels(device: str) -> None:
+    """One torch thread; on cuda deterministic kernels (a repeated arm gives the same Eq. 8)."""
+    import os
+
+    if device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    import torch
+
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
 def run_arm(
     order: str,
     loops: int,
@@ -87,22 +102,12 @@ def run_arm(
     precision: str = "bf16",
     subspace: str = "off",
 ) -> dict:
-    import os
-
-    if device == "cuda":  # deterministic cuBLAS: a repeated arm gives the same Eq. 8
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    import torch
-
+    _pin_threads_and_kernels(device)
     from mobius_fed.config import TrainConfig
     from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
     from mobius_fed.engine import ReferenceEngine
     from mobius_fed.transport.wire_config import WireConfig
 
-    torch.set_num_threads(1)
-    if device == "cuda":
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
     cfg = TrainConfig(
         device=device,
         precision=precision,

@@ -209,3 +209,35 @@ def test_ring_equals_reference_with_subspace(tmp_path: Path, order, loops, mode,
         rows = [json.loads(x) for x in (ring.out(i) / "metrics.jsonl").read_text().splitlines()]
         sent += max(r.get("bytes_sent", 0) for r in rows)
     assert 0 < sent < 0.4 * full, (sent, full)
+
+
+def _benchmark(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bytes_and_projection_count_the_coordinates():
+    compression, wan = _benchmark("compression"), _benchmark("wan")
+    sub = compression.parse_subspace("rank=12,mode=home")
+    assert sub == {"rank": 12, "mode": "home"}
+    with pytest.raises(ValueError, match="unknown key"):
+        compression.parse_subspace("rank=12,width=3")
+    sent, fp32 = compression.step_bytes(TrainConfig(subspace=sub))
+    assert fp32 / sent == 8.0  # cpu-small: d = 96, k = 12
+    codec = {"fwd": "int8", "bwd": "int4", "rounding": "stochastic"}
+    sent, fp32 = compression.step_bytes(TrainConfig(subspace=sub, wire=codec))
+    assert fp32 / sent == pytest.approx(32 / ((8.25 + 4.25) / 2) * 8)
+    # the figure: gpt2-small, batch 8, P = 4, bf16: 100.7 MB per worker and step
+    assert wan.worker_bytes("gpt2-small", 4, 1, 8, "bf16") == 2 * 4 * 8 * 1024 * 768 * 2
+    r = wan.project(0.05, 1.25e8, 1e9, 0.0, 4)  # 1 Gbit/s moves 125 MB in 1 s
+    assert r["transfer_s"] == pytest.approx(1.0) and r["busy"] == pytest.approx(0.05)
+    r = wan.project(0.05, 1e6, 1e9, 0.01, 4)  # bytes hide behind compute; latency does not
+    assert r["step_s"] == pytest.approx(0.05 + 4 * 0.01)
+    with pytest.raises(ValueError, match="link rate '1gbps'"):
+        wan.parse_rate_bps("1gbps")
