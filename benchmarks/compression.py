@@ -193,6 +193,7 @@ def _arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--arms", nargs="+", default=[f"{o}:{L}" for o, L in ARMS])
     p.add_argument("--jobs", type=int, default=1, help="arms trained at once")
     p.add_argument("--out", default="runs/compression.jsonl", help="results (JSON lines)")
+    p.add_argument("--table", action="store_true", help="print the table of --out; train nothing")
     p.add_argument(
         "--one", nargs=5, metavar=("ORDER", "L", "WIRE", "SEED", "SUB"), help=argparse.SUPPRESS
     )
@@ -238,6 +239,8 @@ def main() -> int:
         for o, L in (a.split(":") for a in args.arms)
         if key(o, L, w, seed, sub) not in have
     ]
+    if args.table:
+        todo = []
     cmd = [sys.executable, __file__, "--steps", str(args.steps), "--preset", args.preset]
     cmd += ["--device", args.device, "--precision", args.precision, "--one"]
     done += _run_all(cmd, todo, args.jobs, out)
@@ -246,6 +249,8 @@ def main() -> int:
         for r in done
         if r["steps"] == args.steps and r["preset"] == args.preset and r["seed"] in args.seeds
     ]
+    if args.table:  # every row of --out for these steps, preset and seeds
+        rows = [r for r in rows if f"{r['order']}:{r['loops']}" in args.arms]
     if all(r["subspace"] == "off" for r in rows):
         print(table(rows))
     else:
