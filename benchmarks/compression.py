@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -43,22 +44,51 @@ ARMS = (("cyclic", 1), ("ordered", 1), ("cyclic", 2), ("ordered", 2))
 
 
 def step_bytes(cfg) -> tuple[int, int]:
-    """(codec bytes, fp32 bytes) of one training step's remote hops, both directions."""
+    """(bytes, fp32 bytes) of one training step's remote hops in both directions, the whole
+    ring: the codec's payloads (``wire_dtype`` where a direction has none) of what a slot
+    carries (k-wide coordinates with the subspace on), against fp32 d-wide hidden states."""
     from mobius_fed import schedule
     from mobius_fed.transport.wire_stages import codecs
 
     fwd, bwd = codecs(cfg)
     mc = cfg.model()
-    shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, mc.d_model)
-    fp32 = 4 * shape[0] * shape[1] * shape[2]
+    shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, mc.subspace_rank or mc.d_model)
+    fp32 = 4 * shape[0] * shape[1] * mc.d_model  # what the paper's model sends per hop
     remote = 0
     for s in range(cfg.P):
         path = schedule.path(cfg.order, s, cfg.P, cfg.loops)
         nodes = [s, *path, s]
         remote += sum(a != b for a, b in itertools.pairwise(nodes))
     hops = remote * cfg.micro_batches
-    size = lambda c: fp32 if c.lossless else c.payload_bytes(shape)  # noqa: E731
+    plain = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.wire_dtype] * math.prod(shape)
+    size = lambda c: plain if c.lossless else c.payload_bytes(shape)  # noqa: E731
     return hops * (size(fwd) + size(bwd)), hops * 2 * fp32
+
+
+def parse_subspace(text: str) -> dict:
+    """``off`` or ``rank=K[,mode=stream|home]`` → TrainConfig.subspace's fields."""
+    if text == "off":
+        return {}
+    fields = dict(item.split("=", 1) for item in text.split(",") if item)
+    unknown = set(fields) - {"rank", "mode"}
+    if unknown:
+        raise ValueError(f"--subspace {text!r}: unknown key(s) {sorted(unknown)} (rank, mode)")
+    return {"rank": int(fields["rank"]), "mode": fields.get("mode", "stream")}
+
+
+def _pin_threads_and_kernels(device: str) -> None:
+    """One torch thread; on cuda deterministic kernels (a repeated arm gives the same Eq. 8)."""
+    import os
+
+    if device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    import torch
+
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
 
 def run_arm(
@@ -70,23 +100,14 @@ def run_arm(
     seed: int,
     device: str = "cpu",
     precision: str = "bf16",
+    subspace: str = "off",
 ) -> dict:
-    import os
-
-    if device == "cuda":  # deterministic cuBLAS: a repeated arm gives the same Eq. 8
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    import torch
-
+    _pin_threads_and_kernels(device)
     from mobius_fed.config import TrainConfig
     from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
     from mobius_fed.engine import ReferenceEngine
     from mobius_fed.transport.wire_config import WireConfig
 
-    torch.set_num_threads(1)
-    if device == "cuda":
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
     cfg = TrainConfig(
         device=device,
         precision=precision,
@@ -99,6 +120,7 @@ def run_arm(
         eval_every=0,
         eval_batches=4,
         wire=WireConfig(**WireConfig.parse_flag(wire)) if wire != "none" else WireConfig(),
+        subspace=parse_subspace(subspace),
     )
     mc = cfg.model()
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,6 +137,7 @@ def run_arm(
         "order": order,
         "loops": loops,
         "wire": wire,
+        "subspace": subspace,
         "steps": steps,
         "preset": preset,
         "seed": seed,
@@ -153,7 +176,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def _arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--preset", default="cpu-small")
@@ -161,15 +184,36 @@ def main() -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="fp32", help="on cuda")
     p.add_argument("--wire", nargs="+", default=list(DEFAULT_WIRES), help="--wire values")
+    p.add_argument(
+        "--subspace",
+        nargs="+",
+        default=["off"],
+        help="off or rank=K[,mode=stream|home] (TrainConfig.subspace); each × each --wire",
+    )
     p.add_argument("--arms", nargs="+", default=[f"{o}:{L}" for o, L in ARMS])
     p.add_argument("--jobs", type=int, default=1, help="arms trained at once")
     p.add_argument("--out", default="runs/compression.jsonl", help="results (JSON lines)")
-    p.add_argument("--one", nargs=4, metavar=("ORDER", "L", "WIRE", "SEED"), help=argparse.SUPPRESS)
-    args = p.parse_args()
+    p.add_argument("--table", action="store_true", help="print the table of --out; train nothing")
+    p.add_argument(
+        "--one", nargs=5, metavar=("ORDER", "L", "WIRE", "SEED", "SUB"), help=argparse.SUPPRESS
+    )
+    return p
+
+
+def main() -> int:
+    args = _arg_parser().parse_args()
     if args.one:
-        order, loops, wire, seed = args.one
+        order, loops, wire, seed, sub = args.one
         row = run_arm(
-            order, int(loops), wire, args.steps, args.preset, int(seed), args.device, args.precision
+            order,
+            int(loops),
+            wire,
+            args.steps,
+            args.preset,
+            int(seed),
+            args.device,
+            args.precision,
+            sub,
         )
         print(json.dumps(row))
         return 0
@@ -180,25 +224,48 @@ def main() -> int:
         done = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     where = (args.device, args.precision if args.device == "cuda" else "fp32")
     done = [r for r in done if (r.get("device", "cpu"), r.get("precision", "fp32")) == where]
+    for r in done:
+        r.setdefault("subspace", "off")
 
-    def key(o: str, L: int | str, w: str, seed: int | str) -> tuple:
-        return (o, int(L), w, int(seed), args.steps, args.preset)
+    def key(o: str, L: int | str, w: str, seed: int | str, sub: str) -> tuple:
+        return (o, int(L), w, int(seed), sub, args.steps, args.preset)
 
-    have = {key(r["order"], r["loops"], r["wire"], r["seed"]) for r in done}
+    have = {key(r["order"], r["loops"], r["wire"], r["seed"], r["subspace"]) for r in done}
     todo = [
-        (o, L, w, str(seed))
+        (o, L, w, str(seed), sub)
         for seed in args.seeds
+        for sub in args.subspace
         for w in args.wire
         for o, L in (a.split(":") for a in args.arms)
-        if key(o, L, w, seed) not in have
+        if key(o, L, w, seed, sub) not in have
     ]
+    if args.table:
+        todo = []
+    cmd = [sys.executable, __file__, "--steps", str(args.steps), "--preset", args.preset]
+    cmd += ["--device", args.device, "--precision", args.precision, "--one"]
+    done += _run_all(cmd, todo, args.jobs, out)
+    rows = [
+        r
+        for r in done
+        if r["steps"] == args.steps and r["preset"] == args.preset and r["seed"] in args.seeds
+    ]
+    if args.table:  # every row of --out for these steps, preset and seeds
+        rows = [r for r in rows if f"{r['order']}:{r['loops']}" in args.arms]
+    if all(r["subspace"] == "off" for r in rows):
+        print(table(rows))
+    else:
+        print(subspace_table(rows))
+    return 0
+
+
+def _run_all(cmd: list[str], todo: list[tuple], jobs: int, out: Path) -> list[dict]:
+    """Train the arms ``todo`` (``jobs`` processes at once), appending each row to ``out``."""
     running: list[tuple[subprocess.Popen, tuple]] = []
-    env_cmd = [sys.executable, __file__, "--steps", str(args.steps), "--preset", args.preset]
-    env_cmd += ["--device", args.device, "--precision", args.precision, "--one"]
+    rows = []
     while todo or running:
-        while todo and len(running) < args.jobs:
+        while todo and len(running) < jobs:
             arm = todo.pop(0)
-            proc = subprocess.Popen([*env_cmd, *arm], stdout=subprocess.PIPE, text=True)
+            proc = subprocess.Popen([*cmd, *arm], stdout=subprocess.PIPE, text=True)
             running.append((proc, arm))
         time.sleep(1)
         for proc, arm in list(running):
@@ -213,14 +280,57 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            done.append(row)
-    rows = [
-        r
-        for r in done
-        if r["steps"] == args.steps and r["preset"] == args.preset and r["seed"] in args.seeds
+            rows.append(row)
+    return rows
+
+
+# two-sided 95 % Student t quantiles by degrees of freedom
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def paired_interval(deltas: list[float]) -> str:
+    """mean of paired Δs with its 95 % t interval (one seed: the value alone)."""
+    n = len(deltas)
+    mean = sum(deltas) / n
+    if n < 2:
+        return f"{mean:+.4f} (n=1)"
+    sd = (sum((d - mean) ** 2 for d in deltas) / (n - 1)) ** 0.5
+    half = T975.get(n - 1, 1.96) * sd / n**0.5
+    return f"{mean:+.4f} ± {half:.4f} (n={n})"
+
+
+def subspace_table(rows: list[dict]) -> str:
+    """One line per (subspace, wire, order, L): bytes ratio, Eq. 8, and the paired Δs
+    against the unconstrained fp32 model and against the same subspace without a codec."""
+    eq8 = {(r["subspace"], r["wire"], r["order"], r["loops"], r["seed"]): r["eq8"] for r in rows}
+    lines = [
+        "| subspace | wire | order, L | bytes vs fp32 | Eq. 8 (mean) "
+        "| Δ vs unconstrained fp32 (95 % CI) | Δ vs same subspace, no codec |",
+        "|---|---|---|---|---|---|---|",
     ]
-    print(table(rows))
-    return 0
+    arms = dict.fromkeys((r["subspace"], r["wire"], r["order"], r["loops"]) for r in rows)
+    for sub, wire, order, loops in arms:
+        mine = [
+            r
+            for r in rows
+            if (r["subspace"], r["wire"], r["order"], r["loops"]) == (sub, wire, order, loops)
+        ]
+        seeds = sorted(r["seed"] for r in mine)
+        mean = sum(r["eq8"] for r in mine) / len(mine)
+        cells = []
+        for base in (("off", "none"), (sub, "none")):
+            pairs = [
+                eq8[(sub, wire, order, loops, s)] - eq8[(*base, order, loops, s)]
+                for s in seeds
+                if (*base, order, loops, s) in eq8
+            ]
+            same = base == (sub, wire)
+            cells.append("—" if same or not pairs else paired_interval(pairs))
+        lines.append(
+            f"| {sub} | {wire} | {order} L={loops} | {mine[0]['ratio']:.1f}× | {mean:.4f} "
+            f"| {cells[0]} | {cells[1]} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

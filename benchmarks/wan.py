@@ -15,6 +15,11 @@ loopback row of the same codec.
 
     python benchmarks/wan.py link --shapes loopback 1gbit/25ms 100mbit/50ms
     python benchmarks/wan.py ring --codecs none fwd=int8,bwd=int8 both=int3 --steps 8
+    python benchmarks/wan.py project --compute 0.076 0.047 --rates 100mbit 1gbit 10gbit
+
+``project`` needs no testbed: from compute seconds per step (measured, or given for a GPU),
+the bytes a worker sends per step under a scheme (wire dtype, codec, subspace; exact payload
+sizes) and a link (rate, RTT) it projects the busy fraction and the ring's tokens/s.
 
 Shapes are RATE/DELAY per site and direction (``1gbit/25ms``: 1 Gbit/s each way, 25 ms
 one way, so a 50 ms round trip); ``loopback`` is the testbed unshaped. Link tuning
@@ -294,6 +299,118 @@ def ring_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------ projection
+
+RATES = {"mbit": 1e6, "gbit": 1e9, "kbit": 1e3}
+
+
+def parse_rate_bps(text: str) -> float:
+    """``100mbit``, ``1gbit``, ``10gbit`` → bits per second."""
+    for unit, scale in RATES.items():
+        if text.lower().endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    raise ValueError(f"link rate {text!r}: expected a number and kbit, mbit or gbit (1gbit)")
+
+
+def parse_scheme(text: str) -> dict:
+    """A scheme for :func:`scheme_config`: ``bf16`` / ``fp32`` (the wire dtype alone) or
+    ``;``-separated ``dtype=…``, ``wire=<--wire spec>``, ``subspace=rank=K[,mode=…]``."""
+    if text in ("fp32", "bf16", "fp16"):
+        return {"wire_dtype": text}
+    out: dict = {}
+    for part in filter(None, text.split(";")):
+        key, _, value = part.partition("=")
+        if key == "dtype":
+            out["wire_dtype"] = value
+        elif key == "wire":
+            from mobius_fed.transport.wire_config import WireConfig
+
+            out["wire"] = WireConfig.parse_flag(value)
+        elif key == "subspace":
+            sys.path.insert(0, str(Path(__file__).parent))
+            from compression import parse_subspace
+
+            out["subspace"] = parse_subspace(value)
+        else:
+            raise ValueError(f"scheme {text!r}: unknown part {key!r} (dtype, wire, subspace)")
+    return out
+
+
+def worker_bytes(preset: str, P: int, loops: int, batch: int, scheme: str) -> float:
+    """Bytes one worker sends per training step (cyclic: the ring's total over P)."""
+    from mobius_fed.config import TrainConfig
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from compression import step_bytes
+
+    cfg = TrainConfig(
+        preset=preset, workers=P, loops=loops, batch_size=batch, **parse_scheme(scheme)
+    )
+    return step_bytes(cfg)[0] / P
+
+
+def project(compute_s: float, nbytes: float, rate_bps: float, rtt_s: float, K: int) -> dict:
+    """Step time, busy fraction of one worker and the ring's step rate on a link.
+
+    The worker sends ``nbytes`` per step (its hidden states forward, its gradients
+    backward, each direction on its own link direction). Transfers overlap compute (the
+    ring streams frames while the next application runs), so a step takes the longer of
+    compute and transfer; the dependency chain of a step crosses K hops forward and K
+    back, each a one-way delay, which nothing inside a step hides: + K·RTT. ``serial``
+    is the bound without any overlap: compute + transfer + K·RTT.
+    """
+    transfer = 8 * nbytes / rate_bps
+    step = max(compute_s, transfer) + K * rtt_s
+    serial = compute_s + transfer + K * rtt_s
+    return {
+        "transfer_s": transfer,
+        "step_s": step,
+        "busy": compute_s / step,
+        "serial_busy": compute_s / serial,
+    }
+
+
+def project_table(args: argparse.Namespace) -> str:
+    from mobius_fed.config import TrainConfig
+
+    cfg = TrainConfig(
+        preset=args.preset, workers=args.workers, loops=args.loops, batch_size=args.batch
+    )
+    tokens = cfg.tokens_per_step
+    rtt = float(args.rtt_ms) / 1000
+    head = " | ".join(f"{r}: busy / tokens/s" for r in args.rates)
+    lines = [
+        f"{args.preset}, P = {args.workers}, L = {args.loops}, batch {args.batch} per origin, "
+        f"{tokens} tokens per ring step, RTT {args.rtt_ms} ms; busy = compute / step "
+        "(overlapped; serial bound in brackets)",
+        "",
+        f"| scheme | MB sent per worker-step | compute s/step | {head} |",
+        "|---|---|---|" + "---|" * len(args.rates),
+    ]
+    for scheme in args.schemes:
+        nbytes = worker_bytes(args.preset, args.workers, args.loops, args.batch, scheme)
+        for compute in args.compute:
+            cells = []
+            for rate in args.rates:
+                r = project(compute, nbytes, parse_rate_bps(rate), rtt, cfg.K)
+                cells.append(
+                    f"{r['busy']:.2f} ({r['serial_busy']:.2f}) / {tokens / r['step_s']:,.0f}"
+                )
+            lines.append(
+                f"| {scheme} | {nbytes / 1e6:.1f} | {compute} | " + " | ".join(cells) + " |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+PROJECT_SCHEMES = [
+    "bf16",
+    "wire=fwd=int6,bwd=int4,rounding=stochastic",
+    "subspace=rank=96,mode=home;dtype=bf16",
+    "subspace=rank=96,mode=home;wire=fwd=int8,bwd=int4,rounding=stochastic",
+    "subspace=rank=48,mode=home;wire=fwd=int8,bwd=int4,rounding=stochastic",
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_link":
@@ -316,7 +433,19 @@ def main(argv: list[str] | None = None) -> int:
     rg.add_argument("--skip", type=int, default=2, help="untimed first steps")
     rg.add_argument("--micro", type=int, default=1, help="micro-batches per stream")
     rg.add_argument("--timeout", type=float, default=1800)
+    pj = sub.add_parser("project", help="projected busy fraction and tokens/s (no testbed)")
+    pj.add_argument("--compute", type=float, nargs="+", default=[0.076, 0.047], help="s/step")
+    pj.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"])
+    pj.add_argument("--rtt-ms", type=float, default=0.0, help="round trip of every ring link")
+    pj.add_argument("--schemes", nargs="+", default=PROJECT_SCHEMES)
+    pj.add_argument("--preset", default="gpt2-small")
+    pj.add_argument("--workers", type=int, default=4)
+    pj.add_argument("--loops", type=int, default=1)
+    pj.add_argument("--batch", type=int, default=8)
     args = p.parse_args(argv)
+    if args.part == "project":
+        print(project_table(args))
+        return 0
     if args.part == "link":
         print(link_table(bench_link(args.shapes, args.count)))
     else:

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mobius_fed.model.config import PRESETS, ModelConfig, Precision, make_model_config
 from mobius_fed.model.knobs import LoopKnobs
+from mobius_fed.model.memory import MemoryConfig
+from mobius_fed.model.subspace import SubspaceConfig
 from mobius_fed.privacy.config import PrivacyConfig
 from mobius_fed.schedule import ORDERS, Order
 from mobius_fed.settings import (  # noqa: F401 - re-exported: the config API lives here
@@ -87,6 +89,8 @@ class TrainConfig(BaseModel):
     wire: WireConfig = Field(default_factory=WireConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     knobs: LoopKnobs = Field(default_factory=LoopKnobs)
+    subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
 
     @field_validator("preset")
     @classmethod
@@ -118,7 +122,13 @@ class TrainConfig(BaseModel):
                 f"batch_size={self.batch_size} is not divisible by "
                 f"micro_batches={self.micro_batches}"
             )
-        self.model()  # raises on layers not divisible by P
+        if self.subspace.on and self.subspace.mode == "home" and self.order != "cyclic":
+            raise ValueError(
+                "subspace mode 'home' needs the cyclic order: in the ordered order a stream "
+                "would reach the groups before its origin's with no input (its embedding "
+                "stays home); use mode 'stream'"
+            )
+        self.model()  # raises on layers not divisible by P (and a rank above d_model)
         return self
 
     def model(self) -> ModelConfig:
@@ -132,6 +142,8 @@ class TrainConfig(BaseModel):
             loops=self.loops,
             knobs=self.knobs,
             precision=self.precision,
+            subspace_rank=self.subspace.rank,
+            loss_chunk=self.memory.loss_chunk,
         )
 
     @property

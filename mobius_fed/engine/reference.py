@@ -20,6 +20,7 @@ from mobius_fed.checkpoint import load_checkpoint, save_checkpoint
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.hops import HopContext, build_hops
+from mobius_fed.engine.stream import Entry, StreamMaps
 from mobius_fed.model import BlockGroup, Replica, build_group
 from mobius_fed.model.layers import resolve_device
 from mobius_fed.model.training import (
@@ -72,6 +73,7 @@ class ReferenceEngine:
         self._paths = [schedule.path(cfg.order, s, cfg.P, cfg.loops) for s in range(cfg.P)]
         self.hops = build_hops(cfg, "reference")
         self.nopeek = build_nopeek(cfg)
+        self.maps = StreamMaps(cfg, self.device)
 
     def _hop(self, phase: str, direction: str, step: int, s: int, slot: int, m: int) -> HopContext:
         """Slot ``slot`` of stream s: written by the previous group (or home), read by the next."""
@@ -136,23 +138,23 @@ class ReferenceEngine:
         """
         P, M, K, n = self.cfg.P, self.cfg.micro_batches, self.cfg.K, self.step
         batches = [self._micro("train", s, n) for s in range(P)]
-        embedded: dict[tuple[int, int], Tensor] = {}
+        embedded: dict[tuple[int, int], Entry] = {}
         hidden: dict[tuple[int, int], Tensor] = {}
         # NoPeek: the origin's penalty gradient for the slot its first remote hop carries
-        nopeek, penalty = self.nopeek, {}
+        nopeek, penalty, maps = self.nopeek, {}, self.maps
         for s in range(P):
             for m, (x, _) in enumerate(batches[s]):
-                embedded[s, m] = self.replicas[s].embed(x)
+                entry = embedded[s, m] = maps.enter(self.replicas[s].embed(x))
                 if nopeek is not None and nopeek.slot(s) == 0:
-                    penalty[s, 0, m] = nopeek.gradient(x, embedded[s, m])
-                hidden[s, m] = self._forward_hop(embedded[s, m].detach(), "train", n, s, 0, m)
+                    penalty[s, 0, m] = nopeek.gradient(x, entry.slot0)
+                hidden[s, m] = self._forward_hop(entry.slot0.detach(), "train", n, s, 0, m)
         applications: list[tuple[int, int, int, Tensor, Tensor]] = []
         for t, row in enumerate(self._table):
             for i, streams in row.items():
                 for s in streams:
                     for m in range(M):
                         inp = hidden[s, m].requires_grad_()
-                        out = self.groups[i](inp, t)
+                        out = maps.apply(self.groups[i], inp, t, i, s, embedded[s, m])
                         if nopeek is not None and nopeek.slot(s) == t + 1:
                             penalty[s, t + 1, m] = nopeek.gradient(batches[s][m][0], out)
                         applications.append((t, s, m, inp, out))
@@ -163,7 +165,7 @@ class ReferenceEngine:
             losses = []
             for m, (_, y) in enumerate(batches[s]):
                 h = hidden[s, m].requires_grad_()
-                loss = self.replicas[s].loss(h, y)
+                loss = self.replicas[s].loss(maps.head(h, embedded[s, m]), y)
                 loss.backward()
                 grads[s, m] = self._backward_hop(h.grad, n, s, K, m)
                 losses.append(loss)
@@ -193,10 +195,12 @@ class ReferenceEngine:
             losses = []
             micro = [mb for b in range(cfg.eval_batches) for mb in self._micro("val", s, b)]
             for j, (x, y) in enumerate(micro):
-                h = self._forward_hop(self.replicas[s].embed(x), "eval", self.step, s, 0, j)
+                entry = self.maps.enter(self.replicas[s].embed(x), grad=False)
+                h = self._forward_hop(entry.slot0, "eval", self.step, s, 0, j)
                 for t, i in enumerate(route):
-                    h = self._forward_hop(self.groups[i](h, t), "eval", self.step, s, t + 1, j)
-                losses.append(self.replicas[s].loss(h, y))
+                    out = self.maps.apply(self.groups[i], h, t, i, s, entry)
+                    h = self._forward_hop(out, "eval", self.step, s, t + 1, j)
+                losses.append(self.replicas[s].loss(self.maps.head(h, entry), y))
             per_origin.append(mean_loss(losses))
         return EvalResult(step=self.step, loss=sum(per_origin) / cfg.P, origin_losses=per_origin)
 

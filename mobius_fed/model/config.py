@@ -31,6 +31,8 @@ class ModelConfig(BaseModel):
     depth_embedding: bool = False
     residual_scale: ResidualScale = "off"
     precision: Precision = "bf16"
+    subspace_rank: int = Field(0, ge=0, description="k of the shared residual subspace; 0 = off")
+    loss_chunk: int = Field(0, ge=0, description="tokens per head cross-entropy chunk; 0 = off")
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -39,6 +41,8 @@ class ModelConfig(BaseModel):
                 f"n_layer={self.n_layer} is not divisible by P={self.groups} workers: "
                 "every block group needs the same number of layers"
             )
+        if self.subspace_rank > self.d_model:
+            raise ValueError(f"subspace rank {self.subspace_rank} exceeds d_model={self.d_model}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         return self
@@ -81,6 +85,8 @@ def make_model_config(
     loops: int = 1,
     knobs: LoopKnobs | None = None,
     precision: Precision = "bf16",
+    subspace_rank: int = 0,
+    loss_chunk: int = 0,
 ) -> ModelConfig:
     """Resolve a preset name into a ModelConfig; unknown names raise ValueError.
 
@@ -106,5 +112,7 @@ def make_model_config(
         depth_embedding=knobs.depth_embedding,
         residual_scale=knobs.residual_scale,
         precision=precision,
+        subspace_rank=subspace_rank,
+        loss_chunk=loss_chunk,
         **spec,
     )

@@ -5,16 +5,19 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from torch import Tensor
 
 from mobius_fed.model.config import ModelConfig
 from mobius_fed.model.group import BlockGroup
 from mobius_fed.model.replica import HOME_LAYERS, HomeLayer, Replica, is_private
+from mobius_fed.model.subspace import subspace_basis
 
 __all__ = [
     "HOME_LAYERS",
     "BlockGroup",
     "HomeLayer",
     "Replica",
+    "build_basis",
     "build_group",
     "build_replica",
     "count_parameters",
@@ -29,11 +32,19 @@ def derive_seed(seed: int, *tags: object) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
+def build_basis(cfg: ModelConfig, seed: int) -> Tensor | None:
+    """The run's shared subspace basis U [d, k] (None when ``subspace_rank`` is 0)."""
+    if not cfg.subspace_rank:
+        return None
+    return subspace_basis(cfg.d_model, cfg.subspace_rank, derive_seed(seed, "subspace"))
+
+
 def build_group(cfg: ModelConfig, index: int, seed: int) -> BlockGroup:
     """F_index initialised from (seed, index) alone, identically on every machine."""
+    basis = build_basis(cfg, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(seed, "group", index))
-        return BlockGroup(cfg)
+        return BlockGroup(cfg, basis)
 
 
 def build_replica(cfg: ModelConfig, seed: int, home_layer: str | None = None) -> Replica:
@@ -52,5 +63,6 @@ def count_parameters(cfg: ModelConfig) -> int:
     """Parameters of the full model: P groups plus one E/R replica (without the private
     home layers, which belong to the sites)."""
     with torch.device("meta"):
-        groups = sum(p.numel() for p in BlockGroup(cfg).parameters()) * cfg.groups
+        basis = torch.empty(cfg.d_model, cfg.subspace_rank) if cfg.subspace_rank else None
+        groups = sum(p.numel() for p in BlockGroup(cfg, basis).parameters()) * cfg.groups
         return groups + sum(p.numel() for p in Replica(cfg).parameters())

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mobius_fed.model.config import ModelConfig
+from mobius_fed.model.subspace import BasisLinear
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,13 +43,22 @@ class Rotary(nn.Module):
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
 
 
+def output_projection(in_features: int, d: int, basis: Tensor | None) -> nn.Module:
+    """A block's output projection: unconstrained, or writing through U (see subspace.py).
+
+    The unconstrained layer is built either way (its default init draws from the RNG), so
+    every other weight draws the same values with or without U: paired comparisons."""
+    unconstrained = nn.Linear(in_features, d, bias=False)
+    return unconstrained if basis is None else BasisLinear(in_features, basis)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, basis: Tensor | None = None) -> None:
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
         inner = cfg.n_head * cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, 3 * inner, bias=False)
-        self.proj = nn.Linear(inner, cfg.d_model, bias=False)
+        self.proj = output_projection(inner, cfg.d_model, basis)
         self.rotary = Rotary(cfg.head_dim, cfg.seq_len)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -62,25 +72,28 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, basis: Tensor | None = None) -> None:
         super().__init__()
         hidden = cfg.mlp_ratio * cfg.d_model
         self.fc = nn.Linear(cfg.d_model, hidden, bias=False)
-        self.proj = nn.Linear(hidden, cfg.d_model, bias=False)
+        self.proj = output_projection(hidden, cfg.d_model, basis)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(F.relu(self.fc(x)).square())
 
 
 class Block(nn.Module):
-    """One pre-norm block; it reads nothing but its input, so it works at any depth."""
+    """One pre-norm block; it reads nothing but its input, so it works at any depth.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    With ``basis`` U its output projections write through U, so its update lies in span(U).
+    """
+
+    def __init__(self, cfg: ModelConfig, basis: Tensor | None = None) -> None:
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, basis)
         self.norm2 = nn.RMSNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, basis)
         self.bf16 = cfg.precision == "bf16"
         self.reset_parameters(cfg)
 

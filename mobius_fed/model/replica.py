@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from mobius_fed.model.config import ModelConfig
 from mobius_fed.model.layers import Block, rms_norm
+from mobius_fed.model.memory import chunked_cross_entropy
 
 HomeLayer = Literal["off", "mlp", "block"]
 HOME_LAYERS: tuple[str, ...] = get_args(HomeLayer)
@@ -117,7 +118,15 @@ class Replica(nn.Module):
         return cap * torch.tanh(logits / cap)
 
     def loss(self, h: Tensor, targets: Tensor) -> Tensor:
-        """Mean token cross-entropy of R(home(h)) against targets."""
+        """Mean token cross-entropy of R(home(h)) against targets (in chunks of
+        ``ModelConfig.loss_chunk`` tokens when set: no B×T×V logits)."""
+        if self.cfg.loss_chunk:
+            if self.home is not None:
+                h = self.home(h)
+            weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
+            hn = rms_norm(h).reshape(-1, h.size(-1))
+            cap, chunk = self.cfg.logit_cap, self.cfg.loss_chunk
+            return chunked_cross_entropy(hn, weight, targets.reshape(-1), cap, chunk)
         logits = self.logits(h)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 

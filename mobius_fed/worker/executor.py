@@ -20,6 +20,7 @@ from mobius_fed import schedule
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.hops import HopContext, build_hops
+from mobius_fed.engine.stream import StreamMaps
 from mobius_fed.model import build_group
 from mobius_fed.model.layers import resolve_device
 from mobius_fed.model.training import make_optimizers, mean_loss, scale_grads, step_optimizers
@@ -62,6 +63,7 @@ class RingExecutor:
         self.peer_timeout = peer_timeout
         self.hops = build_hops(cfg, "ring", rank)
         self.nopeek = build_nopeek(cfg)
+        self.maps = StreamMaps(cfg, self.device)
         self._codecs = codecs(cfg)
         stages = [st for st in self.hops.stages if isinstance(st, CodecStage)]
         self._codec_stage: CodecStage | None = stages[0] if stages else None
@@ -141,15 +143,16 @@ class RingExecutor:
         nopeek, penalty = self.nopeek, {}
         first = nopeek.slot(self.rank) if nopeek is not None else None
         for m, (x, _) in enumerate(batches):
-            e = self.replica.embed(x)
-            embedded.append(e)
+            entry = self.maps.enter(self.replica.embed(x))
+            embedded.append(entry)
             if nopeek is not None and first == 0:
-                penalty[0, m] = nopeek.gradient(x, e)
-            self._send_forward(TRAIN, n, self.rank, 0, m, e.detach())
+                penalty[0, m] = nopeek.gradient(x, entry.slot0)
+            self._send_forward(TRAIN, n, self.rank, 0, m, entry.slot0.detach())
         saved: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
         for t, s, m in self.applications:
             inp = self._take(FrameKey(TRAIN, n, FORWARD, s, t, m)).requires_grad_()
-            out = self.group(inp, t)
+            own = embedded[m] if s == self.rank else None
+            out = self.maps.apply(self.group, inp, t, self.rank, s, own)
             if nopeek is not None and s == self.rank and first == t + 1:
                 penalty[t + 1, m] = nopeek.gradient(batches[m][0], out)
             saved[t, s, m] = (inp, out)
@@ -157,7 +160,7 @@ class RingExecutor:
         losses = []
         for m, (_, y) in enumerate(batches):
             h = self._take(FrameKey(TRAIN, n, FORWARD, self.rank, K, m)).requires_grad_()
-            loss = self.replica.loss(h, y)
+            loss = self.replica.loss(self.maps.head(h, embedded[m]), y)
             loss.backward()
             losses.append(loss)
             self._send_backward(n, self.rank, K, m, h.grad)
@@ -185,16 +188,19 @@ class RingExecutor:
         """This origin's path-specific validation loss (one term of paper Eq. 8)."""
         n, K = self.step, self.cfg.K
         micro = [mb for b in range(self.cfg.eval_batches) for mb in self._micro("val", b)]
-        for j, (x, _) in enumerate(micro):
-            self._send_forward(EVAL, n, self.rank, 0, j, self.replica.embed(x))
-        count = len(micro)
+        entries = [self.maps.enter(self.replica.embed(x), grad=False) for x, _ in micro]
+        for j, entry in enumerate(entries):
+            self._send_forward(EVAL, n, self.rank, 0, j, entry.slot0)
         for t, s in self.ticks:
-            for j in range(count):
+            for j, entry in enumerate(entries):
                 h = self._take(FrameKey(EVAL, n, FORWARD, s, t, j))
-                self._send_forward(EVAL, n, s, t + 1, j, self.group(h, t))
+                out = self.maps.apply(self.group, h, t, self.rank, s, entry)
+                self._send_forward(EVAL, n, s, t + 1, j, out)
         losses = [
-            self.replica.loss(self._take(FrameKey(EVAL, n, FORWARD, self.rank, K, j)), y)
-            for j, (_, y) in enumerate(micro)
+            self.replica.loss(
+                self.maps.head(self._take(FrameKey(EVAL, n, FORWARD, self.rank, K, j)), entry), y
+            )
+            for j, ((_, y), entry) in enumerate(zip(micro, entries))
         ]
         return mean_loss(losses)
 

@@ -72,7 +72,10 @@ class FrameRules:
         self.P, self.K, self.M = cfg.P, cfg.K, cfg.micro_batches
         self.paths = [schedule.path(cfg.order, s, cfg.P, cfg.loops) for s in range(cfg.P)]
         mc = cfg.model()
-        self.shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, mc.d_model)
+        # A slot carries [b, T, d] hidden states, or [b, T, k] subspace coordinates
+        # (TrainConfig.subspace): the assembler refuses a tensor of any other shape.
+        width = mc.subspace_rank or mc.d_model
+        self.shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, width)
         self.current_step = current_step
 
     # ----------------------------------------------------------------- routes

@@ -1,0 +1,118 @@
+"""A shared residual subspace: the model-level compression of the ring's traffic.
+
+With ``TrainConfig.subspace.rank`` = k > 0, a fixed orthonormal basis U ∈ R^{d×k} (drawn
+from the run seed, a buffer identical on every worker, never trained) constrains the
+residual stream wherever it leaves a machine:
+
+* every block's output projections write through U (W_out = U·W′, W′ ∈ R^{k×inner}
+  trained), so a group's update lies in span(U);
+* between two applications the stream travels as its coordinates c = Uᵀ(h − b): B·T·k
+  values instead of B·T·d, and the receiver rebuilds h = U·c + b. Its gradient travels as
+  ∂L/∂c = Uᵀ ∂L/∂h (k values), the exact chain rule of that map.
+
+``b`` is what a worker adds from its own knowledge (``mode``):
+
+* ``stream``: b = 0 everywhere, the embedding is projected (c₀ = Uᵀ E(x_s)); the whole
+  stream lives in span(U).
+* ``home``: b = E(x_s) at the origin's own worker and 0 elsewhere; c₀ = 0. The token
+  embedding never leaves its origin: remote groups see only what the groups wrote into
+  the subspace, and the head reads E(x_s) + U·c_K. Cyclic order only: in the ordered order
+  the stream would pass the groups before its origin's with no input at all.
+
+Because the map is a pure function of (c, b, U), the reference engine and a ring of
+workers compute the same tensors bit for bit, and any wire codec quantises c.
+
+Builds on Pluralis' Protocol Models (Ramasinghe et al., arXiv 2506.01260: the residual
+stream constrained to a shared subspace so activations and their gradients compress ~100×)
+and residual bottleneck modules (ResBM, arXiv 2604.11947). Möbius differs in two ways:
+every group serves every depth (so one fixed U serves every sender–receiver pair, where
+a learned per-stage encoder would not), and the receiver never has the origin's tokens
+(Protocol Models recompute the token embedding at every stage; ``home`` mode keeps it at
+the origin instead). MAPL / MDCP-PP (arXiv 2606.05484) reports that fixed projections
+degrade quality: the benchmark in ``benchmarks/compression.py`` measures how much here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor, nn
+
+SubspaceMode = Literal["stream", "home"]
+
+
+class SubspaceConfig(BaseModel):
+    """``TrainConfig.subspace``: rank 0 (the default) is the paper's unconstrained model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(
+        0, ge=0, description="k: width of the shared residual subspace on the wire; 0 = off"
+    )
+    mode: SubspaceMode = Field(
+        "stream",
+        description="stream: the embedding is projected too (b = 0); home: the token "
+        "embedding stays at its origin (b = E(x) there, cyclic order only)",
+    )
+
+    @property
+    def on(self) -> bool:
+        return self.rank > 0
+
+
+def subspace_basis(d: int, k: int, seed: int) -> Tensor:
+    """U ∈ R^{d×k} with orthonormal columns, a pure function of (d, k, seed) (float64 QR of a
+    seeded Gaussian on the CPU, then fp32): the same on every machine."""
+    if not 0 < k <= d:
+        raise ValueError(f"subspace rank k={k} must be in 1..d_model={d}")
+    gen = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(d, k, generator=gen, dtype=torch.float64))
+    q = q * torch.sign(torch.diagonal(r))  # a unique QR: positive diagonal of R
+    return q.float().contiguous()
+
+
+class BasisLinear(nn.Module):
+    """x ↦ U·(W′x): a linear map whose output lies in span(U); only W′ [k, in] trains."""
+
+    def __init__(self, in_features: int, basis: Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(basis.size(1), in_features))
+        self.register_buffer("basis", basis.clone(), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(nn.functional.linear(x, self.weight), self.basis.to(x.dtype))
+
+
+class StreamBasis:
+    """The coordinate maps of one run: c = Uᵀ(h − b) and h = U·c + b."""
+
+    def __init__(self, basis: Tensor, mode: SubspaceMode) -> None:
+        self.U, self.mode = basis, mode
+
+    def to(self, device: torch.device) -> StreamBasis:
+        return StreamBasis(self.U.to(device), self.mode)
+
+    def coords(self, h: Tensor, b: Tensor | None = None) -> Tensor:
+        """c = Uᵀ(h − b): [B, T, d] → [B, T, k]."""
+        return (h if b is None else h - b) @ self.U
+
+    def expand(self, c: Tensor, b: Tensor | None = None) -> Tensor:
+        """h = U·c + b: [B, T, k] → [B, T, d]."""
+        h = c @ self.U.T
+        return h if b is None else h + b
+
+    def enter(self, e: Tensor) -> Tensor:
+        """Slot 0's coordinates from the embedding E(x_s): Uᵀ E (stream) or 0 (home)."""
+        if self.mode == "home":
+            return e.new_zeros(*e.shape[:-1], self.U.size(1))
+        return self.coords(e)
+
+    def apply(self, group: nn.Module, c: Tensor, t: int, b: Tensor | None) -> Tensor:
+        """One application in coordinates: Uᵀ(F_i(U·c + b, t) − b)."""
+        return self.coords(group(self.expand(c, b), t), b)
+
+    def base(self, e: Tensor, worker: int, origin: int) -> Tensor | None:
+        """b of stream ``origin`` at ``worker``: E(x_s) at the origin in home mode, else None."""
+        return e if self.mode == "home" and worker == origin else None

@@ -1,0 +1,243 @@
+"""The shared residual subspace (TrainConfig.subspace): the basis, the model, the gradient,
+the frame shapes, and ring == reference over real workers with and without a wire codec."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from mobius_fed import schedule
+from mobius_fed.config import TrainConfig
+from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+from mobius_fed.engine import ReferenceEngine
+from mobius_fed.model import build_group
+from mobius_fed.model.groups import build_basis
+from mobius_fed.model.subspace import BasisLinear, subspace_basis
+from mobius_fed.proto import ring_pb2
+from mobius_fed.transport.codec import FrameError, TensorAssembler, encode_frames, parse_frame
+from mobius_fed.worker.frames import FrameRules
+from tests.ring_harness import Ring
+
+TINY = dict(preset="cpu-tiny", batch_size=4, sync_every=0, eval_every=0)
+
+
+def _engine(cfg: TrainConfig, root: Path) -> ReferenceEngine:
+    dirs = prepare_sites(None, root, cfg.P, cfg.encoding, text=embedded_corpus())
+    return ReferenceEngine(cfg, [SiteData(d, cfg.model().seq_len, cfg.encoding) for d in dirs])
+
+
+def test_basis_is_orthonormal_seeded_and_checked():
+    u = subspace_basis(32, 8, seed=5)
+    assert u.shape == (32, 8) and u.dtype == torch.float32
+    assert torch.allclose(u.T @ u, torch.eye(8), atol=1e-6)
+    assert torch.equal(u, subspace_basis(32, 8, seed=5)), "a pure function of (d, k, seed)"
+    assert not torch.equal(u, subspace_basis(32, 8, seed=6))
+    with pytest.raises(ValueError, match=r"subspace rank k=40 must be in 1\.\.d_model=32"):
+        subspace_basis(32, 40, seed=0)
+
+
+def test_bad_settings_are_refused_with_the_reason():
+    with pytest.raises(ValidationError, match="subspace rank 33 exceeds d_model=32"):
+        TrainConfig(preset="cpu-tiny", subspace={"rank": 33})
+    with pytest.raises(ValidationError, match="subspace mode 'home' needs the cyclic order"):
+        TrainConfig(preset="cpu-tiny", order="ordered", subspace={"rank": 8, "mode": "home"})
+    with pytest.raises(ValidationError, match="mode"):
+        TrainConfig(preset="cpu-tiny", subspace={"rank": 8, "mode": "sideways"})
+    cfg = TrainConfig(preset="cpu-tiny", subspace={"rank": 8})
+    with pytest.raises(ValueError, match=r"needs a basis of shape \(32, 8\)"):
+        from mobius_fed.model.group import BlockGroup
+
+        BlockGroup(cfg.model())
+
+
+def test_off_is_the_paper_model_and_on_writes_through_u():
+    off = TrainConfig(preset="cpu-tiny")
+    on = TrainConfig(preset="cpu-tiny", subspace={"rank": 8})
+    assert off.subspace.rank == 0 and build_basis(off.model(), 0) is None
+    g_off, g_on = build_group(off.model(), 1, 0), build_group(on.model(), 1, 0)
+    assert all(isinstance(b.mlp.proj, torch.nn.Linear) for b in g_off.blocks)
+    assert all(isinstance(b.attn.proj, BasisLinear) for b in g_on.blocks)
+    assert g_on.blocks[0].mlp.proj.weight.shape == (8, 128)
+    # every other weight draws the same values: paired comparisons with the same seed
+    assert torch.equal(g_off.blocks[2].attn.qkv.weight, g_on.blocks[2].attn.qkv.weight)
+    # a block's update lies in span(U): U Uᵀ (F(h) − h) = F(h) − h
+    u = build_basis(on.model(), 0)
+    with torch.no_grad():
+        for p in g_on.parameters():
+            p.normal_()
+        h = torch.randn(2, 5, 32)
+        upd = g_on.blocks[0](h) - h
+    assert torch.allclose(upd @ u @ u.T, upd, atol=1e-4 * upd.abs().max().item())
+
+
+def _direct_gradients(engine: ReferenceEngine) -> tuple[list[float], list[torch.Tensor]]:
+    """Eq. 8's training losses and gradients of one step as one autograd graph per origin
+    (no hops, no engine machinery): the oracle for the engine's coordinate bookkeeping."""
+    cfg, U = engine.cfg, engine.maps.basis.U
+    home = cfg.subspace.mode == "home"
+    losses = []
+    for s in range(cfg.P):
+        x, y = engine.sites[s].batch("train", seed=cfg.seed, step=0, batch_size=cfg.batch_size)
+        e = engine.replicas[s].embed(x)
+        c = torch.zeros(*e.shape[:-1], U.size(1)) if home else e @ U
+        for t, i in enumerate(schedule.path(cfg.order, s, cfg.P, cfg.loops)):
+            b = e if home and i == s else torch.zeros_like(e)
+            c = (engine.groups[i](c @ U.T + b, t) - b) @ U
+        loss = engine.replicas[s].loss(c @ U.T + (e if home else 0), y)
+        (loss / cfg.P).backward()  # groups: mean over origins
+        losses.append(loss.item())
+    grads = [p.grad.clone() for g in engine.groups for p in g.parameters()]
+    grads += [p.grad.clone() * cfg.P for r in engine.replicas for p in r.parameters()]
+    return losses, grads
+
+
+@pytest.mark.parametrize(
+    ("mode", "order", "loops"), [("stream", "ordered", 2), ("home", "cyclic", 2)]
+)
+def test_engine_gradients_equal_one_autograd_graph(tmp_path: Path, mode, order, loops):
+    cfg = TrainConfig(
+        **TINY, workers=3, order=order, loops=loops, subspace={"rank": 8, "mode": mode}
+    )
+    engine = _engine(cfg, tmp_path)
+    got = engine.compute_gradients()
+    mine = [p.grad.clone() for m in engine.groups + engine.replicas for p in m.parameters()]
+    for m in engine.groups + engine.replicas:
+        m.zero_grad(set_to_none=True)
+    want, oracle = _direct_gradients(engine)
+    assert got == pytest.approx(want, abs=1e-6)
+    assert len(mine) == len(oracle)
+    for a, b in zip(mine, oracle):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), (a - b).abs().max()
+    assert any(a.abs().sum() > 0 for a in mine[:-3]), "the groups must receive gradient"
+
+
+def test_subspace_trains():
+    cfg = TrainConfig(**TINY, workers=2, steps=6, subspace={"rank": 8, "mode": "home"})
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = _engine(cfg, Path(tmp))
+        first = engine.evaluate().loss
+        for _ in range(cfg.steps):
+            engine.train_step()
+        assert engine.evaluate().loss < first - 0.3
+
+
+def _tensor_frame(shape: tuple[int, ...]) -> tuple[ring_pb2.Frame, bytes]:
+    raw = next(
+        iter(
+            encode_frames(
+                run_id="r",
+                step=0,
+                origin=0,
+                tick=1,
+                micro=0,
+                direction=ring_pb2.FORWARD,
+                tensor=torch.zeros(shape),
+                chunk_bytes=1 << 22,
+                wire="fp32",
+            )
+        )
+    )
+    return parse_frame(raw)
+
+
+def test_frame_rules_accept_exactly_the_coordinates():
+    cfg = TrainConfig(**TINY, workers=2, subspace={"rank": 8})
+    rules = FrameRules(cfg, 1, "r", lambda: 0)
+    assert rules.shape == (4, 32, 8)
+    full = FrameRules(TrainConfig(**TINY, workers=2), 1, "r", lambda: 0).shape
+    assert full == (4, 32, 32)
+    asm = TensorAssembler(rules.shape, "fp32")
+    frame, data = _tensor_frame((4, 32, 8))
+    assert asm.add("k", frame, data=data).shape == (4, 32, 8)
+    frame, data = _tensor_frame(full)  # a full-width hidden state: refused, shape named
+    with pytest.raises(FrameError, match=r"shape \(4, 32, 32\) \(expected \(4, 32, 8\)\)"):
+        TensorAssembler(rules.shape, "fp32").add("k", frame, data=data)
+
+
+# ----------------------------------------------------------------- ring == reference
+
+
+class SubspaceRing(Ring):
+    """The harness's ring with ``subspace_*`` and ``wire_*`` keys folded into sub-configs."""
+
+    def config(self) -> TrainConfig:
+        train = dict(self.train)
+        sub = {k[9:]: train.pop(k) for k in list(train) if k.startswith("subspace_")}
+        wire = {k[5:]: train.pop(k) for k in list(train) if k.startswith("wire_")}
+        return TrainConfig(workers=self.P, subspace=sub, wire=wire, **train)
+
+
+RING_CASES = [
+    ("cyclic", 1, "stream", {}),
+    (
+        "ordered",
+        2,
+        "stream",
+        {"wire_fwd": "int8", "wire_bwd": "int4", "wire_rounding": "stochastic"},
+    ),
+    ("cyclic", 2, "home", {"wire_fwd": "int6", "wire_bwd": "int4", "wire_rounding": "stochastic"}),
+    ("ordered", 1, "stream", {"wire_fwd": "int8"}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("order", "loops", "mode", "wire"), RING_CASES)
+def test_ring_equals_reference_with_subspace(tmp_path: Path, order, loops, mode, wire):
+    """Real workers over mTLS ship k-wide coordinates (quantised by the codec when one is
+    set), relays included (ordered), and their losses equal the reference engine's exactly."""
+    train = {**TINY, "steps": 2, "order": order, "loops": loops}
+    train.update(subspace_rank=8, subspace_mode=mode, **wire)
+    ring = SubspaceRing(tmp_path, 3, train).prepare()
+    ring.start().wait()
+    ref, ref_eval = ring.reference()
+    got = ring.losses()
+    assert set(got) == set(ref)
+    assert max(abs(got[k] - ref[k]) for k in ref) == 0.0
+    assert all(ring.eval_losses()[s] == v for s, v in enumerate(ref_eval))
+    # the wire carried coordinates: about k/d = 1/4 of fp32 hidden states' bytes
+    cfg = ring.config()
+    edges = sum(len(schedule.ring_hops(order, s, 3, loops)) for s in range(3))
+    tensors = edges * (2 * cfg.steps + cfg.eval_batches)  # fwd + bwd per step, one eval
+    full = tensors * 4 * 32 * 32 * 4  # fp32 [4, 32, 32]
+    sent = 0
+    for i in range(3):
+        rows = [json.loads(x) for x in (ring.out(i) / "metrics.jsonl").read_text().splitlines()]
+        sent += max(r.get("bytes_sent", 0) for r in rows)
+    assert 0 < sent < 0.4 * full, (sent, full)
+
+
+def _benchmark(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bytes_and_projection_count_the_coordinates():
+    compression, wan = _benchmark("compression"), _benchmark("wan")
+    sub = compression.parse_subspace("rank=12,mode=home")
+    assert sub == {"rank": 12, "mode": "home"}
+    with pytest.raises(ValueError, match="unknown key"):
+        compression.parse_subspace("rank=12,width=3")
+    sent, fp32 = compression.step_bytes(TrainConfig(subspace=sub))
+    assert fp32 / sent == 8.0  # cpu-small: d = 96, k = 12
+    codec = {"fwd": "int8", "bwd": "int4", "rounding": "stochastic"}
+    sent, fp32 = compression.step_bytes(TrainConfig(subspace=sub, wire=codec))
+    assert fp32 / sent == pytest.approx(32 / ((8.25 + 4.25) / 2) * 8)
+    # the issue's figure: gpt2-small, batch 8, P = 4, bf16: 100.7 MB per worker and step
+    assert wan.worker_bytes("gpt2-small", 4, 1, 8, "bf16") == 2 * 4 * 8 * 1024 * 768 * 2
+    r = wan.project(0.05, 1.25e8, 1e9, 0.0, 4)  # 1 Gbit/s moves 125 MB in 1 s
+    assert r["transfer_s"] == pytest.approx(1.0) and r["busy"] == pytest.approx(0.05)
+    r = wan.project(0.05, 1e6, 1e9, 0.01, 4)  # bytes hide behind compute; latency does not
+    assert r["step_s"] == pytest.approx(0.05 + 4 * 0.01)
+    with pytest.raises(ValueError, match="link rate '1gbps'"):
+        wan.parse_rate_bps("1gbps")
