@@ -44,9 +44,7 @@ def test_remote_hops_name_every_worker_that_receives_the_stream():
 def test_at_step_zero_every_hop_carries_the_embedding_and_nearest_row_reads_it(sites):
     report = LeakageAudit(TrainConfig(**BASE), sites, inverter_steps=1, known=(0.05,)).run()
     first = {
-        r.slot: r
-        for r in report.hops
-        if r.stage == "step 0" and r.attack == "nearest row of E"
+        r.slot: r for r in report.hops if r.stage == "step 0" and r.attack == "nearest row of E"
     }
     assert sorted(first) == [1, 2, 3]
     for r in first.values():  # output projections start at zero: h = E(x) exactly

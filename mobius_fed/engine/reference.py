@@ -1,6 +1,6 @@
 """The single-process reference engine: all P groups and P E/R replicas in one process.
 
-It runs exactly the distributed semantics (ARCHITECTURE §4): the same paths, the same
+It runs exactly the distributed semantics (docs/architecture.md §4): the same paths, the same
 per-(stream, micro-batch) applications in the same order, the same loss scaling and the
 same replica averaging, so a ring of workers must reproduce its losses.
 """

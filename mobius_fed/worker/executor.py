@@ -1,4 +1,4 @@
-"""The ring step executor of worker i (ARCHITECTURE §2).
+"""The ring step executor of worker i (docs/architecture.md §2).
 
 Per step: embed the home batch, apply F_i to every (tick, stream, micro-batch) this worker
 owns in forward order, compute R and the loss at home, back-propagate the same
