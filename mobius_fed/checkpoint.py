@@ -79,26 +79,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 _TORCH_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 _NUMPY_KINDS = frozenset("biufc")
-_ST_DTYPES = frozenset(  # the dtypes safetensors stores natively (others: raw bytes)
-    [
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "complex64",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "bool",
-        "float8_e4m3fn",
-        "float8_e5m2",
-    ]
-)
+# the dtypes safetensors stores natively (others, complex128, go as raw bytes)
+_ST_DTYPES = frozenset(TORCH_DTYPES) - {"complex128"}
 _PATH_PART = re.compile(r"\['([^']*)'\]|\[(-?\d+)\]|\.(\w+)")
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
 

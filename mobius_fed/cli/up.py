@@ -463,13 +463,8 @@ def cmd_up(args, train: TrainConfig) -> int:
     )
     final: dict[str, Any] | None = None
     linger = linger_default(getattr(args, "linger", None))
-    from mobius_fed.coordinator.recorder import METRICS_FILE
-    from mobius_fed.tracking import tracked
-
-    metrics = fed.coordinator_out / METRICS_FILE
-    config = train.model_dump(mode="json")
     try:
-        with tracked(getattr(args, "tracker", None), metrics, run_name="up", config=config):
+        with _tracked(fed, getattr(args, "tracker", None)):
             final = _up(fed, args, train)
         _report(final)
         if linger:
@@ -504,6 +499,15 @@ def cmd_up(args, train: TrainConfig) -> int:
     if final["phase"] != "done":
         raise CliError(f"run {final['phase']}: {final['error']}")
     return 0
+
+
+def _tracked(fed: LocalFederation, tracker: str | None):
+    """The run's tracker, in ``up`` itself: one tracker across coordinator restarts."""
+    from mobius_fed.coordinator.recorder import METRICS_FILE
+    from mobius_fed.tracking import tracked
+
+    config = fed.train.model_dump(mode="json")
+    return tracked(tracker, fed.coordinator_out / METRICS_FILE, run_name="up", config=config)
 
 
 def _env_threads() -> int | None:
