@@ -15,6 +15,7 @@ Run phase::
 Worker state (the coordinator's view of one rank)::
 
     expected ─register─► registered ─session─► ready ◄─heartbeat─► training | evaluating
+                                                 (a heartbeat never says registered)
                                                  │                  restoring (reported)
                            any live state ─mark_lost─► lost ─register─► rejoining
                            lost | rejoining ─restore─► restoring ─ring resumed─► recovered
@@ -126,6 +127,10 @@ PHASE = Machine(
 W = WorkerState
 REPORTED_STATES = (W.REGISTERED, W.READY, W.TRAINING, W.EVALUATING, W.RESTORING)
 """States a worker may report about itself in a heartbeat (the rest are the coordinator's)."""
+HEARTBEAT_SETS = (W.READY, W.TRAINING, W.EVALUATING, W.RESTORING)
+"""The reported states a heartbeat moves a worker to. ``registered`` (no session yet) is the
+coordinator's to set at Register: a heartbeat sent between sessions can arrive after the
+next session opened, and must not take a worker back."""
 LIVE_STATES = frozenset({*REPORTED_STATES, W.RECOVERED})
 OFF_STATES = frozenset({W.LOST, W.EXPECTED, W.DONE, W.FINISHED, W.STOPPED})
 """States ``mark_lost`` leaves alone: never joined, already lost, or the run let it go."""
@@ -137,10 +142,10 @@ WORKER = Machine(
     WorkerState,
     {
         W.EXPECTED: (W.REGISTERED, W.STOPPED),
-        **{s: (*REPORTED_STATES, *_OUT) for s in (W.REGISTERED, W.READY, W.TRAINING)},
-        W.EVALUATING: (*REPORTED_STATES, *_OUT),
-        W.RESTORING: (*REPORTED_STATES, W.RECOVERED, *_OUT),
-        W.RECOVERED: (*REPORTED_STATES, *_OUT),
+        **{s: (*HEARTBEAT_SETS, *_OUT) for s in (W.REGISTERED, W.READY, W.TRAINING)},
+        W.EVALUATING: (*HEARTBEAT_SETS, *_OUT),
+        W.RESTORING: (*HEARTBEAT_SETS, W.RECOVERED, *_OUT),
+        W.RECOVERED: (*HEARTBEAT_SETS, *_OUT),
         W.LOST: (W.REJOINING, W.RESTORING),
         W.REJOINING: (W.RESTORING, W.RECOVERED, *_OUT),
         W.DONE: _OUT,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
+import time
 
 import pytest
 
@@ -13,9 +15,11 @@ from mobius_fed.coordinator.grid import IncidentRaised
 from mobius_fed.coordinator.state import RunState
 from mobius_fed.machines import (
     EDGE,
+    HEARTBEAT_SETS,
     INCIDENT,
     MACHINES,
     PHASE,
+    REPORTED_STATES,
     WORKER,
     EdgeState,
     IncidentState,
@@ -87,3 +91,40 @@ def test_run_state_refuses_an_illegal_move_and_keeps_the_figures(caplog):
 def test_an_incident_carries_the_culprits_last_sign_of_life_as_a_field():
     raised = IncidentRaised("worker lost", "worker-1 lost", 1, last_seen=12.5)
     assert raised.last_seen == 12.5 and IncidentRaised("k", "w", None).last_seen is None
+
+
+def test_a_lost_worker_and_its_incident_are_one_change_of_the_status(caplog):
+    """Whoever reads the status sees a lost worker only together with its open incident and
+    the run recovering: never a lost worker in a run that still says training."""
+    st = RunState(run_id="r", P=3, steps=4, strategy="fedavg")
+    for r in range(3):
+        st.move_worker(r, WorkerState.REGISTERED)
+        st.move_worker(r, WorkerState.READY)
+    st.move_phase(Phase.TRAINING)
+    seen: list[tuple] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            doc = st.status_doc()
+            seen.append((doc["workers"][2]["state"], doc["phase"], len(doc["incidents"])))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    raised = IncidentRaised("worker lost", "worker-2 lost", 2, last_seen=time.time())
+    inc = st.lose_worker(2, raised.fields(3, 1))
+    stop.set()
+    reader.join()
+    assert inc is not None and inc.rank == 2 and inc.edge.startswith("worker-1 → worker-2")
+    assert st.phase == "recovering" and st.workers[2].state == "lost"
+    assert all(ph == "recovering" and n == 1 for s, ph, n in seen if s == "lost"), seen
+    assert all(ph == "training" and n == 0 for s, ph, n in seen if s != "lost"), seen
+
+
+def test_a_heartbeat_word_never_takes_a_worker_back_to_registered(caplog):
+    """``registered`` is the coordinator's word (no session yet): a late heartbeat sent
+    between two sessions must not move a ready worker back to it."""
+    assert "registered" in REPORTED_STATES and "registered" not in HEARTBEAT_SETS
+    with caplog.at_level(logging.ERROR, "mobius.machines"):
+        assert WORKER.step(WorkerState.READY, WorkerState.REGISTERED) == WorkerState.READY
+    assert "ready → registered" in caplog.text

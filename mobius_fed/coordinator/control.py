@@ -14,6 +14,7 @@ import grpc
 from mobius_fed.coordinator.grid import ControlGrid, IncidentRaised, RunFailed
 from mobius_fed.coordinator.state import RunState, json_safe
 from mobius_fed.machines import (
+    HEARTBEAT_SETS,
     LIVE_PHASES,
     OFF_STATES,
     REPORTED_STATES,
@@ -152,8 +153,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
                     rejoin=True,
                     reason=f"worker-{rank} was counted lost; register again",
                 )
-            if w.state != WorkerState.REJOINING and request.state and not self.state.ended:
-                fields["state"] = request.state  # after the end it shows finished/stopped
+            if (
+                w.state != WorkerState.REJOINING
+                and request.state in HEARTBEAT_SETS  # "registered" is ours to say, at Register
+                and not self.state.ended  # after the end it shows finished/stopped
+            ):
+                fields["state"] = request.state
             self.state.update_worker(rank, **fields)
         self.state.count_heartbeat()
         failure = self.grid.failure
@@ -200,23 +205,28 @@ class ControlService(control_pb2_grpc.ControlServicer):
             yield env
 
     def mark_lost(self, rank: int, why: str) -> None:
-        """Count ``rank`` lost: close its session (it must register again) and raise an
-        incident if a round may be waiting for it."""
+        """Count ``rank`` lost: close its session (it must register again) and, if a round
+        may be waiting for it, open its incident in the same change and raise it."""
+        reason = f"worker-{rank} ({worker_identity(rank)}) lost: {why}"
         with self._cond:
             w = self.state.workers[rank]
             if w.state in OFF_STATES:
                 return
-            last_seen = w.last_heartbeat
-            self.state.move_worker(rank, WorkerState.LOST, incidents=w.incidents + 1)
-        reason = f"worker-{rank} ({worker_identity(rank)}) lost: {why}"
-        log.error(reason)
-        if self.state.phase in _RUNNING:  # before the session goes, so a round sees it
-            self.grid.raise_incident(
-                IncidentRaised("worker lost", reason, rank, last_seen=last_seen)
+            raised = IncidentRaised("worker lost", reason, rank, last_seen=w.last_heartbeat)
+            running = self.state.phase in _RUNNING  # before the session goes: a round sees it
+            raised.opened = self.state.lose_worker(
+                rank, raised.fields(self.P, self._round_in_flight()) if running else None
             )
+        log.error(reason)
+        if running:
+            self.grid.raise_incident(raised)
         box = self.grid.close_session(rank)
         if box is not None:
             box.put(_END)
+
+    def _round_in_flight(self) -> int:
+        """The round a training run has in flight (0 while recovering: none)."""
+        return self.state.round + 1 if self.state.phase == Phase.TRAINING else 0
 
     def expire_silent(self, timeout: float) -> None:
         """Count lost every worker whose last heartbeat is older than ``timeout`` seconds."""

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
+from typing import Any
 
 from flwr.app import Message
 from flwr.proto.node_pb2 import NodeInfo
@@ -64,6 +65,36 @@ class IncidentRaised(RuntimeError):
         super().__init__(what)
         self.kind, self.what, self.rank, self.edge = kind, what, rank, edge
         self.last_seen = last_seen  # unix time of the culprit's last sign of life, if known
+        self.opened: Any = None  # its IncidentModel, once recorded in the run state
+
+    def fields(self, P: int, rnd: int) -> dict[str, Any]:
+        """The incident record's fields, detected now, with ``rnd`` the round in flight."""
+        now = time.time()
+        edge = self.edge
+        if edge is None and self.rank is not None:
+            edge = edges_of([self.rank], P)
+        seen = self.last_seen
+        return dict(
+            kind=self.kind,
+            what=self.what,
+            rank=self.rank,
+            edge=edge,
+            round=rnd,
+            detected_at=now,
+            detection_s=None if seen is None else max(0.0, now - seen),
+        )
+
+
+def names(ranks) -> str:
+    return ", ".join(f"worker-{r}" for r in ranks)
+
+
+def edges_of(ranks, P: int) -> str:
+    """The ring edges that touch ``ranks``."""
+    edges = []
+    for r in ranks:
+        edges += [f"worker-{(r - 1) % P} → worker-{r}", f"worker-{r} → worker-{(r + 1) % P}"]
+    return ", ".join(dict.fromkeys(edges))
 
 
 class ControlGrid(Grid):

@@ -34,7 +34,14 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.control import ControlService
-from mobius_fed.coordinator.grid import ControlGrid, GridTimeout, IncidentRaised, RunFailed
+from mobius_fed.coordinator.grid import (
+    ControlGrid,
+    GridTimeout,
+    IncidentRaised,
+    RunFailed,
+    edges_of,
+    names,
+)
 from mobius_fed.coordinator.rounds import RoundState, RoundStore
 from mobius_fed.coordinator.state import RunState
 from mobius_fed.coordinator.status_model import IncidentModel as Incident
@@ -109,20 +116,12 @@ class Recovery:
                 )
 
     def _record(self, raised: IncidentRaised) -> Incident:
-        now = time.time()
-        edge = raised.edge
-        if edge is None and raised.rank is not None:
-            edge = edges_of([raised.rank], self.P)
-        last_seen = raised.last_seen
-        incident = self.state.open_incident(
-            kind=raised.kind,
-            what=raised.what,
-            rank=raised.rank,
-            edge=edge,
-            round=self.in_flight,
-            detected_at=now,
-            detection_s=None if last_seen is None else max(0.0, now - last_seen),
-        )
+        """The incident's record, opened now unless its raiser opened it with the loss."""
+        incident = raised.opened
+        if incident is None:
+            incident = self.state.open_incident(**raised.fields(self.P, self.in_flight))
+        else:
+            self.state.update_incident(incident, round=self.in_flight)
         log.error("incident %d: %s (round %d in flight)", incident.id, raised.what, self.in_flight)
         return incident
 
@@ -283,15 +282,3 @@ class Recovery:
             raise RunFailed(
                 f"{names(exc.ranks)} did not {what} within {timeout:.0f}s (watchdog)"
             ) from exc
-
-
-def names(ranks) -> str:
-    return ", ".join(f"worker-{r}" for r in ranks)
-
-
-def edges_of(ranks, P: int) -> str:
-    """The ring edges that touch ``ranks``."""
-    edges = []
-    for r in ranks:
-        edges += [f"worker-{(r - 1) % P} → worker-{r}", f"worker-{r} → worker-{(r + 1) % P}"]
-    return ", ".join(dict.fromkeys(edges))

@@ -163,10 +163,21 @@ class RunState:
             self.totals["heartbeats"] += 1
 
     def open_incident(self, **fields: Any) -> IncidentModel:
+        """Record an open incident; a training run is recovering from that moment on."""
         with self._lock:
             inc = IncidentModel(id=len(self.incidents) + 1, **fields)
             self.incidents.append(inc)
+            if self.phase == Phase.TRAINING:
+                self.move_phase(Phase.RECOVERING)
             return inc
+
+    def lose_worker(self, rank: int, incident: dict[str, Any] | None) -> IncidentModel | None:
+        """Worker ``rank`` → lost and, with ``incident``'s fields, its incident opened: one
+        change, so no reader sees a lost worker in a run that is still training."""
+        with self._lock:
+            w = self.workers[rank]
+            self.move_worker(rank, WorkerState.LOST, incidents=w.incidents + 1)
+            return None if incident is None else self.open_incident(**incident)
 
     def update_incident(self, incident: IncidentModel, **fields: Any) -> None:
         """Set ``incident``'s fields; a ``state`` goes through its machine's table."""
