@@ -303,12 +303,7 @@ def encode_frames(
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
-    if packed is not None:
-        t = tensor.detach().to(device="cpu").reshape(-1).contiguous()
-        if t.dtype != torch.uint8:
-            raise ValueError(f"a packed payload must be uint8, got {t.dtype}")
-    else:
-        t = _wire_tensor(tensor, wire)
+    t = _packed_payload(tensor) if packed is not None else _wire_tensor(tensor, wire)
     numel, itemsize = t.numel(), t.element_size()
     per = max(1, chunk_bytes // itemsize)
     chunks = chunk_count(numel, itemsize, chunk_bytes)
@@ -339,6 +334,13 @@ def encode_frames(
         yield b"".join(
             (header.SerializeToString(), _TENSOR_FIELD, _varint(size), head, data_hdr, piece, tail)
         )
+
+
+def _packed_payload(tensor: torch.Tensor) -> torch.Tensor:
+    t = tensor.detach().to(device="cpu").reshape(-1).contiguous()
+    if t.dtype != torch.uint8:
+        raise ValueError(f"a packed payload must be uint8, got {t.dtype}")
+    return t
 
 
 def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -413,6 +415,32 @@ def parse_frame(raw: bytes) -> tuple[ring_pb2.Frame, memoryview | None]:
     return frame, (view[dspan[0] : dspan[1]] if dspan else view[0:0])
 
 
+def _piece_span(part, msg, k: int, n: int, total: int, nbytes: int, size: int, what: str):
+    """(start, count) in elements of piece ``k`` of ``n`` of a ``total``-element tensor of
+    ``size``-byte elements: it starts where the last ended, and leaves every later piece at
+    least one element; the last piece ends at ``total``."""
+    start = part.next_offset if part is not None else 0
+    if msg.offset != start:
+        raise FrameError(
+            f"tensor rejected: offset {msg.offset} in chunk {k} of {n} for {what} "
+            f"(expected {start})"
+        )
+    room = total - start - (n - 1 - k)
+    count, rest = divmod(nbytes, size)
+    if rest or count == 0 or count > room or (k == n - 1 and count != room):
+        if size == 1:
+            want = f"{room}" if k == n - 1 else f"1..{room}"
+            raise FrameError(
+                f"tensor rejected: {nbytes} payload bytes in chunk {k} of {n} for {what} "
+                f"(expected {want})"
+            )
+        want = f"{room * size}" if k == n - 1 else f"a multiple of {size}, 1..{room * size}"
+        raise FrameError(
+            f"tensor rejected: {nbytes} data bytes in chunk {k} of {n} for {what} (expected {want})"
+        )
+    return start, count
+
+
 @dataclass
 class _Partial:
     chunks: int
@@ -470,39 +498,13 @@ class TensorAssembler:
             raise
 
     def _add(self, key: Hashable, frame: ring_pb2.Frame, keep: bool, what: str, data):
-        k, n = frame.chunk, frame.chunks
-        part = self._pending.get(key)
-        if n == 0:
-            raise FrameError(f"frame rejected: chunks 0 for {what} (expected ≥ 1)")
-        if k >= n:
-            raise FrameError(f"frame rejected: chunk {k} of chunks {n} for {what}")
-        if part is None and k != 0:
-            raise FrameError(
-                f"frame rejected: chunk {k} of {n} for {what} out of order "
-                f"(expected chunk 0: earlier pieces missing)"
-            )
-        if part is not None:
-            if n != part.chunks:
-                raise FrameError(
-                    f"frame rejected: chunks {n} for {what} (expected {part.chunks}, "
-                    f"as in its chunk 0)"
-                )
-            if k < part.next_chunk:
-                raise FrameError(
-                    f"frame rejected: duplicate chunk {k} of {n} for {what} "
-                    f"(expected chunk {part.next_chunk})"
-                )
-            if k > part.next_chunk:
-                raise FrameError(
-                    f"frame rejected: chunk {k} of {n} for {what} out of order "
-                    f"(expected chunk {part.next_chunk}: missing)"
-                )
-        msg = frame.tensor
+        part = self._check_order(key, frame.chunk, frame.chunks, what)
         if not frame.HasField("tensor"):
             raise FrameError("frame rejected: no tensor")
         if self.codec is not None:
             return self._add_packed(key, frame, keep, what, data)
-        if n == 1:  # a whole tensor in one frame: the codec's own checks and messages
+        msg = frame.tensor
+        if frame.chunks == 1:  # a whole tensor in one frame: the codec's own checks and messages
             if msg.offset != 0:
                 raise FrameError(f"tensor rejected: offset {msg.offset} (expected 0)")
             t = decode_tensor(
@@ -513,45 +515,65 @@ class TensorAssembler:
                 data=data,
             )
             return t if keep else None
+        return self._add_chunk(key, part, frame, keep, what, data)
+
+    def _check_order(self, key: Hashable, k: int, n: int, what: str) -> _Partial | None:
+        """Piece ``k`` of ``n`` must be the next one of its tensor; its partial, if any."""
+        part = self._pending.get(key)
+        if n == 0:
+            raise FrameError(f"frame rejected: chunks 0 for {what} (expected ≥ 1)")
+        if k >= n:
+            raise FrameError(f"frame rejected: chunk {k} of chunks {n} for {what}")
+        if part is None:
+            if k != 0:
+                raise FrameError(
+                    f"frame rejected: chunk {k} of {n} for {what} out of order "
+                    f"(expected chunk 0: earlier pieces missing)"
+                )
+            return None
+        if n != part.chunks:
+            raise FrameError(
+                f"frame rejected: chunks {n} for {what} (expected {part.chunks}, as in its chunk 0)"
+            )
+        if k < part.next_chunk:
+            raise FrameError(
+                f"frame rejected: duplicate chunk {k} of {n} for {what} "
+                f"(expected chunk {part.next_chunk})"
+            )
+        if k > part.next_chunk:
+            raise FrameError(
+                f"frame rejected: chunk {k} of {n} for {what} out of order "
+                f"(expected chunk {part.next_chunk}: missing)"
+            )
+        return part
+
+    def _add_chunk(self, key, part: _Partial | None, frame: ring_pb2.Frame, keep, what, data):
+        """One piece of a tensor sent in several frames, copied into its preallocated home."""
+        k, n, msg = frame.chunk, frame.chunks, frame.tensor
         dtype, shape, numel = _check_meta(msg, self.shape, self.wire)
         if n > numel:
             raise FrameError(
                 f"frame rejected: chunks {n} for {what} (a tensor of {numel} elements)"
             )
-        start = part.next_offset if part is not None else 0
-        if msg.offset != start:
-            raise FrameError(
-                f"tensor rejected: offset {msg.offset} in chunk {k} of {n} for {what} "
-                f"(expected {start})"
-            )
+        size = dtype.itemsize
         if data is None:
             data = msg.data  # one fresh copy (upb): read once
-        size = dtype.itemsize
-        # Each later piece needs at least one element; the last one ends at numel.
-        room = numel - start - (n - 1 - k)
-        count, rest = divmod(len(data), size)
-        if rest or count == 0 or count > room or (k == n - 1 and count != room):
-            want = f"{room * size}" if k == n - 1 else f"a multiple of {size}, 1..{room * size}"
-            raise FrameError(
-                f"tensor rejected: {len(data)} data bytes in chunk {k} of {n} for {what} "
-                f"(expected {want})"
-            )
+        start, count = _piece_span(part, msg, k, n, numel, len(data), size, what)
         _check_crc(data, msg)
         piece = _from_wire(data, dtype)
         _check_finite(piece)
         if part is None:
-            if len(self._pending) >= self.max_pending:
-                raise FrameError(
-                    f"frame rejected: {what} would be the {len(self._pending) + 1}th partially "
-                    f"received tensor on this stream (at most {self.max_pending})"
-                )
-            part = self._pending[key] = _Partial(chunks=n)
+            part = self._new_partial(key, what, n)
             if keep:
                 part.out = torch.empty(numel, dtype=self.out_dtype)
         if part.out is not None:
             part.out[start : start + count].copy_(piece)
-        part.next_chunk, part.next_offset = k + 1, start + count
-        if k < n - 1:
+        return self._advance(key, part, k, start + count, shape)
+
+    def _advance(self, key: Hashable, part: _Partial, k: int, offset: int, shape):
+        """Piece ``k`` is in: the whole tensor (viewed as ``shape``) after the last piece."""
+        part.next_chunk, part.next_offset = k + 1, offset
+        if k < part.chunks - 1:
             return None
         del self._pending[key]
         return part.out.view(shape) if part.out is not None else None
@@ -583,22 +605,9 @@ class TensorAssembler:
         if n > total:
             raise FrameError(f"frame rejected: chunks {n} for {what} (a {total}-byte payload)")
         part = self._pending.get(key)
-        start = part.next_offset if part is not None else 0
-        if msg.offset != start:
-            raise FrameError(
-                f"tensor rejected: offset {msg.offset} in chunk {k} of {n} for {what} "
-                f"(expected {start})"
-            )
         if data is None:
             data = msg.data
-        room = total - start - (n - 1 - k)
-        count = len(data)
-        if count == 0 or count > room or (k == n - 1 and count != room):
-            want = f"{room}" if k == n - 1 else f"1..{room}"
-            raise FrameError(
-                f"tensor rejected: {count} payload bytes in chunk {k} of {n} for {what} "
-                f"(expected {want})"
-            )
+        start, count = _piece_span(part, msg, k, n, total, len(data), 1, what)
         _check_crc(data, msg)
         if part is None:
             part = self._new_partial(key, what, n)
@@ -606,13 +615,10 @@ class TensorAssembler:
                 part.out = torch.empty(total, dtype=torch.uint8)
         if part.out is not None:
             part.out[start : start + count].copy_(torch.frombuffer(data, dtype=torch.uint8))
-        part.next_chunk, part.next_offset = k + 1, start + count
-        if k < n - 1:
-            return None
-        del self._pending[key]
-        if part.out is None:
+        out = self._advance(key, part, k, start + count, (total,))
+        if out is None:
             return None
         try:
-            return codec.decode(part.out, self.shape).to(self.out_dtype)
+            return codec.decode(out, self.shape).to(self.out_dtype)
         except CodecError as exc:
             raise FrameError(f"tensor rejected: {exc}") from exc
