@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mobius_fed.cli import common
 from mobius_fed.cli.common import (
     CliError,
     GracefulStop,
@@ -709,18 +710,22 @@ def register(sub) -> None:
         metavar="KEY=VALUE",
         help="a strategy option (repeatable), e.g. server_learning_rate=0.5",
     )
-    from mobius_fed.cli import common
+    common.add_checkpoint_flag(p, 0)
+    common.add_data_flag(p)
+    common.add_threads_flag(p, "cores / P per worker")
+    _add_recovery_flags(p)
+    add_resume_flag(
+        p,
+        "continue from the newest complete manifest; --resume auto: only if there is one",
+    )
+    from mobius_fed.tracking import add_tracker_flag
 
-    if hasattr(common, "add_checkpoint_flag"):
-        common.add_checkpoint_flag(p, 0)
-    else:
-        p.add_argument(
-            "--checkpoint-every", type=int, default=0, help="between checkpoints (0: at the end)"
-        )
-    if hasattr(common, "add_data_flag"):
-        common.add_data_flag(p)
-    if hasattr(common, "add_threads_flag"):
-        common.add_threads_flag(p, "cores / P per worker")
+    add_tracker_flag(p, default=os.environ.get("MOBIUS_TRACKER") or None)
+    p.set_defaults(func=up_main)
+
+
+def _add_recovery_flags(p) -> None:
+    """Retention, incident budget, restarts and the linger after the run."""
     p.add_argument(
         "--keep-checkpoints", type=int, help="complete manifests to keep (coordinator's default)"
     )
@@ -750,11 +755,3 @@ def register(sub) -> None:
         "SECONDS (0: exit at once; forever: until Ctrl-C / SIGTERM). Default: forever when "
         "standard output is a terminal, 0 in a script",
     )
-    add_resume_flag(
-        p,
-        "continue from the newest complete manifest; --resume auto: only if there is one",
-    )
-    from mobius_fed.tracking import add_tracker_flag
-
-    add_tracker_flag(p, default=os.environ.get("MOBIUS_TRACKER") or None)
-    p.set_defaults(func=up_main)

@@ -69,6 +69,44 @@ def _write_json(path: Path, obj: object) -> None:
     os.replace(tmp, path)
 
 
+def _check_request(inputs, out: Path, sites, val_fraction, text, overwrite, only) -> list[Path]:
+    """Refuse a bad request before any work; the site directories it would replace."""
+    if sites < 1:
+        raise DataError(f"{out}: sites must be >= 1 (got {sites})")
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"{out}: val_fraction must be in (0, 1) (got {val_fraction})")
+    if not inputs and text is None:
+        raise DataError(f"{out}: no input files and no text given")
+    if only is not None and not 0 <= only < sites:
+        raise DataError(f"{out}: site {only} out of range for {sites} sites")
+    existing = sorted(p for p in out.glob("site-*") if p.is_dir() and _SITE_DIR.fullmatch(p.name))
+    if only is not None:
+        existing = [p for p in existing if p.name == f"site-{only}"]
+    for site_dir in existing:
+        if any(site_dir.iterdir()) and not overwrite:
+            raise DataError(
+                f"{site_dir}: site directory exists and is not empty "
+                "(pass overwrite=True / --overwrite)"
+            )
+    return existing
+
+
+def _token_stream(inputs: list[Path], text: str | None, enc) -> tuple[np.ndarray, list[str]]:
+    """Every document of ``inputs`` (then ``text``) encoded, end to end; and the sources."""
+    pieces: list[np.ndarray] = []
+    sources: list[str] = []
+    for path in inputs:
+        sources.append(str(path))
+        pieces.extend(
+            np.asarray(encode_document(enc, d), dtype=np.int64) for d in read_documents(path)
+        )
+    if text is not None:
+        sources.append("<text>")
+        pieces.append(np.asarray(encode_document(enc, text), dtype=np.int64))
+    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    return stream, sources
+
+
 def prepare_sites(
     inputs: Sequence[Path] | None,
     out: Path,
@@ -90,37 +128,8 @@ def prepare_sites(
     """
     out = Path(out)
     inputs = [Path(p) for p in inputs or ()]
-    if sites < 1:
-        raise DataError(f"{out}: sites must be >= 1 (got {sites})")
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"{out}: val_fraction must be in (0, 1) (got {val_fraction})")
-    if not inputs and text is None:
-        raise DataError(f"{out}: no input files and no text given")
-    if only is not None and not 0 <= only < sites:
-        raise DataError(f"{out}: site {only} out of range for {sites} sites")
-    existing = sorted(p for p in out.glob("site-*") if p.is_dir() and _SITE_DIR.fullmatch(p.name))
-    if only is not None:
-        existing = [p for p in existing if p.name == f"site-{only}"]
-    for site_dir in existing:
-        if any(site_dir.iterdir()) and not overwrite:
-            raise DataError(
-                f"{site_dir}: site directory exists and is not empty "
-                "(pass overwrite=True / --overwrite)"
-            )
-    enc = get_encoding(encoding)
-
-    pieces: list[np.ndarray] = []
-    sources: list[str] = []
-    for path in inputs:
-        sources.append(str(path))
-        pieces.extend(
-            np.asarray(encode_document(enc, d), dtype=np.int64) for d in read_documents(path)
-        )
-    if text is not None:
-        sources.append("<text>")
-        pieces.append(np.asarray(encode_document(enc, text), dtype=np.int64))
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-
+    existing = _check_request(inputs, out, sites, val_fraction, text, overwrite, only)
+    stream, sources = _token_stream(inputs, text, get_encoding(encoding))
     part = len(stream) // sites
     n_val = round(part * val_fraction)
     n_train = part - n_val
