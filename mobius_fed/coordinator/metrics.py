@@ -3,8 +3,9 @@
 One :class:`CollectorRegistry` per coordinator (tests run several in one process):
 
 * process and platform metrics (``process_*``, ``python_*``) from the library's collectors;
-* :class:`RunStateCollector`: gauges and ``*_total`` counters read from :class:`RunState`
-  at scrape time (phase, step, workers, ring edges, incidents, figures workers report);
+* :class:`RunStateCollector`: gauges and ``*_total`` counters rendered from the run's
+  :class:`StatusModel` (the model REST, gRPC and the dashboard render) at scrape time:
+  phase, step, workers, ring edges, incidents, figures workers report;
 * histograms observed as rounds end: ``mobius_step_seconds`` (per worker),
   ``mobius_round_seconds`` and ``mobius_frame_bytes`` (mean frame size a worker reports).
 
@@ -14,8 +15,8 @@ steps redone after a rollback (``mobius_steps_redone_total`` says how many).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -28,6 +29,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mobius_fed.coordinator.status_model import StatusModel, WorkerModel
+from mobius_fed.machines import EdgeState, IncidentState, Phase, WorkerState
+
 if TYPE_CHECKING:
     from mobius_fed.coordinator.state import RunState
 
@@ -38,117 +42,131 @@ ROUND_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300, 900, 3600)
 FRAME_BUCKETS = tuple(float(4**k * 256) for k in range(11))  # 256 B … 256 MiB
 
 
+NOT_UP = (WorkerState.LOST, WorkerState.EXPECTED, WorkerState.FINISHED, WorkerState.STOPPED)
+"""Worker states in which ``mobius_worker_up`` is 0."""
+
+
+def _gauge(name: str, help_: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_, labels=["run_id", *labels])
+
+
+def _counter(name: str, help_: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
+    return CounterMetricFamily(name, help_, labels=["run_id", *labels])
+
+
+_RUN_GAUGES = (
+    ("mobius_step", "Training steps completed.", "step"),
+    ("mobius_steps_target", "Training steps the run will take.", "steps"),
+    ("mobius_round", "Flower rounds (step barriers) started.", "round"),
+    ("mobius_num_rounds", "Flower rounds the run will take.", "num_rounds"),
+)
+_RUN_COUNTERS = (
+    ("mobius_incidents", "Incidents (a worker or ring edge lost).", "incidents"),
+    ("mobius_incidents_recovered", "Incidents the run recovered from.", "recovered"),
+    ("mobius_steps_redone", "Training steps redone after rollbacks.", "steps_redone"),
+    ("mobius_rounds", "Training rounds completed (redone ones included).", "rounds"),
+    ("mobius_evaluations", "Evaluation rounds completed (Eq. 8).", "evaluations"),
+    ("mobius_tokens", "Tokens trained on, all origins (redone steps included).", "tokens"),
+    ("mobius_heartbeats", "Heartbeats accepted from workers.", "heartbeats"),
+)
+_WORKER_FIGURES: tuple[tuple[str, str, Callable[[WorkerModel], float | None], str], ...] = (
+    ("mobius_worker_up", "Worker alive (1) or lost / not registered (0).",
+     lambda w: int(w.state not in NOT_UP), "g"),
+    ("mobius_worker_step", "Last step the worker reported.", lambda w: w.step, "g"),
+    ("mobius_worker_loss", "Last training loss of the worker's own origin.",
+     lambda w: w.last_loss, "g"),
+    ("mobius_worker_tokens_per_second", "Worker throughput.", lambda w: w.tokens_per_s, "g"),
+    ("mobius_worker_heartbeat_age_seconds", "Seconds since the last heartbeat.",
+     lambda w: None if w.heartbeat_age_s is None else round(w.heartbeat_age_s, 3), "g"),
+    ("mobius_worker_wait_share",
+     "Share of the latest round the worker spent waiting for frames.",
+     lambda w: w.wait_share, "g"),
+    ("mobius_worker_train_seconds", "Seconds spent training steps.",
+     lambda w: w.train_s_total, "c"),
+    ("mobius_worker_wait_seconds",
+     "Seconds spent waiting for ring frames (as the worker reports).",
+     lambda w: w.wait_s_total if w.wait_s is not None else None, "c"),
+    ("mobius_worker_sent_bytes", "Bytes the worker sent on its ring links (as it reports).",
+     lambda w: w.bytes_sent_total if w.bytes_per_s is not None else None, "c"),
+)  # fmt: skip
+
+
 class RunStateCollector(Collector):
-    """Gauges and counters from a :class:`RunState`, read at scrape time."""
+    """Gauges and counters rendered from the run's :class:`StatusModel` at scrape time."""
 
     def __init__(self, state: RunState) -> None:
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
-        doc = self.state.metrics_doc()
-        run = doc["run_id"]
-
-        def gauge(name: str, help_: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, help_, labels=["run_id", *labels])
-
-        def counter(name: str, help_: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
-            return CounterMetricFamily(name, help_, labels=["run_id", *labels])
-
-        for name, help_, key in (
-            ("mobius_step", "Training steps completed.", "step"),
-            ("mobius_steps_target", "Training steps the run will take.", "steps"),
-            ("mobius_round", "Flower rounds (step barriers) started.", "round"),
-            ("mobius_num_rounds", "Flower rounds the run will take.", "num_rounds"),
-        ):
-            g = gauge(name, help_)
-            g.add_metric([run], doc[key])
+        status, totals = self.state.snapshot()
+        run = status.run_id
+        for name, help_, key in _RUN_GAUGES:
+            g = _gauge(name, help_)
+            g.add_metric([run], getattr(status, key))
             yield g
-        g = gauge("mobius_phase", "Run phase (1 for the current one).", ("phase",))
-        for phase, on in doc["phases"].items():
-            g.add_metric([run, phase], on)
+        g = _gauge("mobius_phase", "Run phase (1 for the current one).", ("phase",))
+        for phase in Phase:
+            g.add_metric([run, phase], int(phase == status.phase))
         yield g
-        if doc["train_loss"] is not None:
-            g = gauge("mobius_train_loss", "Training loss of the latest step (mean over origins).")
-            g.add_metric([run], doc["train_loss"])
+        yield from self._losses(status)
+        yield from self._workers(status)
+        yield from self._edges(status)
+        incidents = status.incidents
+        totals = {
+            **totals,
+            "incidents": len(incidents),
+            "recovered": sum(i.state == IncidentState.RECOVERED for i in incidents),
+            "steps_redone": sum(i.steps_redone or 0 for i in incidents),
+        }
+        for name, help_, key in _RUN_COUNTERS:
+            c = _counter(name, help_)
+            c.add_metric([run], totals[key])
+            yield c
+
+    @staticmethod
+    def _losses(status: StatusModel) -> Iterator[Metric]:
+        run = status.run_id
+        if status.train_loss is not None:
+            g = _gauge("mobius_train_loss", "Training loss of the latest step (mean over origins).")
+            g.add_metric([run], status.train_loss)
             yield g
-        if doc["eval_loss"] is not None:
-            g = gauge("mobius_eval_loss", "Latest validation loss (paper Eq. 8).")
-            g.add_metric([run], doc["eval_loss"])
+        if status.eval_loss is not None:
+            g = _gauge("mobius_eval_loss", "Latest validation loss (paper Eq. 8).")
+            g.add_metric([run], status.eval_loss)
             yield g
-            g = gauge("mobius_eval_origin_loss", "Latest validation loss per origin.", ("origin",))
-            for origin, loss in enumerate(doc["eval_origin_losses"]):
+            g = _gauge("mobius_eval_origin_loss", "Latest validation loss per origin.", ("origin",))
+            for origin, loss in enumerate(status.eval_origin_losses or ()):
                 if loss is not None:
                     g.add_metric([run, str(origin)], loss)
             yield g
-        yield from self._workers(doc, gauge, counter)
-        yield from self._edges(doc, gauge, counter)
-        for name, help_, key in (
-            ("mobius_incidents", "Incidents (a worker or ring edge lost).", "incidents"),
-            ("mobius_incidents_recovered", "Incidents the run recovered from.", "recovered"),
-            ("mobius_steps_redone", "Training steps redone after rollbacks.", "steps_redone"),
-            ("mobius_rounds", "Training rounds completed (redone ones included).", "rounds"),
-            ("mobius_evaluations", "Evaluation rounds completed (Eq. 8).", "evaluations"),
-            ("mobius_tokens", "Tokens trained on, all origins (redone steps included).", "tokens"),
-            ("mobius_heartbeats", "Heartbeats accepted from workers.", "heartbeats"),
-        ):
-            c = counter(name, help_)
-            c.add_metric([run], doc["totals"][key])
-            yield c
 
-    def _workers(self, doc: dict[str, Any], gauge, counter) -> Iterator[Metric]:
-        run, workers = doc["run_id"], doc["workers"]
-        rows: list[tuple[str, str, str, str]] = [
-            ("mobius_worker_up", "Worker alive (1) or lost / not registered (0).", "up", "g"),
-            ("mobius_worker_step", "Last step the worker reported.", "step", "g"),
-            ("mobius_worker_loss", "Last training loss of the worker's own origin.", "loss", "g"),
-            ("mobius_worker_tokens_per_second", "Worker throughput.", "tokens_per_s", "g"),
-            (
-                "mobius_worker_heartbeat_age_seconds",
-                "Seconds since the last heartbeat.",
-                "heartbeat_age_s",
-                "g",
-            ),
-            (
-                "mobius_worker_wait_share",
-                "Share of the latest round the worker spent waiting for frames.",
-                "wait_share",
-                "g",
-            ),
-            ("mobius_worker_train_seconds", "Seconds spent training steps.", "train_s", "c"),
-            (
-                "mobius_worker_wait_seconds",
-                "Seconds spent waiting for ring frames (as the worker reports).",
-                "wait_s",
-                "c",
-            ),
-            (
-                "mobius_worker_sent_bytes",
-                "Bytes the worker sent on its ring links (as it reports).",
-                "bytes_sent",
-                "c",
-            ),
-        ]
-        for name, help_, key, kind in rows:
-            fam = (gauge if kind == "g" else counter)(name, help_, ("rank",))
-            for w in workers:
-                if w.get(key) is not None:
-                    fam.add_metric([run, str(w["rank"])], w[key])
+    @staticmethod
+    def _workers(status: StatusModel) -> Iterator[Metric]:
+        run = status.run_id
+        for name, help_, figure, kind in _WORKER_FIGURES:
+            fam = (_gauge if kind == "g" else _counter)(name, help_, ("rank",))
+            for w in status.workers:
+                if (value := figure(w)) is not None:
+                    fam.add_metric([run, str(w.rank)], value)
             yield fam
-        g = gauge("mobius_worker_state", "Worker state (1 for the current one).", ("rank", "state"))
-        for w in workers:
-            g.add_metric([run, str(w["rank"]), w["state"]], 1)
+        g = _gauge(
+            "mobius_worker_state", "Worker state (1 for the current one).", ("rank", "state")
+        )
+        for w in status.workers:
+            g.add_metric([run, str(w.rank), w.state], 1)
         yield g
 
-    def _edges(self, doc: dict[str, Any], gauge, counter) -> Iterator[Metric]:
-        run = doc["run_id"]
-        up = gauge("mobius_edge_up", "Ring edge up (1) or not (0).", ("edge",))
-        rate = gauge("mobius_edge_bytes_per_second", "Bytes/s its sender reports.", ("edge",))
-        rec = counter("mobius_edge_reconnects", "Reconnects within the link grace.", ("edge",))
-        for e in doc["ring"]:
-            up.add_metric([run, e["edge"]], int(e["state"] == "up"))
-            rec.add_metric([run, e["edge"]], e["reconnects"])
-            if e.get("bytes_per_s") is not None:
-                rate.add_metric([run, e["edge"]], e["bytes_per_s"])
+    @staticmethod
+    def _edges(status: StatusModel) -> Iterator[Metric]:
+        run = status.run_id
+        up = _gauge("mobius_edge_up", "Ring edge up (1) or not (0).", ("edge",))
+        rate = _gauge("mobius_edge_bytes_per_second", "Bytes/s its sender reports.", ("edge",))
+        rec = _counter("mobius_edge_reconnects", "Reconnects within the link grace.", ("edge",))
+        for e in status.ring:
+            up.add_metric([run, e.edge], int(e.state == EdgeState.UP))
+            rec.add_metric([run, e.edge], e.reconnects)
+            if e.bytes_per_s is not None:
+                rate.add_metric([run, e.edge], e.bytes_per_s)
         yield from (up, rate, rec)
 
 

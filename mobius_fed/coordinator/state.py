@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mobius_fed.coordinator.status_model import IncidentModel, WorkerModel
+from mobius_fed.coordinator.status_model import IncidentModel, StatusModel, WorkerModel
 from mobius_fed.machines import (
     DOWN_STATES,
     ENDED_PHASES,
@@ -18,15 +18,12 @@ from mobius_fed.machines import (
     PHASE,
     WORKER,
     EdgeState,
-    IncidentState,
     Phase,
     WorkerState,
 )
 
 log = logging.getLogger("mobius.coordinator")
-_NOT_UP = (WorkerState.LOST, WorkerState.EXPECTED, WorkerState.FINISHED, WorkerState.STOPPED)
 
-PHASES = tuple(Phase)
 WORKER_STATES = tuple(WorkerState)
 
 
@@ -313,37 +310,11 @@ class RunState:
                 self._metrics = CoordinatorMetrics(self)
             return self._metrics
 
-    def metrics_doc(self) -> dict[str, Any]:
-        """What the Prometheus collector reads, in one consistent snapshot."""
+    def snapshot(self) -> tuple[StatusModel, dict[str, float]]:
+        """The status model and the run's counters, in one consistent snapshot: what
+        ``/metrics`` renders."""
         with self._lock:
-            now = time.time()
-            doc = self.status_doc()
-            doc["phases"] = {p: int(p == self.phase) for p in PHASES}
-            doc["totals"] = {
-                **self.totals,
-                "incidents": len(self.incidents),
-                "recovered": sum(i.state == IncidentState.RECOVERED for i in self.incidents),
-                "steps_redone": sum(i.steps_redone or 0 for i in self.incidents),
-            }
-            doc["workers"] = [
-                {
-                    "rank": w.rank,
-                    "state": w.state,
-                    "up": int(w.state not in _NOT_UP),
-                    "step": w.step,
-                    "loss": w.last_loss,
-                    "tokens_per_s": w.tokens_per_s,
-                    "heartbeat_age_s": None
-                    if w.last_heartbeat is None
-                    else round(now - w.last_heartbeat, 3),
-                    "wait_share": w.wait_share,
-                    "train_s": w.train_s_total,
-                    "wait_s": w.wait_s_total if w.wait_s is not None else None,
-                    "bytes_sent": w.bytes_sent_total if w.bytes_per_s is not None else None,
-                }
-                for w in (self.workers[i] for i in sorted(self.workers))
-            ]
-            return doc
+            return StatusModel.model_validate(self.status_doc()), dict(self.totals)
 
     def prometheus(self) -> str:
         """Prometheus text exposition format (version 0.0.4), by ``prometheus_client``."""
