@@ -150,26 +150,33 @@ def _status_routes(app: FastAPI, state: RunState) -> None:
         return JSONResponse({"ready": ready, "phase": phase}, status_code=200 if ready else 503)
 
 
+VENDOR = "/static/vendor"
+"""Swagger UI and ReDoc assets, served from the package (no CDN: sites are often offline)."""
+
+
 def _docs_routes(app: FastAPI) -> None:
     """Swagger UI and ReDoc, from the assets in ``static/vendor``."""
+
+    title = "mobius-fed coordinator — {}"
+    favicon = "/static/favicon.svg"
 
     @app.get("/docs", include_in_schema=False)
     def swagger() -> HTMLResponse:
         return get_swagger_ui_html(
             openapi_url="/openapi.json",
-            title="mobius-fed coordinator — Swagger UI",
-            swagger_js_url="/static/vendor/swagger-ui/swagger-ui-bundle.js",
-            swagger_css_url="/static/vendor/swagger-ui/swagger-ui.css",
-            swagger_favicon_url="/static/favicon.svg",
+            title=title.format("Swagger UI"),
+            swagger_js_url=f"{VENDOR}/swagger-ui/swagger-ui-bundle.js",
+            swagger_css_url=f"{VENDOR}/swagger-ui/swagger-ui.css",
+            swagger_favicon_url=favicon,
         )
 
     @app.get("/redoc", include_in_schema=False)
     def redoc() -> HTMLResponse:
         return get_redoc_html(
             openapi_url="/openapi.json",
-            title="mobius-fed coordinator — ReDoc",
-            redoc_js_url="/static/vendor/redoc/redoc.standalone.js",
-            redoc_favicon_url="/static/favicon.svg",
+            title=title.format("ReDoc"),
+            redoc_js_url=f"{VENDOR}/redoc/redoc.standalone.js",
+            redoc_favicon_url=favicon,
             with_google_fonts=False,
         )
 

@@ -241,6 +241,25 @@ def _issue(
     return bundle
 
 
+def fresh_dir(out: Path, overwrite: bool, what: str) -> Path:
+    """``out``, created; a non-empty one is refused unless ``overwrite``."""
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"{out} is not empty; refusing to replace {what} (pass overwrite=True / "
+            "--overwrite, which invalidates every certificate already handed out)"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def validity(days: int) -> tuple[dt.datetime, dt.datetime]:
+    """(not before, not after): from five minutes ago (clock skew) for ``days`` days."""
+    now = dt.datetime.now(dt.timezone.utc)
+    return now - dt.timedelta(minutes=5), now + dt.timedelta(days=days)
+
+
 def init_certs(
     out: Path,
     workers: int,
@@ -256,19 +275,8 @@ def init_certs(
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"{out} is not empty; refusing to replace certificates (pass overwrite=True / "
-            "--overwrite, which invalidates every certificate already handed out)"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-
-    now = dt.datetime.now(dt.timezone.utc)
-    not_before, not_after = now - dt.timedelta(minutes=5), now + dt.timedelta(days=days)
-
+    out = fresh_dir(Path(out), overwrite, "certificates")
+    not_before, not_after = validity(days)
     ca_key, ca_cert = new_ca(not_before, not_after)
     layout = CertLayout(root=out, ca_cert=out / "ca.crt", ca_key=out / "ca.key", workers=workers)
     write_file(layout.ca_key, key_pem(ca_key), 0o600)

@@ -31,12 +31,14 @@ from cryptography.x509.oid import NameOID
 
 from mobius_fed.transport.certs import (
     PrivateKey,
+    fresh_dir,
     identity_of,
     key_pem,
     leaf_certificate,
     load_ca,
     new_ca,
     node_sans,
+    validity,
     write_file,
 )
 from mobius_fed.transport.tls import (
@@ -81,15 +83,8 @@ def make_ca(out: Path, *, days: int = 365, overwrite: bool = False) -> Path:
     Writes ``ca.crt``, ``ca.key``, ``operator.crt``/``.key`` and the operator's bundle
     ``nodes/operator/{ca.crt,tls.crt,tls.key}``, laid out as :func:`init_certs` does.
     """
-    out = Path(out)
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"{out} is not empty; refusing to replace a CA (--overwrite invalidates every "
-            "certificate it signed)"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.timezone.utc)
-    not_before, not_after = now - dt.timedelta(minutes=5), now + dt.timedelta(days=days)
+    out = fresh_dir(Path(out), overwrite, "a CA")
+    not_before, not_after = validity(days)
     ca_key, ca_cert = new_ca(not_before, not_after)
     write_file(out / "ca.key", key_pem(ca_key), 0o600)
     write_file(out / CA_FILE, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
