@@ -33,7 +33,10 @@ from mobius_fed.relay.plan import (
 )
 from mobius_fed.relay.splice import DIAL, REFUSED, make_header
 from mobius_fed.relay.tunnels import Forwarder, TunnelKeeper, dial, relay_dialer
+from mobius_fed.transport.certs import init_certs
 from mobius_fed.transport.tls import open_channel
+from mobius_fed.worker.frames import FrameRules
+from mobius_fed.worker.link import PeerError, RingLinks
 from tests.test_coordinator import BASE, max_diff, reference, ring_history
 
 KEY = b"0123456789abcdef" * 4
@@ -143,6 +146,25 @@ def test_a_relay_splices_signed_tunnels_and_refuses_strangers():
         keeper.close()
         relay.close()
         srv.close()
+
+
+def test_a_site_that_wrongly_declares_itself_reachable_is_named_with_its_edge(tmp_path: Path):
+    """worker-1 registered as reachable but nothing answers at its address: worker-0's
+    error names the edge and the flag that fixes it."""
+    certs = init_certs(tmp_path / "certs", workers=2)
+    with socket.create_server(("127.0.0.1", 0)) as s:  # a port nobody listens on afterwards
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    cfg = TrainConfig(preset="cpu-tiny", batch_size=4, workers=2)
+    link = RingLinks(FrameRules(cfg, 0, "r", lambda: 0), listen="127.0.0.1:0", successor=dead,
+                     tls=certs.bundle("worker-0"), peer_timeout=1.0)  # fmt: skip
+    try:
+        with pytest.raises(PeerError) as info:
+            link.connect()
+    finally:
+        link.close()
+    msg = str(info.value)
+    assert "ring edge worker-0 → worker-1" in msg and dead in msg, msg
+    assert "--reachable no" in msg, msg
 
 
 # ------------------------------------------------------------------------ real ring
@@ -257,3 +279,31 @@ def test_two_adjacent_outbound_only_workers_without_a_relay_are_refused(tmp_path
             with contextlib.suppress(Exception):
                 ch.close()
         fed.stop()
+
+
+@pytest.mark.slow
+def test_a_relay_that_dies_mid_run_heals_once_it_is_back(tmp_path: Path):
+    """The relay is killed at step 3 and restarted 4 s later on the same port: the relayed
+    edge reconnects (session resume or incident recovery) and the losses are unchanged."""
+    train = TrainConfig(**BASE, steps=8, sync_every=2)
+    fed = ReachFederation(tmp_path, train, threads=1).prepare()
+    fed.start_relay()
+    fed.start()
+    try:
+        _wait_for(fed, lambda d: d["step"] >= 3, what="training before the cut")
+        assert fed.relay_proc is not None
+        fed.relay_proc.kill()
+        fed.relay_proc.wait(10)
+        time.sleep(4.0)
+        fed.start_relay()
+        final = fed.wait(timeout=300)
+        assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 30))
+        got, _ = ring_history(fed)
+        relay = fed.relay_status()
+    finally:
+        fed.stop()
+    ref, _ = reference(fed)
+    assert max_diff(got, ref) <= 1e-5, "a relay restart must not change the losses"
+    assert any(e["bytes"] > 0 for e in relay["edges"]), "the restarted relay carried the edge"
+    edge = final["ring"][1]
+    assert edge["reconnects"] >= 1 or final["incidents"], ("the cut was not seen", edge)
