@@ -129,14 +129,15 @@ def splice(
     lock = threading.Lock()
 
     def pump(src: socket.socket, dst: socket.socket) -> None:
+        buf = memoryview(bytearray(1 << 20))  # one buffer per direction, no allocation
         try:
             while True:
-                data = src.recv(1 << 16)
-                if not data:
+                n = src.recv_into(buf)
+                if not n:
                     break
-                dst.sendall(data)
+                dst.sendall(buf[:n])
                 if count is not None:
-                    count(len(data))
+                    count(n)
             dst.shutdown(socket.SHUT_WR)
         except OSError:
             # a reset on one side ends both directions
