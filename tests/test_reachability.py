@@ -138,6 +138,11 @@ def test_a_relay_splices_signed_tunnels_and_refuses_strangers():
         assert b"bad HMAC" in _refusal(relay.port, wrong)
         other = make_header(KEY, "ring/1", "worker-3 → worker-0", DIAL)
         assert b"no tunnel" in _refusal(relay.port, other)  # nothing parked for that edge
+        lonely = Forwarder(relay_dialer(meet, KEY, "ring/1", "worker-2 → worker-3"), "lonely")
+        with dial(lonely.address) as c:  # nobody parked a tunnel for that edge
+            assert c.recv(10) == b""  # the forwarder closes the connection ...
+        assert "no tunnel from the successor" in lonely.last_error  # ... knowing why
+        lonely.close()
         (edge,) = relay.status()["edges"]
         assert edge["edge"] == "worker-1 → worker-2" and edge["bytes"] >= 2 * len(blob)
         assert relay.status()["refused"] == 2

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from mobius_fed.relay.rendezvous import Rendezvous
-from mobius_fed.relay.splice import Intro, refuse, splice
+from mobius_fed.relay.splice import PAIRED, Intro, close_quietly, refuse, splice
 from mobius_fed.relay.tunnels import ByteCounter
 
 log = logging.getLogger("mobius.relay")
@@ -56,6 +56,12 @@ class Relay:
             stats = self.edges.setdefault((intro.run, intro.edge), EdgeStats())
             stats.connections += 1
         log.info("relay: %s of ring %s spliced", intro.edge, intro.run)
+        try:
+            conn.sendall(PAIRED)  # the dialling side waits for this verdict
+        except OSError:
+            close_quietly(conn)
+            close_quietly(far)
+            return
         splice(conn, far, stats.bytes.add, name=f"relay {intro.edge}")
 
     def status(self) -> dict:
@@ -75,7 +81,8 @@ class Relay:
             "port": self.port,
             "edges": edges,
             "waiting": self.rendezvous.waiting(),
-            "refused": len(self.rendezvous.refused),
+            "refused": self.rendezvous.refused,
+            "last_refusals": list(self.rendezvous.last_refusals),
         }
 
     def serve_status(self, listen: str) -> int:

@@ -98,7 +98,13 @@ class EdgeTunnels:
             doc["meet"] = edge.meet
             doc["tunnel_bytes"] = end.counter.total
             doc["tunnel_bytes_per_s"] = round(end.counter.rate(), 1)
+            if end.last_error:
+                doc["tunnel_error"] = end.last_error[:200]
         return doc
+
+    def out_error(self) -> str:
+        """Why the out-edge's latest connection got no tunnel ('' when it did)."""
+        return self.forwarder.last_error if self.forwarder is not None else ""
 
     def close(self) -> None:
         for part in (self.keeper, self.forwarder, self.rendezvous):

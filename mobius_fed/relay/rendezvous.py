@@ -12,6 +12,7 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from mobius_fed.relay.splice import (
@@ -58,7 +59,8 @@ class Rendezvous:
         self._waiting: dict[tuple[str, str], list[socket.socket]] = {}
         self._cond = threading.Condition()
         self._closed = False
-        self.refused: list[str] = []
+        self.refused = 0  # introductions refused so far
+        self.last_refusals: deque[str] = deque(maxlen=20)
         threading.Thread(target=self._accept_loop, daemon=True, name=name).start()
 
     def _accept_loop(self) -> None:
@@ -80,7 +82,8 @@ class Rendezvous:
             if why is not None:
                 raise TunnelRefused(why)
         except TunnelRefused as exc:
-            self.refused.append(f"{peer[0]}: {exc}")
+            self.refused += 1
+            self.last_refusals.append(f"{peer[0]}: {exc}")
             log.warning("%s: refused a tunnel from %s: %s", self.name, peer[0], exc)
             refuse(conn, f"refused: {exc}")
             return
@@ -91,13 +94,25 @@ class Rendezvous:
 
     def _park(self, intro: Intro, conn: socket.socket) -> None:
         with self._cond:
+            self._prune()
             slot = self._waiting.setdefault((intro.run, intro.edge), [])
-            slot[:] = [s for s in slot if _alive(s)]
             if len(slot) >= MAX_WAITING or self._closed:
                 refuse(conn, f"refused: {MAX_WAITING} tunnels already wait for {intro.edge}")
                 return
             slot.append(conn)
             self._cond.notify_all()
+
+    def _prune(self) -> None:
+        """Forget parked tunnels whose opener closed them (an old ring incarnation's)."""
+        for k, slot in list(self._waiting.items()):
+            alive = [s for s in slot if _alive(s)]
+            for s in slot:
+                if s not in alive:
+                    close_quietly(s)
+            if alive:
+                self._waiting[k] = alive
+            else:
+                del self._waiting[k]
 
     def take(self, run: str, edge: str, timeout: float) -> socket.socket | None:
         """A live parked tunnel for (run, edge), told it is paired; None after ``timeout``."""
@@ -124,13 +139,6 @@ class Rendezvous:
     def waiting(self) -> dict[str, int]:
         with self._cond:
             return {f"{r} {e}": len(s) for (r, e), s in self._waiting.items() if s}
-
-    def drop_run(self, keep: Callable[[str], bool]) -> None:
-        """Close parked tunnels of runs ``keep`` says are over."""
-        with self._cond:
-            for k in [k for k in self._waiting if not keep(k[0])]:
-                for s in self._waiting.pop(k):
-                    close_quietly(s)
 
     def close(self) -> None:
         with self._cond:

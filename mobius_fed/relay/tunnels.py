@@ -34,6 +34,7 @@ log = logging.getLogger("mobius.relay")
 
 IDLE_TUNNELS = 2
 CONNECT_TIMEOUT_S = 5.0
+VERDICT_TIMEOUT_S = 20.0  # a relay answers within its pair timeout (10 s)
 
 
 class ByteCounter:
@@ -57,6 +58,14 @@ class ByteCounter:
         return (total - b0) / max(now - t0, 1e-6)
 
 
+def await_paired(sock: socket.socket, where: str) -> None:
+    """Wait for the rendezvous' verdict on a tunnel: PAIRED, else ConnectionError (why)."""
+    first = sock.recv(1)
+    if first != PAIRED:
+        why = sock.recv(200).decode(errors="replace").strip() if first == REFUSED else ""
+        raise ConnectionError(f"{where}: {why or 'closed the tunnel'}")
+
+
 def dial(address: str, timeout: float = CONNECT_TIMEOUT_S) -> socket.socket:
     host, _, port = address.rpartition(":")
     return tune(socket.create_connection((host.strip("[]"), int(port)), timeout=timeout))
@@ -69,6 +78,7 @@ class Forwarder:
     def __init__(self, open_tunnel: Callable[[], socket.socket | None], name: str) -> None:
         self.open_tunnel, self.name = open_tunnel, name
         self.counter = ByteCounter()
+        self.last_error = ""  # why the latest connection got no tunnel
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
         self._closed = False
@@ -87,12 +97,15 @@ class Forwarder:
             far = self.open_tunnel()
         except OSError as exc:
             log.info("%s: no tunnel (%s)", self.name, exc)
-            far = None
+            self.last_error, far = str(exc) or type(exc).__name__, None
+        if far is None and not self.last_error:
+            self.last_error = "no tunnel from the successor arrived"
         if far is None or self._closed:
             close_quietly(conn)
             if far is not None:
                 close_quietly(far)
             return
+        self.last_error = ""
         splice(conn, far, self.counter.add, name=f"splice {self.name}")
 
     def close(self) -> None:
@@ -105,8 +118,14 @@ def relay_dialer(relay: str, key: bytes, run: str, edge: str) -> Callable[[], so
 
     def open_tunnel() -> socket.socket:
         sock = dial(relay)
-        sock.settimeout(None)
-        sock.sendall(make_header(key, run, edge, DIAL))
+        try:
+            sock.sendall(make_header(key, run, edge, DIAL))
+            sock.settimeout(VERDICT_TIMEOUT_S)
+            await_paired(sock, f"relay {relay}")
+            sock.settimeout(None)
+        except OSError:
+            close_quietly(sock)
+            raise
         return sock
 
     return open_tunnel
@@ -162,10 +181,7 @@ class TunnelKeeper:
         try:
             sock.settimeout(None)
             sock.sendall(make_header(self.key, self.run, self.edge, ACCEPT))
-            first = sock.recv(1)
-            if first != PAIRED:
-                why = sock.recv(200).decode(errors="replace").strip() if first == REFUSED else ""
-                raise ConnectionError(why or "the rendezvous closed a parked tunnel")
+            await_paired(sock, f"rendezvous {self.meet}")
             local = dial(self.local)
         except OSError:
             with self._lock:

@@ -150,12 +150,13 @@ class SuccessorClient:
                 f"at {self.successor_addr} (direct: worker-{self.succ} declared it accepts "
                 "connections; if it can only dial out, start it with --reachable no)"
             )
+        why = f"; last tunnel error: {t.out_error()}" if t.out_error() else ""
         if t.out.path == REVERSED:
             return (
                 f"through tunnels it opens to this worker's rendezvous {t.out.meet} (reversed: "
-                f"can worker-{self.succ} reach that address?)"
+                f"can worker-{self.succ} reach that address?{why})"
             )
-        return f"through relay {t.out.meet} (relayed: do both workers reach the relay?)"
+        return f"through relay {t.out.meet} (relayed: do both workers reach the relay?{why})"
 
     def _check_not_closed(self, target: str) -> None:
         """An abort closes the links while connect() may still be dialling: give up then."""
