@@ -37,7 +37,9 @@ from mobius_fed.transport.certs import init_certs
 from mobius_fed.transport.tls import open_channel
 from mobius_fed.worker.frames import FrameRules
 from mobius_fed.worker.link import PeerError, RingLinks
+from tests.ring_harness import Ring
 from tests.test_coordinator import BASE, max_diff, reference, ring_history
+from tests.test_ring import assert_matches_reference
 
 KEY = b"0123456789abcdef" * 4
 RELAY = [sys.executable, "-m", "mobius_fed.cli.relay"]
@@ -312,3 +314,40 @@ def test_a_relay_that_dies_mid_run_heals_once_it_is_back(tmp_path: Path):
     assert any(e["bytes"] > 0 for e in relay["edges"]), "the restarted relay carried the edge"
     edge = final["ring"][1]
     assert edge["reconnects"] >= 1 or final["incidents"], ("the cut was not seen", edge)
+
+
+class StaticReachRing(Ring):
+    """A static ring (--peers as ring entries): 0 → 1 reversed, 1 → 2 relayed, 2 → 0 direct."""
+
+    def prepare(self) -> StaticReachRing:
+        super().prepare()
+        self.tunnel_port, self.relay_port = free_ports(2)
+        self.relay_key = write_relay_key(self.root / "relay.key")
+        return self
+
+    def worker_cmd(self, i: int, extra: list[str] = ()) -> list[str]:  # type: ignore[assignment]
+        cmd = super().worker_cmd(i, extra)
+        p = self.ports
+        entries = [
+            f"127.0.0.1:{p[0]};rendezvous=127.0.0.1:{self.tunnel_port}",
+            f"127.0.0.1:{p[1]};reachable=no",
+            f"127.0.0.1:{p[2]};reachable=no;relay=127.0.0.1:{self.relay_port}",
+        ]
+        cmd[cmd.index("--peers") + 1] = ",".join(entries)
+        cmd += ["--relay-key", str(self.relay_key)]  # a static ring's tunnels all use it
+        return cmd + (["--tunnel-listen", f"127.0.0.1:{self.tunnel_port}"] if i == 0 else [])
+
+
+@pytest.mark.slow
+def test_a_static_ring_takes_ring_entries_and_equals_the_reference(tmp_path: Path):
+    train = dict(preset="cpu-tiny", steps=6, batch_size=4, sync_every=0, eval_every=0)
+    ring = StaticReachRing(tmp_path, 3, train).prepare()
+    relay = Relay(f"127.0.0.1:{ring.relay_port}", read_relay_key(ring.relay_key))
+    try:
+        ring.start().wait()
+        status = relay.status()
+    finally:
+        relay.close()
+    assert_matches_reference(ring)
+    (edge,) = status["edges"]
+    assert edge["edge"] == "worker-1 → worker-2" and edge["bytes"] > 0, status
