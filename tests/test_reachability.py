@@ -19,6 +19,7 @@ import pytest
 
 from mobius_fed.cli.up import LocalFederation, free_ports
 from mobius_fed.config import TrainConfig
+from mobius_fed.coordinator.control import heartbeat_problem
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.relay.daemon import Relay
 from mobius_fed.relay.keys import RelayKeyError, read_relay_key, write_relay_key
@@ -76,6 +77,16 @@ def test_an_edge_that_cannot_connect_is_refused_naming_it():
     for bad in ("h:1;reachable=maybe", "h:1;relay=nowhere", "h:1;colour=red"):
         with pytest.raises(RingPlanError, match="ring entry"):
             RingEntry.parse(bad)
+
+
+def test_a_heartbeat_with_an_unknown_edge_path_never_reaches_status():
+    def problem(out: dict) -> str | None:
+        links = json.dumps({"out": {"state": "up", **out}})
+        return heartbeat_problem(control_pb2.HeartbeatRequest(links_json=links), 10)
+
+    assert problem({"path": RELAYED, "tunnel_bytes": 5e9, "tunnel_bytes_per_s": 1e6}) is None
+    assert "path" in problem({"path": "<script>"})
+    assert "tunnel_bytes_per_s" in problem({"path": RELAYED, "tunnel_bytes_per_s": -1})
 
 
 def test_relay_key_file_is_private_and_long_enough(tmp_path: Path):

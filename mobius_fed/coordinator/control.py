@@ -24,7 +24,14 @@ from mobius_fed.machines import (
     WorkerState,
 )
 from mobius_fed.proto import control_pb2, control_pb2_grpc
-from mobius_fed.relay.plan import RingEntry, RingPlanError, check_known_edges, is_host_port
+from mobius_fed.relay.plan import (
+    DIRECT,
+    PATHS,
+    RingEntry,
+    RingPlanError,
+    check_known_edges,
+    is_host_port,
+)
 from mobius_fed.transport.tls import (
     COORDINATOR_IDENTITY,
     OPERATOR_IDENTITY,
@@ -286,6 +293,14 @@ def _valid_address(address: str) -> bool:
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536 and len(address) < 256)
 
 
+_EDGE_NUMBERS = (
+    ("reconnects", 1e9),
+    ("down_s", 1e9),
+    ("tunnel_bytes", 1e18),
+    ("tunnel_bytes_per_s", 1e12),
+)
+
+
 def heartbeat_problem(request: control_pb2.HeartbeatRequest, steps: int) -> str | None:
     """Why a heartbeat cannot go into status or metrics (None: it can)."""
     if request.state and request.state not in REPORTED_STATES:
@@ -308,12 +323,14 @@ def heartbeat_problem(request: control_pb2.HeartbeatRequest, steps: int) -> str 
         for side, edge in links.items():
             if not isinstance(edge, dict) or edge.get("state", "unknown") not in tuple(EdgeState):
                 return f"links_json.{side}: unknown state"
-            for key in ("reconnects", "down_s"):
+            if edge.get("path", DIRECT) not in PATHS:  # reachability (relay/plan.py)
+                return f"links_json.{side}.path: {str(edge.get('path'))[:20]!r}"
+            for key, top in _EDGE_NUMBERS:
                 v = edge.get(key, 0)
                 if (
                     isinstance(v, bool)
                     or not isinstance(v, int | float)
-                    or not (math.isfinite(v) and 0 <= v < 1e9)
+                    or not (math.isfinite(v) and 0 <= v < top)
                 ):
                     return f"links_json.{side}.{key}: {v!r}"
     return None
