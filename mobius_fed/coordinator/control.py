@@ -121,12 +121,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 log.error("refused: %s", msg)
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, msg)
             rejoin = w.state == WorkerState.LOST
-            peers = [entry if i == rank else self._registered.get(i, "") for i in range(self.P)]
-            try:
-                check_known_edges(peers)
-            except RingPlanError as exc:
-                log.error("refused worker-%d: %s", rank, exc)
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self._check_edges(rank, entry, context)
             self._registered[rank] = entry
             self.state.move_worker(
                 rank,
@@ -146,6 +141,15 @@ class ControlService(control_pb2_grpc.ControlServicer):
         spec = self.run_spec(rank)
         spec.tunnel_key = self.tunnel_key
         return spec
+
+    def _check_edges(self, rank: int, entry: str, context: grpc.ServicerContext) -> None:
+        """Refuse an entry that leaves an edge to a registered neighbour unconnectable."""
+        peers = [entry if i == rank else self._registered.get(i, "") for i in range(self.P)]
+        try:
+            check_known_edges(peers)
+        except RingPlanError as exc:
+            log.error("refused worker-%d: %s", rank, exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     @staticmethod
     def _ring_entry(rank: int, request, context: grpc.ServicerContext) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mobius_fed.relay.plan import DIRECT, RELAYED, REVERSED, EdgePlan, RingPlanError, plan_ring
@@ -76,7 +78,7 @@ class EdgeTunnels:
             listen, self._key(self.out), check=check, name=f"rendezvous worker-{self.rank}"
         )
 
-    def _tunnel_opener(self):
+    def _tunnel_opener(self) -> Callable[[], socket.socket | None]:
         if self.out.path == REVERSED:
             rv, run, edge = self.rendezvous, self.ring_id, self.out.name
             return lambda: rv.take(run, edge, PAIR_TIMEOUT_S)  # type: ignore[union-attr]

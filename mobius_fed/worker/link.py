@@ -134,11 +134,9 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
         # A message larger than one of our pieces is refused (RESOURCE_EXHAUSTED): every
         # worker of a ring must use the same piece size (link.chunk).
         self.max_receive = self.max_message
-        # A tunnelled out-edge dials the local forwarder (docs/reachability.md).
-        self.tunnels = tunnels
-        if tunnels is not None:
-            successor = tunnels.successor_address
-        self.listen, self.successor_addr = listen, successor
+        self.tunnels = tunnels  # a tunnelled out-edge dials its local forwarder
+        self.listen = listen
+        self.successor_addr = tunnels.successor_address if tunnels else successor
         self.tls, self.insecure, self.peer_timeout = tls, insecure, peer_timeout
         self.link_grace = link_grace
         self.timers = timers or LinkTimers()
