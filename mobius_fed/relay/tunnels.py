@@ -157,15 +157,18 @@ class TunnelKeeper:
 
     def _keep(self) -> None:
         """One slot: park a tunnel, serve it once paired, park the next; back off on errors."""
-        delay = 0.1
+        delay, failures = 0.1, 0
         while not self._closing.is_set():
             try:
                 if self._serve_one():
-                    delay = 0.1
+                    delay, failures = 0.1, 0
                     continue
             except OSError as exc:
-                if self.last_error != str(exc):
-                    log.warning("tunnel %s via %s: %s", self.edge, self.meet, exc)
+                failures += 1
+                # once is what a ring's end looks like from here; again and again is news
+                level = logging.WARNING if failures == 3 else logging.DEBUG
+                if self.last_error != str(exc) or failures == 3:
+                    log.log(level, "tunnel %s via %s: %s", self.edge, self.meet, exc)
                 self.last_error = str(exc)
             self._closing.wait(delay)
             delay = min(delay * 2, self.max_backoff_s)
