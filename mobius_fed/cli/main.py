@@ -51,6 +51,7 @@ PLUGINS: dict[str, tuple[str, ...]] = {
     "research": ("experiment", "sweep", "analyze"),
     "certs": ("certs",),
     "export": ("export", "generate", "eval"),
+    "relay": ("relay",),
 }
 
 

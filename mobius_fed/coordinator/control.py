@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,14 @@ from mobius_fed.machines import (
     WorkerState,
 )
 from mobius_fed.proto import control_pb2, control_pb2_grpc
+from mobius_fed.relay.plan import (
+    DIRECT,
+    PATHS,
+    RingEntry,
+    RingPlanError,
+    check_known_edges,
+    is_host_port,
+)
 from mobius_fed.transport.tls import (
     COORDINATOR_IDENTITY,
     OPERATOR_IDENTITY,
@@ -55,6 +64,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         self._cond = threading.Condition()
         self.enrolled = {worker_identity(i) for i in range(self.P)}
         self.enrolled |= {COORDINATOR_IDENTITY, OPERATOR_IDENTITY}
+        self.tunnel_key = secrets.token_bytes(32)  # signs tunnels at workers' rendezvous ports
 
     # ------------------------------------------------------------- identity
     def _worker_rank(self, context: grpc.ServicerContext) -> int:
@@ -100,6 +110,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"worker-{rank}: listen_address {address[:80]!r} is not host:port",
             )
+        entry = self._ring_entry(rank, request, context)
         with self._cond:
             w = self.state.workers[rank]
             if rank in self._registered and w.state not in _UNJOINED:
@@ -110,7 +121,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 log.error("refused: %s", msg)
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, msg)
             rejoin = w.state == WorkerState.LOST
-            self._registered[rank] = address
+            self._check_edges(rank, entry, context)
+            self._registered[rank] = entry
             self.state.move_worker(
                 rank,
                 WorkerState.REJOINING if rejoin else WorkerState.REGISTERED,
@@ -126,7 +138,37 @@ class ControlService(control_pb2_grpc.ControlServicer):
             )
             self._cond.notify_all()
         self.grid.notify()
-        return self.run_spec(rank)
+        spec = self.run_spec(rank)
+        spec.tunnel_key = self.tunnel_key
+        return spec
+
+    def _check_edges(self, rank: int, entry: str, context: grpc.ServicerContext) -> None:
+        """Refuse an entry that leaves an edge to a registered neighbour unconnectable."""
+        peers = [entry if i == rank else self._registered.get(i, "") for i in range(self.P)]
+        try:
+            check_known_edges(peers)
+        except RingPlanError as exc:
+            log.error("refused worker-%d: %s", rank, exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    @staticmethod
+    def _ring_entry(rank: int, request, context: grpc.ServicerContext) -> str:
+        """The worker's ring entry: its address and how it can be reached (relay/plan.py)."""
+        if ";" in request.listen_address:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"worker-{rank}: listen_address may not contain ';'",
+            )
+        for what in ("rendezvous", "relay"):
+            value = getattr(request, what)
+            if value and (not is_host_port(value) or ";" in value):
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"worker-{rank}: {what} {value[:80]!r} is not host:port",
+                )
+        return RingEntry(
+            request.listen_address, not request.unreachable, request.rendezvous, request.relay
+        ).encode()
 
     def peers(self) -> list[str]:
         with self._cond:
@@ -255,6 +297,14 @@ def _valid_address(address: str) -> bool:
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536 and len(address) < 256)
 
 
+_EDGE_NUMBERS = (
+    ("reconnects", 1e9),
+    ("down_s", 1e9),
+    ("tunnel_bytes", 1e18),
+    ("tunnel_bytes_per_s", 1e12),
+)
+
+
 def heartbeat_problem(request: control_pb2.HeartbeatRequest, steps: int) -> str | None:
     """Why a heartbeat cannot go into status or metrics (None: it can)."""
     if request.state and request.state not in REPORTED_STATES:
@@ -277,12 +327,14 @@ def heartbeat_problem(request: control_pb2.HeartbeatRequest, steps: int) -> str 
         for side, edge in links.items():
             if not isinstance(edge, dict) or edge.get("state", "unknown") not in tuple(EdgeState):
                 return f"links_json.{side}: unknown state"
-            for key in ("reconnects", "down_s"):
+            if edge.get("path", DIRECT) not in PATHS:  # reachability (relay/plan.py)
+                return f"links_json.{side}.path: {str(edge.get('path'))[:20]!r}"
+            for key, top in _EDGE_NUMBERS:
                 v = edge.get(key, 0)
                 if (
                     isinstance(v, bool)
                     or not isinstance(v, int | float)
-                    or not (math.isfinite(v) and 0 <= v < 1e9)
+                    or not (math.isfinite(v) and 0 <= v < top)
                 ):
                     return f"links_json.{side}.{key}: {v!r}"
     return None

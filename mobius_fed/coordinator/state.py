@@ -279,6 +279,8 @@ class RunState:
                     "reconnects": out.get("reconnects", 0),
                     "down_s": out.get("down_s", 0.0),
                     "bytes_per_s": w.bytes_per_s,  # what its sender reported
+                    "path": out.get("path"),  # direct | reversed | relayed (reachability)
+                    "tunnel_bytes_per_s": out.get("tunnel_bytes_per_s"),
                     "wait_share": self.workers[j].wait_share,  # its receiver waiting on it
                 }
             )

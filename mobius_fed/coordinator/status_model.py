@@ -66,6 +66,14 @@ class EdgeModel(BaseModel):
     wait_share: float | None = Field(
         None, description="share of its receiver's latest round spent waiting for frames"
     )
+    path: str | None = Field(
+        None,
+        description="how it connects: direct, reversed (the successor dials out) or "
+        "relayed (through mobius-relay); docs/reachability.md",
+    )
+    tunnel_bytes_per_s: float | None = Field(
+        None, description="bytes/s through its tunnel (reversed or relayed edges only)"
+    )
 
 
 class IncidentModel(BaseModel):

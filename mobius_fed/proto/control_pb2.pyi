@@ -7,15 +7,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("listen_address", "config_fingerprint")
+    __slots__ = ("listen_address", "config_fingerprint", "unreachable", "rendezvous", "relay")
     LISTEN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     listen_address: str
     config_fingerprint: str
-    def __init__(self, listen_address: _Optional[str] = ..., config_fingerprint: _Optional[str] = ...) -> None: ...
+    unreachable: bool
+    rendezvous: str
+    relay: str
+    def __init__(self, listen_address: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., unreachable: _Optional[bool] = ..., rendezvous: _Optional[str] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("run_id", "rank", "peers", "train_config_json", "config_fingerprint", "resume_round", "resume_checkpoint", "heartbeat_interval_s")
+    __slots__ = ("run_id", "rank", "peers", "train_config_json", "config_fingerprint", "resume_round", "resume_checkpoint", "heartbeat_interval_s", "tunnel_key")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +30,7 @@ class RunSpec(_message.Message):
     RESUME_ROUND_FIELD_NUMBER: _ClassVar[int]
     RESUME_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    TUNNEL_KEY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     peers: _containers.RepeatedScalarFieldContainer[str]
@@ -32,7 +39,8 @@ class RunSpec(_message.Message):
     resume_round: int
     resume_checkpoint: str
     heartbeat_interval_s: float
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., train_config_json: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., resume_round: _Optional[int] = ..., resume_checkpoint: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    tunnel_key: bytes
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., train_config_json: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., resume_round: _Optional[int] = ..., resume_checkpoint: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., tunnel_key: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("state", "step", "last_loss", "tokens_per_s", "links_json")

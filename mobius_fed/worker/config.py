@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mobius_fed.config import ENV_PREFIX, ConfigError, TrainConfig
+from mobius_fed.relay.edges import TunnelKeys
+from mobius_fed.relay.keys import read_relay_key
+from mobius_fed.relay.plan import is_host_port
 from mobius_fed.settings import layered_config, settings_of
 from mobius_fed.transport.link_tuning import LinkConfig, LinkTuningError, refuse_renamed_variables
 from mobius_fed.transport.tls import NodeTLS
@@ -32,6 +35,25 @@ class WorkerConfig(BaseModel):
     )
     advertise: str | None = Field(
         None, description="the ring address the predecessor dials (unset: the listen address)"
+    )
+    reachable: Literal["yes", "no"] = Field(
+        "yes",
+        description="whether the ring predecessor can dial this worker's listen address; "
+        "no: this site only dials out (docs/reachability.md)",
+    )
+    relay: str | None = Field(
+        None, description="host:port of a mobius-relay, for ring edges neither end can accept"
+    )
+    relay_key: Path | None = Field(
+        None, description="file holding the relay's shared key (the relay's --key-file)"
+    )
+    tunnel_listen: str | None = Field(
+        None,
+        description="bind address of the rendezvous port an outbound-only successor opens "
+        "its tunnels to (unset: none)",
+    )
+    tunnel_advertise: str | None = Field(
+        None, description="the rendezvous address the successor dials (unset: tunnel listen)"
     )
     data_dir: Path = Field(description="this worker's site: train_*.bin, val_*.bin, meta.json")
     out_dir: Path = Field(Path("runs/worker"), description="worker checkpoints and metrics")
@@ -83,6 +105,14 @@ class WorkerConfig(BaseModel):
                 "insecure is for static rings only: the coordinator knows workers by their "
                 "certificate identity"
             )
+        for name in ("relay", "tunnel_listen", "tunnel_advertise"):
+            value = getattr(self, name)
+            if value is not None and (not is_host_port(value) or ";" in value):
+                raise ValueError(f"{name} {value!r} is not host:port")
+        if self.tunnel_advertise and not self.tunnel_listen:
+            raise ValueError("tunnel_advertise needs tunnel_listen (where to bind it)")
+        if self.relay and self.relay_key is None:
+            raise ValueError("relay needs relay_key (the file holding the relay's key)")
         if not self.insecure and None in tls:
             raise ValueError("ca, cert and key are required (or --insecure for local debugging)")
         return self
@@ -101,6 +131,22 @@ class WorkerConfig(BaseModel):
             return self.advertise
         host, port = self.listen_address.rsplit(":", 1)
         return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{port}"
+
+    @property
+    def rendezvous_address(self) -> str:
+        """Where an outbound-only successor opens its tunnels ('' when none)."""
+        if self.tunnel_advertise or not self.tunnel_listen:
+            return self.tunnel_advertise or ""
+        host, port = self.tunnel_listen.rsplit(":", 1)
+        if host in ("0.0.0.0", "[::]", ""):
+            host = self.advertise_address.rsplit(":", 1)[0]
+        return f"{host}:{port}"
+
+    def tunnel_keys(self, run_key: bytes = b"") -> TunnelKeys:
+        """Keys for tunnelled edges: the run's (from the coordinator; a static ring uses the
+        relay key) and the relay's."""
+        relay = read_relay_key(self.relay_key) if self.relay_key else b""
+        return TunnelKeys(run=run_key or relay, relay=relay)
 
     @property
     def successor(self) -> str:

@@ -75,7 +75,11 @@ def register(
         try:
             return stub.Register(
                 control_pb2.RegisterRequest(
-                    listen_address=cfg.advertise_address, config_fingerprint=own
+                    listen_address=cfg.advertise_address,
+                    config_fingerprint=own,
+                    unreachable=cfg.reachable == "no",
+                    rendezvous=cfg.rendezvous_address,
+                    relay=cfg.relay or "",
                 ),
                 timeout=30,
             )
@@ -152,6 +156,7 @@ class WorkerNode:
         self._aborts = 0  # aborts so far: a ring join that saw one gives up
         self._session_end = None  # ends the current session: (outcome, reason)
         self.generation = 0  # registrations so far: a reply to an older one is stale
+        self.run_key = b""  # signs tunnel introductions (docs/reachability.md)
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
@@ -160,6 +165,7 @@ class WorkerNode:
         try:
             while True:
                 spec = register(self.stub, self.cfg, rejoin=rejoin)
+                self.run_key = spec.tunnel_key  # new with every coordinator process
                 self.generation += 1
                 if beats is None:  # from now on the coordinator expects heartbeats
                     beats = _Heartbeats(self, spec.heartbeat_interval_s or 1.0)
@@ -223,7 +229,7 @@ class WorkerNode:
         self.close_links()
         self.executor.set_run_id(ring_id)
         self.cfg = self.cfg.model_copy(update={"peers": peers})
-        links = make_links(self.cfg, self.executor)
+        links = make_links(self.cfg, self.executor, self.run_key)
         if links is None:
             return
         links.start_server()

@@ -14,6 +14,7 @@ import torch
 
 from mobius_fed.checkpoint import save_checkpoint
 from mobius_fed.data import SiteData
+from mobius_fed.relay.edges import EdgeTunnels
 from mobius_fed.transport.tls import check_node_secrets
 from mobius_fed.worker.config import WorkerConfig
 from mobius_fed.worker.executor import RingExecutor
@@ -32,10 +33,21 @@ def open_ring(cfg: WorkerConfig, executor: RingExecutor) -> RingLinks | None:
     return links
 
 
-def make_links(cfg: WorkerConfig, executor: RingExecutor) -> RingLinks | None:
-    """The ring links of ``executor`` for ``cfg`` (not started; None when P = 1)."""
+def make_links(cfg: WorkerConfig, executor: RingExecutor, run_key: bytes = b"") -> RingLinks | None:
+    """The ring links of ``executor`` for ``cfg`` (not started; None when P = 1).
+
+    Peers given as ring entries (relay/plan.py) get tunnels on the edges that need them."""
     if cfg.train.workers == 1:
         return None
+    tunnels = None
+    if any(";" in p for p in cfg.peers):
+        tunnels = EdgeTunnels(
+            cfg.peers,
+            executor.rank,
+            executor.rules.run_id,
+            cfg.tunnel_keys(run_key),
+            cfg.tunnel_listen,
+        )
     return RingLinks(
         executor.rules,
         listen=cfg.listen_address,
@@ -46,6 +58,7 @@ def make_links(cfg: WorkerConfig, executor: RingExecutor) -> RingLinks | None:
         capture=cfg.capture_frames,
         link_grace=cfg.link_grace,
         tuning=cfg.link.tuning(),
+        tunnels=tunnels,
     )
 
 

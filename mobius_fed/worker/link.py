@@ -47,6 +47,8 @@ import torch
 
 from mobius_fed.machines import EDGE, EdgeState
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
+from mobius_fed.relay.edges import EdgeTunnels
+from mobius_fed.relay.plan import DIRECT
 from mobius_fed.transport.allocator import tune_allocator
 from mobius_fed.transport.codec import (
     FrameError,
@@ -109,6 +111,7 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
         timers: LinkTimers | None = None,
         tuning: LinkTuning | None = None,
         ack_every: int = ACK_EVERY,
+        tunnels: EdgeTunnels | None = None,
     ) -> None:
         if tuning is None:
             refuse_renamed_variables(os.environ)  # a stale MOBIUS_LINK_<X> must not be ignored
@@ -131,7 +134,9 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
         # A message larger than one of our pieces is refused (RESOURCE_EXHAUSTED): every
         # worker of a ring must use the same piece size (link.chunk).
         self.max_receive = self.max_message
-        self.listen, self.successor_addr = listen, successor
+        self.tunnels = tunnels  # a tunnelled out-edge dials its local forwarder
+        self.listen = listen
+        self.successor_addr = tunnels.successor_address if tunnels else successor
         self.tls, self.insecure, self.peer_timeout = tls, insecure, peer_timeout
         self.link_grace = link_grace
         self.timers = timers or LinkTimers()
@@ -324,7 +329,7 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
             in_state, in_down = EdgeState.DOWN, 0.0
         o = self._out
         out_down = now - o.down_since if o.down_since is not None else 0.0
-        return {
+        edges = {
             "in": {
                 "peer": f"worker-{self.pred}",
                 "edge": self.edge_in,
@@ -340,6 +345,9 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
                 "down_s": round(out_down, 3),
             },
         }
+        for side in ("in", "out"):
+            edges[side].update(self.tunnels.describe(side) if self.tunnels else {"path": DIRECT})
+        return edges
 
     def _describe_edges(self) -> str:
         e = self.edge_states()
@@ -401,5 +409,7 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
             self._channel.close()
         if self._server is not None:
             self._server.stop(grace=1.0).wait()
+        if self.tunnels is not None:
+            self.tunnels.close()
         if self._capture is not None:
             self._capture.close()

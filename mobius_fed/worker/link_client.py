@@ -13,6 +13,7 @@ import grpc
 
 from mobius_fed.machines import EdgeState
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
+from mobius_fed.relay.plan import DIRECT, REVERSED
 from mobius_fed.transport.codec import (
     FrameError,
 )
@@ -120,7 +121,7 @@ class SuccessorClient:
                 if time.monotonic() > deadline:
                     why = str(exc) if isinstance(exc, _Retry) else repr(exc)
                     raise PeerError(
-                        f"worker-{self.rank}: successor {target} at {self.successor_addr} "
+                        f"ring edge {self.edge_out}: successor {target} {self.route()} "
                         f"unreachable after {self.peer_timeout:.0f}s ({why})"
                     ) from exc
                 log.info(
@@ -140,6 +141,22 @@ class SuccessorClient:
         log.info(
             "worker-%d connected to successor %s at %s", self.rank, target, self.successor_addr
         )
+
+    def route(self) -> str:
+        """How the out-edge reaches the successor, for error messages."""
+        t = self.tunnels
+        if t is None or t.out.path == DIRECT:
+            return (
+                f"at {self.successor_addr} (direct: worker-{self.succ} declared it accepts "
+                "connections; if it can only dial out, start it with --reachable no)"
+            )
+        why = f"; last tunnel error: {t.out_error()}" if t.out_error() else ""
+        if t.out.path == REVERSED:
+            return (
+                f"through tunnels it opens to this worker's rendezvous {t.out.meet} (reversed: "
+                f"can worker-{self.succ} reach that address?{why})"
+            )
+        return f"through relay {t.out.meet} (relayed: do both workers reach the relay?{why})"
 
     def _check_not_closed(self, target: str) -> None:
         """An abort closes the links while connect() may still be dialling: give up then."""

@@ -114,6 +114,10 @@ class PredecessorServer:
         for name in ("", "mobius_fed.ring.v1.RingLink"):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("worker-%d listening on %s", self.rank, self.listen)
+        if self.tunnels is not None:  # an in-edge the predecessor cannot dial: tunnels
+            host = self.listen.rpartition(":")[0]
+            local = "127.0.0.1" if host in ("0.0.0.0", "[::]", "") else host
+            self.tunnels.start_keeper(f"{local}:{port}")
         return port
 
     def Ping(self, request: ring_pb2.PingRequest, context: grpc.ServicerContext):

@@ -101,6 +101,7 @@ function drawRing(container, status) {
     const g = el("g", {
       class: "edge", "data-edge": e.edge, "data-state": e.state,
       "data-bytes-per-s": e.bytes_per_s ?? "", "data-wait-share": e.wait_share ?? "",
+      "data-path": e.path ?? "",
     }, svg);
     const mx = (xa + xb) / 2, my = (ya + yb) / 2;
     const bend = P === 2 ? (i ? 40 : -40) : 0;  // two workers: two arcs, not one line
@@ -112,7 +113,10 @@ function drawRing(container, status) {
       : `${Math.round(e.wait_share * 100)}% wait`;
     el("text", { x: lx, y: ly, class: "edge-label" }, g, `${fmtBytes(e.bytes_per_s)}/s`);
     el("text", { x: lx, y: ly + 12, class: "edge-label" }, g, share);
-    el("title", {}, g, `${e.edge}: ${e.state}, ${e.reconnects} reconnects`);
+    if (e.path && e.path !== "direct") {
+      el("text", { x: lx, y: ly + 24, class: "edge-label edge-path" }, g, e.path);
+    }
+    el("title", {}, g, `${e.edge} (${e.path || "direct"}): ${e.state}, ${e.reconnects} reconnects`);
   });
   status.workers.forEach((w, i) => {
     const [x, y] = pos(i);
@@ -209,6 +213,12 @@ function render(status, history) {
   ], { title: "step time", xlabel: "round" });
 
   drawRing(document.getElementById("ring"), status);
+  table(document.getElementById("edges"),
+    ["edge", "path", "state", "bytes/s", "tunnel bytes/s", "reconnects"],
+    (status.ring || []).map((e) => ({ attrs: { class: "edge-row", "data-edge": e.edge,
+      "data-path": e.path ?? "" },
+      cells: [e.edge, e.path || "direct", { v: e.state, cls: `state-${e.state}` },
+        e.bytes_per_s, e.tunnel_bytes_per_s, e.reconnects] })));
   table(document.getElementById("workers"),
     ["rank", "state", "step", "loss", "tokens/s", "train s", "wait share"],
     status.workers.map((w) => ({ attrs: { class: "worker-row", "data-rank": w.rank },

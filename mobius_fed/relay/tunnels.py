@@ -1,0 +1,205 @@
+"""A worker's two ends of a tunnelled ring edge.
+
+:class:`Forwarder` (the edge's predecessor, the gRPC client) listens on 127.0.0.1; the gRPC
+channel to the successor targets it (TLS name: the successor's identity) and every TCP
+connection it makes is paired with a tunnel: a parked one at this worker's own rendezvous
+(``reversed``) or a ``dial`` tunnel to the relay (``relayed``).
+
+:class:`TunnelKeeper` (the successor, the gRPC server that cannot be dialled) keeps a couple
+of ``accept`` tunnels open to the rendezvous point; once one is paired it connects it to
+its own local gRPC server port, pipes bytes, and opens a fresh one. When the rendezvous
+point is gone (a relay restarting) it retries with backoff until it is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from mobius_fed.relay.splice import (
+    ACCEPT,
+    DIAL,
+    PAIRED,
+    REFUSED,
+    close_quietly,
+    make_header,
+    splice,
+    tune,
+)
+
+log = logging.getLogger("mobius.relay")
+
+IDLE_TUNNELS = 2
+CONNECT_TIMEOUT_S = 5.0
+VERDICT_TIMEOUT_S = 20.0  # a relay answers within its pair timeout (10 s)
+
+
+class ByteCounter:
+    """Bytes through one edge's tunnels, and a rate between two readings."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._lock = threading.Lock()
+        self._last = (time.monotonic(), 0)
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.total += n
+
+    def rate(self) -> float:
+        """Bytes/s since the previous call."""
+        with self._lock:
+            now, total = time.monotonic(), self.total
+            t0, b0 = self._last
+            self._last = (now, total)
+        return (total - b0) / max(now - t0, 1e-6)
+
+
+def await_paired(sock: socket.socket, where: str) -> None:
+    """Wait for the rendezvous' verdict on a tunnel: PAIRED, else ConnectionError (why)."""
+    first = sock.recv(1)
+    if first != PAIRED:
+        why = sock.recv(200).decode(errors="replace").strip() if first == REFUSED else ""
+        raise ConnectionError(f"{where}: {why or 'closed the tunnel'}")
+
+
+def dial(address: str, timeout: float = CONNECT_TIMEOUT_S) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    return tune(socket.create_connection((host.strip("[]"), int(port)), timeout=timeout))
+
+
+class Forwarder:
+    """127.0.0.1:<port> → a tunnel from ``open_tunnel()`` (None: none came; the gRPC
+    connection is closed and the channel retries)."""
+
+    def __init__(self, open_tunnel: Callable[[], socket.socket | None], name: str) -> None:
+        self.open_tunnel, self.name = open_tunnel, name
+        self.counter = ByteCounter()
+        self.last_error = ""  # why the latest connection got no tunnel
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
+        self._closed = False
+        threading.Thread(target=self._loop, daemon=True, name=f"fwd {name}").start()
+
+    def _loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._pair, args=(tune(conn),), daemon=True).start()
+
+    def _pair(self, conn: socket.socket) -> None:
+        try:
+            far = self.open_tunnel()
+        except OSError as exc:
+            log.info("%s: no tunnel (%s)", self.name, exc)
+            self.last_error, far = str(exc) or type(exc).__name__, None
+        if far is None and not self.last_error:
+            self.last_error = "no tunnel from the successor arrived"
+        if far is None or self._closed:
+            close_quietly(conn)
+            if far is not None:
+                close_quietly(far)
+            return
+        self.last_error = ""
+        splice(conn, far, self.counter.add, name=f"splice {self.name}")
+
+    def close(self) -> None:
+        self._closed = True
+        close_quietly(self._sock)
+
+
+def relay_dialer(relay: str, key: bytes, run: str, edge: str) -> Callable[[], socket.socket]:
+    """Open a ``dial`` tunnel for ``edge`` at ``relay`` (the relay pairs it or closes it)."""
+
+    def open_tunnel() -> socket.socket:
+        sock = dial(relay)
+        try:
+            sock.sendall(make_header(key, run, edge, DIAL))
+            sock.settimeout(VERDICT_TIMEOUT_S)
+            await_paired(sock, f"relay {relay}")
+            sock.settimeout(None)
+        except OSError:
+            close_quietly(sock)
+            raise
+        return sock
+
+    return open_tunnel
+
+
+class TunnelKeeper:
+    """Keeps ``idle`` ``accept`` tunnels for ``edge`` parked at ``meet``; a paired one is
+    connected to ``local`` (this worker's gRPC server)."""
+
+    def __init__(
+        self,
+        meet: str,
+        key: bytes,
+        run: str,
+        edge: str,
+        local: str,
+        idle: int = IDLE_TUNNELS,
+        max_backoff_s: float = 2.0,
+    ) -> None:
+        self.meet, self.key, self.run, self.edge, self.local = meet, key, run, edge, local
+        self.max_backoff_s = max_backoff_s
+        self.counter = ByteCounter()
+        self.last_error = ""
+        self._closing = threading.Event()
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        for k in range(idle):
+            threading.Thread(target=self._keep, daemon=True, name=f"tunnel {edge} #{k}").start()
+
+    def _keep(self) -> None:
+        """One slot: park a tunnel, serve it once paired, park the next; back off on errors."""
+        delay, failures = 0.1, 0
+        while not self._closing.is_set():
+            try:
+                if self._serve_one():
+                    delay, failures = 0.1, 0
+                    continue
+            except OSError as exc:
+                failures += 1
+                # once is what a ring's end looks like from here; again and again is news
+                level = logging.WARNING if failures == 3 else logging.DEBUG
+                if self.last_error != str(exc) or failures == 3:
+                    log.log(level, "tunnel %s via %s: %s", self.edge, self.meet, exc)
+                self.last_error = str(exc)
+            self._closing.wait(delay)
+            delay = min(delay * 2, self.max_backoff_s)
+
+    def _serve_one(self) -> bool:
+        """Park one tunnel and wait; True once it was paired and handed to the server."""
+        sock = dial(self.meet)
+        with self._lock:
+            if self._closing.is_set():
+                close_quietly(sock)
+                return False
+            self._open.add(sock)
+        try:
+            sock.settimeout(None)
+            sock.sendall(make_header(self.key, self.run, self.edge, ACCEPT))
+            await_paired(sock, f"rendezvous {self.meet}")
+            local = dial(self.local)
+        except OSError:
+            with self._lock:
+                self._open.discard(sock)
+            close_quietly(sock)
+            raise
+        with self._lock:
+            self._open.discard(sock)
+        self.last_error = ""
+        splice(sock, local, self.counter.add, name=f"splice {self.edge}")
+        return True
+
+    def close(self) -> None:
+        self._closing.set()
+        with self._lock:
+            for s in self._open:
+                close_quietly(s)
+            self._open.clear()
