@@ -58,9 +58,9 @@ Methods
      TCP/TLS connection; "1conn" = S calls multiplexed on one channel.
    * HTTP/2 / TCP options on both server and channel (see ``HTTP2_OPTS``).
    * pre-serialized send ("preser"): instead of ``make_frame`` (tensor->bytes copy, protobuf
-     setter copy) + ``Frame.SerializeToString`` (another copy), the sender writes the
-     protobuf wire bytes itself in one ``b"".join`` copy straight from the tensor's memory
-     and passes ``bytes`` through a stub with ``request_serializer=None``. The receiver is
+     setter copy) + ``Frame.SerializeToString`` (another copy), the sender takes the wire
+     bytes from the codec's ``encode_frames`` (one copy straight from the tensor's memory,
+     as the link does) and passes ``bytes`` through a stub with ``request_serializer=None``. The receiver is
      unchanged (parses with the real ``Frame.FromString`` and validates); the bytes are
      checked to parse to exactly what ``make_frame`` builds.
 
@@ -171,64 +171,30 @@ def bounds(spec: Spec) -> list[list[tuple[int, int]]]:
     return out
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def frame_bytes(header_bytes: bytes, t, shape) -> bytes:
-    """Protobuf wire bytes of a Frame (header fields + tensor), one copy of the tensor data.
-
-    ``header_bytes`` = ``Frame(run_id=..., step=..., ...).SerializeToString()`` without a
-    tensor; ``t`` a contiguous CPU fp32 tensor. Field 7 (tensor) = Tensor{dtype=1, shape=2,
-    data=3, crc32=4}; protobuf parsers accept fields in any order.
-    """
+def frame_bytes(step: int, tick: int, micro: int, t) -> bytes:
+    """Wire bytes of one Frame carrying all of ``t`` (fp32), by the codec's own
+    ``encode_frames`` (one copy of the tensor data)."""
     from mobius_fed.proto import ring_pb2
+    from mobius_fed.transport import codec
 
-    mv = memoryview(t.numpy()).cast("B")
-    n = mv.nbytes
-    crc = zlib.crc32(mv)  # releases the GIL, no copy
-    meta = ring_pb2.Tensor(dtype=ring_pb2.FLOAT32, shape=list(shape)).SerializeToString()
-    tail = b"\x20" + _varint(crc)  # field 4 (crc32), varint
-    data_hdr = b"\x1a" + _varint(n)  # field 3 (data), length-delimited
-    tlen = len(meta) + len(data_hdr) + n + len(tail)
-    return b"".join((header_bytes, b"\x3a", _varint(tlen), meta, data_hdr, mv, tail))
-
-
-_TUNED = False
+    (one,) = codec.encode_frames(
+        run_id=RUN_ID,
+        step=step,
+        origin=0,
+        tick=tick,
+        micro=micro,
+        direction=ring_pb2.FORWARD,
+        tensor=t,
+        chunk_bytes=max(1, t.numel() * 4),
+    )
+    return one
 
 
 def tune_malloc() -> bool:
-    """Keep 16 MiB buffers on the malloc heap instead of fresh mmap()s.
+    """The link's own allocator tuning (``mobius_fed.transport.allocator``)."""
+    from mobius_fed.transport.allocator import tune_allocator
 
-    glibc serves blocks above M_MMAP_THRESHOLD (128 KiB, adaptive up to 32 MiB) with a
-    fresh mmap and unmaps them on free, so every 16 MiB copy on the link (tensor->bytes,
-    protobuf setter, serialization, gRPC slices, ``.data``) page-faults 4096 new pages.
-    Raising the threshold to its 32 MiB maximum and the trim threshold far above it makes
-    freed buffers get reused. Once per process, before the link starts; no-op off glibc.
-    """
-    global _TUNED
-    if _TUNED:
-        return True
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        ok = libc.mallopt(M_MMAP_THRESHOLD, 32 * MiB) == 1
-        ok = ok and libc.mallopt(M_TRIM_THRESHOLD, 1024 * MiB) == 1
-    except (OSError, AttributeError):
-        ok = False
-    _TUNED = ok
-    return ok
+    return tune_allocator()
 
 
 def freeze_gc() -> None:
@@ -679,10 +645,7 @@ def _grpc_send_aio(spec: Spec, t) -> list[float]:
         async def send_part(s: int, j: int) -> None:
             call = calls[s]
             for k, (a, b) in enumerate(plan[s]):
-                hdr = ring_pb2.Frame(
-                    run_id=RUN_ID, step=j, origin=0, tick=s, micro=k, direction=ring_pb2.FORWARD
-                ).SerializeToString()
-                await call.write(frame_bytes(hdr, flat[a:b], (b - a,)))
+                await call.write(frame_bytes(j, s, k, flat[a:b]))
             ack = await call.read()
             if ack.step != j or ack.tick != s:
                 raise RuntimeError(f"bad ack {ack}")
@@ -824,15 +787,7 @@ def _grpc_send(spec: Spec, t) -> list[float]:
         for k, (a, b) in enumerate(plan[s]):
             piece = t if single else flat[a:b]
             if spec.preser:
-                hdr = ring_pb2.Frame(
-                    run_id=RUN_ID,
-                    step=j,
-                    origin=0,
-                    tick=s,
-                    micro=k,
-                    direction=ring_pb2.FORWARD,
-                ).SerializeToString()
-                q.put(frame_bytes(hdr, piece, piece.shape))
+                q.put(frame_bytes(j, s, k, piece))
             else:
                 q.put(
                     codec.make_frame(
@@ -940,9 +895,8 @@ def self_check() -> None:
     x = torch.randn(3, 5)
     kw = dict(run_id=RUN_ID, step=7, origin=0, tick=1, micro=2, direction=ring_pb2.FORWARD)
     ref = codec.make_frame(tensor=x, **kw)
-    hdr = ring_pb2.Frame(**kw, chunks=1).SerializeToString()
-    mine = ring_pb2.Frame.FromString(frame_bytes(hdr, x, x.shape))
-    assert mine == ref, "hand-built frame bytes differ from make_frame"
+    mine = ring_pb2.Frame.FromString(frame_bytes(7, 1, 2, x))
+    assert mine == ref, "frame_bytes differs from make_frame"
     got = codec.decode_tensor(mine.tensor, expected_shape=(3, 5), expected_dtype="fp32")
     assert torch.equal(got, x)
     (real,) = codec.encode_frames(tensor=x, **kw)
