@@ -6,15 +6,18 @@
 The state is one worker's file of a P-worker run: its block group F_i, an E/R replica and
 AdamW moments for both (what ``round-<r>.ckpt`` holds, the optimizer states dominating).
 Format 1 is timed with the writer and reader of ``--old-ref`` (the last commit with the
-format-1 writer, read with ``git show``). Prints the best of ``--repeats`` for each, and
-new/old ratios (below 1: faster). Durable writes (fsync) as in training; the formats
-take turns, so a busy host slows both alike.
+format-1 writer, read with ``git show``; ``b6dec74`` gives the first format-2 reader,
+which let safetensors' ``deserialize`` copy every tensor). Prints the best of
+``--repeats`` for each, and new/old ratios (below 1: faster). Durable writes (fsync) as in
+training; the formats take turns, so a busy host slows both alike, and the host's load
+average is printed with the table (a busy host inflates the absolute times).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
@@ -112,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---|---|---|---|")
         for preset in args.presets:
             print(row(preset, args.workers, old, d, args.repeats), flush=True)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\nhost load average (1, 5, 15 min) at the end: {load} on {os.cpu_count()} cores")
     return 0
 
 

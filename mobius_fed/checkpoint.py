@@ -24,6 +24,10 @@ tensors' bytes in the order of their names. Files of format 1 (a JSON header, th
 payloads at the byte ranges ``"at": [begin, end]`` of the tree) are still read.
 
 Reading parses JSON and copies bytes into tensors: no code runs, whatever the file holds.
+One pass over the file: the header's byte ranges are checked as the ``safetensors`` library
+checks them, each tensor is read straight into a buffer of its own (the only copy), and the
+sha256 (the payload's, or the whole file's against a manifest) is verified before any value
+is built.
 Every problem (missing file, hash mismatch, truncation, corruption, a pickle, a value we
 cannot store, a failed write) raises :class:`CheckpointError` naming the file.
 """
@@ -33,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import math
 import os
@@ -43,11 +48,11 @@ import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, TensorSpec, deserialize, serialize_file
+from safetensors import SafetensorError, TensorSpec, serialize_file
 
 FORMAT = "mobius-fed-checkpoint"
 VERSION = 2  # what save_checkpoint writes; load_checkpoint reads 1 and 2
@@ -81,6 +86,7 @@ _TORCH_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 _NUMPY_KINDS = frozenset("biufc")
 # the dtypes safetensors stores natively (others, complex128, go as raw bytes)
 _ST_DTYPES = frozenset(TORCH_DTYPES) - {"complex128"}
+_Buffer = np.ndarray | bytearray  # a value's bytes while it is decoded
 _PATH_PART = re.compile(r"\['([^']*)'\]|\[(-?\d+)\]|\.(\w+)")
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
@@ -361,20 +367,42 @@ def _writer_gone(tmp: Path) -> bool:
 
 
 # --------------------------------------------------------------------------- reading
-def _read_bytes(path: Path) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            buf = f.read()
-            if len(buf) != size:
-                raise CheckpointError(f"checkpoint {path} changed while being read")
-            return buf
-    except FileNotFoundError:
-        raise CheckpointMissing(errno.ENOENT, f"checkpoint not found: {path}") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"checkpoint {path} is a directory") from None
-    except OSError as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
+# bits per element of each dtype a safetensors header may name
+_ST_BITS = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0"), 8),
+    **dict.fromkeys(("I16", "U16", "F16", "BF16"), 16),
+    **dict.fromkeys(("I32", "U32", "F32"), 32),
+    **dict.fromkeys(("I64", "U64", "F64", "C64"), 64),
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+
+
+class _Source:
+    """A checkpoint read front to back, each piece straight into a buffer of its own (the
+    only copy the bytes get); with ``whole_sha256`` the file's SHA-256 is taken on the way."""
+
+    def __init__(self, f: BinaryIO, size: int, path: Path, whole_sha256: bool) -> None:
+        self.f, self.size, self.path = f, size, path
+        self.sha256 = hashlib.sha256() if whole_sha256 else None
+
+    def read(self, n: int) -> np.ndarray:
+        """The next ``n`` bytes (the caller has checked that the file holds them)."""
+        buf = np.empty(n, np.uint8)  # uninitialised: readinto fills it
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = self.f.readinto(view[got:])
+            if not k:
+                raise CheckpointError(f"checkpoint {self.path} changed while being read")
+            got += k
+        if self.sha256 is not None:
+            self.sha256.update(view)
+        return buf
+
+    def at_end(self) -> None:
+        if self.f.read(1):
+            raise CheckpointError(f"checkpoint {self.path} changed while being read")
 
 
 def _kind_of(head: bytes) -> str:
@@ -387,15 +415,16 @@ def _kind_of(head: bytes) -> str:
 
 class _Decoder:
     """Rebuilds a state from its tree; ``payload`` gives a value's bytes (format 2: the
-    tensors safetensors parsed, by name; format 1: byte ranges of one payload)."""
+    file's tensors, by name, each read into a buffer of its own; format 1: byte ranges of
+    one payload)."""
 
-    def __init__(self, tensors: dict[str, bytearray], path: Path) -> None:
+    def __init__(self, tensors: dict[str, np.ndarray], path: Path) -> None:
         self.tensors, self.path = tensors, path
 
     def bad(self, where: str, why: str) -> CheckpointError:
         return CheckpointError(f"checkpoint {self.path} is corrupted: {where}: {why}")
 
-    def payload(self, v: dict, where: str, nbytes: int | None = None) -> bytearray:
+    def payload(self, v: dict, where: str, nbytes: int | None = None) -> _Buffer:
         """A writable buffer of the value's bytes, owned by the value built on it."""
         data = self.tensors.get(v.get("key"))  # type: ignore[arg-type]
         if data is None:
@@ -507,7 +536,7 @@ class _Format1Decoder(_Decoder):
         super().__init__({}, path)
         self.data = data
 
-    def payload(self, v: dict, where: str, nbytes: int | None = None) -> bytearray:
+    def payload(self, v: dict, where: str, nbytes: int | None = None) -> _Buffer:
         at = v.get("at")
         if (
             not isinstance(at, list)
@@ -521,21 +550,23 @@ class _Format1Decoder(_Decoder):
         return bytearray(self.data[at[0] : at[1]])
 
 
-def _header(data: memoryview, path: Path) -> tuple[int, dict]:
+def _header(src: _Source) -> tuple[int, dict]:
     """``(header length, header)``: the JSON both formats start with (after a u64 length)."""
-    if data.nbytes < 8:
-        raise CheckpointError(f"checkpoint {path} is truncated: {data.nbytes} bytes")
-    hlen = int.from_bytes(data[:8], "little")
-    what = _kind_of(bytes(data[:4]))
-    if hlen > min(MAX_HEADER_BYTES, data.nbytes - 8):
+    path, size = src.path, src.size
+    if size < 8:
+        raise CheckpointError(f"checkpoint {path} is truncated: {size} bytes")
+    head = src.read(8).tobytes()
+    hlen = int.from_bytes(head, "little")
+    what = _kind_of(head[:4])
+    if hlen > min(MAX_HEADER_BYTES, size - 8):
         if what != "not a mobius-fed checkpoint":
             raise CheckpointError(f"checkpoint {path} is {what}: refused, never unpickled")
         raise CheckpointError(
             f"checkpoint {path} is truncated or not a checkpoint: header of {hlen} bytes, "
-            f"file of {data.nbytes}"
+            f"file of {size}"
         )
     try:
-        header = json.loads(bytes(data[8 : 8 + hlen]))
+        header = json.loads(src.read(hlen).tobytes())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         if what != "not a mobius-fed checkpoint":
             raise CheckpointError(
@@ -555,25 +586,74 @@ def _check_digest(path: Path, actual: str, header: dict) -> None:
         )
 
 
-def _format1(data: memoryview, hlen: int, header: dict, path: Path, verify: bool) -> _Decoder:
-    payload = data[8 + hlen :]
+def _check_manifest(path: Path, actual: str, expected: str) -> None:
+    if actual != expected.lower():
+        raise CheckpointError(
+            f"checkpoint {path} does not match its manifest: sha256 {actual}, expected {expected}"
+        )
+
+
+def _format1(src: _Source, hlen: int, header: dict, verify: bool) -> _Decoder:
+    payload = memoryview(src.read(src.size - 8 - hlen))
+    src.at_end()
     want = header.get("data_len")
     if type(want) is not int or payload.nbytes != want:
         raise CheckpointError(
-            f"checkpoint {path} is truncated or has trailing bytes: payload of "
+            f"checkpoint {src.path} is truncated or has trailing bytes: payload of "
             f"{payload.nbytes} bytes, header says {want!r}"
         )
     if verify:
-        _check_digest(path, hashlib.sha256(payload).hexdigest(), header)
-    return _Format1Decoder(payload, path)
+        _check_digest(src.path, hashlib.sha256(payload).hexdigest(), header)
+    return _Format1Decoder(payload, src.path)
 
 
-def _format2(buf: bytes, meta: dict, path: Path, verify: bool) -> tuple[_Decoder, Any]:
-    try:
-        parsed = deserialize(buf)
-    except SafetensorError as exc:
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupted: {exc}") from None
-    tensors = {name: t["data"] for name, t in parsed}
+def _span(name: str, info: Any, path: Path) -> tuple[int, int, str]:
+    """``(begin, end, name)`` of one tensor of a safetensors header, checked."""
+    info = info if isinstance(info, dict) else {}
+    st_dtype, shape, at = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    why = ""
+    if not isinstance(st_dtype, str) or st_dtype not in _ST_BITS:
+        why = f"dtype {st_dtype!r}"
+    elif not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        why = f"shape {shape!r}"
+    elif not (isinstance(at, list) and len(at) == 2 and all(type(x) is int for x in at)):
+        why = f"data_offsets {at!r}"
+    elif at[0] < 0 or (at[1] - at[0]) * 8 != math.prod(shape) * _ST_BITS[st_dtype]:
+        why = f"data_offsets {at!r} for a {st_dtype} tensor of shape {shape}"
+    if why:
+        raise CheckpointError(
+            f"checkpoint {path} is truncated or corrupted: tensor {name!r}: {why}"
+        )
+    return at[0], at[1], name
+
+
+def _layout(header: dict, data_len: int, path: Path) -> list[tuple[int, int, str]]:
+    """The tensors' ``(begin, end, name)`` in file order, checked as the safetensors library
+    checks a file: known dtypes, sizes that fit the shapes, ranges that tile the data."""
+    spans = sorted(_span(k, v, path) for k, v in header.items() if k != "__metadata__")
+    end = 0
+    for begin, stop, name in spans:
+        if begin != end:
+            raise CheckpointError(
+                f"checkpoint {path} is truncated or corrupted: tensor {name!r} starts at byte "
+                f"{begin} of the data, not {end}"
+            )
+        end = stop
+    if end != data_len:
+        raise CheckpointError(
+            f"checkpoint {path} is truncated or corrupted: the tensors end at byte {end} of "
+            f"the data, the file holds {data_len}"
+        )
+    return spans
+
+
+def _format2(src: _Source, hlen: int, header: dict, verify: bool) -> tuple[_Decoder, Any]:
+    """Every tensor read into its own buffer in file order (no other copy), then the
+    payload's sha256 over them, in the order of their names, before any is used."""
+    path, meta = src.path, header["__metadata__"]
+    spans = _layout(header, src.size - 8 - hlen, path)
+    tensors = {name: src.read(end - begin) for begin, end, name in spans}
+    src.at_end()
     if verify:
         h = hashlib.sha256()
         for name in sorted(tensors):
@@ -581,51 +661,66 @@ def _format2(buf: bytes, meta: dict, path: Path, verify: bool) -> tuple[_Decoder
         _check_digest(path, h.hexdigest(), meta)
     try:
         root = json.loads(meta.get("root", ""))
-    except (ValueError, RecursionError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"checkpoint {path} is corrupted: unreadable tree: {exc}") from None
     return _Decoder(tensors, path), root
 
 
-def decode(buf: bytes, path: Path, *, verify_payload: bool = True) -> Any:
-    """Parse a whole checkpoint file held in memory (see the module doc).
-
-    ``verify_payload=False`` skips the payload's own sha256 (when the whole file was
-    just checked against a manifest's hash).
-    """
-    data = memoryview(buf).cast("B")
-    hlen, header = _header(data, path)
+def _read_state(src: _Source, verify_payload: bool, expected_sha256: str | None = None) -> Any:
+    """The state a checkpoint holds; with ``expected_sha256`` (and ``src.sha256`` taken)
+    the whole file must match it before the state is built."""
+    path = src.path
+    hlen, header = _header(src)
     meta = header.get("__metadata__") if "format" not in header else header
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         what = "a safetensors file without mobius-fed metadata" if meta is None else ""
         raise CheckpointError(f"checkpoint {path} is {what or f'not a {FORMAT} file'}")
     version = meta.get("version")
     if version == 1:
-        decoder, root = _format1(data, hlen, header, path, verify_payload), header.get("root")
-    elif version == str(VERSION):
-        decoder, root = _format2(bytes(buf), meta, path, verify_payload)
+        decoder, root = _format1(src, hlen, header, verify_payload), header.get("root")
+    elif version == str(VERSION) and meta is not header:
+        decoder, root = _format2(src, hlen, header, verify_payload)
     else:
         raise CheckpointError(
             f"checkpoint {path} has format version {version!r}; this build reads versions 1 "
             f"and {VERSION}"
         )
+    if expected_sha256 is not None and src.sha256 is not None:
+        _check_manifest(path, src.sha256.hexdigest(), expected_sha256)
     try:
         return decoder.value(root, "state")
     except RecursionError:
         raise CheckpointError(f"checkpoint {path} is corrupted: nesting too deep") from None
 
 
+def decode(buf: bytes | bytearray | memoryview, path: Path, *, verify_payload: bool = True) -> Any:
+    """Parse a whole checkpoint file held in memory (see the module doc).
+
+    ``verify_payload=False`` skips the payload's own sha256 (when the whole file was
+    just checked against a manifest's hash).
+    """
+    data = memoryview(buf).cast("B")
+    return _read_state(_Source(io.BytesIO(data), data.nbytes, Path(path), False), verify_payload)
+
+
 def load_checkpoint(path: Path, expected_sha256: str | None = None) -> dict:
-    """Read and verify a checkpoint; with ``expected_sha256`` the whole file must match it."""
+    """Read and verify a checkpoint in one pass over the file; with ``expected_sha256`` the
+    whole file must match it (checked instead of the payload's own hash)."""
     path = Path(path)
-    buf = _read_bytes(path)
-    if expected_sha256 is not None:
-        actual = hashlib.sha256(buf).hexdigest()
-        if actual != expected_sha256.lower():
-            raise CheckpointError(
-                f"checkpoint {path} does not match its manifest: sha256 {actual}, "
-                f"expected {expected_sha256}"
-            )
-    state = decode(buf, path, verify_payload=expected_sha256 is None)
+    try:
+        with open(path, "rb") as f:
+            src = _Source(f, os.fstat(f.fileno()).st_size, path, expected_sha256 is not None)
+            state = _read_state(src, expected_sha256 is None, expected_sha256)
+    except CheckpointError:
+        if expected_sha256 is not None:  # a damaged file is named as failing its manifest
+            _check_manifest(path, sha256_of(path), expected_sha256)
+        raise
+    except FileNotFoundError:
+        raise CheckpointMissing(errno.ENOENT, f"checkpoint not found: {path}") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"checkpoint {path} is a directory") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a dict")
     return state

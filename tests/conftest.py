@@ -14,6 +14,8 @@ import contextlib
 import os
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 TEST_THREADS = "1"
 
@@ -35,3 +37,53 @@ def pytest_configure(config) -> None:
     torch.set_num_threads(int(TEST_THREADS))
     with contextlib.suppress(RuntimeError):  # already set, or inter-op work has started
         torch.set_num_interop_threads(int(TEST_THREADS))
+
+
+# --------------------------------------------------------------------------- shared setup
+# Fixtures more than one test module uses. Their imports stay inside them, so that nothing
+# loads torch before the environment above is set.
+SITE_TEXT_CHARS = 120_000
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module (``pytestmark = pytest.mark.usefixtures(...)``),
+    restoring what was there after it, should a test have changed it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def site_dirs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The module's ``P`` (else 2) sites cut from the embedded corpus's first
+    ``SITE_TEXT_CHARS`` characters, one set per test module."""
+    from mobius_fed.data import embedded_corpus, prepare_sites
+
+    root = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    P = getattr(request.module, "P", 2)
+    return prepare_sites(None, root / "sites", P, text=embedded_corpus()[:SITE_TEXT_CHARS])
+
+
+@pytest.fixture
+def tiny_train() -> dict:
+    """TrainConfig keywords of the small ring runs: cpu-tiny, batch 4, no E/R
+    averaging, no evaluation (a fresh dict per test)."""
+    return dict(preset="cpu-tiny", batch_size=4, sync_every=0, eval_every=0)
+
+
+@pytest.fixture
+def corpus_engine():
+    """``make(cfg, root)``: a reference engine for ``cfg`` on ``cfg.P`` sites of the whole
+    embedded corpus, prepared under ``root`` in ``cfg.encoding``."""
+    from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+    from mobius_fed.engine import ReferenceEngine
+
+    def make(cfg, root: Path) -> ReferenceEngine:
+        dirs = prepare_sites(None, root, cfg.P, cfg.encoding, text=embedded_corpus())
+        return ReferenceEngine(cfg, [SiteData(d, cfg.model().seq_len, cfg.encoding) for d in dirs])
+
+    return make

@@ -13,7 +13,6 @@ from pydantic import ValidationError
 
 from mobius_fed import schedule
 from mobius_fed.config import TrainConfig
-from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.model import build_group
 from mobius_fed.model.groups import build_basis
@@ -22,13 +21,6 @@ from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.codec import FrameError, TensorAssembler, encode_frames, parse_frame
 from mobius_fed.worker.frames import FrameRules
 from tests.ring_harness import Ring
-
-TINY = dict(preset="cpu-tiny", batch_size=4, sync_every=0, eval_every=0)
-
-
-def _engine(cfg: TrainConfig, root: Path) -> ReferenceEngine:
-    dirs = prepare_sites(None, root, cfg.P, cfg.encoding, text=embedded_corpus())
-    return ReferenceEngine(cfg, [SiteData(d, cfg.model().seq_len, cfg.encoding) for d in dirs])
 
 
 def test_basis_is_orthonormal_seeded_and_checked():
@@ -99,11 +91,13 @@ def _direct_gradients(engine: ReferenceEngine) -> tuple[list[float], list[torch.
 @pytest.mark.parametrize(
     ("mode", "order", "loops"), [("stream", "ordered", 2), ("home", "cyclic", 2)]
 )
-def test_engine_gradients_equal_one_autograd_graph(tmp_path: Path, mode, order, loops):
+def test_engine_gradients_equal_one_autograd_graph(
+    tmp_path: Path, mode, order, loops, tiny_train, corpus_engine
+):
     cfg = TrainConfig(
-        **TINY, workers=3, order=order, loops=loops, subspace={"rank": 8, "mode": mode}
+        **tiny_train, workers=3, order=order, loops=loops, subspace={"rank": 8, "mode": mode}
     )
-    engine = _engine(cfg, tmp_path)
+    engine = corpus_engine(cfg, tmp_path)
     got = engine.compute_gradients()
     mine = [p.grad.clone() for m in engine.groups + engine.replicas for p in m.parameters()]
     for m in engine.groups + engine.replicas:
@@ -116,10 +110,10 @@ def test_engine_gradients_equal_one_autograd_graph(tmp_path: Path, mode, order, 
     assert any(a.abs().sum() > 0 for a in mine[:-3]), "the groups must receive gradient"
 
 
-def test_subspace_trains():
-    cfg = TrainConfig(**TINY, workers=2, steps=6, subspace={"rank": 8, "mode": "home"})
+def test_subspace_trains(tiny_train, corpus_engine):
+    cfg = TrainConfig(**tiny_train, workers=2, steps=6, subspace={"rank": 8, "mode": "home"})
     with tempfile.TemporaryDirectory() as tmp:
-        engine = _engine(cfg, Path(tmp))
+        engine = corpus_engine(cfg, Path(tmp))
         first = engine.evaluate().loss
         for _ in range(cfg.steps):
             engine.train_step()
@@ -145,11 +139,11 @@ def _tensor_frame(shape: tuple[int, ...]) -> tuple[ring_pb2.Frame, bytes]:
     return parse_frame(raw)
 
 
-def test_frame_rules_accept_exactly_the_coordinates():
-    cfg = TrainConfig(**TINY, workers=2, subspace={"rank": 8})
+def test_frame_rules_accept_exactly_the_coordinates(tiny_train):
+    cfg = TrainConfig(**tiny_train, workers=2, subspace={"rank": 8})
     rules = FrameRules(cfg, 1, "r", lambda: 0)
     assert rules.shape == (4, 32, 8)
-    full = FrameRules(TrainConfig(**TINY, workers=2), 1, "r", lambda: 0).shape
+    full = FrameRules(TrainConfig(**tiny_train, workers=2), 1, "r", lambda: 0).shape
     assert full == (4, 32, 32)
     asm = TensorAssembler(rules.shape, "fp32")
     frame, data = _tensor_frame((4, 32, 8))
@@ -187,10 +181,10 @@ RING_CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("order", "loops", "mode", "wire"), RING_CASES)
-def test_ring_equals_reference_with_subspace(tmp_path: Path, order, loops, mode, wire):
+def test_ring_equals_reference_with_subspace(tmp_path: Path, order, loops, mode, wire, tiny_train):
     """Real workers over mTLS ship k-wide coordinates (quantised by the codec when one is
     set), relays included (ordered), and their losses equal the reference engine's exactly."""
-    train = {**TINY, "steps": 2, "order": order, "loops": loops}
+    train = {**tiny_train, "steps": 2, "order": order, "loops": loops}
     train.update(subspace_rank=8, subspace_mode=mode, **wire)
     ring = SubspaceRing(tmp_path, 3, train).prepare()
     ring.start().wait()

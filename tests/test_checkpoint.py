@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -35,12 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 LEGACY = REPO / "tests/fixtures/checkpoint-v1.ckpt"  # written by the format-1 writer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def assert_identical(a, b, where: str = "state") -> None:
@@ -125,6 +121,25 @@ def test_round_trip_of_every_supported_value(tmp_path: Path) -> None:
         back["opts"][1]["param_groups"][0]["betas"], tuple
     )
     assert back["np_be"].dtype == np.dtype(">i4")
+
+
+def test_loaded_values_own_their_memory(tmp_path: Path) -> None:
+    """Each tensor and array is read into a writable buffer of exactly its size: nothing
+    keeps the rest of the file alive, and writing one value changes no other."""
+    state = {"a": torch.randn(64, 8), "b": torch.zeros(3), "c": torch.tensor(2.0)}
+    state |= {"z": torch.zeros(100, dtype=torch.complex128), "np": np.arange(5.0)}
+    path = save_checkpoint(tmp_path / "own.ckpt", state)
+    for expected in (None, sha256_of(path)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # e.g. torch's "buffer is not writable"
+            back = load_checkpoint(path, expected_sha256=expected)
+        tensors = [back[k] for k in ("a", "b", "c", "z")]
+        assert [t.untyped_storage().nbytes() for t in tensors] == [t.nbytes for t in tensors]
+        assert all(t.data_ptr() % t.element_size() == 0 for t in tensors)
+        back["a"].add_(1.0)
+        back["np"][0] = 9.0
+        assert torch.equal(back["a"], state["a"] + 1.0) and back["np"].flags.owndata is False
+        assert_identical({k: back[k] for k in "bcz"}, {k: state[k] for k in "bcz"})
 
 
 def _legacy_state() -> dict:
@@ -294,10 +309,13 @@ def test_flipped_exponent_bit_is_caught(tmp_path: Path) -> None:
 @pytest.mark.parametrize("cut", [0, 5, 9, 200, -1])
 def test_truncated_file_is_named(tmp_path: Path, cut: int) -> None:
     path = save_checkpoint(tmp_path / "t.ckpt", {"w": torch.randn(100), "n": 1})
-    data = path.read_bytes()
+    data, good = path.read_bytes(), sha256_of(path)
     path.write_bytes(data[: cut if cut >= 0 else len(data) + cut])
     with pytest.raises(CheckpointError, match=r"t\.ckpt.*(truncated|unreadable|not a)"):
         load_checkpoint(path)
+    # with a manifest, a damaged file is named as failing it, whatever else is wrong
+    with pytest.raises(CheckpointError, match=rf"t\.ckpt does not match its manifest.*{good}"):
+        load_checkpoint(path, expected_sha256=good)
 
 
 def _rewrite_header(path: Path, data: bytes, header: dict) -> None:
@@ -327,6 +345,11 @@ def test_corrupted_header_offsets_are_refused(tmp_path: Path) -> None:
         (lambda h: node(h, "T", "pickle"), "unknown value tag"),
         (lambda h: h["__metadata__"].__setitem__("version", "99"), "format version '99'"),
         (lambda h: h["w"].__setitem__("data_offsets", [0, 10**9]), "truncated or corrupted"),
+        (lambda h: h["w"].__setitem__("dtype", "F16"), r"tensor 'w': data_offsets \[0, 32\]"),
+        (lambda h: h["w"].__setitem__("dtype", "I4"), "tensor 'w': dtype 'I4'"),
+        (lambda h: h["w"].__setitem__("data_offsets", [4, 36]), "'w' starts at byte 4"),
+        (lambda h: h["w"].__setitem__("shape", [4]), r"data_offsets \[0, 32\] for a F32"),
+        (lambda h: h.__setitem__("v", h["w"]), "'w' starts at byte 0 of the data, not 32"),
         (lambda h: h.pop("__metadata__"), "safetensors file without mobius-fed metadata"),
     ):
         h = json.loads(json.dumps(header))
@@ -335,6 +358,9 @@ def test_corrupted_header_offsets_are_refused(tmp_path: Path) -> None:
         with pytest.raises(CheckpointError, match=why) as err:
             load_checkpoint(path)
         assert str(path) in str(err.value)
+    path.write_bytes(data + b"\0")
+    with pytest.raises(CheckpointError, match="tensors end at byte 32 of the data, the file holds"):
+        load_checkpoint(path)
 
 
 def test_corrupted_format1_header_is_refused(tmp_path: Path) -> None:

@@ -11,29 +11,18 @@ import pytest
 import torch
 
 from mobius_fed.config import TrainConfig
-from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+from mobius_fed.data import SiteData
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.export import export_run, load
 from mobius_fed.export.files import ExportError
 from mobius_fed.export.generation import Decoder, generate_ids, score_text
 from mobius_fed.export.modeling_mobius import MobiusLM
 
-P = 2
+P = 2  # workers, and the sites of site_dirs (tests/conftest.py)
 HF_HINT = "transformers is not installed: pip install 'mobius-fed[transformers]'"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def site_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    root = tmp_path_factory.mktemp("export")
-    return prepare_sites(None, root / "sites", P, text=embedded_corpus()[:120_000])
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _cfg(**kw) -> TrainConfig:

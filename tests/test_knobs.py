@@ -8,29 +8,18 @@ import pytest
 import torch
 
 from mobius_fed.config import TrainConfig
-from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+from mobius_fed.data import SiteData
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.model import build_group
 from mobius_fed.model.config import ModelConfig
 from mobius_fed.model.knobs import LoopKnobs, residual_epsilon
 from tests.ring_harness import Ring
 
-P = 2
+P = 2  # workers, and the sites of site_dirs (tests/conftest.py)
 KNOBS = LoopKnobs(depth_embedding=True, residual_scale="inverse_loops")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def site_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    root = tmp_path_factory.mktemp("knobs")
-    return prepare_sites(None, root / "sites", P, text=embedded_corpus()[:120_000])
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _mc(**kw) -> ModelConfig:

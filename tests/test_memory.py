@@ -10,18 +10,9 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 
 from mobius_fed.config import TrainConfig
-from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
-from mobius_fed.engine import ReferenceEngine
 from mobius_fed.model import build_replica
 from mobius_fed.model.memory import chunked_cross_entropy
 from tests.test_bottleneck import SubspaceRing
-
-TINY = dict(preset="cpu-tiny", batch_size=4, sync_every=0, eval_every=0)
-
-
-def _engine(cfg: TrainConfig, root: Path) -> ReferenceEngine:
-    dirs = prepare_sites(None, root, cfg.P, cfg.encoding, text=embedded_corpus())
-    return ReferenceEngine(cfg, [SiteData(d, cfg.model().seq_len, cfg.encoding) for d in dirs])
 
 
 def _full_loss(hn, w, y, cap):
@@ -74,14 +65,13 @@ def test_bad_memory_settings_are_refused():
 
 
 @pytest.mark.parametrize("subspace", [{}, {"rank": 8, "mode": "home"}])
-def test_recompute_is_bit_identical(tmp_path: Path, subspace):
+def test_recompute_is_bit_identical(tmp_path: Path, subspace, tiny_train, corpus_engine):
     """Recomputing each application in backward gives exactly the same losses and weights."""
     runs = []
     for recompute in (False, True):
-        cfg = TrainConfig(
-            **TINY, workers=3, loops=2, steps=2, subspace=subspace, memory={"recompute": recompute}
-        )
-        engine = _engine(cfg, tmp_path / str(recompute))
+        train = dict(tiny_train, workers=3, loops=2, steps=2, subspace=subspace)
+        cfg = TrainConfig(**train, memory={"recompute": recompute})
+        engine = corpus_engine(cfg, tmp_path / str(recompute))
         losses = [engine.train_step().origin_losses for _ in range(2)]
         weights = [p.detach().clone() for g in engine.groups for p in g.parameters()]
         runs.append((losses, weights, engine.evaluate().loss))
@@ -90,20 +80,20 @@ def test_recompute_is_bit_identical(tmp_path: Path, subspace):
     assert all(torch.equal(a, b) for a, b in zip(w0, w1))
 
 
-def test_chunked_loss_trains_like_the_full_loss(tmp_path: Path):
+def test_chunked_loss_trains_like_the_full_loss(tmp_path: Path, tiny_train, corpus_engine):
     out = []
     for chunk in (0, 40):
-        cfg = TrainConfig(**TINY, workers=2, steps=2, memory={"loss_chunk": chunk})
-        engine = _engine(cfg, tmp_path / str(chunk))
+        cfg = TrainConfig(**tiny_train, workers=2, steps=2, memory={"loss_chunk": chunk})
+        engine = corpus_engine(cfg, tmp_path / str(chunk))
         out.append([engine.train_step().loss for _ in range(2)])
     assert out[1] == pytest.approx(out[0], rel=1e-5)
 
 
 @pytest.mark.slow
-def test_ring_equals_reference_with_memory_options(tmp_path: Path):
+def test_ring_equals_reference_with_memory_options(tmp_path: Path, tiny_train):
     """Real workers with recompute and the chunked loss (and the subspace) equal the
     reference engine with the same options exactly."""
-    train = {**TINY, "steps": 2, "order": "cyclic", "loops": 2}
+    train = {**tiny_train, "steps": 2, "order": "cyclic", "loops": 2}
     train.update(subspace_rank=8, memory_recompute=True, memory_loss_chunk=40)
     ring = MemoryRing(tmp_path, 3, train).prepare()
     ring.start().wait()
