@@ -61,8 +61,8 @@ Methods
      setter copy) + ``Frame.SerializeToString`` (another copy), the sender takes the wire
      bytes from the codec's ``encode_frames`` (one copy straight from the tensor's memory,
      as the link does) and passes ``bytes`` through a stub with ``request_serializer=None``.
-     The receiver is unchanged (parses with the real ``Frame.FromString`` and validates); the bytes are
-     checked to parse to exactly what ``make_frame`` builds.
+     The receiver is unchanged (parses with the real ``Frame.FromString`` and validates);
+     the bytes are checked to parse to exactly what ``make_frame`` builds.
 
 Environment: torch intra-op threads are set to 1 in both workers (sender and receiver share
 this machine's cores; on a real ring they run on different hosts).
