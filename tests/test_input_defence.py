@@ -16,8 +16,9 @@ from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.model import build_replica, count_parameters, is_private
 from mobius_fed.model.private_layers import input_layer_kind
+from mobius_fed.privacy import input_defence
 from mobius_fed.privacy.home import build_site_replica
-from mobius_fed.privacy.input_attacks import nearest_row, recovery
+from mobius_fed.privacy.input_attacks import known_codebook, known_mask, nearest_row, recovery
 from mobius_fed.privacy.stages import write_site_keys
 from tests.test_privacy_ring import PrivateRing
 
@@ -181,6 +182,37 @@ def test_export_carries_the_origins_input_layer(sites, keys, tmp_path: Path, lay
     dec = Decoder(models[0])  # the KV cache (the input block's included) equals the full pass
     steps = [dec.feed(ids[:4])] + [dec.feed([t]) for t in ids[4:]]
     torch.testing.assert_close(torch.stack(steps), full[3:], atol=1e-5, rtol=1e-5)
+
+
+def test_a_known_plaintext_codebook_reads_any_token_by_token_layer():
+    """A keyed per-token layer is a substitution cipher: every position whose token was
+    among the known ones is read back exactly, whatever the (unknown) layer is."""
+    replica = build_replica(_cfg("mlp").model(), 3)
+    x = torch.randint(0, 40, (8, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        h = replica.embed(x)
+    mask = known_mask(x.numel(), 0.25, seed=1)
+    guesses, truth = known_codebook(h, x, mask)
+    seen = torch.isin(truth, x.reshape(-1)[mask])
+    assert torch.equal(guesses[:, 0] == truth, seen)
+    assert recovery(guesses, truth).exact == pytest.approx(seen.float().mean().item())
+    with pytest.raises(ValueError, match="some known and some unknown"):
+        known_codebook(h, x, torch.zeros(x.numel(), dtype=torch.bool))
+
+
+def test_defence_table_pairs_each_seed_with_none_and_round_trips(tmp_path: Path):
+    runs = [
+        input_defence.DefenceRun("none", 0, 3.0, 1, 1, {"trained: nearest row of E": [0.5, 0.9]}),
+        input_defence.DefenceRun("none", 1, 2.0, 1, 1, {"trained: nearest row of E": [0.3, 0.7]}),
+        input_defence.DefenceRun("mlp", 0, 3.1, 1, 1, {"trained: nearest row of E": [0.1, 0.2]}),
+        input_defence.DefenceRun("mlp", 1, 2.3, 1, 1, {"trained: nearest row of E": [0.0, 0.2]}),
+    ]
+    data, _ = input_defence.write_outputs(runs, tmp_path)
+    assert input_defence.load_runs([data]) == runs
+    table = input_defence.price_table(runs).splitlines()
+    assert table[3] == "| mlp | 0,1 | 2.7000 | +0.200 | 5.0 (10.0) |"
+    with pytest.raises(ValueError, match="unknown variant 'rot'"):
+        input_defence.select_variants("none,rot")
 
 
 class InputRing(PrivateRing):

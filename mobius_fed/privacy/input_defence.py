@@ -27,6 +27,8 @@ VARIANTS: dict[str, dict] = {
     "mlp frozen": {"home_input": "mlp", "home_input_trained": False},
     "block": {"home_input": "block"},
     "block frozen": {"home_input": "block", "home_input_trained": False},
+    "noise σ=1": {"input_noise": 1.0},
+    "block + noise σ=1": {"home_input": "block", "input_noise": 1.0},
 }
 KNOWN = (0.01, 0.05, 0.25)  # 25 %: enough pairs to fit a d×d map on cpu-tiny
 

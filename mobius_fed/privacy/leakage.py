@@ -206,9 +206,14 @@ class LeakageAudit:
             mask = input_attacks.known_mask(x.numel(), f, cfg.seed)
             guesses, rest = input_attacks.known_plaintext(h, x, wte, mask)
             found.append((f"known plaintext {100 * f:g} % + linear map", guesses, rest))
+            guesses, rest = input_attacks.known_codebook(h, x, mask)
+            found.append((f"known plaintext {100 * f:g} % as a codebook", guesses, rest))
         if stage == "trained":
             feats, own = self._own_stream(slot, attacker)
-            model = train_inverter(feats, own, vocab, steps=self.inverter_steps, seed=cfg.seed)
+            noise = cfg.privacy.input_noise if slot == self.hops[0][0] else 0.0  # first hop
+            model = train_inverter(
+                feats, own, vocab, steps=self.inverter_steps, noise=noise, seed=cfg.seed
+            )
             with torch.no_grad():
                 guesses = model(h).topk(TOP, -1).indices.reshape(-1, TOP)
             found.append(("inverter trained on its own text", guesses, x))
