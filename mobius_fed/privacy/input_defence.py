@@ -29,6 +29,7 @@ VARIANTS: dict[str, dict] = {
     "block frozen": {"home_input": "block", "home_input_trained": False},
     "noise σ=1": {"input_noise": 1.0},
     "block + noise σ=1": {"home_input": "block", "input_noise": 1.0},
+    "block + noise σ=2": {"home_input": "block", "input_noise": 2.0},
 }
 KNOWN = (0.01, 0.05, 0.25)  # 25 %: enough pairs to fit a d×d map on cpu-tiny
 
