@@ -12,6 +12,14 @@ the Markdown table; sweep.md, sweep.json and sweep.png (with matplotlib) land in
 
 ``--leakage`` runs ``mobius-fed audit --leakage`` instead: input attacks at every hop and
 the coordinator's attack on the victim's E/R update (leakage.md, leakage.json in --out).
+
+``--input-defence`` measures the private input layer (``privacy.home_input``): every
+variant (or ``--variants``) on every ``--seeds``, the input attacks at the first remote hop
+and the Eq. 8 price against "none" on the same seed (input_defence.md / .json in --out;
+``--merge`` joins earlier input_defence.json files instead of training):
+
+    python benchmarks/privacy_audit.py --input-defence --preset cpu-tiny --steps 60 \
+        --seeds 0,1,2 --out runs/input-defence
 Any other flag (``--seed``, ``--optimizer``, ``--no-tied`` …) goes on to ``mobius-fed audit``.
 
 Every Δ in the table is measured against the no-defence row of the same run.
@@ -42,7 +50,12 @@ def run() -> int:
         metavar="SWEEP_JSON",
         help="join the rows of earlier runs' sweep.json files into --out instead of training",
     )
+    p.add_argument("--input-defence", action="store_true", help="the input layer's price")
+    p.add_argument("--seeds", default="0", help="with --input-defence: comma-separated seeds")
+    p.add_argument("--variants", default=None, help="with --input-defence: a subset of rows")
     a, extra = p.parse_known_args()
+    if a.input_defence:
+        return input_defence(a)
     if a.merge:
         from pathlib import Path
 
@@ -64,6 +77,47 @@ def run() -> int:
         "--out", a.out,
     ]  # fmt: skip
     return main(argv + (["--only", a.only] if a.only else []) + extra)
+
+
+def input_defence(a: argparse.Namespace) -> int:
+    """``--input-defence``: each variant × seed, the table rewritten after every run."""
+    from pathlib import Path
+
+    import torch
+
+    from mobius_fed.cli.common import resolve_sites
+    from mobius_fed.config import TrainConfig
+    from mobius_fed.privacy import input_defence as idf
+    from mobius_fed.privacy.stages import write_site_keys
+
+    out = Path(a.out)
+    if a.merge:
+        runs = idf.load_runs([Path(x) for x in a.merge])
+        idf.write_outputs(runs, out)
+        print((out / "input_defence.md").read_text(), end="")
+        return 0
+    torch.set_num_threads(a.threads)
+    keys = out / "keys"
+    if not keys.exists():
+        write_site_keys(keys, a.workers)
+    variants, runs = idf.select_variants(a.variants), []
+    for seed in [int(x) for x in a.seeds.split(",")]:
+        cfg = TrainConfig(
+            preset=a.preset,
+            workers=a.workers,
+            steps=a.steps,
+            batch_size=a.batch_size,
+            eval_every=0,
+            seed=seed,
+            privacy={"noise_key_dir": str(keys)},
+        )
+        sites = resolve_sites(cfg, None, out)
+        for name in variants:
+            runs.append(idf.measure(cfg, sites, name, inverter_steps=a.inverter_steps))
+            idf.write_outputs(runs, out)
+            print(f"{name} seed {seed}: Eq. 8 {runs[-1].eval_loss:.4f}", flush=True)
+    print((out / "input_defence.md").read_text(), end="")
+    return 0
 
 
 if __name__ == "__main__":

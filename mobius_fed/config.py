@@ -144,6 +144,7 @@ class TrainConfig(BaseModel):
             precision=self.precision,
             subspace_rank=self.subspace.rank,
             loss_chunk=self.memory.loss_chunk,
+            home_input=self.privacy.home_input,
         )
 
     @property

@@ -111,9 +111,10 @@ def test_status_block_reports_epsilon_and_names_the_missing_extra(monkeypatch):
     with pytest.raises(PrivacyExtraMissing, match=r"mobius-fed\[privacy\]"):
         epsilon_spent(cfg.privacy, 10)
     assert "mobius-fed[privacy]" in status_block(cfg, 100)["error"]
-    other = TrainConfig(**BASE, privacy={"home_layer": "block", "decorrelation": 0.3})
-    block = status_block(other, 5)
-    assert [d["name"] for d in block["defences"]] == ["decorrelation", "home_layer"]
+    privacy = {"home_layer": "block", "decorrelation": 0.3, "home_input": "rotation"}
+    block = status_block(TrainConfig(**BASE, privacy=privacy), 5)
+    assert [d["name"] for d in block["defences"]] == ["decorrelation", "home_layer", "home_input"]
+    assert block["defences"][2]["layer"] == "rotation" and block["defences"][2]["trained"]
     assert block["epsilon"] is None and block["defences"][1]["layer"] == "block"
     with pytest.raises(ValidationError, match=r"privacy\.home_layer"):
         TrainConfig(privacy={"home_layer": "lstm"})

@@ -1,8 +1,8 @@
 """Export a trained run as P standalone models, one per origin (``mobius-fed export``).
 
 Origin s's model is its path φ_s of block groups, the averaged E/R (each origin's replica
-for a reference-engine checkpoint, as its evaluation uses) and its private home layer, if
-any. Each goes to a directory holding ``model.safetensors``, ``config.json`` and the
+for a reference-engine checkpoint, as its evaluation uses) and its private home and input
+layers, if any. Each goes to a directory holding ``model.safetensors``, ``config.json`` and the
 remote-code ``modeling_mobius.py`` that transformers loads with ``trust_remote_code``, and a
 model card ``README.md``.
 """
@@ -63,6 +63,7 @@ def origin_config(model: Any, s: int) -> dict:
         "depth_embedding": mc.depth_embedding,
         "residual_epsilon": residual_epsilon(mc.residual_scale, mc.loops),
         "home_layer": cfg.privacy.home_layer or "off",
+        "home_input": cfg.privacy.home_input or "off",
         "path": [in_path.index(i) for i in route],
         "groups_in_path": len(in_path),
         "source_groups": in_path,
@@ -82,7 +83,8 @@ def origin_config(model: Any, s: int) -> dict:
 
 
 def origin_state(model: Any, conf: dict) -> dict[str, torch.Tensor]:
-    """The tensors of one origin: E/R and home layer (``wte.``, ``lm_head.``, ``home.``),
+    """The tensors of one origin: E/R and its private layers (``wte.``, ``lm_head.``,
+    ``home.``, ``home_input.``),
     then ``groups.<j>.`` for the j-th group of its path."""
     s = conf["origin"]
     state = {k: v for k, v in model.replicas[s].state_dict().items()}
@@ -105,8 +107,9 @@ tags: [mobius-fed, causal-lm]
 A causal language model trained with Möbius Learning (cyclic depth folding) by mobius-fed
 {conf["source"]["mobius_fed"]}: origin {conf["origin"]} of P = {conf["workers"]}, its path
 {groups} applied L = {conf["loops"]} times ({conf["order"]} order), the averaged
-embedding/head, home layer {conf["home_layer"]}. Preset {train.get("preset")}, context
-{conf["seq_len"]} tokens, encoding `{conf["encoding"]}`, {train.get("steps")} steps.
+embedding/head, home layer {conf["home_layer"]}, input layer {conf["home_input"]}.
+Preset {train.get("preset")}, context {conf["seq_len"]} tokens, encoding
+`{conf["encoding"]}`, {train.get("steps")} steps.
 
 ```python
 from mobius_fed.export import load            # torch + safetensors only

@@ -7,7 +7,8 @@ needs only torch, and with ``transformers`` installed it also defines the classe
 Notation (Möbius Learning, arXiv 2607.17843): the model of origin s is
 ``R_s(home_s(F_{φ(K-1)}(… F_{φ(0)}(E_s(x)) …)))`` where φ = ``path`` lists the block group
 applied at each application index t = 0..K-1 (K = L·P), E/R are the averaged embedding and
-head (tied by default), and ``home`` the origin's private home layer, if any.
+head (tied by default), ``home`` the origin's private home layer, if any, and E_s(x) =
+rms_norm(input_s(rms_norm(E(x)))) with the origin's private input layer ``input_s``, if any.
 """
 
 from __future__ import annotations
@@ -153,6 +154,20 @@ class HomeBlock(nn.Module):
         return self.mlp(self.block(rms_norm(h))[0])
 
 
+class InputRotation(nn.Module):
+    """The private input layer ``rotation``: e ↦ e·Q (Q drawn orthogonal, maybe trained)."""
+
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.proj = nn.Linear(cfg["d_model"], cfg["d_model"], bias=False)
+
+    def forward(self, e: Tensor) -> Tensor:
+        return self.proj(e)
+
+
+INPUT_LAYERS = {"rotation": InputRotation, "mlp": HomeMLP, "block": HomeBlock}
+
+
 def check_config(cfg: dict) -> None:
     """Refuse a config.json this file cannot build, naming the problem."""
     need = ("vocab_size", "d_model", "n_head", "head_dim", "seq_len", "layers_per_group")
@@ -161,6 +176,8 @@ def check_config(cfg: dict) -> None:
         raise ValueError(f"config.json lacks {', '.join(missing)}")
     if cfg.get("home_layer", "off") not in ("off", "mlp", "block"):
         raise ValueError(f"config.json: unknown home_layer {cfg['home_layer']!r}")
+    if cfg.get("home_input", "off") not in ("off", *INPUT_LAYERS):
+        raise ValueError(f"config.json: unknown home_input {cfg['home_input']!r}")
     if any(not 0 <= j < cfg["groups_in_path"] for j in cfg["path"]):
         raise ValueError("config.json: path names a group outside groups_in_path")
 
@@ -177,17 +194,32 @@ class MobiusCore:
         self.groups = nn.ModuleList(BlockGroup(cfg) for _ in range(cfg["groups_in_path"]))
         kind = cfg.get("home_layer", "off")
         self.home = HomeMLP(cfg) if kind == "mlp" else HomeBlock(cfg) if kind == "block" else None
+        entry = INPUT_LAYERS.get(cfg.get("home_input", "off"))
+        self.home_input = None if entry is None else entry(cfg)
+
+    def embed(self, idx: Tensor, past: KVCache | None) -> tuple[Tensor, tuple | None]:
+        """E_s(x), and the keys/values of the input layer ``block`` (cached last)."""
+        e = rms_norm(self.wte(idx))  # E
+        layer = self.home_input
+        if layer is None:
+            return e, None
+        if isinstance(layer, HomeBlock):
+            h, kv = layer.block(rms_norm(e), None if past is None else past[-1])
+            return rms_norm(layer.mlp(h)), kv
+        return rms_norm(layer(e)), None
 
     def hidden_and_cache(self, idx: Tensor, past: KVCache | None = None) -> tuple[Tensor, KVCache]:
         """Final hidden states [B, T, d] of the tokens ``idx`` that follow ``past``, and the
         keys/values of all of them."""
-        h = rms_norm(self.wte(idx))  # E
+        h, entry_kv = self.embed(idx, past)
         per_group = self.mobius["layers_per_group"]
         cache: KVCache = []
         for t, j in enumerate(self.mobius["path"]):
             group_past = None if past is None else past[t * per_group : (t + 1) * per_group]
             h, kv = self.groups[j](h, t, group_past)
             cache.extend(kv)
+        if entry_kv is not None:
+            cache.append(entry_kv)
         return h, cache
 
     def head(self, h: Tensor) -> Tensor:

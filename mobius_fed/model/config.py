@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mobius_fed.model.knobs import LoopKnobs, ResidualScale
 
 Precision = Literal["bf16", "fp32"]
+HomeInput = Literal["off", "rotation", "mlp", "block"]
+"""The private input layer each origin applies to E(x) (``privacy.home_input``)."""
 """Block arithmetic on CUDA: bf16 autocast (residual stream fp32) or fp32 throughout."""
 
 
@@ -33,6 +35,7 @@ class ModelConfig(BaseModel):
     precision: Precision = "bf16"
     subspace_rank: int = Field(0, ge=0, description="k of the shared residual subspace; 0 = off")
     loss_chunk: int = Field(0, ge=0, description="tokens per head cross-entropy chunk; 0 = off")
+    home_input: HomeInput = Field("off", description="each origin's private input layer")
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -87,6 +90,7 @@ def make_model_config(
     precision: Precision = "bf16",
     subspace_rank: int = 0,
     loss_chunk: int = 0,
+    home_input: HomeInput = "off",
 ) -> ModelConfig:
     """Resolve a preset name into a ModelConfig; unknown names raise ValueError.
 
@@ -114,5 +118,6 @@ def make_model_config(
         precision=precision,
         subspace_rank=subspace_rank,
         loss_chunk=loss_chunk,
+        home_input=home_input,
         **spec,
     )

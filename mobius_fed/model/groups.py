@@ -51,8 +51,9 @@ def build_replica(cfg: ModelConfig, seed: int, home_layer: str | None = None) ->
     """The shared initial E/R; every origin starts from the same replica.
 
     ``home_layer`` ("off" by default, "mlp", "block") adds a private home layer drawn from
-    the public seed; :func:`mobius_fed.privacy.home.build_site_replica` redraws it from the
-    site's secret key, which is what keeps it private.
+    the public seed, as does ``cfg.home_input`` (the input layer);
+    :func:`mobius_fed.privacy.home.build_site_replica` redraws both from the site's secret
+    key, which is what keeps them private.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(seed, "replica"))
@@ -61,8 +62,8 @@ def build_replica(cfg: ModelConfig, seed: int, home_layer: str | None = None) ->
 
 def count_parameters(cfg: ModelConfig) -> int:
     """Parameters of the full model: P groups plus one E/R replica (without the private
-    home layers, which belong to the sites)."""
+    home and input layers, which belong to the sites)."""
     with torch.device("meta"):
         basis = torch.empty(cfg.d_model, cfg.subspace_rank) if cfg.subspace_rank else None
         groups = sum(p.numel() for p in BlockGroup(cfg, basis).parameters()) * cfg.groups
-        return groups + sum(p.numel() for p in Replica(cfg).parameters())
+        return groups + sum(p.numel() for p in Replica(cfg).shared_parameters())

@@ -5,85 +5,41 @@ default): a small layer the home applies to the final hidden state before the he
 It is trained on the home's own loss (or kept as drawn), never averaged and never sent, so the
 gradient the home returns for the final hidden state is taken through a function the
 worker before the home does not hold.
+
+Its twin on the input side, the private *input layer* (``ModelConfig.home_input``, off by
+default), is applied by :meth:`Replica.embed` to E(x): what the origin's stream carries
+from its first block group on is a function of x the other workers do not hold.
 """
 
 from __future__ import annotations
-
-from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mobius_fed.model.config import ModelConfig
-from mobius_fed.model.layers import Block, rms_norm
+from mobius_fed.model.layers import rms_norm
 from mobius_fed.model.memory import chunked_cross_entropy
+from mobius_fed.model.private_layers import (
+    HOME_LAYERS,
+    HomeLayer,
+    home_layer_kind,
+    input_layer_kind,
+    make_home_layer,
+    make_input_layer,
+    reset_home_layer,
+    reset_input_layer,
+)
 
-HomeLayer = Literal["off", "mlp", "block"]
-HOME_LAYERS: tuple[str, ...] = get_args(HomeLayer)
-PRIVATE_PREFIX = "home."  # state-dict names of the private home layer
-
-
-class HomeMLP(nn.Module):
-    """W2 relu²(W1 rms_norm(h)), token by token, with no identity path: the head sees only
-    the layer's output, so the gradient for h is taken through a function its producer
-    does not know (a residual layer would hand most of the head's gradient straight back)."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        hidden = cfg.mlp_ratio * cfg.d_model
-        self.fc = nn.Linear(cfg.d_model, hidden, bias=False)
-        self.proj = nn.Linear(hidden, cfg.d_model, bias=False)
-
-    def forward(self, h: Tensor) -> Tensor:
-        return self.proj(F.relu(self.fc(rms_norm(h))).square())
-
-
-class HomeBlock(nn.Module):
-    """One transformer block on rms_norm(h) (its attention mixes the tokens of a sequence),
-    then a :class:`HomeMLP`."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.block = Block(cfg)
-        self.mlp = HomeMLP(cfg)
-
-    def forward(self, h: Tensor) -> Tensor:
-        return self.mlp(self.block(rms_norm(h)))
-
-
-def home_layer_kind(kind: str | None) -> str:
-    """A checked home layer name (None = "off")."""
-    kind = kind or "off"
-    if kind not in HOME_LAYERS:
-        raise ValueError(f"home_layer {kind!r} is not one of {', '.join(HOME_LAYERS)}")
-    return kind
-
-
-def make_home_layer(cfg: ModelConfig, kind: str) -> nn.Module | None:
-    """mlp: :class:`HomeMLP`; block: one transformer block (attention mixes tokens)."""
-    if kind == "mlp":
-        return HomeMLP(cfg)
-    if kind == "block":
-        return HomeBlock(cfg)
-    return None
-
-
-@torch.no_grad()
-def reset_home_layer(home: nn.Module, generator: torch.Generator | None = None) -> None:
-    """Draw every weight matrix of a home layer uniformly with std 0.5/sqrt(fan-in), output
-    projections included (so the layer is not the identity at step 0); norms start at 1."""
-    for module in home.modules():
-        if isinstance(module, nn.Linear):
-            bound = 3**0.5 * 0.5 * module.weight.size(1) ** -0.5
-            module.weight.uniform_(-bound, bound, generator=generator)
-        elif isinstance(module, nn.RMSNorm) and module.weight is not None:
-            module.weight.fill_(1.0)
+__all__ = ["HOME_LAYERS", "HomeLayer", "Replica", "is_private"]
+HOME_PREFIX, INPUT_PREFIX = "home.", "home_input."  # state-dict names of the private layers
+PRIVATE_PREFIXES = (HOME_PREFIX, INPUT_PREFIX)
 
 
 class Replica(nn.Module):
     """One origin's copy of the embedding E and the head R (tied weights by default), and
-    optionally its private home layer (``home``, applied to h before R)."""
+    optionally its private home layer (``home``, applied to h before R) and input layer
+    (``home_input``, applied to E(x); its kind is ``cfg.home_input``)."""
 
     def __init__(self, cfg: ModelConfig, home_layer: str | None = None) -> None:
         super().__init__()
@@ -99,10 +55,17 @@ class Replica(nn.Module):
         self.home = make_home_layer(cfg, self.home_layer)
         if self.home is not None:
             reset_home_layer(self.home)
+        # Last of all, so E, R and the home layer draw the same values with or without it.
+        self.input_kind = input_layer_kind(cfg.home_input)
+        self.home_input = make_input_layer(cfg, self.input_kind)
+        if self.home_input is not None:
+            reset_input_layer(self.home_input)
 
     def embed(self, idx: Tensor) -> Tensor:
-        """E: token ids [B, T] → hidden states [B, T, d]."""
-        return rms_norm(self.wte(idx))
+        """E, then the private input layer if any: token ids [B, T] → hidden states
+        [B, T, d] (rms-normalised)."""
+        e = rms_norm(self.wte(idx))
+        return e if self.home_input is None else rms_norm(self.home_input(e))
 
     def logits(self, h: Tensor) -> Tensor:
         """The home layer (if any), then R: hidden states → soft-capped logits."""
@@ -131,7 +94,7 @@ class Replica(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
     def shared_parameters(self) -> list[nn.Parameter]:
-        """The parameters averaged across origins: E and R, never the private home layer."""
+        """The parameters averaged across origins: E and R, never a private layer."""
         return [p for name, p in self.named_parameters() if not is_private(name)]
 
     def reset_home(self, generator: torch.Generator) -> None:
@@ -140,16 +103,29 @@ class Replica(nn.Module):
         if self.home is not None:
             reset_home_layer(self.home, generator)
 
-    def private_parameters(self) -> list[nn.Parameter]:
-        """The home layer's parameters: they stay on the home's site."""
+    def reset_input(self, generator: torch.Generator) -> None:
+        """Redraw the input layer from ``generator`` (a site's secret)."""
+        if self.home_input is not None:
+            reset_input_layer(self.home_input, generator)
+
+    def home_parameters(self) -> list[nn.Parameter]:
+        """The home layer's parameters."""
         return [] if self.home is None else list(self.home.parameters())
+
+    def input_parameters(self) -> list[nn.Parameter]:
+        """The input layer's parameters."""
+        return [] if self.home_input is None else list(self.home_input.parameters())
+
+    def private_parameters(self) -> list[nn.Parameter]:
+        """The private layers' parameters (home and input): they stay on the site."""
+        return self.home_parameters() + self.input_parameters()
 
     def shared_state_dict(self) -> dict[str, Tensor]:
         """The state that leaves the site (Flower arrays, the coordinator's checkpoints)."""
         return {k: v for k, v in self.state_dict().items() if not is_private(k)}
 
     def load_shared_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Copy averaged E/R values in place (the private home layer is left as it is)."""
+        """Copy averaged E/R values in place (the private layers are left as they are)."""
         own = self.shared_state_dict()
         missing = sorted(set(own) - set(state))
         extra = sorted(set(state) - set(own))
@@ -161,5 +137,5 @@ class Replica(nn.Module):
 
 
 def is_private(name: str) -> bool:
-    """True for a state-dict or parameter name of the private home layer."""
-    return name.startswith(PRIVATE_PREFIX)
+    """True for a state-dict or parameter name of a private layer (home or input)."""
+    return name.startswith(PRIVATE_PREFIXES)

@@ -162,6 +162,14 @@ DERIVED = (
 )
 
 
+def check_victim(cfg: TrainConfig, victim: int) -> None:
+    """Refuse an audit with nothing to observe (P < 2) or a victim that is no origin."""
+    if cfg.P < 2:
+        raise ValueError("the audit needs P >= 2 workers: with one, nothing leaves a site")
+    if not 0 <= victim < cfg.P:
+        raise ValueError(f"victim {victim} is not an origin of P={cfg.P} workers")
+
+
 def last_hop_attacker(cfg: TrainConfig, s: int) -> int:
     """The worker that produces stream s's final hidden state (slot K)."""
     return schedule.path(cfg.order, s, cfg.P, cfg.loops)[-1]
@@ -189,10 +197,7 @@ class Audit:
         attacker_batches: int = 64,
         log: Callable[[str], None] | None = None,
     ) -> None:
-        if cfg.P < 2:
-            raise ValueError("the audit needs P >= 2 workers: with one, nothing leaves a site")
-        if not 0 <= victim < cfg.P:
-            raise ValueError(f"victim {victim} is not an origin of P={cfg.P} workers")
+        check_victim(cfg, victim)
         self.cfg, self.sites, self.victim = cfg, list(sites), victim
         self.inverter_steps, self.attacker_batches = inverter_steps, attacker_batches
         self.log = log or (lambda _msg: None)

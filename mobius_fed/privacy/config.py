@@ -59,6 +59,23 @@ class PrivacyConfig(BaseModel):
             "attacker could use as a stand-in)"
         ),
     )
+    home_input: Literal["off", "rotation", "mlp", "block"] = Field(
+        "off",
+        description=(
+            "input defence (a deviation from the paper): a private layer each origin applies "
+            "to E(x) before its first block group, drawn from the site's key, never averaged, "
+            "never sent; rotation = a random orthogonal d x d map, mlp = a two-layer MLP with "
+            "no identity path, block = a transformer block then that MLP (each followed by "
+            "rms_norm); off = the paper's model"
+        ),
+    )
+    home_input_trained: bool = Field(
+        True,
+        description=(
+            "input layer: train it with the site's loss (true) or keep it as drawn from the "
+            "site's key (false)"
+        ),
+    )
     er_noise: float = Field(
         0.0,
         ge=0,
@@ -103,7 +120,11 @@ class PrivacyConfig(BaseModel):
         return self.label_noise > 0 or self.input_noise > 0
 
     def any_defence(self) -> bool:
-        """True when any defence is on (noise, NoPeek or the private home layer)."""
+        """True when any defence is on (noise, NoPeek, a private home or input layer)."""
         return (
-            self.any_on() or self.decorrelation > 0 or self.home_layer != "off" or self.er_noise > 0
+            self.any_on()
+            or self.decorrelation > 0
+            or self.home_layer != "off"
+            or self.home_input != "off"
+            or self.er_noise > 0
         )

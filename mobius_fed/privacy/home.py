@@ -1,10 +1,15 @@
-"""The private home layer of each site (``TrainConfig.privacy.home_layer``).
+"""The private layers of each site: the home layer (``TrainConfig.privacy.home_layer``)
+and its twin on the input side, the input layer (``privacy.home_input``).
 
 Site s's replica carries a layer applied to the final hidden state before the shared
 head R. It is drawn from a generator keyed by the site's secret (``noise_key_dir``; the
 public seed without one, which any worker can recompute) and origin s, trained on s's own
 loss, and neither averaged nor sent: the worker before the home receives the gradient
 through a function it does not know.
+
+The input layer is drawn the same way (its own label) and applied by the replica's
+``embed`` to E(x) before the origin's first block group, so the first hidden state that
+leaves home, and every later one, is a function of x through a layer no other worker holds.
 
 Both engines build their replicas with :func:`build_site_replica` (the reference engine
 reads every site's key, a ring worker only its own), so they hold identical layers.
@@ -27,22 +32,38 @@ if TYPE_CHECKING:
     from mobius_fed.engine.reference import ReferenceEngine
 
 
-def home_generator(cfg: TrainConfig, origin: int, engine: Engine = "reference") -> torch.Generator:
-    """The generator of site ``origin``'s home layer, keyed by that site's secret."""
+def _keyed_generator(cfg: TrainConfig, origin: int, engine: Engine, label: str) -> torch.Generator:
     keys = NoiseKeys(cfg, engine, origin if engine == "ring" else None)
-    label = f"{cfg.seed}:home-layer:{cfg.privacy.home_layer}:{origin}".encode()
-    digest = hashlib.blake2b(label, key=keys.key(origin)[:64], digest_size=8).digest()
+    text = f"{cfg.seed}:{label}:{origin}".encode()
+    digest = hashlib.blake2b(text, key=keys.key(origin)[:64], digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
+def home_generator(cfg: TrainConfig, origin: int, engine: Engine = "reference") -> torch.Generator:
+    """The generator of site ``origin``'s home layer, keyed by that site's secret."""
+    return _keyed_generator(cfg, origin, engine, f"home-layer:{cfg.privacy.home_layer}")
+
+
+def input_generator(cfg: TrainConfig, origin: int, engine: Engine = "reference") -> torch.Generator:
+    """The generator of site ``origin``'s input layer, keyed by that site's secret."""
+    return _keyed_generator(cfg, origin, engine, f"home-input:{cfg.privacy.home_input}")
+
+
 def build_site_replica(cfg: TrainConfig, origin: int, engine: Engine = "reference") -> Replica:
-    """Origin ``origin``'s initial replica: the shared E/R and, when ``cfg`` asks for it,
-    the site's private home layer drawn from its keyed generator."""
-    replica = build_replica(cfg.model(), cfg.seed, cfg.privacy.home_layer)
+    """Origin ``origin``'s initial replica: the shared E/R and, when ``cfg`` asks for them,
+    the site's private home and input layers, each drawn from its keyed generator (a
+    frozen one takes no optimizer: it stays as drawn)."""
+    pc = cfg.privacy
+    replica = build_replica(cfg.model(), cfg.seed, pc.home_layer)
     if replica.home is not None:
         replica.reset_home(home_generator(cfg, origin, engine))
-        if not cfg.privacy.home_layer_trained:  # no optimizer takes it: it stays as drawn
-            for p in replica.private_parameters():
+        if not pc.home_layer_trained:
+            for p in replica.home_parameters():
+                p.requires_grad_(False)
+    if replica.home_input is not None:
+        replica.reset_input(input_generator(cfg, origin, engine))
+        if not pc.home_input_trained:
+            for p in replica.input_parameters():
                 p.requires_grad_(False)
     return replica
 
@@ -53,7 +74,10 @@ def ensure_home_layers(engine: ReferenceEngine) -> None:
     replica optimizers; a no-op for an engine that built them with
     :func:`build_site_replica` (the reference engine does)."""
     cfg = engine.cfg
-    if all(r.home_layer == cfg.privacy.home_layer for r in engine.replicas):
+    pc = cfg.privacy
+    if all(
+        r.home_layer == pc.home_layer and r.input_kind == pc.home_input for r in engine.replicas
+    ):
         return  # built by build_site_replica already (or no layer asked for)
     if engine.step != 0:
         raise RuntimeError("the home layer can only be added before the first step")

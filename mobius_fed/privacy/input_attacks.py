@@ -12,6 +12,9 @@ so that :func:`recovery` gives exact and top-5 recovery the same way for all of 
 * :func:`known_plaintext` — the attacker knows a few (position, token) pairs of the
   victim's stream: it fits a linear map from the received vectors at those positions to
   their rows of E (ridge least squares), then takes the nearest row for every other one.
+* :func:`known_codebook` — the same known pairs used as a codebook: each other position
+  takes the tokens of the known positions nearest to it (no map is fitted, so it breaks
+  any token-by-token transform of E(x), linear or not: a substitution cipher).
 * :func:`frequency_floor` — what the attacker predicts with no received vector at all:
   the most frequent tokens of its own text (the floor under every attack above).
 """
@@ -161,6 +164,27 @@ def known_plaintext(
     eye = torch.eye(d)
     a = torch.linalg.solve(xk.T @ xk + lam * eye, xk.T @ yk + lam * eye)
     return nearest_row(x[~known] @ a, wte), t[~known]
+
+
+@torch.no_grad()
+def known_codebook(h: Tensor, tokens: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
+    """Each unknown position of ``h`` [..., d] takes the distinct tokens of its nearest
+    ``known`` positions by cosine, nearest first (padded with its first guess). Returns
+    (top-5 guesses, true tokens) of the unknown positions."""
+    x = h.reshape(-1, h.size(-1)).float()
+    x = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    t, known = tokens.reshape(-1), known.reshape(-1)
+    if known.numel() != t.numel():
+        raise ValueError(f"known mask has {known.numel()} entries for {t.numel()} positions")
+    if not bool(known.any()) or bool(known.all()):
+        raise ValueError("the codebook needs some known and some unknown positions")
+    order = (x[~known] @ x[known].T).argsort(-1, descending=True)
+    ranked = t[known][order]  # known tokens, nearest first, per unknown position
+    guesses = ranked[:, :1].repeat(1, TOP)
+    for row, toks in enumerate(ranked.tolist()):
+        picked = list(dict.fromkeys(toks))[:TOP]
+        guesses[row, : len(picked)] = torch.tensor(picked)
+    return guesses, t[~known]
 
 
 def known_mask(n: int, fraction: float, seed: int) -> Tensor:

@@ -25,6 +25,7 @@ from mobius_fed.engine.reference import ReferenceEngine
 from mobius_fed.model.training import average_parameters
 from mobius_fed.privacy import er_attacks, input_attacks
 from mobius_fed.privacy.attacks import train_inverter
+from mobius_fed.privacy.audit import check_victim
 from mobius_fed.privacy.home import ensure_home_layers
 from mobius_fed.privacy.input_attacks import TOP, recovery
 from mobius_fed.privacy.leakage_report import HopRow, LeakageReport, UpdateRow
@@ -55,12 +56,10 @@ class LeakageAudit:
         inverter_steps: int = 400,
         attacker_batches: int = 64,
         known: Sequence[float] = (0.01, 0.05),
+        first_hop_only: bool = False,
         log: Callable[[str], None] | None = None,
     ) -> None:
-        if cfg.P < 2:
-            raise ValueError("the audit needs P >= 2 workers: with one, nothing leaves a site")
-        if not 0 <= victim < cfg.P:
-            raise ValueError(f"victim {victim} is not an origin of P={cfg.P} workers")
+        check_victim(cfg, victim)
         if cfg.privacy.er_noise > 0:
             raise ConfigError("the leakage audit measures plain FedAvg: set privacy.er_noise 0")
         if cfg.sync_every < 1:
@@ -72,7 +71,7 @@ class LeakageAudit:
         self.engine = ReferenceEngine(cfg, self.sites)
         ensure_home_layers(self.engine)
         self.engine.average_replicas = False  # averaged here, after the update is read
-        self.hops = remote_hops(cfg, victim)
+        self.hops = remote_hops(cfg, victim)[: 1 if first_hop_only else None]
         self.observers = []
         for slot, worker in self.hops:
             obs = Observer(rank=worker, forward_slots={victim: slot}, phases=("train", "eval"))
@@ -207,9 +206,14 @@ class LeakageAudit:
             mask = input_attacks.known_mask(x.numel(), f, cfg.seed)
             guesses, rest = input_attacks.known_plaintext(h, x, wte, mask)
             found.append((f"known plaintext {100 * f:g} % + linear map", guesses, rest))
+            guesses, rest = input_attacks.known_codebook(h, x, mask)
+            found.append((f"known plaintext {100 * f:g} % as a codebook", guesses, rest))
         if stage == "trained":
             feats, own = self._own_stream(slot, attacker)
-            model = train_inverter(feats, own, vocab, steps=self.inverter_steps, seed=cfg.seed)
+            noise = cfg.privacy.input_noise if slot == self.hops[0][0] else 0.0  # first hop
+            model = train_inverter(
+                feats, own, vocab, steps=self.inverter_steps, noise=noise, seed=cfg.seed
+            )
             with torch.no_grad():
                 guesses = model(h).topk(TOP, -1).indices.reshape(-1, TOP)
             found.append(("inverter trained on its own text", guesses, x))

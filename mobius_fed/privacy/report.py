@@ -54,6 +54,15 @@ def defences(cfg: TrainConfig) -> list[dict[str, Any]]:
                 "trained": pc.home_layer_trained,
             }
         )
+    if pc.home_input != "off":
+        out.append(
+            {
+                "name": "home_input",
+                "hop": "every hidden state of a stream (a private layer on E(x) at its origin)",
+                "layer": pc.home_input,
+                "trained": pc.home_input_trained,
+            }
+        )
     if pc.er_noise > 0:
         out.append(
             {
