@@ -1,12 +1,12 @@
 """Checkpoint files: safetensors files, never pickle; atomic writes; verified reads.
 
 A checkpoint (format 2) is a plain `safetensors <https://github.com/huggingface/safetensors>`_
-file written by the ``safetensors`` library (so any safetensors reader opens it): every tensor, numpy array and bytes
-value of the state is one named tensor (``group.blocks.0.attn.qkv.weight``), and the file's
-``__metadata__`` holds ``{"format": "mobius-fed-checkpoint", "version": "2",
-"data_sha256": "<hex>", "root": "<JSON>"}``. ``root`` is the state's structure, a JSON
-value: ``null``/bool/int/str, a finite float, a JSON list (a Python list), or an object
-tagged by ``"T"``:
+file written by the ``safetensors`` library (so any safetensors reader opens it): every tensor,
+numpy array and bytes value of the state is one named tensor
+(``group.blocks.0.attn.qkv.weight``), and the file's ``__metadata__`` holds ``{"format":
+"mobius-fed-checkpoint", "version": "2", "data_sha256": "<hex>", "root": "<JSON>"}``. ``root``
+is the state's structure, a JSON value: ``null``/bool/int/str, a finite float, a JSON list (a
+Python list), or an object tagged by ``"T"``:
 
 * ``{"T": "float", "v": "nan" | "inf" | "-inf"}``
 * ``{"T": "tuple", "v": [...]}``
@@ -25,12 +25,12 @@ payloads at the byte ranges ``"at": [begin, end]`` of the tree) are still read.
 
 Reading parses JSON and copies bytes into tensors: no code runs, whatever the file holds.
 Reading is our own one-pass reader of the same format, because the sha256 must be verified
-before any value is trusted and the library cannot hash while it reads: the header's byte
-ranges are checked as the ``safetensors`` library checks them, each tensor is read straight into a buffer of its own (the only copy), and the
-sha256 (the payload's, or the whole file's against a manifest) is verified before any value
-is built.
-Every problem (missing file, hash mismatch, truncation, corruption, a pickle, a value we
-cannot store, a failed write) raises :class:`CheckpointError` naming the file.
+before any value is trusted and the library cannot hash while it reads: the header's byte ranges
+are checked as the ``safetensors`` library checks them, each tensor is read straight into a
+buffer of its own (the only copy), and the sha256 (the payload's, or the whole file's against a
+manifest) is verified before any value is built. Every problem (missing file, hash mismatch,
+truncation, corruption, a pickle, a value we cannot store, a failed write) raises
+:class:`CheckpointError` naming the file.
 """
 
 from __future__ import annotations
