@@ -22,12 +22,14 @@ from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.federated import train_with_strategy
 from mobius_fed.privacy.accounting import er_epsilon_spent
+from mobius_fed.privacy.er_dp import ErPrivacy
 from mobius_fed.strategies import RoundPlan, make_strategy
 
 
 def eq8(cfg: TrainConfig, sites: list[Path]) -> float:
     engine = ReferenceEngine(cfg, [SiteData(d, cfg.model().seq_len) for d in sites])
-    grid = train_with_strategy(engine, make_strategy("fedavg", cfg.P, RoundPlan.of(cfg)))
+    strategy = make_strategy("fedavg", cfg.P, RoundPlan.of(cfg), er_privacy=ErPrivacy.of(cfg))
+    grid = train_with_strategy(engine, strategy)
     return grid.evals[-1].loss
 
 

@@ -22,6 +22,7 @@ from mobius_fed.coordinator.manifests import latest_manifest
 from mobius_fed.data import SiteData
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.federated import train_with_strategy
+from mobius_fed.privacy.er_dp import ErPrivacy
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.strategies import RoundPlan, make_strategy
 from mobius_fed.transport.certs import init_certs
@@ -38,8 +39,9 @@ def reference(fed: LocalFederation, strategy: str = "fedavg", options=None, step
     cfg = fed.train
     sites = [SiteData(fed.sites / f"site-{i}", cfg.model().seq_len) for i in range(cfg.P)]
     engine = ReferenceEngine(cfg, sites)
+    plan, er = RoundPlan.of(cfg), ErPrivacy.of(cfg)
     grid = train_with_strategy(
-        engine, make_strategy(strategy, cfg.P, RoundPlan.of(cfg), options or {})
+        engine, make_strategy(strategy, cfg.P, plan, options or {}, er_privacy=er)
     )
     losses = {(r.step, s): v for r in grid.steps for s, v in enumerate(r.origin_losses)}
     return losses, [(e.step, e.loss) for e in grid.evals]

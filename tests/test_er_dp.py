@@ -84,6 +84,12 @@ def test_the_single_process_engine_refuses_to_average_without_the_strategy(
     engine = ReferenceEngine(cfg, [SiteData(d, cfg.model().seq_len) for d in dirs])
     with pytest.raises(ConfigError, match="er_noise"):
         engine.train_step()
+    from mobius_fed.engine.federated import train_with_strategy
+    from mobius_fed.strategies import RoundPlan, make_strategy
+
+    plain = make_strategy("fedavg", P, RoundPlan.of(cfg))  # built without its E/R noise
+    with pytest.raises(ValueError, match=r"er_privacy=ErPrivacy\.of\(cfg\)"):
+        train_with_strategy(engine, plain)
 
 
 def test_status_reports_the_er_epsilon() -> None:

@@ -20,7 +20,6 @@ from flwr.supercore.run import Run
 
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
 from mobius_fed.model import Replica
-from mobius_fed.privacy.er_dp import ErPrivacy
 from mobius_fed.privacy.home import ensure_home_layers
 from mobius_fed.strategies import STEP_END, STEP_START
 from mobius_fed.transport.flower_wire import (
@@ -125,8 +124,12 @@ class EngineGrid(Grid):
 def train_with_strategy(engine: ReferenceEngine, strategy: Strategy) -> EngineGrid:
     """Train ``engine`` to ``cfg.steps`` with ``strategy`` doing every replica average."""
     engine.average_replicas = False  # averaging is the strategy's job here
-    if getattr(strategy, "er_privacy", None) is None:  # as the coordinator does
-        strategy.er_privacy = ErPrivacy.of(engine.cfg)  # type: ignore[attr-defined]
+    if engine.cfg.privacy.er_noise > 0 and getattr(strategy, "er_privacy", None) is None:
+        raise ValueError(
+            "the config adds E/R noise (privacy.er_noise) but the strategy has no er_privacy: "
+            "build it with make_strategy(..., er_privacy=ErPrivacy.of(cfg)), as the "
+            "coordinator does"
+        )
     ensure_home_layers(engine)
     set_task_identity(COORDINATOR_NODE_ID)
     grid = EngineGrid(engine)
