@@ -58,7 +58,9 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _forward(part: str, method: Callable[Concatenate[Any, P], R]) -> Callable[..., R]:
+def _forward(
+    part: str, method: Callable[Concatenate[Any, P], R]
+) -> Callable[Concatenate[Testbed, P], R]:
     """A Testbed method that calls ``method`` on its component ``self.<part>``."""
 
     @functools.wraps(method)
