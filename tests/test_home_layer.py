@@ -15,7 +15,7 @@ from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.federated import train_with_strategy
 from mobius_fed.model import build_replica, is_private
-from mobius_fed.privacy.home import build_site_replica, ensure_home_layers, home_layer_wired
+from mobius_fed.privacy.home import build_site_replica, ensure_home_layers
 from mobius_fed.privacy.stages import write_site_keys
 from mobius_fed.strategies import RoundPlan, make_strategy
 from tests.test_privacy_ring import PrivateRing
@@ -63,7 +63,15 @@ def test_home_layer_is_private_and_leaves_the_shared_replica_as_it_was(layer: st
 
 
 def test_both_engines_build_keyed_site_replicas():
-    assert home_layer_wired()
+    """The reference engine builds each origin's keyed layer by itself (the ring workers
+    call the same ``build_site_replica``), not only through ``ensure_home_layers``."""
+    cfg = TrainConfig(preset="cpu-tiny", workers=2, privacy={"home_layer": "mlp"})
+    engine = ReferenceEngine(cfg, [None, None])  # type: ignore[list-item]  # sites unused here
+    want, got = build_site_replica(cfg, 1), engine.replicas[1]
+    assert got.home is not None
+    assert all(
+        torch.equal(a, b) for a, b in zip(got.private_parameters(), want.private_parameters())
+    )
 
 
 def test_each_site_draws_its_layer_from_its_own_key(tmp_path: Path):

@@ -20,7 +20,6 @@ from flwr.supercore.run import Run
 
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
 from mobius_fed.model import Replica
-from mobius_fed.privacy.home import ensure_home_layers
 from mobius_fed.strategies import STEP_END, STEP_START
 from mobius_fed.transport.flower_wire import (
     COORDINATOR_NODE_ID,
@@ -130,7 +129,6 @@ def train_with_strategy(engine: ReferenceEngine, strategy: Strategy) -> EngineGr
             "build it with make_strategy(..., er_privacy=ErPrivacy.of(cfg)), as the "
             "coordinator does"
         )
-    ensure_home_layers(engine)
     set_task_identity(COORDINATOR_NODE_ID)
     grid = EngineGrid(engine)
     strategy.start(

@@ -83,18 +83,3 @@ def ensure_home_layers(engine: ReferenceEngine) -> None:
         raise RuntimeError("the home layer can only be added before the first step")
     engine.replicas = [build_site_replica(cfg, s).to(engine.device) for s in range(cfg.P)]
     engine.replica_opts = [make_optimizers(r, cfg, blocks=False) for r in engine.replicas]
-
-
-def home_layer_wired() -> bool:
-    """True when the engines build their replicas with the configured home layer by
-    themselves (ring workers included), not only through :func:`ensure_home_layers`."""
-    from mobius_fed.config import TrainConfig
-    from mobius_fed.engine.reference import ReferenceEngine
-
-    cfg = TrainConfig(preset="cpu-tiny", workers=2, privacy={"home_layer": "mlp"})
-    engine = ReferenceEngine(cfg, [None, None])  # type: ignore[list-item]  # sites unused here
-    want = build_site_replica(cfg, 1)
-    got = engine.replicas[1]
-    return got.home is not None and all(
-        torch.equal(a, b) for a, b in zip(got.private_parameters(), want.private_parameters())
-    )
