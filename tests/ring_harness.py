@@ -165,7 +165,10 @@ class CutProxy:
     forwarding on it (:meth:`freeze`), like a flaky WAN link.
 
     ``bytes_up``: bytes forwarded client → server so far; ``on_bytes(n, action)`` runs
-    ``action`` (once) when that count first reaches ``n``.
+    ``action`` (once) when that count first reaches ``n``. With ``swallow=m`` the open
+    connections turn into a black hole at that moment, and ``action`` runs once ``m`` more
+    client bytes were swallowed (or after ``within`` seconds): whatever the scheduling, the
+    client then has sent data that never arrived.
     """
 
     def __init__(self, target_port: int) -> None:
@@ -175,7 +178,8 @@ class CutProxy:
         self.cuts = 0
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
-        self._trigger: tuple[int, Callable[[], None]] | None = None
+        self._trigger: tuple[int, Callable[[], None], int, float] | None = None
+        self._swallow: tuple[int, Callable[[], None]] | None = None  # (bytes left, action)
         self._closed = False
         self._gen = 0  # connections accepted after freeze() have a higher generation
         self._frozen = -1
@@ -211,6 +215,8 @@ class CutProxy:
         try:
             while data := src.recv(1 << 16):
                 if gen <= self._frozen:
+                    if up:
+                        self._swallowed(len(data))
                     continue  # a black hole: bytes go in, nothing comes out, nothing closes
                 dst.sendall(data)
                 if up:
@@ -227,13 +233,38 @@ class CutProxy:
         with self._lock:
             self.bytes_up += n
             if self._trigger is not None and self.bytes_up >= self._trigger[0]:
-                action, self._trigger = self._trigger[1], None
+                _, action, swallow, within = self._trigger
+                self._trigger = None
+                if swallow:  # black-hole the open connections first; act once data is lost
+                    self._frozen, self._gen = self._gen, self._gen + 1
+                    self._swallow, action = (swallow, action), self._fire_swallow_after(within)
         if action is not None:
             threading.Thread(target=action, daemon=True).start()
 
-    def on_bytes(self, n: int, action: Callable[[], None]) -> None:
+    def _fire_swallow_after(self, within: float) -> Callable[[], None]:
+        def later() -> None:
+            time.sleep(within)
+            self._swallowed(0, force=True)
+
+        return later
+
+    def _swallowed(self, n: int, force: bool = False) -> None:
+        action = None
         with self._lock:
-            self._trigger = (self.bytes_up + n, action)
+            if self._swallow is not None:
+                left = self._swallow[0] - n
+                if left <= 0 or force:
+                    action, self._swallow = self._swallow[1], None
+                else:
+                    self._swallow = (left, self._swallow[1])
+        if action is not None:
+            threading.Thread(target=action, daemon=True).start()
+
+    def on_bytes(
+        self, n: int, action: Callable[[], None], swallow: int = 0, within: float = 2.0
+    ) -> None:
+        with self._lock:
+            self._trigger = (self.bytes_up + n, action, swallow, within)
 
     def cut(self, refuse_s: float = 0.0) -> None:
         """Reset every connection; refuse new ones for ``refuse_s`` seconds."""
