@@ -88,7 +88,7 @@ def test_points_fits_and_report(tmp_path: Path) -> None:
     assert fit.slope == pytest.approx(crossover.fit_log(xs, ys).slope) and fit.n == 6
     path = crossover.write_crossover(by_length, tmp_path, command="mobius-fed sweep --lengths …")
     text = path.read_text()
-    assert "preset cpu-tiny; 32/128/512 steps;" in text
+    assert "preset cpu-tiny with 4 layers; 32/128/512 steps;" in text
     m, half = pts[0].row.delta_ci
     assert f"| 4 | 1 | 32 | {pts[0].tokens_per_param:.2f} |" in text
     assert f"{m:+.4f} [{m - half:+.4f}, {m + half:+.4f}] | 2 |" in text

@@ -141,7 +141,7 @@ def _loss(values: dict[int, float]) -> str:
 def points_table(table: Table) -> str:
     """Δ per (P, L) and length, with the paper's Table 1 rows at their tokens per parameter."""
     lines = [
-        "| P | L | steps | tokens/param | ordered loss | Möbius loss "
+        "| P | L | steps | tokens/param | ordered loss (mean) | Möbius loss (mean) "
         "| Δ = Möbius − ordered [95 % CI] | seeds |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -184,8 +184,8 @@ def trend(fit: Fit, last: Point) -> str:
 def fits_table(table: Table) -> str:
     """Per (P, L): the slope per decade of tokens/param with its 95 % interval, and a verdict."""
     lines = [
-        "| P | L | slope of Δ per decade of tokens/param [95 % CI] | points | Δ of the fit at "
-        f"{PAPER_TOKENS_PER_PARAM:.0f} tokens/param | reading |",
+        "| P | L | slope of Δ per decade of tokens/param [95 % CI] | points | fit extrapolated "
+        f"to {PAPER_TOKENS_PER_PARAM:.0f} tokens/param | reading |",
         "|---|---|---|---|---|---|",
     ]
     for (P, L), pts in table.items():
@@ -219,13 +219,16 @@ def plot_crossover(table: Table, path: Path, title: str) -> Path | None:
         label = f"ours, P={P}, L={L}" if several_p else f"ours, L={L}"
         line = ax.errorbar(xs, ms, yerr=errs, marker="o", capsize=3, label=label)
         fit = fit_points(pts)
-        if fit is not None:
-            ends = [min(xs), max(xs)]
+        if fit is not None:  # dotted: the fit, carried on to the paper's tokens per parameter
+            ends = [min(xs), max(max(xs), PAPER_TOKENS_PER_PARAM)]
             ax.plot(ends, [fit.at(x) for x in ends], ls=":", color=line[0].get_color(), lw=1)
-    for k, (L, d) in enumerate(PAPER_TABLE1.items()):
-        x = PAPER_TOKENS_PER_PARAM * (1 + 0.04 * (k - 2))  # spread the markers a little
-        ax.plot([x], [d], marker="^vsDP"[k % 5], color="k", alpha=0.7, ls="none",
-                label=f"paper L={L} (124M, P=4, one seed)")  # fmt: skip
+    ds = list(PAPER_TABLE1.values())
+    ax.plot([PAPER_TOKENS_PER_PARAM] * len(ds), ds, "k^", alpha=0.7, ls="none",
+            label="paper Table 1 (124M, P=4, one seed)")  # fmt: skip
+    for L, d in PAPER_TABLE1.items():
+        dy = {6: 4, 10: -8, 15: -16}.get(L, 0)  # the three L ≥ 6 points nearly coincide
+        ax.annotate(f"L={L}", (PAPER_TOKENS_PER_PARAM, d), xytext=(6, dy),
+                    textcoords="offset points", fontsize=7)  # fmt: skip
     ax.set_xscale("log")
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.set_xlabel("training tokens per parameter (all origins)")
