@@ -16,7 +16,7 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.data import embedded_corpus, prepare_sites
 from mobius_fed.model import count_parameters
 from mobius_fed.research import crossover, stats
-from mobius_fed.research.sweep import Cell, by_cost
+from mobius_fed.research.sweep import Cell, by_cost, run_cells
 
 
 def _train(**kw) -> dict:
@@ -168,3 +168,12 @@ def test_sigterm_stops_a_sweep_and_its_cells(tmp_path: Path) -> None:
     sweep.send_signal(signal.SIGTERM)
     assert sweep.wait(timeout=120) == 128 + signal.SIGTERM
     assert not Path(f"/proc/{cells[0]}").exists()  # the cell ended with the sweep
+
+
+def test_a_cell_finished_meanwhile_is_not_run_again(tmp_path: Path) -> None:
+    cell = tmp_path / "P4-L1-cyclic-s0"
+    cell.mkdir()
+    (cell / "result.json").write_text(json.dumps({"final": 2.0}))
+    seen: list[Path] = []
+    assert run_cells([cell], parallel=1, on_done=lambda d, r, s: seen.append(d)) == []
+    assert seen == [] and not (cell / "cell.log").exists()

@@ -147,6 +147,8 @@ def run_cells(
             while pending or running:
                 while pending and len(running) < parallel:
                     d = pending.pop(0)
+                    if read_result(d) is not None:  # finished meanwhile (by another sweep)
+                        continue
                     log = (d / "cell.log").open("ab")
                     proc = subprocess.Popen(
                         [sys.executable, "-m", "mobius_fed.research.cell", str(d)],
