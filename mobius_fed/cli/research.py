@@ -167,18 +167,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``experiment``, ``sweep`` and ``analyze`` to ``mobius-fed``."""
-    p = sub.add_parser("experiment", help="the paper's Table 1: ordered-loop vs Möbius")
-    add_train_flags(p, skip=("loops", "order"))
-    p.add_argument("--loops", dest="grid_loops", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--orders", dest="grid_orders", nargs="+", default=["ordered", "cyclic"])
-    p.add_argument("--seeds", type=int, default=1, help="seeds per arm (seed, seed+1, …)")
-    p.add_argument("--data", type=Path, nargs="+")
-    p.add_argument("--out", default="runs/experiment")
-    add_threads_flag(p)
-    p.set_defaults(func=cmd_experiment)
-
+def _add_sweep_parser(sub: argparse._SubParsersAction) -> None:
+    """``mobius-fed sweep``'s flags."""
     p = sub.add_parser(
         "sweep",
         help="grid over P, L, order and seeds as parallel processes (resumable)",
@@ -214,6 +204,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--report-only", action="store_true", help="only rewrite the report")
     p.set_defaults(func=cmd_sweep)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``experiment``, ``sweep`` and ``analyze`` to ``mobius-fed``."""
+    p = sub.add_parser("experiment", help="the paper's Table 1: ordered-loop vs Möbius")
+    add_train_flags(p, skip=("loops", "order"))
+    p.add_argument("--loops", dest="grid_loops", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--orders", dest="grid_orders", nargs="+", default=["ordered", "cyclic"])
+    p.add_argument("--seeds", type=int, default=1, help="seeds per arm (seed, seed+1, …)")
+    p.add_argument("--data", type=Path, nargs="+")
+    p.add_argument("--out", default="runs/experiment")
+    add_threads_flag(p)
+    p.set_defaults(func=cmd_experiment)
+
+    _add_sweep_parser(sub)
 
     p = sub.add_parser(
         "analyze",
