@@ -2,9 +2,10 @@
 
     python benchmarks/compare_sweeps.py base=runs/sweep-a coupled=runs/sweep-b …
 
-Each argument is NAME=SWEEP_DIR (a ``mobius-fed sweep --out`` directory). Prints one
-Markdown table: for every L, each sweep's Δ with its 95 % interval (paired by seed) and
-the shift of Δ against the first sweep. Only (P, L) cells finished in every sweep count.
+Each argument is NAME=SWEEP_DIR (a ``mobius-fed sweep --out`` directory, or one length's
+``OUT/n<steps>`` of a ``--lengths`` sweep). Prints one Markdown table: for every L, each
+sweep's Δ with its 95 % interval (paired by seed) and the shift of Δ against the first
+sweep. Only (P, L) cells finished in every sweep count.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def main(argv: list[str]) -> int:
     for name, d in named:
         results = load_results(d)
         if not results:
-            print(f"error: no finished cells under {d / 'cells'}", file=sys.stderr)
+            lengths = sorted(p.name for p in d.glob("n*") if (p / "cells").is_dir())
+            hint = f" (a --lengths sweep: name one of {', '.join(lengths)})" if lengths else ""
+            print(f"error: no finished cells under {d / 'cells'}{hint}", file=sys.stderr)
             return 2
         tables[name] = {(r.P, r.L): r for r in rows(results) if r.deltas}
     keys = sorted(set.intersection(*(set(t) for t in tables.values())))

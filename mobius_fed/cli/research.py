@@ -20,6 +20,7 @@ from mobius_fed.cli.common import (
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig
+    from mobius_fed.research.sweep import Cell
 
 GRID_FIELDS = ("workers", "loops", "order", "seed")
 
@@ -46,45 +47,81 @@ def _sweep_sites(cfg: TrainConfig, data: list[Path] | None, out: Path) -> Path:
     return root
 
 
-def cmd_sweep(args: argparse.Namespace) -> int:
-    from mobius_fed.research.cell import read_result
-    from mobius_fed.research.report import write_report
-    from mobius_fed.research.sweep import grid, prepare_cell, run_cells
+def _sweep_grids(args: argparse.Namespace) -> list[tuple[Path, list[Cell]]]:
+    """(directory, cells) per training length: one grid, or one per ``--lengths`` value."""
+    from mobius_fed.config import TrainConfig
+    from mobius_fed.research.crossover import check_lengths, length_dir
+    from mobius_fed.research.sweep import grid
 
     base = train_config_from_args(args)
     out = Path(args.out)
     seeds = args.seed_list or [base.seed + k for k in range(args.seeds)]
-    cells = grid(base, args.grid_workers, args.grid_loops, args.grid_orders, seeds, out)
-    if not args.report_only:
-        todo = []
+    if not args.lengths:
+        return [(out, grid(base, args.grid_workers, args.grid_loops, args.grid_orders, seeds, out))]
+    grids = []
+    for n in check_lengths(args.lengths):
+        cfg = TrainConfig.model_validate({**base.model_dump(), "steps": n})
+        d = length_dir(out, n)
+        grids.append((d, grid(cfg, args.grid_workers, args.grid_loops, args.grid_orders, seeds, d)))
+    return grids
+
+
+def _run_sweep(args: argparse.Namespace, grids: list[tuple[Path, list[Cell]]]) -> None:
+    """Prepare every cell, then run the unfinished ones, the costliest first."""
+    from mobius_fed.research.sweep import by_cost, prepare_cell, run_cells
+
+    todo, total = [], 0
+    for out, cells in grids:
+        total += len(cells)
         for cell in cells:
             sites = _sweep_sites(cell.cfg, args.data, out)
             if prepare_cell(
                 cell, sites, coupled=args.coupled_batches, checkpoint_every=args.checkpoint_every
             ):
-                todo.append(cell.directory)
-        console.print(
-            f"sweep: {len(cells)} cells ({len(cells) - len(todo)} finished already), "
-            f"{min(args.threads, max(len(todo), 1))} at a time, 1 thread each → {out}"
-        )
-        done = [len(cells) - len(todo)]
+                todo.append(cell)
+    console.print(
+        f"sweep: {total} cells ({total - len(todo)} finished already), "
+        f"{min(args.threads, max(len(todo), 1))} at a time, 1 thread each → {args.out}"
+    )
+    done = [total - len(todo)]
 
-        def on_done(d: Path, result: dict | None, seconds: float) -> None:
-            done[0] += result is not None
-            what = f"{result['final']:.4f}" if result else f"FAILED (see {d / 'cell.log'})"
-            console.print(f"[{done[0]}/{len(cells)}] {d.name}: {what} ({seconds:.0f} s)")
+    def on_done(d: Path, result: dict | None, seconds: float) -> None:
+        done[0] += result is not None
+        what = f"{result['final']:.4f}" if result else f"FAILED (see {d / 'cell.log'})"
+        name = d.name if len(grids) == 1 else f"{d.parent.parent.name}/{d.name}"
+        console.print(f"[{done[0]}/{total}] {name}: {what} ({seconds:.0f} s)")
 
-        failed = run_cells(todo, parallel=args.threads, on_done=on_done)
-        if failed:
-            console.print(f"[red]{len(failed)} cell(s) failed[/]; rerun the same command to retry")
-    results = [r for c in cells if (r := read_result(c.directory)) is not None]
-    if not results:
-        raise CliError(f"no finished cells under {out / 'cells'}")
+    failed = run_cells([c.directory for c in by_cost(todo)], parallel=args.threads, on_done=on_done)
+    if failed:
+        console.print(f"[red]{len(failed)} cell(s) failed[/]; rerun the same command to retry")
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from mobius_fed.research.cell import read_result
+    from mobius_fed.research.crossover import write_crossover
+    from mobius_fed.research.report import write_report
+
+    grids = _sweep_grids(args)
+    if not args.report_only:
+        _run_sweep(args, grids)
     argv = [a for a in sys.argv[1:] if a != "--report-only"]
-    report = write_report(results, out, command=shlex.join(["mobius-fed", *argv]))
-    print((out / "table.md").read_text())
-    print(f"report: {report}")
-    return 0 if len(results) == len(cells) else 1
+    command = shlex.join(["mobius-fed", *argv])
+    by_length, finished, total = {}, 0, 0
+    for out, cells in grids:
+        results = [r for c in cells if (r := read_result(c.directory)) is not None]
+        finished, total = finished + len(results), total + len(cells)
+        if results:
+            write_report(results, out, command=command)
+            by_length[cells[0].cfg.steps] = results
+            print(f"{out}:\n{(out / 'table.md').read_text()}")
+    if not finished:
+        raise CliError(f"no finished cells under {args.out}")
+    if args.lengths:
+        path = write_crossover(by_length, Path(args.out), command=command)
+        print(f"crossover: {path}")
+    else:
+        print(f"report: {Path(args.out) / 'report.md'}")
+    return 0 if finished == total else 1
 
 
 # -------------------------------------------------------------------------- experiment
@@ -130,18 +167,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``experiment``, ``sweep`` and ``analyze`` to ``mobius-fed``."""
-    p = sub.add_parser("experiment", help="the paper's Table 1: ordered-loop vs Möbius")
-    add_train_flags(p, skip=("loops", "order"))
-    p.add_argument("--loops", dest="grid_loops", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--orders", dest="grid_orders", nargs="+", default=["ordered", "cyclic"])
-    p.add_argument("--seeds", type=int, default=1, help="seeds per arm (seed, seed+1, …)")
-    p.add_argument("--data", type=Path, nargs="+")
-    p.add_argument("--out", default="runs/experiment")
-    add_threads_flag(p)
-    p.set_defaults(func=cmd_experiment)
-
+def _add_sweep_parser(sub: argparse._SubParsersAction) -> None:
+    """``mobius-fed sweep``'s flags."""
     p = sub.add_parser(
         "sweep",
         help="grid over P, L, order and seeds as parallel processes (resumable)",
@@ -161,6 +188,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=2, help="thread budget = cells run at once")
     p.add_argument("--data", type=Path, nargs="+", help="text files or a prepared directory")
     p.add_argument("--out", default="runs/sweep")
+    p.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        metavar="STEPS",
+        help="several training lengths (replaces --steps): one sweep per length under "
+        "OUT/n<STEPS>/, and OUT/crossover.md with Δ against tokens per parameter",
+    )
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument(
         "--coupled-batches",
@@ -169,6 +204,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--report-only", action="store_true", help="only rewrite the report")
     p.set_defaults(func=cmd_sweep)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``experiment``, ``sweep`` and ``analyze`` to ``mobius-fed``."""
+    p = sub.add_parser("experiment", help="the paper's Table 1: ordered-loop vs Möbius")
+    add_train_flags(p, skip=("loops", "order"))
+    p.add_argument("--loops", dest="grid_loops", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--orders", dest="grid_orders", nargs="+", default=["ordered", "cyclic"])
+    p.add_argument("--seeds", type=int, default=1, help="seeds per arm (seed, seed+1, …)")
+    p.add_argument("--data", type=Path, nargs="+")
+    p.add_argument("--out", default="runs/experiment")
+    add_threads_flag(p)
+    p.set_defaults(func=cmd_experiment)
+
+    _add_sweep_parser(sub)
 
     p = sub.add_parser(
         "analyze",

@@ -91,8 +91,9 @@ def describe(train: dict[str, Any], *, coupled: bool = False) -> str:
     from mobius_fed.config import TrainConfig
 
     seq = TrainConfig.model_validate(train).model().seq_len
+    layers = f" with {train['n_layer']} layers" if train.get("n_layer") else ""
     parts = [
-        f"preset {train['preset']}",
+        f"preset {train['preset']}{layers}",
         f"{train['steps']} steps",
         f"batch {train['batch_size']}×{seq} tokens per origin",
         f"{train['optimizer']} (Muon lr {train['lr_muon']}, adjust {train['muon_adjust_lr']}; "

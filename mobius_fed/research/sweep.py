@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,6 +105,27 @@ def prepare_cell(cell: Cell, sites: Path, *, coupled: bool, checkpoint_every: in
     return True
 
 
+@contextmanager
+def _stop_on_sigterm() -> Iterator[None]:
+    """While cells run, SIGTERM raises SystemExit, so that the cells' processes end too.
+
+    (Python's default SIGTERM ends the sweep at once and leaves its cells running; a sweep
+    started in the background ignores SIGINT, so SIGTERM is how it is usually stopped.)
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def run_cells(
     dirs: Sequence[Path],
     *,
@@ -118,34 +142,42 @@ def run_cells(
     pending = list(dirs)
     running: dict[subprocess.Popen, tuple[Path, float]] = {}
     failed: list[Path] = []
-    try:
-        while pending or running:
-            while pending and len(running) < parallel:
-                d = pending.pop(0)
-                log = (d / "cell.log").open("ab")
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "mobius_fed.research.cell", str(d)],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                )
-                log.close()
-                running[proc] = (d, time.perf_counter())
-            time.sleep(0.2)
-            for proc in [p for p in running if p.poll() is not None]:
-                d, t0 = running.pop(proc)
-                if proc.returncode != 0:
-                    failed.append(d)
-                if on_done:
-                    on_done(d, read_result(d), time.perf_counter() - t0)
-    finally:
-        for proc in running:
-            proc.terminate()
-        for proc in running:
-            proc.wait()
+    with _stop_on_sigterm():
+        try:
+            while pending or running:
+                while pending and len(running) < parallel:
+                    d = pending.pop(0)
+                    if read_result(d) is not None:  # finished meanwhile (by another sweep)
+                        continue
+                    log = (d / "cell.log").open("ab")
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "mobius_fed.research.cell", str(d)],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                    )
+                    log.close()
+                    running[proc] = (d, time.perf_counter())
+                time.sleep(0.2)
+                for proc in [p for p in running if p.poll() is not None]:
+                    d, t0 = running.pop(proc)
+                    if proc.returncode != 0:
+                        failed.append(d)
+                    if on_done:
+                        on_done(d, read_result(d), time.perf_counter() - t0)
+        finally:
+            for proc in running:
+                proc.terminate()
+            for proc in running:
+                proc.wait()
     return failed
 
 
 def load_results(out: Path) -> list[dict[str, Any]]:
     """Every finished cell's result under ``out/cells``."""
     return [json.loads(p.read_text()) for p in sorted((Path(out) / "cells").glob(f"*/{RESULT}"))]
+
+
+def by_cost(cells: Sequence[Cell]) -> list[Cell]:
+    """The cells with the most work (steps × passes) first, so that long cells start early."""
+    return sorted(cells, key=lambda c: -c.cfg.steps * c.cfg.loops)
