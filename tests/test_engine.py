@@ -319,3 +319,12 @@ def test_gradients_equal_autograd_of_the_paper_objective(site_dirs, order) -> No
     for naive, ours in zip(replicas, engine.replicas):
         for (name, a), b in zip(naive.named_parameters(), ours.parameters()):
             torch.testing.assert_close(b.grad, P * a.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_metrics_reader_drops_a_torn_last_record_and_names_a_bad_one(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]  # killed mid-write: resumable
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not a JSON record"):
+        read_metrics(path)

@@ -22,7 +22,19 @@ class MetricsLog:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``. A last line cut short (the process was killed
+    while writing it) is dropped, so a killed run still resumes; a bad line before the
+    last is an error naming the file and line."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    out = []
+    for n, line in enumerate(lines, 1):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if n == len(lines):
+                break  # a torn final record
+            raise ValueError(f"{path}: line {n} is not a JSON record ({exc})") from exc
+    return out

@@ -164,20 +164,56 @@ def analyze_model(model: Model, sites: Sequence[SiteData], batches: int = 2) -> 
         raise ValueError(f"analyze: need one site per origin: P={P}, got {len(sites)}")
     if batches < 1:
         raise ValueError(f"analyze: batches must be ≥ 1, got {batches}")
-    nan = math.nan
     data = [_batches(site, cfg, batches) for site in sites]
-    origin_loss = []
-    for s in range(P):  # Eq. 8's terms: each origin on its own data and targets
-        route = schedule.path(cfg.order, s, P, cfg.loops)
+    tables, outs, deltas = _depth_tables(model, data)
+    cka, cos = _similarities(P, K, outs, deltas)
+    cka_mean = [
+        [
+            _avg([cka[i][t][u] for u in range(K) if u != t and not math.isnan(cka[i][t][u])])
+            for t in range(K)
+        ]
+        for i in range(P)
+    ]
+    return Analysis(
+        name=model.name,
+        order=cfg.order,
+        P=P,
+        K=K,
+        origin_loss=_origin_losses(model, data),
+        lens_loss=tables["lens"],
+        norm=tables["norm"],
+        update=tables["update"],
+        cka=cka,
+        cosine=cos,
+        cka_mean=cka_mean,
+    )
+
+
+def _avg(cell: list[float]) -> float:
+    return sum(cell) / len(cell) if cell else math.nan
+
+
+def _origin_losses(model: Model, data) -> list[float]:
+    """Eq. 8's terms: each origin on its own data and targets, along its own path."""
+    cfg = model.cfg
+    out = []
+    for s in range(cfg.P):
+        route = schedule.path(cfg.order, s, cfg.P, cfg.loops)
         losses = []
         for x, y in data[s]:
             h = model.replicas[s].embed(x)
             for t, i in enumerate(route):
                 h = model.groups[i](h, t)
             losses.append(float(model.replicas[s].loss(h, y)))
-        origin_loss.append(sum(losses) / len(losses))
-    # Everything else on the same probe tokens for every path (the pooled validation
-    # batches of all origins), so depths differ only by where the group runs.
+        out.append(sum(losses) / len(losses))
+    return out
+
+
+def _depth_tables(model: Model, data):
+    """Logit-lens loss, output norm and relative update of every group i at every depth t,
+    on the same probe tokens for every path (the pooled validation batches of all origins),
+    so depths differ only by where the group runs; and each (i, t)'s outputs and updates."""
+    cfg, P, K = model.cfg, model.cfg.P, model.cfg.K
     probe = torch.cat([x for per in data for x, _ in per])
     targets = torch.cat([y for per in data for _, y in per])
     sums: dict[str, list[list[list[float]]]] = {
@@ -196,11 +232,13 @@ def analyze_model(model: Model, sites: Sequence[SiteData], batches: int = 2) -> 
                 outs[i, t] = out.reshape(-1, out.size(-1))
                 deltas[i, t] = (out - h).reshape(-1, out.size(-1))
             h = out
+    tables = {k: [[_avg(c) for c in row] for row in v] for k, v in sums.items()}
+    return tables, outs, deltas
 
-    def avg(cell: list[float]) -> float:
-        return sum(cell) / len(cell) if cell else nan
 
-    tables = {k: [[avg(c) for c in row] for row in v] for k, v in sums.items()}
+def _similarities(P: int, K: int, outs, deltas):
+    """Linear CKA of each group's outputs and mean cosine of its updates, depth × depth."""
+    nan = math.nan
     cka = [[[nan] * K for _ in range(K)] for _ in range(P)]
     cos = [[[nan] * K for _ in range(K)] for _ in range(P)]
     for i in range(P):
@@ -212,26 +250,7 @@ def analyze_model(model: Model, sites: Sequence[SiteData], batches: int = 2) -> 
                     continue
                 cka[i][a][b] = linear_cka(outs[i, a], outs[i, b])
                 cos[i][a][b] = mean_cosine(deltas[i, a], deltas[i, b])
-    cka_mean = [
-        [
-            avg([cka[i][t][u] for u in range(K) if u != t and not math.isnan(cka[i][t][u])])
-            for t in range(K)
-        ]
-        for i in range(P)
-    ]
-    return Analysis(
-        name=model.name,
-        order=cfg.order,
-        P=P,
-        K=K,
-        origin_loss=origin_loss,
-        lens_loss=tables["lens"],
-        norm=tables["norm"],
-        update=tables["update"],
-        cka=cka,
-        cosine=cos,
-        cka_mean=cka_mean,
-    )
+    return cka, cos
 
 
 # --------------------------------------------------------------------------- report
