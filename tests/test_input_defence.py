@@ -27,12 +27,7 @@ BASE = dict(preset="cpu-tiny", workers=P, batch_size=4, eval_every=0, optimizer=
 LAYERS = ["rotation", "mlp", "block"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mobius_fed.config import TrainConfig
-from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+from mobius_fed.data import SiteData
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.experiment import Arm, markdown_table
 from mobius_fed.engine.reference import EvalResult
@@ -21,18 +21,9 @@ from mobius_fed.research.sweep import grid, prepare_cell, run_cells
 P = 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
-@pytest.fixture(scope="module")
-def site_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    root = tmp_path_factory.mktemp("research")
-    return prepare_sites(None, root / "sites", P, text=embedded_corpus()[:120_000])
 
 
 def _cfg(**kw) -> TrainConfig:
