@@ -240,7 +240,7 @@ def test_outbound_only_sites_train_through_reversed_and_relayed_edges(tmp_path: 
     """4 workers, 1 and 2 declared not reachable: 0 → 1 reversed, 1 → 2 relayed, the rest
     direct. Losses equal the reference engine's; strangers at the relay and at worker-0's
     rendezvous port are refused while the ring trains; status shows every edge's path."""
-    train = TrainConfig(**BASE, steps=8, sync_every=2)
+    train = TrainConfig(**BASE, steps=24, sync_every=2)  # long enough to probe mid-run
     fed = ReachFederation(tmp_path, train, threads=1).prepare()
     fed.start_relay()
     fed.start()
@@ -256,6 +256,7 @@ def test_outbound_only_sites_train_through_reversed_and_relayed_edges(tmp_path: 
             assert _refusal(port, b"\x16\x03\x01 hello").startswith(REFUSED), port
             forged = make_header(b"not the key" * 4, "local-up/x", "worker-0 → worker-1", DIAL)
             assert b"bad HMAC" in _refusal(port, forged), port
+        assert (fed.status() or {}).get("phase") == "training", "probed after the run ended"
         final = fed.wait(timeout=300)
         assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 30))
         got, _ = ring_history(fed)
