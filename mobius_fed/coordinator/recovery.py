@@ -90,8 +90,7 @@ class Recovery:
         """Record the incident, abort the round in flight everywhere, and wait until every
         rank holds a session again. RunFailed past the budget or the rejoin timeout."""
         raised = self.grid.take_incident() or exc
-        incident = self._record(raised)
-        self.state.move_phase(Phase.RECOVERING)
+        incident = self._record(raised)  # an open incident puts the run in recovering
         self.grid.broadcast("abort", raised.what)
         deadline = time.monotonic() + self.cfg.rejoin_timeout
         while True:
