@@ -19,10 +19,10 @@ import torch
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+from mobius_fed.defences.accounting import er_epsilon_spent
+from mobius_fed.defences.er_dp import ErPrivacy
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.federated import train_with_strategy
-from mobius_fed.privacy.accounting import er_epsilon_spent
-from mobius_fed.privacy.er_dp import ErPrivacy
 from mobius_fed.strategies import RoundPlan, make_strategy
 
 

@@ -87,8 +87,8 @@ def input_defence(a: argparse.Namespace) -> int:
 
     from mobius_fed.cli.common import resolve_sites
     from mobius_fed.config import TrainConfig
+    from mobius_fed.defences.stages import write_site_keys
     from mobius_fed.privacy import input_defence as idf
-    from mobius_fed.privacy.stages import write_site_keys
 
     out = Path(a.out)
     if a.merge:

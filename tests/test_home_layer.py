@@ -12,11 +12,12 @@ from flwr.app import ArrayRecord
 from mobius_fed.checkpoint import load_checkpoint
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+from mobius_fed.defences.site_layers import build_site_replica
+from mobius_fed.defences.stages import write_site_keys
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.federated import train_with_strategy
 from mobius_fed.model import build_replica, is_private
-from mobius_fed.privacy.home import build_site_replica, ensure_home_layers
-from mobius_fed.privacy.stages import write_site_keys
+from mobius_fed.privacy.audit import ensure_home_layers
 from mobius_fed.strategies import RoundPlan, make_strategy
 from tests.test_privacy_ring import PrivateRing
 

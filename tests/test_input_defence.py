@@ -13,13 +13,13 @@ from pydantic import ValidationError
 from mobius_fed.checkpoint import load_checkpoint
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+from mobius_fed.defences.site_layers import build_site_replica
+from mobius_fed.defences.stages import write_site_keys
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.model import build_replica, count_parameters, is_private
 from mobius_fed.model.private_layers import input_layer_kind
 from mobius_fed.privacy import input_defence
-from mobius_fed.privacy.home import build_site_replica
 from mobius_fed.privacy.input_attacks import known_codebook, known_mask, nearest_row, recovery
-from mobius_fed.privacy.stages import write_site_keys
 from tests.test_privacy_ring import PrivateRing
 
 P = 3

@@ -12,11 +12,11 @@ from pydantic import ValidationError
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
-from mobius_fed.engine.hops import HopContext
-from mobius_fed.privacy.accounting import PrivacyExtraMissing, epsilon_spent
+from mobius_fed.defences.accounting import PrivacyExtraMissing, epsilon_spent
+from mobius_fed.defences.report import status_block
+from mobius_fed.defences.stages import NoiseKeys, build_stages, label_release, write_site_keys
+from mobius_fed.hop import HopContext
 from mobius_fed.privacy.audit import Audit
-from mobius_fed.privacy.report import status_block
-from mobius_fed.privacy.stages import NoiseKeys, build_stages, label_release, write_site_keys
 
 P = 4
 BASE = dict(preset="cpu-tiny", workers=P, steps=3, batch_size=4, eval_every=0)
@@ -141,8 +141,8 @@ def test_audit_command_writes_its_report_and_names_bad_flags(tmp_path, capsys):
 
 
 def test_distance_correlation_and_nopeek_decorrelates_the_first_hop(sites):
+    from mobius_fed.defences.nopeek import distance_correlation
     from mobius_fed.engine import ReferenceEngine
-    from mobius_fed.privacy.nopeek import distance_correlation
 
     tokens = torch.randint(0, 50, (2, 32), generator=torch.Generator().manual_seed(0))
     scaled = 3.0 * torch.nn.functional.one_hot(tokens, 50).float()

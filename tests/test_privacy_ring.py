@@ -8,8 +8,8 @@ import pytest
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
+from mobius_fed.defences.stages import write_site_keys
 from mobius_fed.engine import ReferenceEngine
-from mobius_fed.privacy.stages import write_site_keys
 from tests.ring_harness import Ring
 
 pytestmark = pytest.mark.slow

@@ -571,14 +571,14 @@ def test_metrics_listener_is_plain_read_only_and_limited() -> None:
 def test_status_carries_the_privacy_block() -> None:
     from mobius_fed.config import TrainConfig
     from mobius_fed.coordinator.server import privacy_source
-    from mobius_fed.privacy.config import PrivacyConfig
+    from mobius_fed.defences.config import PrivacyConfig
 
     st = make_state()
     assert st.status_doc()["privacy"] is None
     train = TrainConfig(workers=P, preset="cpu-tiny", privacy=PrivacyConfig(label_noise=0.5))
     st.privacy = privacy_source(train)
     if st.privacy is None:
-        pytest.skip("mobius_fed.privacy.report is not part of this checkout")
+        pytest.skip("mobius_fed.defences.report is not part of this checkout")
     block = st.status_doc()["privacy"]
     assert block["steps"] == st.step and block["defences"][0]["name"] == "label_noise"
     st.privacy = lambda step: 1 / 0  # a failing report never breaks status

@@ -87,8 +87,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     from mobius_fed.cli.common import CliError
+    from mobius_fed.defences.stages import write_site_keys
     from mobius_fed.privacy.audit import Audit
-    from mobius_fed.privacy.stages import write_site_keys
     from mobius_fed.privacy.sweep import select, sweep, write_outputs
 
     cfg = train_config_from_args(args)

@@ -33,10 +33,10 @@ from mobius_fed.coordinator.recovery import Recovery
 from mobius_fed.coordinator.replies import validate_reply
 from mobius_fed.coordinator.rounds import RoundState, RoundStore
 from mobius_fed.coordinator.state import RunState
+from mobius_fed.defences.er_dp import ErPrivacy
+from mobius_fed.defences.report import status_block
 from mobius_fed.machines import LIVE_PHASES, IncidentState, Phase
 from mobius_fed.model import build_replica
-from mobius_fed.privacy.er_dp import ErPrivacy
-from mobius_fed.privacy.report import status_block
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.strategies import RoundPlan, make_strategy, restore_server_state, server_state
 from mobius_fed.transport.flower_wire import COORDINATOR_NODE_ID, set_task_identity

@@ -19,8 +19,11 @@ from mobius_fed import schedule
 from mobius_fed.checkpoint import load_checkpoint, save_checkpoint
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.data import SiteData
-from mobius_fed.engine.hops import HopContext, build_hops
+from mobius_fed.defences.nopeek import build_nopeek
+from mobius_fed.defences.site_layers import build_site_replica
+from mobius_fed.engine.hops import build_hops
 from mobius_fed.engine.stream import Entry, StreamMaps
+from mobius_fed.hop import HopContext
 from mobius_fed.model import BlockGroup, Replica, build_group
 from mobius_fed.model.layers import resolve_device
 from mobius_fed.model.training import (
@@ -30,8 +33,6 @@ from mobius_fed.model.training import (
     scale_grads,
     step_optimizers,
 )
-from mobius_fed.privacy.home import build_site_replica
-from mobius_fed.privacy.nopeek import build_nopeek
 
 
 @dataclass

@@ -36,9 +36,10 @@ def origin_dir(out: Path, s: int, single: bool) -> Path:
 
 
 def origin_config(model: Any, s: int) -> dict:
-    """config.json of origin s of ``model`` (a :class:`~mobius_fed.research.analyze.Model`)."""
+    """config.json of origin s of ``model`` (a
+    :class:`~mobius_fed.research.trained_model.Model`)."""
     from mobius_fed.model.knobs import residual_epsilon
-    from mobius_fed.research.analyze import model_config
+    from mobius_fed.research.trained_model import model_config
 
     cfg = model.cfg
     mc = model_config(cfg)
@@ -145,7 +146,7 @@ def write_origin(model: Any, s: int, directory: Path) -> Path:
 
 
 def load_run(run: Path) -> Any:
-    """The :class:`~mobius_fed.research.analyze.Model` of a run, read as ``analyze`` reads it:
+    """The :class:`~mobius_fed.research.trained_model.Model` of a run, read as ``analyze`` reads it:
     a reference-engine checkpoint or run directory, or a coordinated run's manifest."""
     from mobius_fed.research.analyze import load_model
 

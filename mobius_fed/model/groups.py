@@ -52,7 +52,7 @@ def build_replica(cfg: ModelConfig, seed: int, home_layer: str | None = None) ->
 
     ``home_layer`` ("off" by default, "mlp", "block") adds a private home layer drawn from
     the public seed, as does ``cfg.home_input`` (the input layer);
-    :func:`mobius_fed.privacy.home.build_site_replica` redraws both from the site's secret
+    :func:`mobius_fed.defences.site_layers.build_site_replica` redraws both from the site's secret
     key, which is what keeps them private.
     """
     with torch.random.fork_rng(devices=[]):

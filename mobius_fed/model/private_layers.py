@@ -8,7 +8,7 @@
   ``block`` as above.
 
 Both are drawn from a generator keyed by the site's secret
-(:mod:`mobius_fed.privacy.home`), never averaged and never sent.
+(:mod:`mobius_fed.defences.site_layers`), never averaged and never sent.
 """
 
 from __future__ import annotations

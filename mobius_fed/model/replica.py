@@ -99,7 +99,7 @@ class Replica(nn.Module):
 
     def reset_home(self, generator: torch.Generator) -> None:
         """Redraw the home layer from ``generator`` (a site's secret: see
-        :func:`mobius_fed.privacy.home.build_site_replica`)."""
+        :func:`mobius_fed.defences.site_layers.build_site_replica`)."""
         if self.home is not None:
             reset_home_layer(self.home, generator)
 

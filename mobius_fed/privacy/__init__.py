@@ -1,1 +1,4 @@
-"""Privacy: what a neighbour on the ring can learn, and defences against it."""
+"""Privacy audit: what a neighbour on the ring, or the coordinator, can learn (the attacks).
+
+The defences the attacks are run against live in :mod:`mobius_fed.defences`.
+"""

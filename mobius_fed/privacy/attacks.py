@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mobius_fed.defences.stages import clip_rows
 from mobius_fed.model.layers import rms_norm
 from mobius_fed.model.replica import Replica
-from mobius_fed.privacy.stages import clip_rows
 
 
 def _head_weight(head: Replica) -> Tensor:

@@ -23,8 +23,11 @@ from torch import Tensor, nn
 from mobius_fed import schedule
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
-from mobius_fed.engine.hops import HopContext
+from mobius_fed.defences.site_layers import build_site_replica
+from mobius_fed.defences.stages import NoiseKeys, first_remote_slot, gaussian
 from mobius_fed.engine.reference import ReferenceEngine
+from mobius_fed.hop import HopContext
+from mobius_fed.model.training import make_optimizers
 from mobius_fed.privacy.attacks import (
     cluster_targets,
     group_purity,
@@ -35,9 +38,7 @@ from mobius_fed.privacy.attacks import (
     recover_targets_through,
     train_inverter,
 )
-from mobius_fed.privacy.home import build_site_replica, ensure_home_layers
 from mobius_fed.privacy.observer import Observer
-from mobius_fed.privacy.stages import NoiseKeys, first_remote_slot, gaussian
 
 
 @dataclass
@@ -332,7 +333,7 @@ class Audit:
 
     # ------------------------------------------------------------------- run
     def run(self) -> AuditReport:
-        from mobius_fed.privacy.accounting import epsilon_spent
+        from mobius_fed.defences.accounting import epsilon_spent
 
         cfg, t0 = self.cfg, time.perf_counter()
         for n in range(cfg.steps):
@@ -367,3 +368,20 @@ class Audit:
             epsilon_sampled=eps_q,
             data_sample_rate=q,
         )
+
+
+def ensure_home_layers(engine: ReferenceEngine) -> None:
+    """Give a reference engine that has not stepped yet, and whose replicas lack the home
+    layer of its configuration, the site replicas (each origin's keyed layer) and fresh
+    replica optimizers; a no-op for an engine that built them with
+    :func:`build_site_replica` (the reference engine does)."""
+    cfg = engine.cfg
+    pc = cfg.privacy
+    if all(
+        r.home_layer == pc.home_layer and r.input_kind == pc.home_input for r in engine.replicas
+    ):
+        return  # built by build_site_replica already (or no layer asked for)
+    if engine.step != 0:
+        raise RuntimeError("the home layer can only be added before the first step")
+    engine.replicas = [build_site_replica(cfg, s).to(engine.device) for s in range(cfg.P)]
+    engine.replica_opts = [make_optimizers(r, cfg, blocks=False) for r in engine.replicas]

@@ -25,8 +25,7 @@ from mobius_fed.engine.reference import ReferenceEngine
 from mobius_fed.model.training import average_parameters
 from mobius_fed.privacy import er_attacks, input_attacks
 from mobius_fed.privacy.attacks import train_inverter
-from mobius_fed.privacy.audit import check_victim
-from mobius_fed.privacy.home import ensure_home_layers
+from mobius_fed.privacy.audit import check_victim, ensure_home_layers
 from mobius_fed.privacy.input_attacks import TOP, recovery
 from mobius_fed.privacy.leakage_report import HopRow, LeakageReport, UpdateRow
 from mobius_fed.privacy.observer import Observer

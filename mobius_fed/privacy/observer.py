@@ -1,7 +1,7 @@
 """What one worker legitimately sees on the ring, recorded as hop stages.
 
 The reference engine hands on exactly the tensors a ring exchanges (the exactness
-contract), so taps added to its :class:`~mobius_fed.engine.hops.Hops` record what worker
+contract), so taps added to its :class:`~mobius_fed.hop.Hops` record what worker
 ``rank`` receives: both taps run after every other stage (a hop's stages run in the same
 order in both directions), so they see the tensor and the gradient as they arrive.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from mobius_fed.engine.hops import HopContext, Hops
+from mobius_fed.hop import HopContext, Hops
 
 Key = tuple[str, int, int, int, int]  # phase, step, s, slot, m
 

@@ -37,7 +37,7 @@ from mobius_fed import schedule
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.model import BlockGroup, Replica
-from mobius_fed.model.config import ModelConfig
+from mobius_fed.research.trained_model import Model, model_config
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -70,27 +70,6 @@ def relative_update(h_in: Tensor, h_out: Tensor) -> float:
 
 
 # -------------------------------------------------------------------------- models
-@dataclass
-class Model:
-    """A trained model: its config, P groups and P (E, R) replicas."""
-
-    cfg: TrainConfig
-    groups: list[BlockGroup]
-    replicas: list[Replica]
-    name: str = ""
-
-
-def model_config(cfg: TrainConfig) -> ModelConfig:
-    """The run's ModelConfig including L and the loop knobs (which size a group)."""
-    return cfg.model().model_copy(
-        update={
-            "loops": cfg.loops,
-            "depth_embedding": cfg.knobs.depth_embedding,
-            "residual_scale": cfg.knobs.residual_scale,
-        }
-    )
-
-
 def load_model(path: Path) -> Model:
     """A reference-engine checkpoint file or a run directory holding ``checkpoint.pt``; or a
     coordinated run: a manifest, its round directory, a coordinator's output directory or an

@@ -55,10 +55,10 @@ def _worker_file(manifest: Path, rank: int, entry: dict[str, Any]) -> Path:
 
 
 def load_manifest_model(manifest: Path):
-    """The :class:`~mobius_fed.research.analyze.Model` that ``manifest`` describes."""
+    """The :class:`~mobius_fed.research.trained_model.Model` that ``manifest`` describes."""
     from mobius_fed.checkpoint import load_checkpoint
     from mobius_fed.model.groups import BlockGroup, build_replica
-    from mobius_fed.research.analyze import Model, model_config
+    from mobius_fed.research.trained_model import Model, model_config
     from mobius_fed.strategies import from_plain
     from mobius_fed.transport.safe_arrays import array_record_to_torch, spec_of
 

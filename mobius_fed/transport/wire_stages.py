@@ -1,4 +1,4 @@
-"""Lossy wire codecs as hop stages (see :mod:`mobius_fed.engine.hops`).
+"""Lossy wire codecs as hop stages (see :mod:`mobius_fed.hop`).
 
 :class:`CodecStage` applies ``TrainConfig.wire``'s codec of each direction to every hop
 that leaves a machine (``ctx.remote``): the receiver gets ``decode(encode(x))``. In the
@@ -20,7 +20,7 @@ from mobius_fed.transport.compress import Codec
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig
-    from mobius_fed.engine.hops import Engine, HopContext, HopStage
+    from mobius_fed.hop import Engine, HopContext, HopStage
 
 
 def codecs(cfg: TrainConfig) -> tuple[Codec, Codec]:

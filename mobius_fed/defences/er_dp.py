@@ -25,7 +25,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Message
 from flwr.supercore.differential_privacy import compute_clip_model_update, compute_stdv
 
-from mobius_fed.privacy.stages import COORDINATOR_KEY, keyed_digest, public_seed_key, read_key
+from mobius_fed.defences.stages import COORDINATOR_KEY, keyed_digest, public_seed_key, read_key
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig

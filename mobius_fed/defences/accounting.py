@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mobius_fed.privacy.config import PrivacyConfig
+    from mobius_fed.defences.config import PrivacyConfig
 
 EXTRA_HINT = (
     "the label defence's (epsilon, delta) needs Opacus' accountants: "

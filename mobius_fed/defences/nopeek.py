@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from mobius_fed.privacy.stages import first_remote_slot
+from mobius_fed.defences.stages import first_remote_slot
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig

@@ -1,4 +1,4 @@
-"""Privacy defences applied at ring hops (see :mod:`mobius_fed.engine.hops`).
+"""Privacy defences applied at ring hops (see :mod:`mobius_fed.hop`).
 
 * :class:`LabelNoise` — the home clips each token's gradient of its own loss and adds
   Gaussian noise to the gradient it returns for the final hidden state (slot K), so the
@@ -26,7 +26,7 @@ from mobius_fed import schedule
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig
-    from mobius_fed.engine.hops import Engine, HopContext, HopStage
+    from mobius_fed.hop import Engine, HopContext, HopStage
 
 KEY_BYTES = 32
 COORDINATOR_KEY = "coordinator.key"  # the coordinator's secret for the E/R noise (er_dp.py)

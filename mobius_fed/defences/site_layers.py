@@ -12,7 +12,8 @@ The input layer is drawn the same way (its own label) and applied by the replica
 leaves home, and every later one, is a function of x through a layer no other worker holds.
 
 Both engines build their replicas with :func:`build_site_replica` (the reference engine
-reads every site's key, a ring worker only its own), so they hold identical layers.
+reads every site's key, a ring worker only its own), so they hold identical layers. The
+module sits below both engines: it builds replicas, never an engine.
 """
 
 from __future__ import annotations
@@ -22,14 +23,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mobius_fed.defences.stages import NoiseKeys
 from mobius_fed.model import Replica, build_replica
-from mobius_fed.model.training import make_optimizers
-from mobius_fed.privacy.stages import NoiseKeys
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig
-    from mobius_fed.engine.hops import Engine
-    from mobius_fed.engine.reference import ReferenceEngine
+    from mobius_fed.hop import Engine
 
 
 def _keyed_generator(cfg: TrainConfig, origin: int, engine: Engine, label: str) -> torch.Generator:
@@ -66,20 +65,3 @@ def build_site_replica(cfg: TrainConfig, origin: int, engine: Engine = "referenc
             for p in replica.input_parameters():
                 p.requires_grad_(False)
     return replica
-
-
-def ensure_home_layers(engine: ReferenceEngine) -> None:
-    """Give a reference engine that has not stepped yet, and whose replicas lack the home
-    layer of its configuration, the site replicas (each origin's keyed layer) and fresh
-    replica optimizers; a no-op for an engine that built them with
-    :func:`build_site_replica` (the reference engine does)."""
-    cfg = engine.cfg
-    pc = cfg.privacy
-    if all(
-        r.home_layer == pc.home_layer and r.input_kind == pc.home_input for r in engine.replicas
-    ):
-        return  # built by build_site_replica already (or no layer asked for)
-    if engine.step != 0:
-        raise RuntimeError("the home layer can only be added before the first step")
-    engine.replicas = [build_site_replica(cfg, s).to(engine.device) for s in range(cfg.P)]
-    engine.replica_opts = [make_optimizers(r, cfg, blocks=False) for r in engine.replicas]

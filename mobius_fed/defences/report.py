@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from mobius_fed.privacy.accounting import (
+from mobius_fed.defences.accounting import (
     ACCOUNTANT_NAMES,
     PrivacyExtraMissing,
     epsilon_spent,
