@@ -34,6 +34,16 @@ class PrivacyConfig(BaseModel):
             "std = input_noise x each token's RMS; 0 = off"
         ),
     )
+    input_clip: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "input defence: L2 bound C of each position's hidden state at the first remote "
+            "hop; when set, that state is clipped to C and the noise std is input_noise x C "
+            "(a Gaussian mechanism with an (epsilon, delta)); unset = std relative to each "
+            "token's RMS, no bound and no accounting"
+        ),
+    )
     decorrelation: float = Field(
         0.0,
         ge=0,
