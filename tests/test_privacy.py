@@ -12,9 +12,20 @@ from pydantic import ValidationError
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
-from mobius_fed.defences.accounting import PrivacyExtraMissing, epsilon_spent
+from mobius_fed.defences.accounting import (
+    PrivacyExtraMissing,
+    epsilon_spent,
+    input_epsilon_spent,
+)
 from mobius_fed.defences.report import status_block
-from mobius_fed.defences.stages import NoiseKeys, build_stages, label_release, write_site_keys
+from mobius_fed.defences.stages import (
+    InputNoise,
+    NoiseKeys,
+    build_stages,
+    gaussian,
+    label_release,
+    write_site_keys,
+)
 from mobius_fed.hop import HopContext
 from mobius_fed.privacy.audit import Audit
 
@@ -82,6 +93,38 @@ def test_label_release_clips_each_token_and_is_a_pure_function_of_the_key(keys):
     assert torch.equal(torch.randn(4, generator=a), torch.randn(4, generator=b))
     with pytest.raises(ValueError, match="worker 1 has no noise key of site 2"):
         NoiseKeys(cfg, "ring", 1).generator(ctx)
+
+
+def test_clipped_input_noise_is_a_gaussian_mechanism_with_its_epsilon(keys):
+    privacy = {"input_noise": 0.5, "input_clip": 2.0, "noise_key_dir": keys}
+    cfg = TrainConfig(**BASE, privacy=privacy)
+    stage = InputNoise(cfg, NoiseKeys(cfg, "reference", None))
+    ctx = HopContext("train", "forward", 3, 1, 1, 0, 1, 2)  # cyclic: slot 1 leaves home
+    assert stage.slots[1] == 1
+    h = 10 * torch.randn(2, 8, 32)
+    h[0, 0] = 0.1  # a short row stays as it is
+    noise = gaussian(h, NoiseKeys(cfg, "ring", 1).generator(ctx))  # the sender's own key
+    sent = stage.forward(h, ctx)
+    clipped = sent - 0.5 * 2.0 * noise
+    assert clipped.norm(dim=-1).max() <= 2.0 + 1e-5
+    assert torch.allclose(clipped[0, 0], h[0, 0], atol=1e-6)
+    assert torch.equal(stage.forward(h, HopContext("train", "forward", 3, 1, 2, 0, 2, 3)), h)
+    # ε: the position is the label defence's mechanism; a sequence is √T times weaker
+    pc, T = cfg.privacy, cfg.model().seq_len
+    eps = input_epsilon_spent(pc, 50, T)
+    assert eps["position"] == epsilon_spent(pc.model_copy(update={"label_noise": 0.5}), 50)
+    scaled = pc.model_copy(update={"input_noise": 0.5 / T**0.5})
+    assert eps["sequence"] == input_epsilon_spent(scaled, 50, 1)["position"] > eps["position"]
+    assert input_epsilon_spent(pc, 0, T) == {"position": 0.0, "sequence": 0.0}
+    unclipped = pc.model_copy(update={"input_clip": None})
+    assert input_epsilon_spent(unclipped, 50, T)["position"] == float("inf")
+    block = status_block(cfg, 50)["input"]
+    assert block["clip"] == 2.0 and block["epsilon_position"] == eps["position"]
+    assert status_block(TrainConfig(**BASE, privacy={"input_noise": 1.0}), 50).get("input") is None
+    with pytest.raises(ValidationError, match=r"input_clip bounds the first send.*input_noise"):
+        TrainConfig(privacy={"input_clip": 1.0})
+    with pytest.raises(ValidationError, match=r"privacy\.input_clip"):
+        TrainConfig(privacy={"input_noise": 1.0, "input_clip": 0})
 
 
 def test_missing_key_file_and_bad_settings_are_named(tmp_path):

@@ -30,9 +30,11 @@ class PrivateRing(Ring):
         return super().worker_cmd(i, [*flags, *extra])
 
 
-@pytest.mark.parametrize("order", ["cyclic", "ordered"])
+@pytest.mark.parametrize(
+    ("order", "input_clip"), [("cyclic", None), ("ordered", None), ("ordered", 4.0)]
+)
 def test_ring_with_label_noise_input_noise_and_nopeek_equals_reference_bit_for_bit(
-    tmp_path: Path, order: str
+    tmp_path: Path, order: str, input_clip: float | None
 ):
     keys = tmp_path / "keys"
     write_site_keys(keys, 3)
@@ -53,6 +55,8 @@ def test_ring_with_label_noise_input_noise_and_nopeek_equals_reference_bit_for_b
         "decorrelation": 3.0,
         "noise_key_dir": str(keys),
     }
+    if input_clip is not None:  # clipped: the accounted Gaussian mechanism
+        ring.privacy["input_clip"] = input_clip
     ring.prepare().start().wait()
     ref, ref_eval = ring.reference()
     got = ring.losses()

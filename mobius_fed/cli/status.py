@@ -332,15 +332,22 @@ def _incident_table(incidents: list[dict[str, Any]]) -> Table:
 
 def _privacy_table(block: dict[str, Any]) -> Table:
     """The defences on, the noise key and (ε, δ) spent: the label defence's per target
-    occurrence, the E/R's DP-FedAvg per whole site."""
+    occurrence, the clipped input noise's per position / per sequence, the E/R's DP-FedAvg
+    per whole site."""
     table = Table(title="privacy", show_header=True, header_style="bold")
-    for col in ("defences", "noise key", "ε (labels)", "ε (E/R, per site)", "δ"):
+    cols = ("defences", "noise key", "ε (labels)", "ε (inputs)", "ε (E/R, per site)", "δ")
+    for col in cols:
         table.add_column(col, overflow="fold")
-    er = block.get("er") or {}
+    er, inputs = block.get("er") or {}, block.get("input") or {}
+    input_eps = "-"
+    if inputs:
+        position, sequence = inputs.get("epsilon_position"), inputs.get("epsilon_sequence")
+        input_eps = f"{_num(position, '{:.3g}')} / {_num(sequence, '{:.3g}')} (position / sequence)"
     table.add_row(
         ", ".join(str(d.get("name", "?")) for d in block.get("defences", [])) or "-",
         str(block.get("noise_key", "-")),
         _num(block.get("epsilon"), "{:.3g}"),
+        input_eps,
         _num(er.get("epsilon"), "{:.3g}") + (f" ({er['rounds']} barriers)" if er else ""),
         _num(block.get("delta"), "{:g}"),
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class PrivacyConfig(BaseModel):
@@ -124,6 +124,15 @@ class PrivacyConfig(BaseModel):
             "assumption); 1 = no amplification by sampling"
         ),
     )
+
+    @model_validator(mode="after")
+    def _clip_needs_noise(self) -> PrivacyConfig:
+        if self.input_clip is not None and self.input_noise <= 0:
+            raise ValueError(
+                "privacy.input_clip bounds the first send for the input noise: set "
+                "privacy.input_noise > 0 with it, or leave input_clip unset"
+            )
+        return self
 
     def any_on(self) -> bool:
         """True when at least one noise defence changes what crosses the ring."""

@@ -10,6 +10,7 @@ from mobius_fed.defences.accounting import (
     PrivacyExtraMissing,
     epsilon_spent,
     er_epsilon_spent,
+    input_epsilon_spent,
 )
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ def defences(cfg: TrainConfig) -> list[dict[str, Any]]:
                 "name": "input_noise",
                 "hop": "hidden state of a stream's first remote hop",
                 "sigma": pc.input_noise,
+                "clip": pc.input_clip,
             }
         )
     if pc.decorrelation > 0:
@@ -75,13 +77,28 @@ def defences(cfg: TrainConfig) -> list[dict[str, Any]]:
     return out
 
 
+def _input_block(cfg: TrainConfig, step: int) -> dict[str, Any]:
+    """The clipped input noise and its ε per position and per sequence (None: infinite,
+    or the ``privacy`` extra is missing, which ``error`` names)."""
+    pc = cfg.privacy
+    out: dict[str, Any] = {"noise": pc.input_noise, "clip": pc.input_clip}
+    try:
+        eps = input_epsilon_spent(pc, step, cfg.model().seq_len)
+    except PrivacyExtraMissing as exc:
+        return {**out, "epsilon_position": None, "epsilon_sequence": None, "error": str(exc)}
+    for unit, value in eps.items():
+        out[f"epsilon_{unit}"] = value if math.isfinite(value) else None
+    return out
+
+
 def status_block(cfg: TrainConfig, step: int) -> dict[str, Any] | None:
     """None when no defence is on; else the defences, the noise key and (ε, δ) spent.
 
     ``step`` is the number of training steps done. ``epsilon`` covers the label defence's
     hop only (see docs/privacy.md); it is None when the label defence is off, or when the
     ``privacy`` extra is missing (``error`` then says what to install). ``er.epsilon`` is
-    the E/R's DP-FedAvg, for a whole site, after the barriers done.
+    the E/R's DP-FedAvg, for a whole site, after the barriers done; ``input`` the clipped
+    input noise's, per position and per sequence (see :mod:`.accounting`).
     """
     pc = cfg.privacy
     if not pc.any_defence():
@@ -102,6 +119,9 @@ def status_block(cfg: TrainConfig, step: int) -> dict[str, Any] | None:
             block["er"]["epsilon"] = eps if math.isfinite(eps) else None
         except PrivacyExtraMissing as exc:
             block["error"] = str(exc)
+    if pc.input_noise > 0 and pc.input_clip is not None:
+        block["input"] = _input_block(cfg, step)
+        block["accountant"] = ACCOUNTANT_NAMES[pc.accountant]
     if pc.label_noise > 0:
         block["accountant"] = ACCOUNTANT_NAMES[pc.accountant]
         block["sample_rate"] = pc.sample_rate

@@ -4,7 +4,9 @@
   Gaussian noise to the gradient it returns for the final hidden state (slot K), so the
   worker before the home cannot read the targets back from it.
 * :class:`InputNoise` — the origin adds Gaussian noise to the hidden state of its stream's
-  first remote hop (cyclic: slot 1, the output of F_s; ordered: slot 0, the embedding).
+  first remote hop (cyclic: slot 1, the output of F_s; ordered: slot 0, the embedding),
+  relative to each token's RMS, or, with ``input_clip`` C, after clipping each position to
+  C, with std σ·C (a Gaussian mechanism with an (ε, δ)).
 
 Both are applied by the sending site, which is the stream's origin s in both cases, with
 noise drawn from a generator seeded by (site key, seed, phase, step, s, slot, m,
@@ -150,17 +152,25 @@ class LabelNoise:
 
 
 class InputNoise:
-    """Gaussian noise (std = sigma × each token's RMS) on a stream's first remote hop."""
+    """Gaussian noise on a stream's first remote hop.
+
+    Without ``input_clip`` the std is σ × each token's RMS (no bound, no accounting). With
+    it, each position's hidden state is first clipped to L2 norm C and the std is σ·C: a
+    Gaussian mechanism per position (``accounting.input_epsilon_spent``)."""
 
     def __init__(self, cfg: TrainConfig, keys: NoiseKeys) -> None:
         self.keys, self.sigma = keys, cfg.privacy.input_noise
+        self.clip = cfg.privacy.input_clip
         self.slots = [first_remote_slot(cfg, s) for s in range(cfg.P)]
 
     def forward(self, h: Tensor, ctx: HopContext) -> Tensor:
         if ctx.slot != self.slots[ctx.s]:
             return h
+        noise = gaussian(h, self.keys.generator(ctx))
+        if self.clip is not None:
+            return clip_rows(h, self.clip) + (self.sigma * self.clip) * noise
         rms = h.float().square().mean(-1, keepdim=True).sqrt().to(h.dtype)
-        return h + (self.sigma * rms) * gaussian(h, self.keys.generator(ctx))
+        return h + (self.sigma * rms) * noise
 
     def backward(self, g: Tensor, ctx: HopContext) -> Tensor:
         return g

@@ -30,6 +30,10 @@ VARIANTS: dict[str, dict] = {
     "noise σ=1": {"input_noise": 1.0},
     "block + noise σ=1": {"home_input": "block", "input_noise": 1.0},
     "block + noise σ=2": {"home_input": "block", "input_noise": 2.0},
+    # clipped to C = 4 per position (the Gaussian mechanism the accountant covers)
+    "clipped noise σ=0.25": {"input_noise": 0.25, "input_clip": 4.0},
+    "block + clipped σ=1": {"home_input": "block", "input_noise": 1.0, "input_clip": 4.0},
+    "block + clipped σ=4": {"home_input": "block", "input_noise": 4.0, "input_clip": 4.0},
 }
 KNOWN = (0.01, 0.05, 0.25)  # 25 %: enough pairs to fit a d×d map on cpu-tiny
 
