@@ -8,8 +8,10 @@ the model and nothing else:
 * flag ``--privacy-label-noise`` (made by :mod:`mobius_fed.cli.flags`).
 
 A daemon's ``train`` sub-model is *flattened*: its fields keep their own names
-(``MOBIUS_STEPS``, ``--steps``), the same as in ``mobius-fed local``. An unknown
-``MOBIUS_*`` variable or TOML key is an error that names it.
+(``MOBIUS_STEPS``, ``--steps``), the same as in ``mobius-fed local``. An unknown TOML key
+is an error that names it; so is an unknown ``MOBIUS_*`` variable, checked by the
+commands (:mod:`mobius_fed.cli.variables`) against every model's names, which this generic
+module does not import.
 """
 
 from __future__ import annotations
@@ -222,58 +224,11 @@ def read_toml(path: Path) -> dict[str, Any]:
 TOML_TABLES = ("train", "worker", "coordinator")
 
 
-def known_env_names() -> dict[str, str]:
-    """Every ``MOBIUS_*`` name any command reads → its description."""
-    from mobius_fed.config import TrainConfig
-    from mobius_fed.coordinator.config import CoordinatorConfig
-    from mobius_fed.worker.config import WorkerConfig
+def check_environ(environ: Mapping[str, str], known: Mapping[str, str]) -> None:
+    """Refuse a ``MOBIUS_*`` variable that is not in ``known`` (a typo would be ignored).
 
-    out = dict(PROCESS_ENV)
-    for model in (TrainConfig, WorkerConfig, CoordinatorConfig):
-        for s in settings_of(model, flatten=("train",)):
-            out.setdefault(s.env, s.description)
-    return out
-
-
-def env_reference() -> list[tuple[str, str, str, str]]:
-    """(variable, commands, default, description) for every ``MOBIUS_*`` name."""
-    from mobius_fed.config import TrainConfig
-    from mobius_fed.coordinator.config import CoordinatorConfig
-    from mobius_fed.worker.config import WorkerConfig
-
-    rows: dict[str, list] = {}
-    models = (
-        ("local, up, experiment, coordinator, worker", TrainConfig, ()),
-        ("worker", WorkerConfig, ("train",)),
-        ("coordinator", CoordinatorConfig, ("train",)),
-    )
-    for where, model, flatten in models:
-        for s in settings_of(model, flatten=flatten):
-            if flatten and s.path[0] == "train":
-                continue
-            default = "(required)" if s.required else _text(s.default)
-            if s.env in rows:
-                rows[s.env][1] += f", {where}"
-            else:
-                rows[s.env] = [s.env, where, default, s.description]
-    for name, text in PROCESS_ENV.items():
-        rows.setdefault(name, [name, "process", "", text])
-    return [tuple(r) for r in rows.values()]  # type: ignore[misc]
-
-
-def _text(value: Any) -> str:
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list | tuple | dict):
-        return json.dumps(value) if value else "none"
-    return str(value)
-
-
-def check_environ(environ: Mapping[str, str]) -> None:
-    """Refuse a ``MOBIUS_*`` variable that no command reads (a typo would be ignored)."""
-    known = known_env_names()
+    ``known`` is every name any command reads: the commands put it together
+    (:mod:`mobius_fed.cli.variables`), since only they see every config model."""
     for var in sorted(environ):
         if var.startswith(ENV_PREFIX) and var not in known:
             close = difflib.get_close_matches(var, known, n=1)
@@ -311,7 +266,6 @@ def layered_config(
             if _get(data, s.path) is not None:
                 origin[s.path] = str(path)
     if environ is not None:
-        check_environ(environ)
         for s in settings:
             text = environ.get(s.env)
             if text is not None and text.strip() != "":

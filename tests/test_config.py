@@ -20,9 +20,10 @@ from mobius_fed.cli.common import (
     threads_from,
     train_config_from_args,
 )
+from mobius_fed.cli.variables import known_env_names
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.coordinator.config import CoordinatorConfig, load_coordinator_config
-from mobius_fed.settings import known_env_names, settings_of
+from mobius_fed.settings import settings_of
 from mobius_fed.worker.config import WorkerConfig, load_worker_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from mobius_fed import stats
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import embedded_corpus, prepare_sites
 from mobius_fed.model import count_parameters
-from mobius_fed.research import crossover, stats
+from mobius_fed.research import crossover
 from mobius_fed.research.sweep import Cell, by_cost, run_cells
 
 

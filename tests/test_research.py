@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from mobius_fed import stats
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.experiment import Arm, markdown_table
 from mobius_fed.engine.reference import EvalResult
 from mobius_fed.engine.trainer import train
-from mobius_fed.research import analyze, report, stats
+from mobius_fed.research import analyze, report
 from mobius_fed.research.sweep import grid, prepare_cell, run_cells
 
 P = 2

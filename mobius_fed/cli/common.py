@@ -107,9 +107,11 @@ def train_config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig
     """TrainConfig from ``--config``'s ``[train]`` table, then ``MOBIUS_*``, then flags
     (``overrides`` win over everything: values a command sets itself). Errors name the
     setting and where its value came from."""
+    from mobius_fed.cli.variables import refuse_unknown
     from mobius_fed.config import TrainConfig
     from mobius_fed.settings import layered_config
 
+    refuse_unknown(os.environ)
     flags = {**train_flag_values(args), **overrides}
     return layered_config(
         TrainConfig,

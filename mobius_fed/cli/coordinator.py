@@ -95,11 +95,13 @@ def parse_options(items: list[str]) -> dict[str, float]:
 def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
     from mobius_fed.cli.common import config_path
     from mobius_fed.cli.flags import flag_values
+    from mobius_fed.cli.variables import refuse_unknown
     from mobius_fed.coordinator.config import CoordinatorConfig, load_coordinator_config
     from mobius_fed.coordinator.recorder import METRICS_FILE
     from mobius_fed.coordinator.server import Coordinator
     from mobius_fed.tracking import tracked
 
+    refuse_unknown()
     flags = flag_values(args, CoordinatorConfig, flatten=("train",))
     flags["resume"] = args.resume
     if args.strategy_option:

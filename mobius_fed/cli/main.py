@@ -219,7 +219,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_config_env(args: argparse.Namespace) -> int:
-    from mobius_fed.settings import env_reference
+    from mobius_fed.cli.variables import env_reference
 
     rows = env_reference()
     if args.markdown:

@@ -77,10 +77,12 @@ def _own_keys() -> set[str]:
 def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
     from mobius_fed.cli.common import apply_threads, config_path
     from mobius_fed.cli.flags import flag_values
+    from mobius_fed.cli.variables import refuse_unknown
     from mobius_fed.worker.config import WorkerConfig, load_worker_config
     from mobius_fed.worker.coordinated import run_with_coordinator
     from mobius_fed.worker.daemon import run_static_ring
 
+    refuse_unknown()
     flags = flag_values(args, WorkerConfig, flatten=("train",))
     cfg = load_worker_config(config_path(args), flags)
     if args.print_config:

@@ -13,8 +13,8 @@ from mobius_fed.data import SiteData
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine
 from mobius_fed.engine.trainer import train
 from mobius_fed.plotting import save_figure
-from mobius_fed.research.stats import ci95, mean, std
 from mobius_fed.schedule import Order
+from mobius_fed.stats import ci95, mean, std
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -22,7 +22,7 @@ from typing import Any
 
 from mobius_fed.plotting import save_figure
 from mobius_fed.research.report import PAPER_TABLE1, Row, describe, rows
-from mobius_fed.research.stats import mean, t975
+from mobius_fed.stats import mean, t975
 
 PAPER_TOKENS = 2.5e9
 PAPER_PARAMS = 124e6

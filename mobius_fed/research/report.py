@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mobius_fed.plotting import save_figure
-from mobius_fed.research.stats import ci95, mean, std
+from mobius_fed.stats import ci95, mean, std
 
 # The paper's Table 1 (124M, 2.5B FineWeb tokens, P = 4, one seed): Δ = Möbius − ordered.
 PAPER_TABLE1: dict[int, float] = {1: 0.1697, 2: 0.0557, 6: -0.0084, 10: -0.0059, 15: -0.0083}
