@@ -16,10 +16,13 @@ loopback row of the same codec.
     python benchmarks/wan.py link --shapes loopback 1gbit/25ms 100mbit/50ms
     python benchmarks/wan.py ring --codecs none fwd=int8,bwd=int8 both=int3 --steps 8
     python benchmarks/wan.py project --compute 0.076 0.047 --rates 100mbit 1gbit 10gbit
+    python benchmarks/wan.py check --preset cpu-small --shapes 10mbit/5ms 100mbit/5ms
 
 ``project`` needs no testbed: from compute seconds per step (measured, or given for a GPU),
 the bytes a worker sends per step under a scheme (wire dtype, codec, subspace; exact payload
 sizes) and a link (rate, RTT) it projects the busy fraction and the ring's tokens/s.
+``check`` runs the ``ring`` part on shaped links and sets each run's tokens/s beside the
+projection made from that run's own compute seconds per step.
 
 Shapes are RATE/DELAY per site and direction (``1gbit/25ms``: 1 Gbit/s each way, 25 ms
 one way, so a 50 ms round trip); ``loopback`` is the testbed unshaped. Link tuning
@@ -266,7 +269,7 @@ def _ring_row(out: Path, P: int, args, wire: str, shape: str) -> dict:
     from mobius_fed.config import TrainConfig
 
     tokens = TrainConfig(preset=args.preset, workers=P).tokens_per_step
-    seconds, busy = [], []
+    seconds, busy, compute = [], [], []
     for i in range(P):
         steps = [
             json.loads(line)
@@ -275,12 +278,14 @@ def _ring_row(out: Path, P: int, args, wire: str, shape: str) -> dict:
         steps = [r for r in steps if "compute_s" in r][args.skip :]
         seconds.append(sum(r["seconds"] for r in steps))
         busy.append(statistics.mean(r["compute_s"] / r["seconds"] for r in steps))
+        compute.append(statistics.mean(r["compute_s"] for r in steps))
     n = args.steps - args.skip
     return {
         "wire": wire,
         "shape": shape,
         "tokens_s": n * tokens / max(seconds),
         "busy": statistics.mean(busy),
+        "compute_s": max(compute),  # the slowest worker's compute gates the ring's step
     }
 
 
@@ -402,6 +407,36 @@ def project_table(args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_table(rows: list[dict], args: argparse.Namespace) -> str:
+    """Each shaped ring run against the projection from its own compute s/step, the bytes
+    of its codec and its link: the projection holds where measured ÷ projected is near 1."""
+    from mobius_fed.config import TrainConfig
+
+    cfg = TrainConfig(preset=args.preset, workers=4)
+    lines = [
+        f"{args.preset}, P = 4, L = 1, batch {cfg.batch_size} per origin, {args.steps} steps "
+        f"({args.skip} untimed); projected from each run's own compute s/step (slowest worker)",
+        "",
+        "| wire | link | compute s/step | MB per worker-step | projected transfer s | "
+        "projected tokens/s | measured tokens/s | measured ÷ projected |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["shape"] == "loopback":
+            continue
+        shape = parse_shape(r["shape"])
+        scheme = cfg.wire_dtype if r["wire"] == "none" else f"wire={r['wire']}"
+        nbytes = worker_bytes(args.preset, 4, 1, cfg.batch_size, scheme)
+        proj = project(r["compute_s"], nbytes, float(shape.rate), 2 * shape.delay, cfg.K)
+        predicted = cfg.tokens_per_step / proj["step_s"]
+        lines.append(
+            f"| {r['wire']} | {r['shape']} | {r['compute_s']:.3f} | {nbytes / 1e6:.2f} | "
+            f"{proj['transfer_s']:.3f} | {predicted:,.0f} | {r['tokens_s']:,.0f} | "
+            f"{r['tokens_s'] / predicted:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 PROJECT_SCHEMES = [
     "bf16",
     "wire=fwd=int6,bwd=int4,rounding=stochastic",
@@ -433,6 +468,15 @@ def main(argv: list[str] | None = None) -> int:
     rg.add_argument("--skip", type=int, default=2, help="untimed first steps")
     rg.add_argument("--micro", type=int, default=1, help="micro-batches per stream")
     rg.add_argument("--timeout", type=float, default=1800)
+    ck = sub.add_parser("check", help="shaped ring runs against the projection")
+    ck.add_argument("--shapes", nargs="+", default=["10mbit/5ms", "100mbit/5ms"])
+    ck.add_argument("--codecs", nargs="+", default=["none", "both=int8"])
+    ck.add_argument("--preset", default="cpu-small")
+    ck.add_argument("--order", default="cyclic")
+    ck.add_argument("--steps", type=int, default=8)
+    ck.add_argument("--skip", type=int, default=2, help="untimed first steps")
+    ck.add_argument("--micro", type=int, default=1, help="micro-batches per stream")
+    ck.add_argument("--timeout", type=float, default=1800)
     pj = sub.add_parser("project", help="projected busy fraction and tokens/s (no testbed)")
     pj.add_argument("--compute", type=float, nargs="+", default=[0.076, 0.047], help="s/step")
     pj.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"])
@@ -448,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.part == "link":
         print(link_table(bench_link(args.shapes, args.count)))
+    elif args.part == "check":
+        print(check_table(bench_ring(args), args))
     else:
         print(ring_table(bench_ring(args)))
     return 0

@@ -34,6 +34,8 @@ VARIANTS: dict[str, dict] = {
     "clipped noise σ=0.25": {"input_noise": 0.25, "input_clip": 4.0},
     "block + clipped σ=1": {"home_input": "block", "input_noise": 1.0, "input_clip": 4.0},
     "block + clipped σ=4": {"home_input": "block", "input_noise": 4.0, "input_clip": 4.0},
+    "clipped noise σ=4": {"input_noise": 4.0, "input_clip": 4.0},
+    "block + clipped σ=16": {"home_input": "block", "input_noise": 16.0, "input_clip": 4.0},
 }
 KNOWN = (0.01, 0.05, 0.25)  # 25 %: enough pairs to fit a d×d map on cpu-tiny
 
