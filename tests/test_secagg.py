@@ -151,14 +151,18 @@ def test_malformed_replies_are_refused_naming_the_site() -> None:
     n = sum(int(np.prod(s)) for s in SHAPES.values())
     good = ArrayRecord({MASKED_ARRAY: Array(np.zeros(n, np.uint32))})
     check_masked(2, RecordDict({MASKED: good}), n, q)
-    cases = {
-        "wrong dtype": RecordDict({MASKED: ArrayRecord({MASKED_ARRAY: Array(np.zeros(n))})}),
-        "wrong shape": RecordDict({MASKED: ArrayRecord({MASKED_ARRAY: Array(np.zeros(3, np.uint32))})}),  # noqa: E501
-        "missing": RecordDict({"metrics": MetricRecord({"num-examples": 1})}),
-        "in the clear": RecordDict({MASKED: good, "arrays": _record(np.random.default_rng(0))}),
-        "extra array": RecordDict({MASKED: ArrayRecord({MASKED_ARRAY: Array(np.zeros(n, np.uint32)), "x": Array(np.zeros(1))})}),  # noqa: E501
-    }
-    for what, content in cases.items():
+
+    def masked(**arrays: np.ndarray) -> RecordDict:
+        return RecordDict({MASKED: ArrayRecord({k: Array(v) for k, v in arrays.items()})})
+
+    cases = [
+        masked(masked=np.zeros(n)),  # wrong dtype
+        masked(masked=np.zeros(3, np.uint32)),  # wrong shape
+        masked(masked=np.zeros(n, np.uint32), x=np.zeros(1)),  # an extra array
+        RecordDict({"metrics": MetricRecord({"num-examples": 1})}),  # no masked record
+        RecordDict({MASKED: good, "arrays": _record(np.random.default_rng(0))}),  # in the clear
+    ]
+    for content in cases:
         with pytest.raises(SecAggError, match="site 2"):
             check_masked(2, content, n, q)
         reply = _reply(2, good)
@@ -216,7 +220,26 @@ def test_the_strategy_receives_only_masked_updates_and_the_run_stays_close(
     want = [v for r in plain.steps for v in r.origin_losses]
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
     with pytest.raises(ValueError, match=r"secagg=SecAgg\.of\(cfg\)"):
-        train_with_strategy(ReferenceEngine(cfg, sites), make_strategy("fedavg", P, RoundPlan.of(cfg)))  # noqa: E501
+        plain_strategy = make_strategy("fedavg", P, RoundPlan.of(cfg))
+        train_with_strategy(ReferenceEngine(cfg, sites), plain_strategy)
+
+
+def test_the_coordinator_attack_on_the_sum_is_scored_against_victim_and_union(
+    tmp_path: Path,
+) -> None:
+    """The leakage audit with SecAgg: the attack reads the quantised mean update only; the
+    union of the bags is what it can find, the victim's own bag is diluted in it."""
+    from mobius_fed.privacy.leakage import LeakageAudit
+
+    cfg = TrainConfig(preset="cpu-tiny", workers=P, steps=2, batch_size=4, eval_every=0,
+                      warmup_steps=1, privacy={"er_secagg": True})  # fmt: skip
+    report = LeakageAudit(cfg, _sites_data(tmp_path, cfg), inverter_steps=1, known=()).run()
+    name = "E (tied: inputs and targets), sum (SecAgg) vs "
+    rows = {(r.round, r.rows.removeprefix(name), r.score): r for r in report.updates}
+    assert {r.rows for r in report.updates} == {name + "victim's bag", name + "union of bags"}
+    victim, union = rows[(1, "victim's bag", "sign")], rows[(1, "union of bags", "sign")]
+    assert union.bag > victim.bag and union.base_rate > victim.base_rate
+    assert victim.topk_precision < 0.9, "the sum does not single out the victim's tokens"
 
 
 def reference(fed: LocalFederation) -> tuple[dict, list]:
