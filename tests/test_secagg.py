@@ -236,7 +236,8 @@ def test_the_coordinator_attack_on_the_sum_is_scored_against_victim_and_union(
     report = LeakageAudit(cfg, _sites_data(tmp_path, cfg), inverter_steps=1, known=()).run()
     name = "E (tied: inputs and targets), sum (SecAgg) vs "
     rows = {(r.round, r.rows.removeprefix(name), r.score): r for r in report.updates}
-    assert {r.rows for r in report.updates} == {name + "victim's bag", name + "union of bags"}
+    targets = {name + t for t in ("victim's bag", "site 1's bag", "union of bags")}
+    assert {r.rows for r in report.updates} == targets
     victim, union = rows[(1, "victim's bag", "sign")], rows[(1, "union of bags", "sign")]
     assert union.bag > victim.bag and union.base_rate > victim.base_rate
     assert victim.topk_precision < 0.9, "the sum does not single out the victim's tokens"

@@ -116,7 +116,7 @@ class LeakageAudit:
     ) -> list[tuple[str, str, Tensor, Tensor]]:
         """(rows label, rows, update, bag): what the coordinator holds, against whose bag.
         Plain FedAvg: the victim's own update. SecAgg: only the quantised mean of all the
-        sites' updates, scored against the victim's bag and against the union of bags."""
+        sites' updates, scored against the victim's bag, another site's and the union."""
         after, bags = self._shared_rows(), self._bags(steps)
         if self.secagg is None:
             return [(n, n, after[n] - before[n], bags[n]) for n in after]
@@ -129,7 +129,10 @@ class LeakageAudit:
                 np.zeros(b.numel(), np.uint64),
             )
             mean = torch.from_numpy(q.mean(total)).float().reshape(b.shape)
+            other = (self.victim + 1) % self.cfg.P  # the sum does not say whose a token is
             out.append((f"{name}, sum (SecAgg) vs victim's bag", name, mean, bags[name]))
+            out.append((f"{name}, sum (SecAgg) vs site {other}'s bag", name, mean,
+                        union[other][name]))  # fmt: skip
             every = torch.cat([u[name] for u in union])
             out.append((f"{name}, sum (SecAgg) vs union of bags", name, mean, every))
         return out
