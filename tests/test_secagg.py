@@ -125,7 +125,10 @@ def test_a_redone_round_with_a_new_attempt_masks_afresh() -> None:
     cfg = _cfg()
     start = _record(np.random.default_rng(0))
     maskers, arrays, first = _sites(cfg, start)
-    again = [m.masked(a, start, _round(maskers)) for m, a in zip(maskers, arrays, strict=True)]
+    with pytest.raises(SecAggError, match=r"site 0: round 3 attempt 'run/abc\.1' was masked once"):
+        maskers[0].masked(arrays[0], start, _round(maskers))  # the same masks twice: refused
+    twin = SiteMasker(cfg, 0, maskers[0].keys)  # what a repeat would have sent
+    again = [twin.masked(arrays[0], start, _round(maskers))]
     redone = [
         m.masked(a, start, _round(maskers, attempt="run/abc.2"))
         for m, a in zip(maskers, arrays, strict=True)

@@ -110,13 +110,15 @@ class SiteKeys:
     def __init__(self, secret: X25519PrivateKey | None = None) -> None:
         self.secret = secret or X25519PrivateKey.generate()
         self.public = self.secret.public_key().public_bytes_raw()
+        self._shared: dict[bytes, bytes] = {}
 
     def shared(self, peer_public: bytes) -> bytes:
         """k_sj: HKDF-SHA256 of the X25519 agreement with site j (symmetric in s, j)."""
-        peer = X25519PublicKey.from_public_bytes(peer_public)
-        return HKDF(hashes.SHA256(), KEY_BYTES, salt=None, info=b"mobius-fed secagg").derive(
-            self.secret.exchange(peer)
-        )
+        if peer_public not in self._shared:
+            peer = X25519PublicKey.from_public_bytes(peer_public)
+            kdf = HKDF(hashes.SHA256(), KEY_BYTES, salt=None, info=b"mobius-fed secagg")
+            self._shared[peer_public] = kdf.derive(self.secret.exchange(peer))
+        return self._shared[peer_public]
 
 
 def prg(shared: bytes, rnd: int, attempt: str, n: int, q: Quantiser) -> np.ndarray:
@@ -180,11 +182,18 @@ class SiteMasker:
     def __init__(self, cfg: TrainConfig, site: int, keys: SiteKeys | None = None) -> None:
         self.site, self.q, self.keys = site, Quantiser.of(cfg), keys or SiteKeys()
         self.clip = cfg.privacy.er_clip if cfg.privacy.er_noise > 0 else None
+        self.used: set[tuple[int, str]] = set()  # (round, attempt) masked by this key pair
 
     def masked(self, arrays: ArrayRecord, base: ArrayRecord, order: Round) -> ArrayRecord:
-        """The record a site sends instead of its E/R arrays."""
+        """The record a site sends instead of its E/R arrays. A (round, attempt) is masked
+        once per key pair: sending a second update under the same masks would give away
+        the difference of the two, so a repeat is refused."""
         if order.public_keys[self.site] != self.keys.public:
             raise SecAggError(f"site {self.site}: the relayed public key is not this site's")
+        if (order.rnd, order.attempt) in self.used:
+            raise SecAggError(f"site {self.site}: round {order.rnd} attempt {order.attempt!r} "
+                              "was masked once already; refusing to reuse its masks")  # fmt: skip
+        self.used.add((order.rnd, order.attempt))
         x = self.q.quantise(update_of(arrays, base, self.clip))
         m = pairwise_mask(self.site, self.keys, order.public_keys, order.rnd, order.attempt,
                           x.size, self.q)  # fmt: skip
