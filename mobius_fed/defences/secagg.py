@@ -68,8 +68,9 @@ class Quantiser:
             raise SecAggError(f"privacy.er_secagg_bits {self.bits} leaves no level for P={self.P}")
 
     @property
-    def mask(self) -> np.uint64:
-        return np.uint64((1 << self.bits) - 1)
+    def mask(self) -> np.unsignedinteger:
+        """2^b − 1 in the wire dtype: arithmetic there wraps mod 2^32 or 2^64, a multiple."""
+        return self.wire_dtype.type((1 << self.bits) - 1)
 
     @property
     def levels(self) -> int:
@@ -87,11 +88,11 @@ class Quantiser:
     def quantise(self, x: np.ndarray) -> np.ndarray:
         """``x`` (float64) clipped to [−r, r] and rounded to the nearest level, in Z_{2^b}."""
         q = np.rint(np.clip(x, -self.bound, self.bound) * (self.levels / self.bound))
-        return q.astype(np.int64).view(np.uint64) & self.mask
+        return q.astype(np.int64).view(np.uint64).astype(self.wire_dtype) & self.mask
 
     def mean(self, total: np.ndarray) -> np.ndarray:
         """The mean (float64) of the P values whose sum mod 2^b is ``total``."""
-        total = total.astype(np.uint64) & self.mask
+        total = total.astype(np.uint64) & np.uint64((1 << self.bits) - 1)
         signed = total.view(np.int64).copy()
         if self.bits < 64:
             high = total >= np.uint64(1 << (self.bits - 1))
@@ -125,7 +126,8 @@ def prg(shared: bytes, rnd: int, attempt: str, n: int, q: Quantiser) -> np.ndarr
     """n uniform elements of Z_{2^b}: ChaCha20 under a key bound to (k_sj, round, attempt)."""
     key = hashlib.blake2b(f"{rnd}:{attempt}".encode(), key=shared, digest_size=32).digest()
     stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
-    return np.frombuffer(stream.update(bytes(8 * n)), dtype=np.uint64) & q.mask
+    width = q.wire_dtype.itemsize
+    return np.frombuffer(stream.update(bytes(width * n)), dtype=q.wire_dtype) & q.mask
 
 
 def pairwise_mask(
@@ -133,11 +135,11 @@ def pairwise_mask(
     q: Quantiser,
 ) -> np.ndarray:  # fmt: skip
     """Σ_{j>s} PRG(k_sj) − Σ_{j<s} PRG(k_sj) mod 2^b."""
-    total = np.zeros(n, dtype=np.uint64)
+    total = np.zeros(n, dtype=q.wire_dtype)
     for j, pk in enumerate(public_keys):
         if j != site:
             m = prg(keys.shared(pk), rnd, attempt, n, q)
-            total = total + m if j > site else total - m  # uint64 wraps mod 2^64
+            total = total + m if j > site else total - m  # wraps mod 2^32 or 2^64
     return total & q.mask
 
 
@@ -197,7 +199,7 @@ class SiteMasker:
         x = self.q.quantise(update_of(arrays, base, self.clip))
         m = pairwise_mask(self.site, self.keys, order.public_keys, order.rnd, order.attempt,
                           x.size, self.q)  # fmt: skip
-        y = ((x + m) & self.q.mask).astype(self.q.wire_dtype)
+        y = (x + m) & self.q.mask
         return ArrayRecord({MASKED_ARRAY: Array(y)})
 
 
@@ -217,7 +219,7 @@ def check_masked(site: int, content: Any, n: int, q: Quantiser) -> np.ndarray:
     if arr.dtype != str(q.wire_dtype) or tuple(arr.shape) != (n,):
         raise SecAggError(f"{who}: masked update is {arr.dtype}{list(arr.shape)}, expected "
                           f"{q.wire_dtype}[{n}]")  # fmt: skip
-    return arr.numpy().astype(np.uint64)
+    return arr.numpy()
 
 
 @dataclass
@@ -252,7 +254,7 @@ class SecAgg:
             raise SecAggError(f"SecAgg averages with equal weights; num-examples were {weights}")
         base = start.to_numpy_ndarrays()
         n = sum(a.size for a in base)
-        total = np.zeros(n, dtype=np.uint64)
+        total = np.zeros(n, dtype=self.q.wire_dtype)  # wraps mod 2^32 or 2^64
         for site, reply in zip(sites, replies, strict=True):
             total = total + check_masked(site, reply.content, n, self.q)
         delta, out, at = self.q.mean(total), {}, 0

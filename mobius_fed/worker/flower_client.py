@@ -2,7 +2,8 @@
 
 ``train``: load the averaged E/R arrays, train the round's step range on the ring, keep an
 in-memory snapshot of the state at the barrier, write a checkpoint when asked (and send a
-copy of it when asked), and reply with this worker's E/R arrays and metrics.
+copy of it when asked), and reply with this worker's E/R arrays and metrics (with
+``privacy.er_secagg``, only its masked E/R update: :mod:`mobius_fed.defences.secagg`).
 ``evaluate``: load the averaged E/R arrays and compute this origin's Eq. 8 term.
 ``query.state``: the rounds this worker can restore.
 ``query.restore``: roll back to a round; ``query.ring``: join a fresh ring incarnation.
