@@ -4,6 +4,7 @@ a real coordinated run equals the reference engine bit for bit."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -16,6 +17,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from mobius_fed.cli.up import LocalFederation
 from mobius_fed.config import TrainConfig
 from mobius_fed.coordinator.grid import RunFailed
+from mobius_fed.coordinator.manifests import latest_manifest
 from mobius_fed.coordinator.replies import validate_reply
 from mobius_fed.data import SiteData
 from mobius_fed.defences.er_dp import ErPrivacy
@@ -284,6 +286,10 @@ def test_a_coordinated_run_with_secagg_equals_the_reference(tmp_path: Path) -> N
         fed.stop()
     log = (fed.logs / "coordinator.log").read_text()
     assert "Traceback" not in log
+    manifest = json.loads(latest_manifest(fed.coordinator_out).read_text())
+    assert manifest["workers"] and not any("copy" in w for w in manifest["workers"].values()), (
+        "a worker's checkpoint holds its own E/R: no copy goes to the coordinator"
+    )
 
 
 @pytest.mark.slow
