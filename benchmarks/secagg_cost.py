@@ -3,7 +3,8 @@ coordinator's unmasking time, and the bytes of a train reply and order, against 
 FedAvg (E/R in fp32).
 
     python benchmarks/secagg_cost.py                            # cpu-tiny and cpu-small, P = 4
-    python benchmarks/secagg_cost.py --presets cpu-small --workers 4 8 16 --bits 32 64
+    python benchmarks/secagg_cost.py --presets cpu-small --workers 4 12 --bits 32 64
+    python benchmarks/secagg_cost.py --presets cpu-tiny --accuracy-steps 20 --repeats 1
 
 Times are the median of ``--repeats`` runs on one thread; bytes are the serialized Flower
 records (``flwr.common.serde``) a reply carries, and the keys and attempt label the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import statistics
 import time
 
@@ -91,14 +93,69 @@ def measure(preset: str, P: int, bits: int, repeats: int) -> dict[str, float]:
     }
 
 
+def accuracy(
+    preset: str, P: int, steps: int, strategy: str, optimizer: str
+) -> tuple[float, float, float]:
+    """(max per-step loss difference, Eq. 8 with SecAgg, Eq. 8 without): the reference
+    engine under ``strategy``, a barrier every step, with and without ``er_secagg``."""
+    import tempfile
+    from pathlib import Path
+
+    from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+    from mobius_fed.engine import ReferenceEngine
+    from mobius_fed.engine.federated import train_with_strategy
+    from mobius_fed.strategies import RoundPlan, make_strategy
+
+    cfg = TrainConfig(preset=preset, workers=P, batch_size=2, steps=steps, sync_every=1,
+                      eval_every=0, optimizer=optimizer, privacy={"er_secagg": True})  # fmt: skip
+    plain = cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"er_secagg": False})})
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = prepare_sites(None, Path(tmp), P, text=embedded_corpus()[:60_000])
+        sites = [SiteData(d, cfg.model().seq_len) for d in dirs]
+        runs = [
+            train_with_strategy(
+                ReferenceEngine(c, sites),
+                make_strategy(strategy, P, RoundPlan.of(c), secagg=SecAgg.of(c)),
+            )
+            for c in (cfg, plain)
+        ]
+    diff = max(
+        abs(a - b)
+        for r, s in zip(runs[0].steps, runs[1].steps, strict=True)
+        for a, b in zip(r.origin_losses, s.origin_losses, strict=True)
+    )
+    return diff, runs[0].evals[-1].loss, runs[1].evals[-1].loss
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", nargs="+", default=["cpu-tiny", "cpu-small"])
     ap.add_argument("--workers", type=int, nargs="+", default=[4])
     ap.add_argument("--bits", type=int, nargs="+", default=[32])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--accuracy-steps",
+        type=int,
+        default=0,
+        help="also train this many steps with and without SecAgg and compare",
+    )
+    ap.add_argument("--strategy", default="fedavg", help="for --accuracy-steps")
+    ap.add_argument("--optimizer", default="muon", help="for --accuracy-steps")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    if args.accuracy_steps:
+        print("| preset | P | strategy | optimizer | steps | max per-step loss difference "
+              "| Eq. 8 SecAgg | Eq. 8 plain |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+        for preset in args.presets:
+            for P in args.workers:
+                d, with_, without = accuracy(
+                    preset, P, args.accuracy_steps, args.strategy, args.optimizer
+                )
+                print(f"| {preset} | {P} | {args.strategy} | {args.optimizer} "
+                      f"| {args.accuracy_steps} | {d:.2g} | {with_:.6f} | {without:.6f} |",
+                      flush=True)  # fmt: skip
+        print()
     print("| preset | P | b | E/R elements | site: mask | coordinator: unmask | plain FedAvg "
           "| reply, plain fp32 | reply, SecAgg | keys + attempt per order |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
