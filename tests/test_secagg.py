@@ -280,9 +280,12 @@ def _exact(fed: LocalFederation, final: dict) -> None:
 
 
 @pytest.mark.slow
-def test_a_coordinated_run_with_secagg_equals_the_reference(tmp_path: Path) -> None:
-    """Coordinator + 3 worker processes over mTLS: keys relayed, masked replies summed."""
+@pytest.mark.parametrize("strategy", ["fedavg", "fedadam"])
+def test_a_coordinated_run_with_secagg_equals_the_reference(tmp_path: Path, strategy: str) -> None:
+    """Coordinator + 3 worker processes over mTLS: keys relayed, masked replies summed; a
+    server optimizer acts on the unmasked sum in both engines alike."""
     fed = _federation(tmp_path)
+    fed.strategy = strategy
     final = run(fed)
     try:
         _exact(fed, final)
