@@ -27,7 +27,9 @@ from flwr.serverapp.strategy import (
 )
 
 from mobius_fed.config import ConfigError, TrainConfig
-from mobius_fed.messages import STEP_END, STEP_START, TrainOrder  # noqa: F401 - engine reads STEP_START here
+from mobius_fed.defences.secagg import MASKED
+from mobius_fed.messages import ARRAYS, STEP_END, STEP_START, TrainOrder  # noqa: F401 - engine reads STEP_START here
+from mobius_fed.transport.flower_wire import rank_of_node
 
 STRATEGIES: dict[str, type[FedAvg]] = {
     "fedavg": FedAvg,
@@ -90,7 +92,7 @@ class RoundHooks(Protocol):
 
 
 BARRIER_SETTINGS = frozenset(
-    {"hooks", "er_privacy", "state_copy", "keep_checkpoints", "barrier_snapshots"}
+    {"hooks", "er_privacy", "secagg", "state_copy", "keep_checkpoints", "barrier_snapshots"}
 )
 
 
@@ -106,6 +108,7 @@ class BarrierRounds:
     barrier_snapshots: bool = False
     hooks: RoundHooks | None = None
     er_privacy: Any = None  # ErPrivacy: DP-FedAvg of the E/R (clip replies, noise the mean)
+    secagg: Any = None  # SecAgg: replies carry masked E/R updates; only their sum is unmasked
     _round_start: ArrayRecord | None = None  # the arrays this round's train messages carry
 
     def global_round(self, server_round: int) -> int:
@@ -129,6 +132,8 @@ class BarrierRounds:
         if self.hooks is not None and hasattr(self.hooks, "before_train"):
             self.hooks.before_train(rnd)
         self._round_start = arrays
+        if self.secagg is not None:
+            self.secagg.fill(config, rnd)
         # Flower sees the run's round number, not start()'s count since the last (re)start:
         # FedAdam's bias correction depends on it.
         return list(super().configure_train(rnd, arrays, config, grid))  # type: ignore[misc]
@@ -139,7 +144,9 @@ class BarrierRounds:
         replies = list(replies)
         rnd = self.global_round(server_round)
         dp = self.er_privacy
-        if dp is not None and self._round_start is not None:
+        if self.secagg is not None and self._round_start is not None:
+            self._unmask(replies, self._round_start)  # with DP, the sites clipped already
+        elif dp is not None and self._round_start is not None:
             dp.clip_replies(replies, self._round_start)
         arrays, metrics = super().aggregate_train(rnd, replies)  # type: ignore[misc]
         if dp is not None and arrays is not None:
@@ -147,6 +154,15 @@ class BarrierRounds:
         if self.hooks is not None:
             self.hooks.after_train(rnd, replies, arrays)
         return arrays, metrics
+
+    def _unmask(self, replies: list[Message], start: ArrayRecord) -> None:
+        """Replace every masked reply by the unmasked mean of all of them (in place), so the
+        strategy's own aggregation and server update act on the aggregate alone."""
+        sites = [rank_of_node(r.metadata.src_node_id) for r in replies]
+        mean = self.secagg.unmask(replies, start, sites)
+        for reply in replies:
+            del reply.content[MASKED]
+            reply.content[ARRAYS] = mean
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
@@ -180,7 +196,7 @@ def make_strategy(
     """A Flower strategy by name (fedavg, fedavgm, …) that waits for and trains all P workers.
 
     ``barrier``: the :class:`BarrierRounds` settings it is built with (``hooks``,
-    ``er_privacy``, ``state_copy``, ``keep_checkpoints``, ``barrier_snapshots``).
+    ``er_privacy``, ``secagg``, ``state_copy``, ``keep_checkpoints``, ``barrier_snapshots``).
     """
     key = name.lower()
     if key not in STRATEGIES:

@@ -45,6 +45,7 @@ from mobius_fed.coordinator.grid import (
 from mobius_fed.coordinator.rounds import RoundState, RoundStore
 from mobius_fed.coordinator.state import RunState
 from mobius_fed.coordinator.status_model import IncidentModel as Incident
+from mobius_fed.defences.secagg import PUBLIC_KEY
 from mobius_fed.machines import IncidentState, Phase
 from mobius_fed.machines import WorkerState as W
 from mobius_fed.messages import CONFIG, RestoreOrder, RestoreReply, RingOrder, StateReply
@@ -68,6 +69,8 @@ class Recovery:
         self.P, self.plan = cfg.train.P, store.plan
         self.in_flight = 0  # the train round in flight (0: none)
         self.ring_epoch = 0
+        self.ring_id = ""  # the ring incarnation training runs on (SecAgg's attempt label)
+        self.public_keys: dict[int, bytes] = {}  # SecAgg: each rank's key, as it last said
         self.boot = secrets.token_hex(3)  # ring ids differ from any earlier coordinator's
 
     def drive(self, train_from: Callable[[RoundState], None]) -> None:
@@ -192,6 +195,11 @@ class Recovery:
             self.cfg.restore_timeout,
             "report the rounds it can restore",
         )
+        self.public_keys = {  # a restarted worker comes back with a new SecAgg key pair
+            rank_of_node(r.metadata.src_node_id): bytes(r.content[CONFIG][PUBLIC_KEY])
+            for r in replies
+            if PUBLIC_KEY in r.content[CONFIG]
+        }
         return {
             rank_of_node(r.metadata.src_node_id): {*StateReply.of(r.content[CONFIG]).rounds, 0}
             for r in replies
@@ -258,7 +266,7 @@ class Recovery:
 
     def _open_ring(self, rnd: int) -> None:
         self.ring_epoch += 1
-        ring_id = f"{self.cfg.run_id}/{self.boot}.{self.ring_epoch}"
+        ring_id = self.ring_id = f"{self.cfg.run_id}/{self.boot}.{self.ring_epoch}"
         log.info("round %d restored everywhere; opening ring %s", rnd, ring_id)
         peers = self.service.peers()
         self.send_all(

@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from flwr.app import Message
 
 from mobius_fed.coordinator.grid import RunFailed
+from mobius_fed.defences.secagg import SecAggError, check_masked
 from mobius_fed.messages import OPTIONAL_FIGURES
 from mobius_fed.transport.safe_arrays import UnsafeArrayError, validate_array_record
 from mobius_fed.transport.tls import worker_identity
 
 
-def validate_reply(rank: int, reply: Message, replica_spec: Any) -> None:
-    """E/R arrays exactly the replica's names, shapes and dtypes; losses finite; the records
-    each message type needs. RunFailed names the worker."""
+def validate_reply(rank: int, reply: Message, replica_spec: Any, secagg: Any = None) -> None:
+    """E/R arrays exactly the replica's names, shapes and dtypes (with ``secagg``, a train
+    reply carries only the masked update instead); losses finite; the records each message
+    type needs. RunFailed names the worker."""
     who = f"worker-{rank} ({worker_identity(rank)})"
     content = reply.content
+    if secagg is not None and reply.metadata.message_type == "train":
+        n = sum(math.prod(shape) for shape, _ in replica_spec.values())
+        try:
+            check_masked(rank, content, n, secagg.q)
+        except SecAggError as exc:
+            raise RunFailed(f"{who} sent an unusable train reply: {exc}") from None
     if "arrays" in content:
         try:
             validate_array_record(content["arrays"], expected=replica_spec)

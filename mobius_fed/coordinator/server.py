@@ -35,6 +35,7 @@ from mobius_fed.coordinator.rounds import RoundState, RoundStore
 from mobius_fed.coordinator.state import RunState
 from mobius_fed.defences.er_dp import ErPrivacy
 from mobius_fed.defences.report import status_block
+from mobius_fed.defences.secagg import SecAgg
 from mobius_fed.machines import LIVE_PHASES, IncidentState, Phase
 from mobius_fed.model import build_replica
 from mobius_fed.proto import control_pb2, control_pb2_grpc
@@ -55,6 +56,7 @@ class Coordinator:
         self.cfg, self.train = cfg, cfg.train
         self.plan = RoundPlan.of(cfg.train, cfg.checkpoint_round_interval())
         self.er_privacy = ErPrivacy.of(cfg.train)  # reads the E/R noise key now: fail early
+        self.secagg = SecAgg.of(cfg.train)  # only the sum of the sites' E/R updates
         self.state = RunState(
             run_id=cfg.run_id,
             P=cfg.train.P,
@@ -68,7 +70,8 @@ class Coordinator:
         replica = build_replica(cfg.train.model(), cfg.train.seed)
         spec = spec_of(replica.shared_state_dict())  # no private home layer
         self.grid = ControlGrid(
-            cfg.train.P, validate_reply=lambda rank, reply: validate_reply(rank, reply, spec)
+            cfg.train.P,
+            validate_reply=lambda rank, reply: validate_reply(rank, reply, spec, self.secagg),
         )
         self.store = RoundStore(cfg, self.plan, self.state)
         self.recorder = RunRecorder(cfg.out_dir, self.state, self.plan)
@@ -231,6 +234,13 @@ class Coordinator:
 
     def _make_strategy(self, rnd: int) -> Any:
         """The run's Flower strategy from round ``rnd`` on, wired to this coordinator."""
+        if self.secagg is not None:  # this ring incarnation's keys; its id keeps masks fresh
+            keys = self.recovery.public_keys
+            missing = [r for r in range(self.train.P) if r not in keys]
+            if missing:
+                raise RunFailed(f"{', '.join(f'worker-{r}' for r in missing)} sent no SecAgg "
+                                "public key (privacy.er_secagg is on)")  # fmt: skip
+            self.secagg.relay([keys[r] for r in range(self.train.P)], self.recovery.ring_id)
         strategy = make_strategy(
             self.cfg.strategy,
             self.train.P,
@@ -239,6 +249,7 @@ class Coordinator:
             round_offset=rnd,
             hooks=self,
             er_privacy=self.er_privacy,
+            secagg=self.secagg,
             state_copy=self.cfg.state_copy == "coordinator",
             barrier_snapshots=self.cfg.barrier_snapshots,
             # One more file than manifests: a worker writes round r before its manifest commits.

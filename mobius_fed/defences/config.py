@@ -98,6 +98,25 @@ class PrivacyConfig(BaseModel):
     er_clip: float = Field(
         1.0, gt=0, description="DP-FedAvg: L2 bound C of one site's E/R update per barrier"
     )
+    er_secagg: bool = Field(
+        False,
+        description=(
+            "Secure Aggregation of the shared E/R: each site sends its E/R update quantised "
+            "into Z_2^b plus pairwise masks that cancel in the sum, so the coordinator learns "
+            "only the sum of the sites' updates"
+        ),
+    )
+    er_secagg_bits: int = Field(
+        32, ge=16, le=64, description="Secure Aggregation: b, the ring Z_2^b of the masked sum"
+    )
+    er_secagg_range: float = Field(
+        1.0,
+        gt=0,
+        description=(
+            "Secure Aggregation: r, each element of a site's E/R update is clipped to [-r, r] "
+            "and rounded to a step of r*P/(2^(b-1)-1)"
+        ),
+    )
     noise_key_dir: str | None = Field(
         None,
         description=(

@@ -18,6 +18,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore.run import Run
 
+from mobius_fed.defences.secagg import MASKED, Round, SiteMasker
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
 from mobius_fed.model import Replica
 from mobius_fed.strategies import STEP_END, STEP_START
@@ -43,6 +44,8 @@ class EngineGrid(Grid):
         self._run = Run.create_empty(FLOWER_RUN_ID)
         self.steps: list[StepResult] = []
         self.evals: list[EvalResult] = []
+        cfg = engine.cfg  # Secure Aggregation: each site masks its update as a worker does
+        self.maskers = [SiteMasker(cfg, s) for s in range(cfg.P)] if cfg.privacy.er_secagg else None
 
     def set_run(self, run: Run) -> None:
         self._run = run
@@ -73,6 +76,7 @@ class EngineGrid(Grid):
         messages = sorted(messages, key=lambda m: m.metadata.dst_node_id)
         if not messages:
             return []
+        starts = [msg.content["arrays"] for msg in messages]
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
             rank = rank_of_node(msg.metadata.dst_node_id)
@@ -86,7 +90,7 @@ class EngineGrid(Grid):
             assert self.engine.step == start, (self.engine.step, start)
             results = [self.engine.train_step() for _ in range(start, end)]
             self.steps.extend(results)
-            for msg in messages:
+            for msg, start_arrays in zip(messages, starts, strict=True):
                 rank = rank_of_node(msg.metadata.dst_node_id)
                 losses = [r.origin_losses[rank] for r in results]
                 metrics = MetricRecord(
@@ -96,14 +100,8 @@ class EngineGrid(Grid):
                         "losses": losses,
                     }
                 )
-                replies.append(
-                    self._reply(
-                        msg,
-                        RecordDict(
-                            {"arrays": _arrays(self.engine.replicas[rank]), "metrics": metrics}
-                        ),
-                    )
-                )
+                update = self._update(rank, start_arrays, conf)
+                replies.append(self._reply(msg, RecordDict({**update, "metrics": metrics})))
         else:
             ev = self.engine.evaluate()
             self.evals.append(ev)
@@ -113,6 +111,14 @@ class EngineGrid(Grid):
                 replies.append(self._reply(msg, RecordDict({"metrics": metrics})))
         set_task_identity(COORDINATOR_NODE_ID)
         return replies
+
+    def _update(self, rank: int, start: ArrayRecord, conf: ConfigRecord) -> dict[str, ArrayRecord]:
+        """What site ``rank`` sends: its E/R arrays, or with SecAgg only its masked update."""
+        arrays = _arrays(self.engine.replicas[rank])
+        if self.maskers is None:
+            return {"arrays": arrays}
+        order = Round.of(conf, self.engine.cfg.P)
+        return {MASKED: self.maskers[rank].masked(arrays, start, order)}
 
     @staticmethod
     def _reply(msg: Message, content: RecordDict) -> Message:
@@ -129,8 +135,17 @@ def train_with_strategy(engine: ReferenceEngine, strategy: Strategy) -> EngineGr
             "build it with make_strategy(..., er_privacy=ErPrivacy.of(cfg)), as the "
             "coordinator does"
         )
+    secagg = getattr(strategy, "secagg", None)
+    if engine.cfg.privacy.er_secagg and secagg is None:
+        raise ValueError(
+            "the config turns on Secure Aggregation (privacy.er_secagg) but the strategy has "
+            "no secagg: build it with make_strategy(..., secagg=SecAgg.of(cfg)), as the "
+            "coordinator does"
+        )
     set_task_identity(COORDINATOR_NODE_ID)
     grid = EngineGrid(engine)
+    if grid.maskers is not None:  # the coordinator's relay; one attempt, no incidents here
+        secagg.relay([m.keys.public for m in grid.maskers], "reference")
     strategy.start(
         grid=grid,
         initial_arrays=_arrays(engine.replicas[0]),

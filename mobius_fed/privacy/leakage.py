@@ -8,6 +8,8 @@ end; :mod:`mobius_fed.privacy.input_attacks` and the trained inverter of
 :mod:`mobius_fed.privacy.attacks` run on each. At every barrier the victim's E/R update
 Δ = θ_victim − θ̄ (what the coordinator receives, less the average it sent) goes to
 :mod:`mobius_fed.privacy.er_attacks`, against the site's true bag of tokens that round.
+With ``privacy.er_secagg`` the coordinator holds only the sum: the attack scores the
+quantised mean update of all sites, against the victim's bag and the union of all bags.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from mobius_fed import schedule
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.data import SiteData
+from mobius_fed.defences.secagg import Quantiser
 from mobius_fed.engine.reference import ReferenceEngine
 from mobius_fed.model.training import average_parameters
 from mobius_fed.privacy import er_attacks, input_attacks
@@ -81,11 +85,12 @@ class LeakageAudit:
             w: self.engine.replicas[w].wte.weight.detach().clone() for _, w in self.hops
         }
         self.updates: list[UpdateRow] = []
+        self.secagg = Quantiser.of(cfg) if cfg.privacy.er_secagg else None
         self._previous: dict[str, Tensor] = {}
 
     # ------------------------------------------------------------ E/R update
-    def _shared_rows(self) -> dict[str, Tensor]:
-        r = self.engine.replicas[self.victim]
+    def _shared_rows(self, rank: int | None = None) -> dict[str, Tensor]:
+        r = self.engine.replicas[self.victim if rank is None else rank]
         if r.lm_head is None:
             return {"E (tied: inputs and targets)": r.wte.weight.detach().clone()}
         return {
@@ -93,10 +98,10 @@ class LeakageAudit:
             "R (targets)": r.lm_head.weight.detach().clone(),
         }
 
-    def _bags(self, steps: range) -> dict[str, Tensor]:
+    def _bags(self, steps: range, site: int | None = None) -> dict[str, Tensor]:
         xs, ys = [], []
         for n in steps:
-            for x, y in self.engine._micro("train", self.victim, n):
+            for x, y in self.engine._micro("train", self.victim if site is None else site, n):
                 xs.append(x.reshape(-1))
                 ys.append(y.reshape(-1))
         x, y = torch.cat(xs), torch.cat(ys)
@@ -106,26 +111,49 @@ class LeakageAudit:
             "R (targets)": y,
         }
 
+    def _observed(
+        self, before: dict[str, Tensor], steps: range
+    ) -> list[tuple[str, str, Tensor, Tensor]]:
+        """(rows label, rows, update, bag): what the coordinator holds, against whose bag.
+        Plain FedAvg: the victim's own update. SecAgg: only the quantised mean of all the
+        sites' updates, scored against the victim's bag, another site's and the union."""
+        after, bags = self._shared_rows(), self._bags(steps)
+        if self.secagg is None:
+            return [(n, n, after[n] - before[n], bags[n]) for n in after]
+        q, out = self.secagg, []
+        each = [self._shared_rows(s) for s in range(self.cfg.P)]
+        union = [self._bags(steps, s) for s in range(self.cfg.P)]
+        for name, b in before.items():
+            total = sum(
+                (q.quantise((rows[name] - b).double().reshape(-1).numpy()) for rows in each),
+                np.zeros(b.numel(), np.uint64),
+            )
+            mean = torch.from_numpy(q.mean(total)).float().reshape(b.shape)
+            other = (self.victim + 1) % self.cfg.P  # the sum does not say whose a token is
+            out.append((f"{name}, sum (SecAgg) vs victim's bag", name, mean, bags[name]))
+            out.append((f"{name}, sum (SecAgg) vs site {other}'s bag", name, mean,
+                        union[other][name]))  # fmt: skip
+            every = torch.cat([u[name] for u in union])
+            out.append((f"{name}, sum (SecAgg) vs union of bags", name, mean, every))
+        return out
+
     def _attack_update(self, before: dict[str, Tensor], steps: range) -> None:
         cfg, rnd = self.cfg, steps.stop // self.cfg.sync_every
-        after, bags = self._shared_rows(), self._bags(steps)
         decay = None
         if cfg.sync_every == 1 and steps.start >= 1:
             n = steps.start
             decay = er_attacks.adam_decay(n + 1, cfg.lr_multiplier(n), cfg.lr_multiplier(n - 1))
-        for name, theta in after.items():
-            delta = theta - before[name]
+        seen: dict[str, Tensor] = {}
+        for label, name, delta, bag in self._observed(before, steps):
             for kind in er_attacks.SCORES:
                 if kind.startswith("residual") and (decay is None or name not in self._previous):
                     continue
                 scores = er_attacks.row_scores(delta, kind, self._previous.get(name), decay or 0.0)
-                p = er_attacks.presence(scores, bags[name], kind)
-                self.updates.append(
-                    UpdateRow(
-                        rnd, name, kind, p.topk_precision, p.precision, p.recall, p.base_rate, p.bag
-                    )
-                )
-            self._previous[name] = delta
+                p = er_attacks.presence(scores, bag, kind)
+                figures = (p.topk_precision, p.precision, p.recall, p.base_rate, p.bag)
+                self.updates.append(UpdateRow(rnd, label, kind, *figures))
+            seen[name] = delta
+        self._previous.update(seen)
 
     # ----------------------------------------------------------------- train
     def _train(self) -> float:

@@ -2,7 +2,8 @@
 
 ``train``: load the averaged E/R arrays, train the round's step range on the ring, keep an
 in-memory snapshot of the state at the barrier, write a checkpoint when asked (and send a
-copy of it when asked), and reply with this worker's E/R arrays and metrics.
+copy of it when asked), and reply with this worker's E/R arrays and metrics (with
+``privacy.er_secagg``, only its masked E/R update: :mod:`mobius_fed.defences.secagg`).
 ``evaluate``: load the averaged E/R arrays and compute this origin's Eq. 8 term.
 ``query.state``: the rounds this worker can restore.
 ``query.restore``: roll back to a round; ``query.ring``: join a fresh ring incarnation.
@@ -31,6 +32,7 @@ from mobius_fed.checkpoint import (
     sha256_of,
     write_bytes_atomic,
 )
+from mobius_fed.defences.secagg import MASKED, PUBLIC_KEY, Round, SiteMasker
 from mobius_fed.machines import WorkerState
 from mobius_fed.messages import (
     ARRAYS,
@@ -196,6 +198,8 @@ class WorkerHandlers:
         self.on_step, self.on_state = on_step, on_state
         cfg = executor.cfg
         self.tokens_per_step = cfg.batch_size * cfg.model().seq_len
+        # Secure Aggregation: a fresh key pair per process; the E/R update leaves masked.
+        self.secagg = SiteMasker(cfg, executor.rank) if cfg.privacy.er_secagg else None
 
     def state(self, s: WorkerState) -> None:
         if self.on_state:
@@ -208,6 +212,7 @@ class WorkerHandlers:
             raise RuntimeError(
                 f"worker-{executor.rank} is at step {executor.step}, round asks for {start}..{end}"
             )
+        masks = None if self.secagg is None else Round.of(msg.content[CONFIG], executor.cfg.P)
         load_replica(executor, msg.content[ARRAYS])
         self.state(WorkerState.TRAINING)
         report = self._train_steps(start, end)
@@ -216,7 +221,11 @@ class WorkerHandlers:
         if not order.checkpoint and order.barrier_snapshot:
             self.snapshots.write_barrier(rnd, snap)
         report = dataclasses.replace(report, snapshot_s=time.perf_counter() - t0)
-        reply = RecordDict({ARRAYS: replica_arrays(executor), METRICS: report.to_record()})
+        if self.secagg is None or masks is None:
+            reply = RecordDict({ARRAYS: replica_arrays(executor), METRICS: report.to_record()})
+        else:  # only the masked update leaves: the coordinator can read just the sum
+            masked = self.secagg.masked(replica_arrays(executor), msg.content[ARRAYS], masks)
+            reply = RecordDict({MASKED: masked, METRICS: report.to_record()})
         if order.checkpoint:
             reply["checkpoint"] = self._checkpoint(order, snap).to_record()
             self.snapshots.prune_disk(order.keep_checkpoints)
@@ -267,6 +276,13 @@ class WorkerHandlers:
                 executor.rank,
                 rnd,
             )
+        elif self.secagg is not None:
+            log.warning(
+                "worker-%d: no copy of round %d for the coordinator: the checkpoint holds "
+                "this site's own E/R, which Secure Aggregation keeps from it",
+                executor.rank,
+                rnd,
+            )
         elif size <= COPY_LIMIT_BYTES:
             return dataclasses.replace(ck, copy=path.read_bytes())
         else:
@@ -292,8 +308,10 @@ class WorkerHandlers:
         return Message(RecordDict({METRICS: metrics}), reply_to=msg)
 
     def query_state(self, msg: Message) -> Message:
-        reply = StateReply(sorted(self.snapshots.rounds()), self.executor.step)
-        return Message(RecordDict({CONFIG: reply.to_record()}), reply_to=msg)
+        reply = StateReply(sorted(self.snapshots.rounds()), self.executor.step).to_record()
+        if self.secagg is not None:  # relayed by the coordinator to the other sites
+            reply[PUBLIC_KEY] = self.secagg.keys.public
+        return Message(RecordDict({CONFIG: reply}), reply_to=msg)
 
     def restore(self, msg: Message) -> Message:
         order, executor = RestoreOrder.of(msg.content[CONFIG]), self.executor
