@@ -336,3 +336,36 @@ def test_a_killed_worker_heals_with_secagg_on(tmp_path: Path) -> None:
     rings = {line.split("opening ring ")[1].strip() for line in log.splitlines()
              if "opening ring " in line}  # fmt: skip
     assert len(rings) == 2, "the redone round runs on a new attempt"
+
+
+def test_the_single_process_engine_refuses_secagg_without_the_strategy(tmp_path: Path) -> None:
+    from mobius_fed.config import ConfigError
+    from mobius_fed.defences.report import status_block
+
+    cfg = _cfg()
+    engine = ReferenceEngine(cfg, _sites_data(tmp_path, cfg))
+    with pytest.raises(ConfigError, match=r"privacy\.er_secagg .* applied by the Flower"):
+        engine.train_step()
+    (entry,) = status_block(cfg, 3)["defences"]
+    assert entry["name"] == "er_secagg" and entry["bits"] == cfg.privacy.er_secagg_bits
+
+
+@pytest.mark.slow
+def test_home_layer_input_defence_and_secagg_together_equal_the_reference(tmp_path: Path) -> None:
+    """Every defence for a site's data at once, in one coordinated run: the private home
+    layer (targets), the private input layer behind clipped first-send noise (inputs) and
+    Secure Aggregation (the E/R), all keyed by the sites' own secrets; still bit for bit."""
+    keys = tmp_path / "keys"
+    write_site_keys(keys, 3)
+    fed = _federation(
+        tmp_path, home_layer="mlp", home_input="block", input_noise=1.0, input_clip=4.0,
+        noise_key_dir=str(keys),
+    )  # fmt: skip
+    final = run(fed)
+    try:
+        _exact(fed, final)
+    finally:
+        fed.stop()
+    names = [d["name"] for d in final["privacy"]["defences"]]
+    assert names == ["input_noise", "home_layer", "home_input", "er_secagg"]
+    assert final["privacy"]["input"]["epsilon_position"] is not None

@@ -158,11 +158,13 @@ class PrivacyConfig(BaseModel):
         return self.label_noise > 0 or self.input_noise > 0
 
     def any_defence(self) -> bool:
-        """True when any defence is on (noise, NoPeek, a private home or input layer)."""
+        """True when any defence is on (noise, NoPeek, a private home or input layer, DP or
+        Secure Aggregation of the E/R)."""
         return (
             self.any_on()
             or self.decorrelation > 0
             or self.home_layer != "off"
             or self.home_input != "off"
             or self.er_noise > 0
+            or self.er_secagg
         )

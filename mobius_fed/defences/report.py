@@ -74,6 +74,16 @@ def defences(cfg: TrainConfig) -> list[dict[str, Any]]:
                 "clip": pc.er_clip,
             }
         )
+    if pc.er_secagg:
+        out.append(
+            {
+                "name": "er_secagg",
+                "hop": "the shared E/R each site sends at a barrier (masked: the coordinator "
+                "learns only the sum)",
+                "bits": pc.er_secagg_bits,
+                "range": pc.er_secagg_range,
+            }
+        )
     return out
 
 

@@ -106,11 +106,13 @@ class ReferenceEngine:
     def train_step(self) -> StepResult:
         """One step: forward K ticks, heads at home, backward in reverse, optimizer steps."""
         cfg, P = self.cfg, self.cfg.P
-        if self.average_replicas and cfg.privacy.er_noise > 0:  # before any work is done
+        strategy_only = [n for n in ("er_noise", "er_secagg") if getattr(cfg.privacy, n)]
+        if self.average_replicas and strategy_only:  # before any work is done
             raise ConfigError(
-                "privacy.er_noise (DP-FedAvg of the E/R) is applied by the Flower strategy "
-                "at each barrier: train with a coordinator (mobius-fed up, compose), or "
-                "drive this engine with mobius_fed.engine.federated.train_with_strategy"
+                f"privacy.{strategy_only[0]} (DP-FedAvg or Secure Aggregation of the E/R) is "
+                "applied by the Flower strategy at each barrier: train with a coordinator "
+                "(mobius-fed up, compose), or drive this engine with "
+                "mobius_fed.engine.federated.train_with_strategy"
             )
         t0 = time.perf_counter()
         origin_losses = self.compute_gradients()
