@@ -15,76 +15,41 @@ from mobius_fed.defences.accounting import (
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig
+    from mobius_fed.defences.config import PrivacyConfig
+
+
+_LAST_HOP = "gradient returned by the home for the final hidden state"
+_FIRST_HOP = "hidden state of a stream's first remote hop"
+_BARRIER = "the shared E/R each site sends at a barrier"
+
+
+def _entries(pc: PrivacyConfig) -> list[tuple[bool, dict[str, Any]]]:
+    """(on?, entry) for every defence, in the order the status lists them."""
+    return [
+        (pc.label_noise > 0, {"name": "label_noise", "hop": _LAST_HOP,
+                              "sigma": pc.label_noise, "clip": pc.label_clip}),
+        (pc.input_noise > 0, {"name": "input_noise", "hop": _FIRST_HOP,
+                              "sigma": pc.input_noise, "clip": pc.input_clip}),
+        (pc.decorrelation > 0, {"name": "decorrelation",
+                                "hop": f"{_FIRST_HOP} (NoPeek loss at its origin)",
+                                "weight": pc.decorrelation}),
+        (pc.home_layer != "off", {"name": "home_layer", "hop": _LAST_HOP,
+                                  "layer": pc.home_layer, "trained": pc.home_layer_trained}),
+        (pc.home_input != "off", {"name": "home_input",
+                                  "hop": "every hidden state of a stream (a private layer on "
+                                  "E(x) at its origin)",
+                                  "layer": pc.home_input, "trained": pc.home_input_trained}),
+        (pc.er_noise > 0, {"name": "er_dp", "hop": f"{_BARRIER} (DP-FedAvg)",
+                           "z": pc.er_noise, "clip": pc.er_clip}),
+        (pc.er_secagg, {"name": "er_secagg",
+                        "hop": f"{_BARRIER} (masked: the coordinator learns only the sum)",
+                        "bits": pc.er_secagg_bits, "range": pc.er_secagg_range}),
+    ]  # fmt: skip
 
 
 def defences(cfg: TrainConfig) -> list[dict[str, Any]]:
     """One entry per defence that is on, with its parameters and the hop it guards."""
-    pc = cfg.privacy
-    out: list[dict[str, Any]] = []
-    if pc.label_noise > 0:
-        out.append(
-            {
-                "name": "label_noise",
-                "hop": "gradient returned by the home for the final hidden state",
-                "sigma": pc.label_noise,
-                "clip": pc.label_clip,
-            }
-        )
-    if pc.input_noise > 0:
-        out.append(
-            {
-                "name": "input_noise",
-                "hop": "hidden state of a stream's first remote hop",
-                "sigma": pc.input_noise,
-                "clip": pc.input_clip,
-            }
-        )
-    if pc.decorrelation > 0:
-        out.append(
-            {
-                "name": "decorrelation",
-                "hop": "hidden state of a stream's first remote hop (NoPeek loss at its origin)",
-                "weight": pc.decorrelation,
-            }
-        )
-    if pc.home_layer != "off":
-        out.append(
-            {
-                "name": "home_layer",
-                "hop": "gradient returned by the home for the final hidden state",
-                "layer": pc.home_layer,
-                "trained": pc.home_layer_trained,
-            }
-        )
-    if pc.home_input != "off":
-        out.append(
-            {
-                "name": "home_input",
-                "hop": "every hidden state of a stream (a private layer on E(x) at its origin)",
-                "layer": pc.home_input,
-                "trained": pc.home_input_trained,
-            }
-        )
-    if pc.er_noise > 0:
-        out.append(
-            {
-                "name": "er_dp",
-                "hop": "the shared E/R each site sends at a barrier (DP-FedAvg)",
-                "z": pc.er_noise,
-                "clip": pc.er_clip,
-            }
-        )
-    if pc.er_secagg:
-        out.append(
-            {
-                "name": "er_secagg",
-                "hop": "the shared E/R each site sends at a barrier (masked: the coordinator "
-                "learns only the sum)",
-                "bits": pc.er_secagg_bits,
-                "range": pc.er_secagg_range,
-            }
-        )
-    return out
+    return [entry for on, entry in _entries(cfg.privacy) if on]
 
 
 def _input_block(cfg: TrainConfig, step: int) -> dict[str, Any]:
