@@ -449,6 +449,18 @@ PROJECT_SCHEMES = [
 ]
 
 
+def _ring_parser(p: argparse.ArgumentParser, shapes: list, codecs: list, preset: str) -> None:
+    """The flags of a static-ring run in the testbed (``ring`` and ``check``)."""
+    p.add_argument("--shapes", nargs="+", default=shapes)
+    p.add_argument("--codecs", nargs="+", default=codecs)
+    p.add_argument("--preset", default=preset)
+    p.add_argument("--order", default="cyclic")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--skip", type=int, default=2, help="untimed first steps")
+    p.add_argument("--micro", type=int, default=1, help="micro-batches per stream")
+    p.add_argument("--timeout", type=float, default=1800)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_link":
@@ -462,24 +474,18 @@ def main(argv: list[str] | None = None) -> int:
     lk = sub.add_parser("link", help="one ring link's throughput per link shape")
     lk.add_argument("--shapes", nargs="+", default=["loopback", "1gbit/25ms", "100mbit/50ms"])
     lk.add_argument("--count", type=int, default=24, help="16 MiB tensors per shape")
-    rg = sub.add_parser("ring", help="P = 4 ring tokens/s and busy fraction")
-    rg.add_argument("--shapes", nargs="+", default=["loopback", "1gbit/25ms", "100mbit/50ms"])
-    rg.add_argument("--codecs", nargs="+", default=["none", "both=int8", "fwd=int3,bwd=int4"])
-    rg.add_argument("--preset", default="cpu-base")
-    rg.add_argument("--order", default="cyclic")
-    rg.add_argument("--steps", type=int, default=8)
-    rg.add_argument("--skip", type=int, default=2, help="untimed first steps")
-    rg.add_argument("--micro", type=int, default=1, help="micro-batches per stream")
-    rg.add_argument("--timeout", type=float, default=1800)
-    ck = sub.add_parser("check", help="shaped ring runs against the projection")
-    ck.add_argument("--shapes", nargs="+", default=["10mbit/5ms", "100mbit/5ms"])
-    ck.add_argument("--codecs", nargs="+", default=["none", "both=int8"])
-    ck.add_argument("--preset", default="cpu-small")
-    ck.add_argument("--order", default="cyclic")
-    ck.add_argument("--steps", type=int, default=8)
-    ck.add_argument("--skip", type=int, default=2, help="untimed first steps")
-    ck.add_argument("--micro", type=int, default=1, help="micro-batches per stream")
-    ck.add_argument("--timeout", type=float, default=1800)
+    _ring_parser(
+        sub.add_parser("ring", help="P = 4 ring tokens/s and busy fraction"),
+        ["loopback", "1gbit/25ms", "100mbit/50ms"],
+        ["none", "both=int8", "fwd=int3,bwd=int4"],
+        "cpu-base",
+    )
+    _ring_parser(
+        sub.add_parser("check", help="shaped ring runs against the projection"),
+        ["2mbit/5ms", "10mbit/5ms", "100mbit/5ms"],
+        ["none", "both=int8"],
+        "cpu-small",
+    )
     pj = sub.add_parser("project", help="projected busy fraction and tokens/s (no testbed)")
     pj.add_argument("--compute", type=float, nargs="+", default=[0.076, 0.047], help="s/step")
     pj.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"])
