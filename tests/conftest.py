@@ -39,6 +39,23 @@ def pytest_configure(config) -> None:
         torch.set_num_interop_threads(int(TEST_THREADS))
 
 
+# Modules that share one host-wide resource (network namespaces, iptables, the WAN
+# shaping of the namespace testbed) run on one xdist worker, one after another; every
+# other test may run beside them (`-n 2 --dist loadgroup`, pyproject's addopts).
+SERIAL_MODULES = {
+    "test_netns_faults.py",
+    "test_netns_testbed.py",
+    "test_reachability_netns.py",
+    "test_wan.py",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.path.name in SERIAL_MODULES:
+            item.add_marker(pytest.mark.xdist_group("netns"))
+
+
 # --------------------------------------------------------------------------- shared setup
 # Fixtures more than one test module uses. Their imports stay inside them, so that nothing
 # loads torch before the environment above is set.

@@ -172,24 +172,36 @@ def test_mlflow_is_read_back_from_its_local_store(tmp_path: Path) -> None:
     assert [h[1] for h in hist] == pytest.approx([ev.loss for ev in evals])
 
 
-def test_wandb_offline_is_read_back_from_its_run_file(tmp_path: Path, monkeypatch) -> None:
+def test_wandb_offline_is_read_back_from_its_run_file(tmp_path: Path) -> None:
+    """`mobius-fed local --tracker wandb`, offline: every eval row of metrics.jsonl is in
+    W&B's run file. The command runs in its own process, as a user runs it (W&B keeps
+    process-wide state, which a long-lived test process shares between tests)."""
     pytest.importorskip("wandb", reason=hint("wandb"))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    # Once in the full suite (not alone, 0 of 6 runs) the run file held its exit record but
-    # no eval rows; a second run in a fresh directory tells that flake from a broken tracker.
-    for attempt in range(2):
-        out, evals = _local_run(tmp_path / f"try{attempt}", "wandb")
-        (file,) = (out / "wandb").rglob("*.wandb")
-        deadline = time.monotonic() + 60  # wandb's service may still write after finish()
-        while (rows := _wandb_history(file)) is None:
-            assert time.monotonic() < deadline, f"{file} has no exit record"
-            time.sleep(0.2)
-        got = [(r["_step"], r["eval/loss"]) for r in rows if "eval/loss" in r]
-        if got:
-            break
-    assert [g[0] for g in got] == [ev.step for ev in evals]
-    assert [g[1] for g in got] == pytest.approx([ev.loss for ev in evals])
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "mobius_fed.cli.main", "local", "--preset", "cpu-tiny",
+         "--workers", "2", "--steps", "3", "--batch-size", "2", "--eval-every", "2",
+         "--eval-batches", "1", "--threads", "1", "--checkpoint-every", "0",
+         "--tracker", "wandb", "--out", str(out)],
+        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    assert [step for step, _ in evals] == [2, 3]
+    (file,) = (out / "wandb").rglob("offline-run-*/*.wandb")
+    deadline = time.monotonic() + 60  # wandb's service may still write after finish()
+    while (rows := _wandb_history(file)) is None:
+        assert time.monotonic() < deadline, f"{file} has no exit record"
+        time.sleep(0.2)
+    got = [(r["_step"], r["eval/loss"]) for r in rows if "eval/loss" in r]
+    assert [g[0] for g in got] == [step for step, _ in evals]
+    assert [g[1] for g in got] == pytest.approx([loss for _, loss in evals])
 
 
 def _wandb_history(file: Path) -> list[dict] | None:
