@@ -328,3 +328,42 @@ def test_up_restarts_a_killed_worker_and_shows_the_recovery(tmp_path: Path) -> N
         up.close()
     assert up.proc.returncode == 143, up.log()
     assert not [p for p in up.seen if _alive(p)], "children outlived up"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie is gone for our purpose
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_guarded_daemon_dies_with_its_parent_even_by_sigkill(tmp_path: Path) -> None:
+    """`up` starts daemons through mobius_fed.cli.parent_guard (no preexec_fn in the fork):
+    the daemon keeps the guard's pid, and SIGKILL of the parent takes it down."""
+    parent_code = (
+        "import subprocess, sys, time\n"
+        "from mobius_fed.cli.up import _guarded\n"
+        "child = subprocess.Popen(_guarded([sys.executable, '-c', "
+        "'import time; time.sleep(120)']), start_new_session=True)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    child = int(parent.stdout.readline())
+    deadline = time.monotonic() + 20
+    while "time.sleep(120)" not in Path(f"/proc/{child}/cmdline").read_text():
+        assert time.monotonic() < deadline, "the guard never exec'd its command"
+        time.sleep(0.05)  # the guard has exec'd: same pid, the daemon's command line
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, "the daemon outlived its SIGKILLed parent"
+        time.sleep(0.05)
+    late = subprocess.run([sys.executable, "-m", "mobius_fed.cli.parent_guard", "1",
+                           sys.executable, "-c", "print('ran')"], capture_output=True,
+                          text=True, timeout=30)  # fmt: skip
+    assert late.returncode == 143 and "ran" not in late.stdout, "a parent already gone"

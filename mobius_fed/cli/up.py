@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -49,25 +48,10 @@ ENDED = ENDED_PHASES
 BUNDLE_FILES = ("ca.crt", "tls.crt", "tls.key")
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that asks Linux to SIGTERM the child when this process dies, even by
-    SIGKILL, so that no daemon outlives ``up``; None where prctl is unavailable."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    PR_SET_PDEATHSIG = 1
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(143)
-
-    return preexec
+def _guarded(cmd: list[str]) -> list[str]:
+    """``cmd`` started through :mod:`mobius_fed.cli.parent_guard`: it dies with this
+    process, even when this process is SIGKILLed, and the fork runs no Python code."""
+    return [sys.executable, "-m", "mobius_fed.cli.parent_guard", str(os.getpid()), *cmd]
 
 
 def free_ports(n: int) -> list[int]:
@@ -306,12 +290,11 @@ class LocalFederation:
         self._cmds[name] = cmd
         with open(self.logs / f"{name}.log", "a") as log:  # the child keeps its own copy
             self.procs[name] = subprocess.Popen(
-                cmd,
+                _guarded(cmd),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self._env or None,
                 start_new_session=True,  # a terminal's Ctrl-C reaches only up, which forwards
-                preexec_fn=_parent_death_signal(),
             )
 
     # ---------------------------------------------------------- supervision
