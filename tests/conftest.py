@@ -85,6 +85,17 @@ def site_dirs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return prepare_sites(None, root / "sites", P, text=embedded_corpus()[:SITE_TEXT_CHARS])
 
 
+@pytest.fixture(scope="module")
+def keys(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A directory of one secret key per site (the module's ``P``) and the coordinator's,
+    as ``privacy.noise_key_dir`` names it; one per test module."""
+    from mobius_fed.defences.stages import write_site_keys
+
+    directory = tmp_path_factory.mktemp("keys")
+    write_site_keys(directory, request.module.P)
+    return str(directory)
+
+
 @pytest.fixture
 def tiny_train() -> dict:
     """TrainConfig keywords of the small ring runs: cpu-tiny, batch 4, no E/R

@@ -38,13 +38,6 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> list[SiteData]:
     return [SiteData(root / "sites" / f"site-{i}", seq) for i in range(P)]
 
 
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = tmp_path_factory.mktemp("keys")
-    write_site_keys(root, P)
-    return str(root)
-
-
 def _cfg(layer: str, keys: str | None = None, trained: bool = True, **kw) -> TrainConfig:
     privacy = {"home_input": layer, "home_input_trained": trained, "noise_key_dir": keys}
     return TrainConfig(**{**BASE, **kw}, privacy=privacy)

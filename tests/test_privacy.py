@@ -24,7 +24,6 @@ from mobius_fed.defences.stages import (
     build_stages,
     gaussian,
     label_release,
-    write_site_keys,
 )
 from mobius_fed.hop import HopContext
 from mobius_fed.privacy.audit import Audit
@@ -39,13 +38,6 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> list[SiteData]:
     prepare_sites(None, root / "sites", P, text=embedded_corpus())
     seq = TrainConfig(**BASE).model().seq_len
     return [SiteData(root / "sites" / f"site-{i}", seq) for i in range(P)]
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> str:
-    directory = tmp_path_factory.mktemp("keys")
-    write_site_keys(directory, P)
-    return str(directory)
 
 
 def audit(sites, inverter_steps: int = 150, victim: int = 0, **kw):
