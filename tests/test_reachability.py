@@ -235,6 +235,14 @@ def _wait_for(fed: LocalFederation, ok, timeout: float = 180, what: str = "") ->
         time.sleep(0.2)
 
 
+def _finish(fed: ReachFederation) -> tuple[dict, dict, dict]:
+    """Wait for the run to end done: its final status, its losses and the relay's status."""
+    final = fed.wait(timeout=300)
+    assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 30))
+    got, _ = ring_history(fed)
+    return final, got, fed.relay_status()
+
+
 @pytest.mark.slow
 def test_outbound_only_sites_train_through_reversed_and_relayed_edges(tmp_path: Path):
     """4 workers, 1 and 2 declared not reachable: 0 → 1 reversed, 1 → 2 relayed, the rest
@@ -257,10 +265,7 @@ def test_outbound_only_sites_train_through_reversed_and_relayed_edges(tmp_path: 
             forged = make_header(b"not the key" * 4, "local-up/x", "worker-0 → worker-1", DIAL)
             assert b"bad HMAC" in _refusal(port, forged), port
         assert (fed.status() or {}).get("phase") == "training", "probed after the run ended"
-        final = fed.wait(timeout=300)
-        assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 30))
-        got, _ = ring_history(fed)
-        relay = fed.relay_status()
+        _, got, relay = _finish(fed)
     finally:
         fed.stop()
     ref, _ = reference(fed)
@@ -315,10 +320,7 @@ def test_a_relay_that_dies_mid_run_heals_once_it_is_back(tmp_path: Path):
         fed.relay_proc.wait(10)
         time.sleep(4.0)
         fed.start_relay()
-        final = fed.wait(timeout=300)
-        assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 30))
-        got, _ = ring_history(fed)
-        relay = fed.relay_status()
+        final, got, relay = _finish(fed)
     finally:
         fed.stop()
     ref, _ = reference(fed)
