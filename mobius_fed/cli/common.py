@@ -111,7 +111,7 @@ def train_config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig
     from mobius_fed.config import TrainConfig
     from mobius_fed.settings import layered_config
 
-    refuse_unknown(os.environ)
+    refuse_unknown()
     flags = {**train_flag_values(args), **overrides}
     return layered_config(
         TrainConfig,

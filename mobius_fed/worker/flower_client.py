@@ -221,9 +221,10 @@ class WorkerHandlers:
         if not order.checkpoint and order.barrier_snapshot:
             self.snapshots.write_barrier(rnd, snap)
         report = dataclasses.replace(report, snapshot_s=time.perf_counter() - t0)
-        if self.secagg is None or masks is None:
+        if masks is None:  # SecAgg off
             reply = RecordDict({ARRAYS: replica_arrays(executor), METRICS: report.to_record()})
         else:  # only the masked update leaves: the coordinator can read just the sum
+            assert self.secagg is not None  # masks are read only when SecAgg is on
             masked = self.secagg.masked(replica_arrays(executor), msg.content[ARRAYS], masks)
             reply = RecordDict({MASKED: masked, METRICS: report.to_record()})
         if order.checkpoint:
