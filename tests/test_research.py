@@ -122,6 +122,12 @@ def test_sweep_runs_resumes_and_reports(site_dirs: list[Path], tmp_path: Path) -
     assert not any(prepare_cell(c, sites, coupled=False, checkpoint_every=0) for c in cells)
     with pytest.raises(ValueError, match="another configuration"):
         prepare_cell(cells[0], sites, coupled=True, checkpoint_every=0)
+    # A cell written before a setting existed (the field is missing) is the same cell.
+    spec_path = cells[0].directory / "cell.json"
+    spec = json.loads(spec_path.read_text())
+    del spec["train"]["privacy"]["input_clip"]
+    spec_path.write_text(json.dumps(spec))
+    assert not prepare_cell(cells[0], sites, coupled=False, checkpoint_every=0)
     results = [json.loads((c.directory / "result.json").read_text()) for c in cells]
     # A cell process reproduces the in-process reference engine exactly.
     cfg = cells[1].cfg

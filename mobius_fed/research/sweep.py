@@ -82,6 +82,19 @@ def grid(
     return cells
 
 
+def _normalised(spec: dict) -> dict | None:
+    """A stored cell spec with the train config re-read through today's model.
+
+    A setting added since the cell was written takes its default, so a sweep resumes
+    across an upgrade that adds fields; None when the stored config no longer validates.
+    """
+    try:
+        train = TrainConfig.model_validate(spec.get("train", {}))
+    except ValueError:
+        return None
+    return {**spec, "train": train.model_dump(mode="json")}
+
+
 def prepare_cell(cell: Cell, sites: Path, *, coupled: bool, checkpoint_every: int) -> bool:
     """Write the cell's spec; False when it has finished already (same config)."""
     cell.directory.mkdir(parents=True, exist_ok=True)
@@ -93,8 +106,7 @@ def prepare_cell(cell: Cell, sites: Path, *, coupled: bool, checkpoint_every: in
     }
     path = cell.directory / CELL
     if path.is_file():
-        old = json.loads(path.read_text())
-        if old != spec:
+        if _normalised(json.loads(path.read_text())) != spec:
             raise ValueError(
                 f"sweep: {cell.directory} holds a cell with another configuration; "
                 "use a new --out (or delete that directory)"
