@@ -5,8 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -179,16 +177,6 @@ class TrainConfig(BaseModel):
         """Hash of the whole config; peers refuse a run whose hash differs."""
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def load_train_config(
-    path: Path | None = None,
-    overrides: dict[str, Any] | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> TrainConfig:
-    """TrainConfig from a TOML file's ``[train]`` table, then ``MOBIUS_*`` variables (when
-    ``environ`` is given), then ``overrides`` ({setting dest: value}; None = not given)."""
-    return layered_config(TrainConfig, section="train", path=path, environ=environ, flags=overrides)
 
 
 # MOBIUS_<NAME> → TrainConfig setting key, for every field (nested ones with ``__``).

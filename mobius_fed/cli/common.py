@@ -271,10 +271,6 @@ class Terminated(SystemExit):
         super().__init__(128 + signum)
         self.signum = signum
 
-    @property
-    def signame(self) -> str:
-        return signal.Signals(self.signum).name
-
 
 class GracefulStop:
     """SIGTERM, SIGINT and SIGHUP for a daemon: unwind, then exit within ``deadline`` seconds.

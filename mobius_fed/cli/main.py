@@ -177,10 +177,6 @@ def _wanted(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
     return list(BUILTIN), list(PLUGINS)
 
 
-def _plugins_for(argv: Sequence[str] | None) -> list[str]:
-    return _wanted(argv)[1]
-
-
 def _register(sub, module_name: str) -> None:
     importlib.import_module(f"mobius_fed.cli.{module_name}").register(sub)
 

@@ -42,6 +42,7 @@ class StatusSource(Protocol):
 
     def snapshot(self) -> tuple[StatusModel, dict[str, float]]: ...
 
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """What :func:`generate_latest` writes (the classic text format every scraper reads)."""
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300)

@@ -394,13 +394,6 @@ def _certificates(pem: bytes, what: str, path: Path) -> list[Any]:
     return certs
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.samefile(b)
-    except OSError:
-        return False
-
-
 EXPIRY_WARNING_DAYS = 14
 """A certificate that expires within this many days is logged as a warning at startup."""
 
