@@ -54,6 +54,26 @@ def test_at_step_zero_every_hop_carries_the_embedding_and_nearest_row_reads_it(s
     assert "| step 0 | nearest row of E | 100.0 % / 100.0 %" in describe(report)
 
 
+def test_subspace_hops_are_attacked_as_the_receiver_rebuilds_them(sites):
+    """stream mode: slot 0 carries Uᵀ E(x) and the identity groups hand it on, so the nearest
+    projected row of E still reads most of step 0. home mode: the embedding stays at its
+    origin and the identity groups write nothing, so every remote hop carries zeros."""
+
+    def step0(mode: str) -> dict[int, float]:
+        cfg = TrainConfig(**BASE, subspace={"rank": 8, "mode": mode})
+        report = LeakageAudit(cfg, sites, inverter_steps=1, known=(0.05,)).run()
+        return {
+            r.slot: r.exact
+            for r in report.hops
+            if r.stage == "step 0" and r.attack == "nearest row of E"
+        }
+
+    stream, home = step0("stream"), step0("home")
+    assert sorted(stream) == sorted(home) == [1, 2, 3]
+    assert all(v > 0.5 for v in stream.values()), stream  # 8 of 32 dimensions suffice
+    assert all(v == 0.0 for v in home.values()), home
+
+
 def test_known_plaintext_undoes_an_unknown_linear_map_and_refuses_no_known_tokens():
     gen = torch.Generator().manual_seed(0)
     vocab, d, n = 64, 16, 2000

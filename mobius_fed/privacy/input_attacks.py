@@ -160,7 +160,7 @@ def known_plaintext(
     rows = embedding_rows(wte)
     xk, yk = x[known], rows[t[known]]
     d = x.size(-1)
-    lam = ridge * xk.square().sum() / max(1, n_known)
+    lam = ridge * max(float(xk.square().sum()) / n_known, 1e-12)  # > 0 even for h = 0
     eye = torch.eye(d)
     a = torch.linalg.solve(xk.T @ xk + lam * eye, xk.T @ yk + lam * eye)
     return nearest_row(x[~known] @ a, wte), t[~known]

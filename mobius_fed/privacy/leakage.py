@@ -185,13 +185,28 @@ class LeakageAudit:
     @torch.no_grad()
     def _own_stream(self, slot: int, attacker: int) -> tuple[Tensor, Tensor]:
         """(hidden states, tokens) of the attacker's own text through what it holds: E and
-        its own group, applied ``slot`` times as a stand-in for the groups it lacks."""
+        its own group, applied ``slot`` times as a stand-in for the groups it lacks (the
+        first time as the stream's origin, then as a remote group), through the run's
+        stream maps, and rebuilt as a receiver rebuilds a hop (:meth:`_lift`)."""
         eng, x = self.engine, self._own_text(attacker)
-        e = eng.replicas[attacker].embed(x)
-        h = e
+        entry = eng.maps.enter(eng.replicas[attacker].embed(x), grad=False)
+        h = entry.slot0
         for t in range(slot):
-            h = eng.groups[attacker](h, t)
-        return torch.cat([h, e]), torch.cat([x, x])
+            worker = attacker if t == 0 else -1
+            h = eng.maps.apply(eng.groups[attacker], h, t, worker, attacker, entry)
+        return torch.cat([self._lift(h), self._lift(entry.slot0)]), torch.cat([x, x])
+
+    def _lift(self, c: Tensor) -> Tensor:
+        """A received hop as the receiving worker rebuilds it: the hidden state itself, or
+        with the subspace on h = U·c (a remote worker adds no b)."""
+        basis = self.engine.maps.basis
+        return c if basis is None else basis.expand(c)
+
+    def _rows(self, wte: Tensor) -> Tensor:
+        """The rows of E as the attacker compares them with a rebuilt hop: E itself, or with
+        the subspace on their projection U·Uᵀ·E (a hop holds nothing outside span(U))."""
+        basis = self.engine.maps.basis
+        return wte if basis is None else basis.expand(basis.coords(wte))
 
     def _received(self, obs: Observer, slot: int, stage: str) -> tuple[Tensor, Tensor]:
         cfg, eng = self.cfg, self.engine
@@ -204,7 +219,7 @@ class LeakageAudit:
             ]
             phase, step = "eval", eng.step
         got = [obs.received[(phase, step, self.victim, slot, j)] for j in range(len(micro))]
-        return torch.cat(got), torch.cat([x for x, _ in micro])
+        return self._lift(torch.cat(got)), torch.cat([x for x, _ in micro])
 
     def _attack_hop(
         self, slot: int, attacker: int, stage: str, h: Tensor, x: Tensor
@@ -213,7 +228,7 @@ class LeakageAudit:
         wte = (
             self.start_wte[attacker]
             if stage == "step 0"
-            else self.engine.replicas[attacker].wte.weight
+            else self.engine.replicas[attacker].wte.weight.detach()
         )
         public = self._own_text(attacker)
         found: list[tuple[str, Tensor, Tensor]] = [
@@ -222,7 +237,7 @@ class LeakageAudit:
                 input_attacks.frequency_floor(public, x.numel(), vocab),
                 x,
             ),
-            ("nearest row of E", input_attacks.nearest_row(h, wte), x),
+            ("nearest row of E", input_attacks.nearest_row(h, self._rows(wte)), x),
             (
                 "clusters + public frequencies",
                 input_attacks.cluster_frequency(h, public, vocab, seed=cfg.seed),
