@@ -34,7 +34,8 @@ from mobius_fed.cli.main import main
 
 
 def run() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # No abbreviations: "--seed N" must reach the audit, not be read as this script's "--seeds".
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--preset", default="cpu-small")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=8)
