@@ -111,7 +111,6 @@ class ControlGrid(Grid):
         self._cond = threading.Condition()
         self._failure: str | None = None
         self._incident: IncidentRaised | None = None
-        self.last_replies: list[Message] = []
 
     # --------------------------------------------------------- Grid protocol
     def set_run(self, run: Run) -> None:
@@ -195,7 +194,6 @@ class ControlGrid(Grid):
                     IncidentRaised(kind, f"worker-{rank} reports: {err.reason}", rank, edges)
                 )
                 self._raise_if_failed()
-        self.last_replies = replies
         return replies
 
     # ------------------------------------------------------------- sessions

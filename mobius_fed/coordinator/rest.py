@@ -281,11 +281,8 @@ class _TLS13Config(uvicorn.Config):
 class _ThreadServer(uvicorn.Server):
     """uvicorn server that never touches signal handlers (it runs in a worker thread)."""
 
-    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
-        pass
-
     @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:  # uvicorn >= 0.29
+    def capture_signals(self) -> Iterator[None]:
         yield
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

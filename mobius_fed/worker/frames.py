@@ -87,13 +87,6 @@ class FrameRules:
         """The worker that wrote slot τ: the previous group, or home (the embedding)."""
         return self.paths[origin][slot - 1] if slot > 0 else origin
 
-    def destination(self, frame: ring_pb2.Frame) -> int:
-        if frame.direction == FIN:
-            return (frame.origin - 1) % self.P
-        if frame.direction == FORWARD:
-            return self.consumer(frame.origin, frame.tick)
-        return self.producer(frame.origin, frame.tick)
-
     def route(self, direction: int, origin: int, slot: int = 0) -> list[int]:
         """The workers a frame visits, in travel order, from its producer to its consumer.
 
