@@ -22,19 +22,12 @@ from dataclasses import dataclass
 from mobius_fed import schedule
 from mobius_fed.config import TrainConfig
 from mobius_fed.proto import ring_pb2
-from mobius_fed.transport.codec import FrameError
+from mobius_fed.transport.codec import FrameError, direction_name
 
 FORWARD, BACKWARD, FIN = ring_pb2.FORWARD, ring_pb2.BACKWARD, ring_pb2.FIN
 ACK, CLOSE = ring_pb2.ACK, ring_pb2.CLOSE  # link control (see ring.proto)
 TRAIN, EVAL = ring_pb2.TRAIN, ring_pb2.EVAL
 DELIVER, RELAY = "deliver", "relay"
-
-
-def direction_name(value: int) -> str:
-    try:
-        return ring_pb2.Direction.Name(value)
-    except ValueError:
-        return str(value)
 
 
 def edge_name(a: int, b: int) -> str:
