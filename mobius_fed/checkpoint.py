@@ -336,21 +336,14 @@ def prune_checkpoints(directory: Path, pattern: str, keep: int) -> list[Path]:
     directory = Path(directory)
     removed = []
     matches = sorted(p for p in directory.glob(pattern) if TMP_MARKER not in p.name)
-    for p in matches[:-keep]:
+    leftovers = [p for p in directory.glob(f".*{TMP_MARKER}*") if _writer_gone(p)]
+    for p in matches[:-keep] + leftovers:
         with contextlib.suppress(FileNotFoundError):
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)
             else:
                 p.unlink()
             removed.append(p)
-    for p in directory.glob(f".*{TMP_MARKER}*"):
-        if _writer_gone(p):
-            with contextlib.suppress(FileNotFoundError):
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p)
-                else:
-                    p.unlink()
-                removed.append(p)
     return removed
 
 

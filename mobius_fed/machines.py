@@ -131,7 +131,6 @@ HEARTBEAT_SETS = (W.READY, W.TRAINING, W.EVALUATING, W.RESTORING)
 """The reported states a heartbeat moves a worker to. ``registered`` (no session yet) is the
 coordinator's to set at Register: a heartbeat sent between sessions can arrive after the
 next session opened, and must not take a worker back."""
-LIVE_STATES = frozenset({*REPORTED_STATES, W.RECOVERED})
 OFF_STATES = frozenset({W.LOST, W.EXPECTED, W.DONE, W.FINISHED, W.STOPPED})
 """States ``mark_lost`` leaves alone: never joined, already lost, or the run let it go."""
 DOWN_STATES = frozenset({W.LOST, W.REJOINING})

@@ -1,6 +1,7 @@
 """The coordinator↔worker messages: one typed class per record a message carries, used by
 both sides. ``to_record``/``of`` are the only places the wire keys are written and read
-(the keys, and so the wire format, are those the run always used).
+(the keys, and so the wire format, are those the run always used). A field travels under
+its name with ``-`` for ``_`` (``_s`` as ``-seconds``); a field that is None is left out.
 
 =================  ==========================  =======================================
 message type       coordinator → worker        worker → coordinator
@@ -15,8 +16,8 @@ message type       coordinator → worker        worker → coordinator
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, ClassVar, TypeVar
 
 from flwr.app import ConfigRecord, MetricRecord
 
@@ -25,10 +26,50 @@ STEP_START, STEP_END, CHECKPOINT = "step-start", "step-end", "checkpoint"
 STATE_COPY = "state-copy"  # the worker also sends its checkpoint's bytes (a copy kept elsewhere)
 BARRIER_SNAPSHOT = "barrier-snapshot"  # the worker writes its barrier state to disk too
 ARRAYS, METRICS, CONFIG = "arrays", "metrics", "config"
+_W = TypeVar("_W", bound="_Wire")
+_CASTS = {"int": int, "bool": bool, "str": str, "bytes": bytes, "float": float}
+
+
+def _key(name: str) -> str:
+    """A field's wire key: ``step_start`` → ``step-start``, ``train_s`` → ``train-seconds``."""
+    return (name[:-2] + "_seconds" if name.endswith("_s") else name).replace("_", "-")
+
+
+def _cast(kind: str, value: Any) -> Any:
+    kind = kind.removesuffix(" | None")
+    if kind.startswith("list["):
+        return [_CASTS[kind[5:-1]](v) for v in value]
+    return _CASTS[kind](value)
+
+
+class _Wire:
+    """``to_record`` and ``of`` for a dataclass whose fields are its wire keys."""
+
+    RECORD: ClassVar[type] = ConfigRecord
+
+    def items(self) -> dict[str, Any]:
+        """``{wire key: value}`` of every field that is not None."""
+        values = {_key(f.name): getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        return {k: v for k, v in values.items() if v is not None}
+
+    def to_record(self) -> Any:
+        return self.RECORD(self.items())
+
+    @classmethod
+    def of(cls: type[_W], conf: Any) -> _W:
+        """Read a record: a field without a default must be there (KeyError naming it)."""
+        kwargs = {}
+        for f in fields(cls):  # type: ignore[arg-type]
+            key = _key(f.name)
+            if key in conf:
+                kwargs[f.name] = _cast(str(f.type), conf[key])
+            elif f.default is MISSING:
+                raise KeyError(key)
+        return cls(**kwargs)
 
 
 @dataclass(frozen=True)
-class TrainOrder:
+class TrainOrder(_Wire):
     """Train steps [step_start, step_end) of round ``round``, then report (and checkpoint)."""
 
     round: int
@@ -40,25 +81,9 @@ class TrainOrder:
     barrier_snapshot: bool = False
 
     def fill(self, config: ConfigRecord) -> ConfigRecord:
-        config[STEP_START], config[STEP_END] = self.step_start, self.step_end
-        config[CHECKPOINT] = self.checkpoint
-        config[STATE_COPY] = self.state_copy
-        config["keep-checkpoints"] = self.keep_checkpoints
-        config[BARRIER_SNAPSHOT] = self.barrier_snapshot
-        config["round"] = self.round
+        for key, value in self.items().items():
+            config[key] = value
         return config
-
-    @classmethod
-    def of(cls, conf: Any) -> TrainOrder:
-        return cls(
-            round=int(conf["round"]),
-            step_start=int(conf[STEP_START]),
-            step_end=int(conf[STEP_END]),
-            checkpoint=bool(conf[CHECKPOINT]),
-            state_copy=bool(conf.get(STATE_COPY, False)),
-            keep_checkpoints=int(conf.get("keep-checkpoints", 0)),
-            barrier_snapshot=bool(conf.get(BARRIER_SNAPSHOT, False)),
-        )
 
 
 OPTIONAL_FIGURES = {  # a train report's wire key → its field, for figures a worker may omit
@@ -70,9 +95,10 @@ OPTIONAL_FIGURES = {  # a train report's wire key → its field, for figures a w
 
 
 @dataclass(frozen=True)
-class TrainReport:
-    """A worker's figures for one train round."""
+class TrainReport(_Wire):
+    """A worker's figures for one train round (and ``loss``, the last of ``losses``)."""
 
+    RECORD = MetricRecord
     losses: list[float]
     num_examples: float
     train_s: float
@@ -82,28 +108,8 @@ class TrainReport:
     bytes_sent: float | None = None
     frames_sent: float | None = None
 
-    def to_record(self) -> MetricRecord:
-        rec: dict[str, Any] = {
-            "num-examples": self.num_examples,
-            "loss": self.losses[-1],
-            "losses": list(self.losses),
-            "train-seconds": self.train_s,
-            "snapshot-seconds": self.snapshot_s,
-        }
-        for key, name in OPTIONAL_FIGURES.items():
-            if getattr(self, name) is not None:
-                rec[key] = getattr(self, name)
-        return MetricRecord(rec)
-
-    @classmethod
-    def of(cls, metrics: Any) -> TrainReport:
-        return cls(
-            losses=[float(v) for v in metrics["losses"]],
-            num_examples=float(metrics["num-examples"]),
-            train_s=float(metrics["train-seconds"]),
-            snapshot_s=float(metrics.get("snapshot-seconds", 0.0)),
-            **{n: float(metrics[k]) for k, n in OPTIONAL_FIGURES.items() if k in metrics},
-        )
+    def items(self) -> dict[str, Any]:
+        return {**super().items(), "loss": self.losses[-1]}
 
     def figures(self) -> dict[str, float]:
         """``train_s`` and every optional figure reported, by the coordinator's names."""
@@ -115,42 +121,27 @@ class TrainReport:
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class Checkpoint(_Wire):
     """A worker's confirmation of its round checkpoint (with a copy of the file, if asked)."""
 
     path: str
     sha256: str
     copy: bytes | None = None
 
-    def to_record(self) -> ConfigRecord:
-        rec = ConfigRecord({"path": self.path, "sha256": self.sha256})
-        if self.copy is not None:
-            rec["copy"] = self.copy
-        return rec
-
-    @classmethod
-    def of(cls, conf: Any) -> Checkpoint:
-        copy = bytes(conf["copy"]) if "copy" in conf else None
-        return cls(str(conf["path"]), str(conf["sha256"]), copy)
-
 
 @dataclass(frozen=True)
-class StateReply:
+class StateReply(_Wire):
     """The rounds a worker can restore, and its step."""
 
     rounds: list[int]
-    step: int
+    step: int = 0
 
-    def to_record(self) -> ConfigRecord:
-        return ConfigRecord({"rounds": sorted(self.rounds), "step": self.step})
-
-    @classmethod
-    def of(cls, conf: Any) -> StateReply:
-        return cls([int(r) for r in conf["rounds"]], int(conf.get("step", 0)))
+    def items(self) -> dict[str, Any]:
+        return {"rounds": sorted(self.rounds), "step": self.step}
 
 
 @dataclass(frozen=True)
-class RestoreOrder:
+class RestoreOrder(_Wire):
     """Roll back to the end of round ``round`` (step ``step``). ``sha256``: the manifest's
     digest of the worker's file ('' without a manifest); ``copy``: the coordinator's copy
     of it, sent only to a worker that lacks the round; ``fresh``: set an earlier run's
@@ -164,57 +155,17 @@ class RestoreOrder:
     copy: bytes | None = None
     copy_sha256: str | None = None
 
-    def to_record(self) -> ConfigRecord:
-        rec = ConfigRecord(
-            {"round": self.round, "step": self.step, "sha256": self.sha256, "fresh": self.fresh}
-        )
-        for key, value in (("file", self.file), ("copy", self.copy)):
-            if value is not None:
-                rec[key] = value
-        if self.copy_sha256 is not None:
-            rec["copy-sha256"] = self.copy_sha256
-        return rec
-
-    @classmethod
-    def of(cls, conf: Any) -> RestoreOrder:
-        return cls(
-            round=int(conf["round"]),
-            step=int(conf["step"]),
-            sha256=str(conf.get("sha256", "")),
-            fresh=bool(conf.get("fresh", False)),
-            file=str(conf["file"]) if "file" in conf else None,
-            copy=bytes(conf["copy"]) if "copy" in conf else None,
-            copy_sha256=str(conf["copy-sha256"]) if "copy-sha256" in conf else None,
-        )
-
 
 @dataclass(frozen=True)
-class RestoreReply:
+class RestoreReply(_Wire):
     ok: bool
-    reason: str = ""
+    reason: str
     source: str | None = None  # where the state came from (memory, a file, the copy)
 
-    def to_record(self) -> ConfigRecord:
-        rec = ConfigRecord({"ok": self.ok, "reason": self.reason})
-        if self.source is not None:
-            rec["source"] = self.source
-        return rec
-
-    @classmethod
-    def of(cls, conf: Any) -> RestoreReply:
-        return cls(bool(conf["ok"]), str(conf["reason"]), conf.get("source"))
-
 
 @dataclass(frozen=True)
-class RingOrder:
+class RingOrder(_Wire):
     """Join ring incarnation ``ring_id`` with these ring addresses (index = rank)."""
 
     ring_id: str
     peers: list[str]
-
-    def to_record(self) -> ConfigRecord:
-        return ConfigRecord({"ring-id": self.ring_id, "peers": list(self.peers)})
-
-    @classmethod
-    def of(cls, conf: Any) -> RingOrder:
-        return cls(str(conf["ring-id"]), [str(p) for p in conf["peers"]])

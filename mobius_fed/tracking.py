@@ -28,8 +28,7 @@ from typing import Any
 
 log = logging.getLogger("mobius_fed.tracking")
 
-TRACKERS = ("tensorboard", "mlflow", "wandb")
-EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+TRACKERS = ("tensorboard", "mlflow", "wandb")  # each its library and its extra
 
 
 class TrackerUnavailable(ValueError):
@@ -257,11 +256,10 @@ def make_tracker(
     kind = tracker_kind(kind)
     if kind is None:
         return None
-    module = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}[kind]
-    if importlib.util.find_spec(module) is None:
+    if importlib.util.find_spec(kind) is None:
         raise TrackerUnavailable(
-            f"--tracker {kind}: the {module} library is not installed: "
-            f"pip install 'mobius-fed[{EXTRAS[kind]}]'"
+            f"--tracker {kind}: the {kind} library is not installed: "
+            f"pip install 'mobius-fed[{kind}]'"
         )
     try:
         return SafeTracker(BACKENDS[kind](Path(directory), run_name, config))
@@ -358,9 +356,9 @@ def tracked(kind: str | None, metrics_file: Path, **options: Any) -> Iterator[No
             follower.close()
 
 
-def add_tracker_flag(parser: Any, default: str | None = None) -> None:
-    """``--tracker {tensorboard,mlflow,wandb,none}``; ``default`` (e.g. read from the
-    environment by the caller) when the flag is not given."""
+def add_tracker_flag(parser: Any) -> None:
+    """``--tracker {tensorboard,mlflow,wandb,none}``, defaulting to ``MOBIUS_TRACKER``."""
+    default = os.environ.get("MOBIUS_TRACKER") or None
     parser.add_argument(
         "--tracker",
         choices=[*TRACKERS, "none"],

@@ -90,6 +90,39 @@ def add_train_flags(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()
         group.add_argument("--untied", dest="tied", action="store_false", help="same as --no-tied")
 
 
+def daemon_parser(prog: str, description: str, tables: str) -> argparse.ArgumentParser:
+    """A daemon's parser with ``--version``, ``--config``, ``--log-level``, ``--print-config``."""
+    from mobius_fed import __version__
+
+    p = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    add_config_flag(p, tables)
+    add_log_level_flag(p)
+    add_print_config_flag(p)
+    return p
+
+
+def add_daemon_train_flags(parser: argparse.ArgumentParser, title: str, model, settings) -> None:
+    """The ``[train]`` settings of a daemon's ``model`` (flattened) as their own flag group."""
+    from mobius_fed.cli.flags import add_settings_flags
+
+    train = parser.add_argument_group(title)
+    own_keys = {s.key for s in settings if s.path[0] != "train"}
+    add_settings_flags(train, model, flatten=("train",), skip=own_keys)
+    train.add_argument("--untied", dest="tied", action="store_false", help="same as --no-tied")
+
+
+def daemon_main(prog: str, parser: argparse.ArgumentParser, run, argv: list[str] | None) -> int:
+    """Parse ``argv``, set up logging and the stop signals, then :func:`run_daemon`."""
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run_daemon(prog, run, args, GracefulStop(prog).install())
+
+
 def flag_values(args: argparse.Namespace, flags: dict[str, tuple[str, type]]) -> dict:
     """``{dest: value}`` for a ``{flag: (dest, type)}`` table such as the daemons' FLAGS."""
     return {dest: getattr(args, dest, None) for dest, _ in flags.values()}
@@ -145,6 +178,21 @@ def add_checkpoint_flag(parser: argparse.ArgumentParser, default: int) -> None:
         metavar="STEPS",
         help="optimizer steps between checkpoints (0: at the end only; coordinated runs: a "
         f"multiple of --sync-every) (default: {default})",
+    )
+
+
+def step_progress(*fields: str, out: Console = console):
+    """A rich progress bar: the task's name, the bar, step n/N, ``fields`` (text column
+    formats), then the time elapsed."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("step {task.completed}/{task.total}"),
+        *(TextColumn(f) for f in fields),
+        TimeElapsedColumn(),
+        console=out,
     )
 
 
@@ -457,6 +505,18 @@ def resolve_sites(cfg: TrainConfig, data: Sequence[Path] | None, out: Path) -> l
         if site.max_token() >= vocab:
             raise CliError(f"{site.directory}: token id {site.max_token()} ≥ vocab {vocab}")
     return sites
+
+
+def add_run_flag(parser: argparse.ArgumentParser) -> None:
+    """``--run DIR``: find a ``mobius-fed up`` run's coordinator through its endpoints.json."""
+    parser.add_argument(
+        "--run",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a `mobius-fed up --out DIR` run: address and operator certs from "
+        "DIR/endpoints.json (default: ./runs/up when it exists)",
+    )
 
 
 def run_endpoints(run: Path | None):  # -> Endpoints | None (torch-free import)

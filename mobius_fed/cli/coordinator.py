@@ -4,20 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 from pathlib import Path
 
-from mobius_fed import __version__
-from mobius_fed.cli.common import (
-    GracefulStop,
-    add_config_flag,
-    add_log_level_flag,
-    add_print_config_flag,
-    add_resume_flag,
-    print_config,
-    run_daemon,
-)
+from mobius_fed.cli.common import GracefulStop, add_resume_flag, print_config
 from mobius_fed.tracking import add_tracker_flag
 
 DESCRIPTION = """\
@@ -28,33 +17,21 @@ Settings come from --config (TOML with [coordinator] and [train] tables), then M
 environment variables, then flags; every flag below names its variable."""
 
 
-def own_flags() -> dict[str, tuple[str, type]]:
-    """``{flag: (setting dest, value type)}`` of this daemon's own (non-training) settings."""
-    from mobius_fed.cli.flags import daemon_flags
-    from mobius_fed.coordinator.config import SETTINGS
-
-    return daemon_flags(SETTINGS)
-
-
 def __getattr__(name: str):  # FLAGS, built on first use (it loads the config models)
-    if name == "FLAGS":
-        return own_flags()
+    if name == "FLAGS":  # {flag: (setting dest, value type)} of the coordinator's own settings
+        from mobius_fed.cli.flags import daemon_flags
+        from mobius_fed.coordinator.config import SETTINGS
+
+        return daemon_flags(SETTINGS)
     raise AttributeError(name)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mobius_fed.cli.common import add_daemon_train_flags, daemon_parser
     from mobius_fed.cli.flags import add_settings_flags
     from mobius_fed.coordinator.config import SETTINGS, CoordinatorConfig
 
-    p = argparse.ArgumentParser(
-        prog="mobius-coordinator",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    add_config_flag(p, "[coordinator] and [train] tables")
-    add_log_level_flag(p)
-    add_print_config_flag(p)
+    p = daemon_parser("mobius-coordinator", DESCRIPTION, "[coordinator] and [train] tables")
     own = p.add_argument_group("coordinator")
     add_settings_flags(own, CoordinatorConfig, skip=("train", "resume", "strategy_options"))
     own.add_argument(
@@ -71,11 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         "one exists, else start fresh (what a restart policy wants) (default: false; env "
         "MOBIUS_RESUME)",
     )
-    train = p.add_argument_group("training (the run's TrainConfig, sent to every worker)")
-    own_keys = {s.key for s in SETTINGS if s.path[0] != "train"}
-    add_settings_flags(train, CoordinatorConfig, flatten=("train",), skip=own_keys)
-    train.add_argument("--untied", dest="tied", action="store_false", help="same as --no-tied")
-    add_tracker_flag(own, default=os.environ.get("MOBIUS_TRACKER") or None)
+    title = "training (the run's TrainConfig, sent to every worker)"
+    add_daemon_train_flags(p, title, CoordinatorConfig, SETTINGS)
+    add_tracker_flag(own)
     return p
 
 
@@ -129,13 +104,9 @@ def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """SIGTERM, SIGINT or SIGHUP stop it within 2 s: exit 0 after a finished run (e.g.
     while lingering), 128 + signal otherwise; the newest complete manifest stays intact."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    stop = GracefulStop("mobius-coordinator").install()
-    return run_daemon("mobius-coordinator", run, args, stop)
+    from mobius_fed.cli.common import daemon_main
+
+    return daemon_main("mobius-coordinator", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from mobius_fed.cli.common import CliError, console, run_endpoints
+from mobius_fed.cli.common import CliError, add_run_flag, console, run_endpoints
 
 LOCAL_NAMES = ("127.0.0.1", "localhost", "[::1]")
 HOP_HEADERS = ("content-type", "cache-control", "etag", "last-modified")
@@ -163,13 +163,7 @@ def register(sub) -> None:
         description="Start a proxy on 127.0.0.1 that forwards to the coordinator's REST API "
         "with the operator certificate, print its URL and open it in a browser.",
     )
-    p.add_argument(
-        "--run",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="a `mobius-fed up --out DIR` run (default: ./runs/up when it exists)",
-    )
+    add_run_flag(p)
     p.add_argument(
         "--url", default=None, help="coordinator REST URL, https://HOST:PORT (default: from --run)"
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mobius_fed.cli.common import CliError, run_endpoints
+from mobius_fed.cli.common import CliError, add_run_flag, run_endpoints
 
 DEFAULT_CERTS = Path("certs")
 
@@ -77,14 +77,7 @@ def register(sub) -> None:
         default=None,
         help="host:port of a coordinator or worker (default: from --run's endpoints.json)",
     )
-    p.add_argument(
-        "--run",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="a `mobius-fed up --out DIR` run: address and operator certs from "
-        "DIR/endpoints.json (default: ./runs/up when it exists)",
-    )
+    add_run_flag(p)
     p.add_argument(
         "--server-name",
         default=None,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +24,7 @@ from mobius_fed.cli.common import (
     console,
     resolve_sites,
     run_guarded,
+    step_progress,
     train_config_from_args,
 )
 from mobius_fed.tracking import add_tracker_flag
@@ -55,20 +55,6 @@ PLUGINS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _progress():
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("step {task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]:.4f}"),
-        TextColumn("{task.fields[tps]:,.0f} tok/s"),
-        TimeElapsedColumn(),
-        console=console,
-    )
-
-
 def cmd_local(args: argparse.Namespace) -> int:
     from mobius_fed.engine import ReferenceEngine
     from mobius_fed.engine.trainer import CHECKPOINT, train
@@ -88,7 +74,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         f"{threads} thread(s), data: {', '.join(str(s.directory) for s in sites)}"
     )
     start = time.perf_counter()
-    with _progress() as bar:
+    with step_progress("loss {task.fields[loss]:.4f}", "{task.fields[tps]:,.0f} tok/s") as bar:
         task = bar.add_task("train", total=cfg.steps, loss=float("nan"), tps=0.0)
 
         def on_step(r) -> None:
@@ -158,7 +144,7 @@ def _add_local_parser(sub) -> None:
     )
     add_checkpoint_flag(p, default=50)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    add_tracker_flag(p, default=os.environ.get("MOBIUS_TRACKER") or None)
+    add_tracker_flag(p)
     p.set_defaults(func=cmd_local)
 
 

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from rich.console import Console
 from rich.table import Table
 
-from mobius_fed.cli.common import CliError, run_endpoints
+from mobius_fed.cli.common import CliError, add_run_flag, run_endpoints
 from mobius_fed.coordinator.rest_client import COORDINATOR_NAME
 from mobius_fed.machines import EdgeState as E
 from mobius_fed.machines import IncidentState, Phase
@@ -40,14 +40,7 @@ def register(subparsers: Any) -> None:
         "Finds the coordinator of --run DIR (default ./runs/up) unless --coordinator or "
         "--rest is given.",
     )
-    p.add_argument(
-        "--run",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="a `mobius-fed up --out DIR` run: address and operator certs from "
-        "DIR/endpoints.json (default: ./runs/up when it exists)",
-    )
+    add_run_flag(p)
     p.add_argument(
         "--coordinator",
         default=None,
@@ -255,14 +248,10 @@ def _styled(text: str, styles: dict[str, str]) -> str:
 
 def render_status(doc: dict[str, Any], console: Console) -> None:
     """The run summary table, then one row per worker."""
-    run = Table(title="mobius-fed run", show_header=True, header_style="bold")
-    for col in ("run id", "phase", "round", "step", "eval loss", "error"):
-        run.add_column(col, overflow="fold")
-    phase = str(doc.get("phase", "?"))
-    style = _PHASE_STYLE.get(phase)
+    run = _table("mobius-fed run", ("run id", "phase", "round", "step", "eval loss", "error"))
     run.add_row(
         str(doc.get("run_id", "?")),
-        f"[{style}]{phase}[/]" if style else phase,
+        _styled(str(doc.get("phase", "?")), _PHASE_STYLE),
         f"{doc.get('round', 0)}/{doc.get('num_rounds', 0)}",
         f"{doc.get('step', 0)}/{doc.get('steps', 0)}",
         _num(doc.get("eval_loss")),
@@ -280,12 +269,10 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
     ):
         workers.add_column(col, justify=justify)  # type: ignore[arg-type]
     for w in doc.get("workers", []):
-        state = str(w.get("state", "?"))
-        style = _STATE_STYLE.get(state)
         workers.add_row(
             str(w.get("rank", "?")),
             str(w.get("address") or "-"),
-            f"[{style}]{state}[/]" if style else state,
+            _styled(str(w.get("state", "?")), _STATE_STYLE),
             _age(w, doc),
             _num(w.get("last_loss")),
             _num(w.get("tokens_per_s"), "{:,.0f}"),
@@ -299,10 +286,15 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         console.print(_privacy_table(doc["privacy"]))
 
 
+def _table(title: str, columns: tuple[str, ...], overflow: str = "fold") -> Table:
+    table = Table(title=title, show_header=True, header_style="bold")
+    for col in columns:
+        table.add_column(col, overflow=overflow)  # type: ignore[arg-type]
+    return table
+
+
 def _ring_table(edges: list[dict[str, Any]]) -> Table:
-    ring = Table(title="ring edges", show_header=True, header_style="bold")
-    for col in ("edge", "state", "reconnects", "down (s)"):
-        ring.add_column(col)
+    ring = _table("ring edges", ("edge", "state", "reconnects", "down (s)"), "ellipsis")
     for e in edges:
         ring.add_row(
             str(e.get("edge", "?")),
@@ -314,9 +306,8 @@ def _ring_table(edges: list[dict[str, Any]]) -> Table:
 
 
 def _incident_table(incidents: list[dict[str, Any]]) -> Table:
-    log = Table(title="incidents", show_header=True, header_style="bold")
-    for col in ("#", "state", "what", "detected (s)", "recovered (s)", "rollback", "redone"):
-        log.add_column(col, overflow="fold")
+    cols = ("#", "state", "what", "detected (s)", "recovered (s)", "rollback", "redone")
+    log = _table("incidents", cols)
     for i in incidents:
         log.add_row(
             str(i.get("id", "?")),
@@ -334,10 +325,8 @@ def _privacy_table(block: dict[str, Any]) -> Table:
     """The defences on, the noise key and (ε, δ) spent: the label defence's per target
     occurrence, the clipped input noise's per position / per sequence, the E/R's DP-FedAvg
     per whole site."""
-    table = Table(title="privacy", show_header=True, header_style="bold")
     cols = ("defences", "noise key", "ε (labels)", "ε (inputs)", "ε (E/R, per site)", "δ")
-    for col in cols:
-        table.add_column(col, overflow="fold")
+    table = _table("privacy", cols)
     er, inputs = block.get("er") or {}, block.get("input") or {}
     input_eps = "-"
     if inputs:

@@ -568,8 +568,6 @@ def _print_endpoints(fed: LocalFederation) -> None:
 
 def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
     """Prepare, start and watch the federation; the final status."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     fed.prepare()
     console.print(
         f"[bold]mobius-fed up[/]: coordinator + {train.P} workers on 127.0.0.1, "
@@ -579,14 +577,7 @@ def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
     fed.start()
     fed.write_endpoints()
     _print_endpoints(fed)
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("step {task.completed}/{task.total}"),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        console=console,
-    ) as bar:
+    with common.step_progress("{task.fields[info]}") as bar:
         task = bar.add_task("train", total=train.steps, info="waiting for workers")
         told: dict[int, str] = {}  # incident id → the state already printed
 
@@ -703,7 +694,7 @@ def register(sub) -> None:
     )
     from mobius_fed.tracking import add_tracker_flag
 
-    add_tracker_flag(p, default=os.environ.get("MOBIUS_TRACKER") or None)
+    add_tracker_flag(p)
     p.set_defaults(func=up_main)
 
 

@@ -5,15 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from mobius_fed import __version__
-from mobius_fed.cli.common import (
-    GracefulStop,
-    add_config_flag,
-    add_log_level_flag,
-    add_print_config_flag,
-    print_config,
-    run_daemon,
-)
+from mobius_fed.cli.common import GracefulStop, print_config
 
 DESCRIPTION = """\
 Run one Möbius ring worker: its private data, one block group, a ring link to each
@@ -24,33 +16,21 @@ Settings come from --config (TOML with [worker] and [train] tables), then MOBIUS
 environment variables, then flags; every flag below names its variable."""
 
 
-def own_flags() -> dict[str, tuple[str, type]]:
-    """``{flag: (setting dest, value type)}`` of this daemon's own (non-training) settings."""
-    from mobius_fed.cli.flags import daemon_flags
-    from mobius_fed.worker.config import SETTINGS
-
-    return daemon_flags(SETTINGS)
-
-
 def __getattr__(name: str):  # FLAGS, built on first use (it loads the config models)
-    if name == "FLAGS":
-        return own_flags()
+    if name == "FLAGS":  # {flag: (setting dest, value type)} of the worker's own settings
+        from mobius_fed.cli.flags import daemon_flags
+        from mobius_fed.worker.config import SETTINGS
+
+        return daemon_flags(SETTINGS)
     raise AttributeError(name)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mobius_fed.cli.common import add_daemon_train_flags, daemon_parser
     from mobius_fed.cli.flags import add_settings_flags
-    from mobius_fed.worker.config import WorkerConfig
+    from mobius_fed.worker.config import SETTINGS, WorkerConfig
 
-    p = argparse.ArgumentParser(
-        prog="mobius-worker",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    add_config_flag(p, "[worker] and [train] tables")
-    add_log_level_flag(p)
-    add_print_config_flag(p)
+    p = daemon_parser("mobius-worker", DESCRIPTION, "[worker] and [train] tables")
     own = p.add_argument_group("worker")
     add_settings_flags(own, WorkerConfig, skip=("train", "verify_train"))
     own.add_argument(
@@ -60,18 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="same as --data-dir (this worker's site directory)",
     )
-    train = p.add_argument_group(
-        "training (coordinated: checked against the coordinator's; static: the run's)"
+    add_daemon_train_flags(
+        p,
+        "training (coordinated: checked against the coordinator's; static: the run's)",
+        WorkerConfig,
+        SETTINGS,
     )
-    add_settings_flags(train, WorkerConfig, flatten=("train",), skip=_own_keys())
-    train.add_argument("--untied", dest="tied", action="store_false", help="same as --no-tied")
     return p
-
-
-def _own_keys() -> set[str]:
-    from mobius_fed.worker.config import SETTINGS
-
-    return {s.key for s in SETTINGS if s.path[0] != "train"}
 
 
 def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
@@ -103,13 +78,9 @@ def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """SIGTERM, SIGINT or SIGHUP stop it within 2 s: exit 0 once its run has finished,
     128 + signal otherwise (143 for SIGTERM); ring links close on the way out."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    stop = GracefulStop("mobius-worker").install()
-    return run_daemon("mobius-worker", run, args, stop)
+    from mobius_fed.cli.common import daemon_main
+
+    return daemon_main("mobius-worker", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

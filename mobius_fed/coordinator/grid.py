@@ -19,15 +19,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from flwr.app import Message
-from flwr.proto.node_pb2 import NodeInfo
-from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 
 from mobius_fed.proto import control_pb2
 from mobius_fed.transport.flower_wire import (
     ERROR_FATAL,
     ERROR_RING,
-    FLOWER_RUN_ID,
+    RunGrid,
     message_from_bytes,
     message_to_bytes,
     rank_of_node,
@@ -45,8 +42,7 @@ class GridTimeout(RunFailed):
     """Some workers did not answer in time."""
 
     def __init__(self, ranks: list[int], timeout: float):
-        names = ", ".join(f"worker-{r}" for r in ranks)
-        super().__init__(f"{names} did not answer within {timeout}s")
+        super().__init__(f"{names(ranks)} did not answer within {timeout}s")
         self.ranks = ranks
 
 
@@ -97,13 +93,12 @@ def edges_of(ranks, P: int) -> str:
     return ", ".join(dict.fromkeys(edges))
 
 
-class ControlGrid(Grid):
+class ControlGrid(RunGrid):
     """Flower Grid over the Control service sessions of P workers."""
 
     def __init__(self, P: int, validate_reply=None) -> None:
         self.P = P
         self.validate_reply = validate_reply  # raises on a reply the strategy must not see
-        self._run = Run.create_empty(FLOWER_RUN_ID)
         self._outboxes: dict[int, queue.Queue] = {}
         self._replies: dict[str, Message] = {}
         self._pending: dict[str, int] = {}  # message id → the rank it was sent to
@@ -111,21 +106,8 @@ class ControlGrid(Grid):
         self._cond = threading.Condition()
         self._failure: str | None = None
         self._incident: IncidentRaised | None = None
-        self.last_replies: list[Message] = []
 
     # --------------------------------------------------------- Grid protocol
-    def set_run(self, run: Run) -> None:
-        self._run = run
-
-    @property
-    def run(self) -> Run:
-        return self._run
-
-    def create_message(
-        self, content, message_type: str, dst_node_id: int, group_id: str, ttl=None
-    ) -> Message:
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
-
     def get_node_ids(self) -> Iterable[int]:
         # Raising here matters: Flower's sample_nodes polls this forever while fewer than
         # P nodes are connected, so a worker lost between rounds must end the run.
@@ -137,9 +119,6 @@ class ControlGrid(Grid):
         """Ranks that still hold a session (never raises)."""
         with self._cond:
             return sorted(self._outboxes)
-
-    def get_nodes(self) -> Iterable[NodeInfo]:
-        return [NodeInfo(node_id=n) for n in self.get_node_ids()]
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
@@ -195,7 +174,6 @@ class ControlGrid(Grid):
                     IncidentRaised(kind, f"worker-{rank} reports: {err.reason}", rank, edges)
                 )
                 self._raise_if_failed()
-        self.last_replies = replies
         return replies
 
     # ------------------------------------------------------------- sessions

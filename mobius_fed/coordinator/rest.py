@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import socket
@@ -44,6 +43,7 @@ from fastapi.staticfiles import StaticFiles
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mobius_fed.coordinator.metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
+from mobius_fed.coordinator.rest_client import is_loopback
 from mobius_fed.coordinator.state import RunState, json_safe
 from mobius_fed.coordinator.status_model import (
     ErrorModel,
@@ -281,11 +281,8 @@ class _TLS13Config(uvicorn.Config):
 class _ThreadServer(uvicorn.Server):
     """uvicorn server that never touches signal handlers (it runs in a worker thread)."""
 
-    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
-        pass
-
     @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:  # uvicorn >= 0.29
+    def capture_signals(self) -> Iterator[None]:
         yield
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -304,15 +301,6 @@ class _ThreadServer(uvicorn.Server):
             if transport is not None:
                 transport.abort()
         await super().shutdown(sockets)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class RestServer:
@@ -343,7 +331,7 @@ class RestServer:
             raise ValueError("local mode is plain HTTP; pass tls=None with local=True")
         if not local and not metrics and tls is None:
             raise ValueError("REST status needs TLS material, or an explicit local=True")
-        if local and not _is_loopback(host):
+        if local and not is_loopback(host):
             raise ValueError(
                 f"local (unauthenticated) REST mode binds only to 127.0.0.1/localhost/::1, "
                 f"not {host!r}"

@@ -24,8 +24,6 @@ from mobius_fed.machines import (
 
 log = logging.getLogger("mobius.coordinator")
 
-WORKER_STATES = tuple(WorkerState)
-
 
 @dataclass
 class RunState:

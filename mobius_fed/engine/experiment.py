@@ -71,18 +71,11 @@ def _train_arm(
     engine = ReferenceEngine(cfg, sites)
     if console is None:
         return train(engine, run_dir, checkpoint_every=0)
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from mobius_fed.cli.common import step_progress
 
     name = f"L={cfg.loops} {_order_name(cfg.order)} seed {cfg.seed}"
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("step {task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]:.4f}"),
-        TextColumn("val {task.fields[val]}"),
-        TimeElapsedColumn(),
-        console=console,
-    ) as bar:
+    fields = ("loss {task.fields[loss]:.4f}", "val {task.fields[val]}")
+    with step_progress(*fields, out=console) as bar:
         task = bar.add_task(name, total=cfg.steps, loss=math.nan, val="—")
         return train(
             engine,

@@ -13,10 +13,7 @@ import uuid
 from collections.abc import Iterable
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.proto.node_pb2 import NodeInfo
-from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
-from flwr.supercore.run import Run
 
 from mobius_fed.defences.secagg import MASKED, Round, SiteMasker
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
@@ -24,7 +21,7 @@ from mobius_fed.model import Replica
 from mobius_fed.strategies import STEP_END, STEP_START
 from mobius_fed.transport.flower_wire import (
     COORDINATOR_NODE_ID,
-    FLOWER_RUN_ID,
+    RunGrid,
     rank_of_node,
     set_task_identity,
     worker_node_id,
@@ -36,32 +33,18 @@ def _arrays(replica: Replica) -> ArrayRecord:
     return ArrayRecord({k: v.detach().clone() for k, v in replica.shared_state_dict().items()})
 
 
-class EngineGrid(Grid):
+class EngineGrid(RunGrid):
     """P in-process nodes backed by one ReferenceEngine (replica averaging left to Flower)."""
 
     def __init__(self, engine: ReferenceEngine) -> None:
         self.engine = engine
-        self._run = Run.create_empty(FLOWER_RUN_ID)
         self.steps: list[StepResult] = []
         self.evals: list[EvalResult] = []
         cfg = engine.cfg  # Secure Aggregation: each site masks its update as a worker does
         self.maskers = [SiteMasker(cfg, s) for s in range(cfg.P)] if cfg.privacy.er_secagg else None
 
-    def set_run(self, run: Run) -> None:
-        self._run = run
-
-    @property
-    def run(self) -> Run:
-        return self._run
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
-
     def get_node_ids(self) -> Iterable[int]:
         return [worker_node_id(s) for s in range(self.engine.cfg.P)]
-
-    def get_nodes(self) -> Iterable[NodeInfo]:
-        return [NodeInfo(node_id=n) for n in self.get_node_ids()]
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         raise NotImplementedError("EngineGrid answers synchronously in send_and_receive")

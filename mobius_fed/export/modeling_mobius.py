@@ -128,17 +128,11 @@ class BlockGroup(nn.Module):
         return h, cache
 
 
-class HomeMLP(nn.Module):
+class HomeMLP(MLP):
     """The private home layer ``mlp``: W2 relu²(W1 rms_norm(h)), no identity path."""
 
-    def __init__(self, cfg: dict) -> None:
-        super().__init__()
-        hidden = cfg["mlp_ratio"] * cfg["d_model"]
-        self.fc = nn.Linear(cfg["d_model"], hidden, bias=False)
-        self.proj = nn.Linear(hidden, cfg["d_model"], bias=False)
-
     def forward(self, h: Tensor) -> Tensor:
-        return self.proj(F.relu(self.fc(rms_norm(h))).square())
+        return super().forward(rms_norm(h))
 
 
 class HomeBlock(nn.Module):

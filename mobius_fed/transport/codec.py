@@ -171,7 +171,8 @@ def decode_tensor(
     return t
 
 
-def _direction_name(value: int) -> str:
+def direction_name(value: int) -> str:
+    """A frame direction's name (FORWARD, BACKWARD, …), or its number when unknown."""
     try:
         return ring_pb2.Direction.Name(value)
     except ValueError:
@@ -201,8 +202,8 @@ def validate_frame(
             raise FrameError(f"frame rejected: {field} {got!r} (expected {want!r})")
     if frame.direction != direction:
         raise FrameError(
-            f"frame rejected: direction {_direction_name(frame.direction)} "
-            f"(expected {_direction_name(direction)})"
+            f"frame rejected: direction {direction_name(frame.direction)} "
+            f"(expected {direction_name(direction)})"
         )
     if not frame.HasField("tensor"):
         raise FrameError("frame rejected: no tensor")

@@ -47,6 +47,7 @@ from mobius_fed.transport.tls import (
     certificate_uris,
     check_node_secrets,
     parse_identity,
+    spki,
 )
 
 KEY_FILE = "tls.key"
@@ -269,12 +270,6 @@ def _check_identity(sans: list[x509.GeneralName], node: str, where: str) -> list
 _ALLOWED_NAMES = (x509.UniformResourceIdentifier, x509.DNSName, x509.IPAddress)
 
 
-def _spki(public_key: object) -> bytes:
-    return public_key.public_bytes(  # type: ignore[attr-defined]
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-
-
 def _issued_certificates(ca_dir: Path) -> list[Path]:
     """Every node certificate this CA directory knows: :data:`ISSUED` and ``certs init``'s."""
     flat = [p for p in ca_dir.glob("*.crt") if p.name != CA_FILE]
@@ -285,14 +280,14 @@ def _check_key_is_new(csr: x509.CertificateSigningRequest, node: str, ca_dir: Pa
     """Refuse the CA's key and a key already certified for another identity."""
     where = f"the request for {node}"
     _check_key_type(csr.public_key(), where)
-    pub = _spki(csr.public_key())
+    pub = spki(csr)
     ca_cert = x509.load_pem_x509_certificate((ca_dir / CA_FILE).read_bytes())
-    if pub == _spki(ca_cert.public_key()):
+    if pub == spki(ca_cert):
         raise EnrollError(f"{where} is for the CA's own key: the CA key never goes to a node")
     want = identity_of(node)
     for path in _issued_certificates(ca_dir):
         cert = x509.load_pem_x509_certificate(path.read_bytes())
-        if _spki(cert.public_key()) != pub:
+        if spki(cert) != pub:
             continue
         held = list(certificate_uris(cert.public_bytes(serialization.Encoding.PEM)))
         if held != [want]:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from flwr.app import Message
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Message as MessageProto
+from flwr.proto.node_pb2 import NodeInfo
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from mobius_fed.transport.safe_arrays import validate_message_arrays
@@ -46,3 +51,22 @@ def message_from_bytes(data: bytes) -> Message:
     if not message.has_error():  # an Error reply has no content
         validate_message_arrays(message)
     return message
+
+
+class RunGrid(Grid):
+    """The Grid methods every grid here shares: one run, plain Messages, nodes by id."""
+
+    _run = Run.create_empty(FLOWER_RUN_ID)
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_nodes(self) -> Iterable[NodeInfo]:
+        return [NodeInfo(node_id=n) for n in self.get_node_ids()]

@@ -367,18 +367,11 @@ def _private_keys(data: bytes, path: Path) -> list[Any] | None:
     return []
 
 
-def _public_der(key: Any) -> bytes:
+def spki(holder: Any) -> bytes:
+    """The DER SubjectPublicKeyInfo of a certificate's, a CSR's or a private key's public key."""
     from cryptography.hazmat.primitives import serialization
 
-    return key.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-
-
-def _spki(cert: Any) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
-    return cert.public_key().public_bytes(
+    return holder.public_key().public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
 
@@ -469,7 +462,7 @@ def check_node_secrets(
     b = tls.load()
     (cert, *_) = _certificates(b.cert, "certificate", Path(tls.cert))
     cas = _certificates(b.ca, "CA certificate", Path(tls.ca))
-    own_pub, ca_pubs = _spki(cert), {_spki(c) for c in cas}
+    own_pub, ca_pubs = spki(cert), {spki(c) for c in cas}
     _check_own_key(tls, b.key, own_pub, ca_pubs)
     try:
         identity = certificate_identity(b.cert)
@@ -498,11 +491,11 @@ def _check_own_key(tls: NodeTLS, pem: bytes, own_pub: bytes, ca_pubs: set[bytes]
     if not own:
         raise SecretsError(f"private key {tls.key} holds no readable unencrypted private key")
     for key in own:
-        if _public_der(key) in ca_pubs:
+        if spki(key) in ca_pubs:
             raise SecretsError(
                 f"private key {tls.key} is the CA key: a node must never hold it. {COMPOSE_HINT}"
             )
-        if _public_der(key) != own_pub:
+        if spki(key) != own_pub:
             raise SecretsError(
                 f"private key {tls.key} does not match certificate {tls.cert} "
                 "(they are from different nodes or different issues of the certificates)"
@@ -531,7 +524,7 @@ def _check_file(f: Path, tls: NodeTLS, own_pub: bytes, ca_pubs: set[bytes]) -> N
             f"format); a node's certificate directory holds only its own key. {COMPOSE_HINT}"
         )
     for key in keys:
-        pub = _public_der(key)
+        pub = spki(key)
         if pub in ca_pubs:
             raise SecretsError(
                 f"{f} holds the CA key: a node must never hold it (anyone with it can mint "

@@ -22,19 +22,12 @@ from dataclasses import dataclass
 from mobius_fed import schedule
 from mobius_fed.config import TrainConfig
 from mobius_fed.proto import ring_pb2
-from mobius_fed.transport.codec import FrameError
+from mobius_fed.transport.codec import FrameError, direction_name
 
 FORWARD, BACKWARD, FIN = ring_pb2.FORWARD, ring_pb2.BACKWARD, ring_pb2.FIN
 ACK, CLOSE = ring_pb2.ACK, ring_pb2.CLOSE  # link control (see ring.proto)
 TRAIN, EVAL = ring_pb2.TRAIN, ring_pb2.EVAL
 DELIVER, RELAY = "deliver", "relay"
-
-
-def direction_name(value: int) -> str:
-    try:
-        return ring_pb2.Direction.Name(value)
-    except ValueError:
-        return str(value)
 
 
 def edge_name(a: int, b: int) -> str:
@@ -86,13 +79,6 @@ class FrameRules:
     def producer(self, origin: int, slot: int) -> int:
         """The worker that wrote slot τ: the previous group, or home (the embedding)."""
         return self.paths[origin][slot - 1] if slot > 0 else origin
-
-    def destination(self, frame: ring_pb2.Frame) -> int:
-        if frame.direction == FIN:
-            return (frame.origin - 1) % self.P
-        if frame.direction == FORWARD:
-            return self.consumer(frame.origin, frame.tick)
-        return self.producer(frame.origin, frame.tick)
 
     def route(self, direction: int, origin: int, slot: int = 0) -> list[int]:
         """The workers a frame visits, in travel order, from its producer to its consumer.
