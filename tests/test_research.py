@@ -25,8 +25,6 @@ P = 2
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
-
-
 def _cfg(**kw) -> TrainConfig:
     base = dict(preset="cpu-tiny", workers=P, loops=2, steps=4, batch_size=2, eval_batches=1)
     return TrainConfig(**{**base, **kw})

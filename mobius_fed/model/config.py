@@ -67,9 +67,7 @@ PRESETS: dict[str, dict] = {
         n_layer=12, d_model=768, n_head=6, head_dim=128, vocab_size=50304, seq_len=1024
     ),
     # A GPU-sized model on the byte vocabulary (no tokenizer download): 21M parameters.
-    "gpu-small": dict(
-        n_layer=12, d_model=384, n_head=6, head_dim=64, vocab_size=None, seq_len=512
-    ),
+    "gpu-small": dict(n_layer=12, d_model=384, n_head=6, head_dim=64, vocab_size=None, seq_len=512),
     # CPU presets for tests and demos (12 layers so that P = 2, 3, 4 and 6 all divide).
     "cpu-tiny": dict(n_layer=12, d_model=32, n_head=2, head_dim=16, vocab_size=None, seq_len=32),
     "cpu-small": dict(n_layer=12, d_model=96, n_head=3, head_dim=32, vocab_size=None, seq_len=128),
