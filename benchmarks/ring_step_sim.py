@@ -13,6 +13,8 @@ M-1..0); then the home work (embedding backward, optimizer steps). Resources:
   testbed shapes it), used in send order: a frame of ``fwd_bytes``/``bwd_bytes`` leaves
   when the link is free and the sender has computed it, takes 8·bytes/rate, and arrives
   one one-way delay after its last byte left. A slot for the same worker needs no link.
+  The link is a token bucket (``tc tbf``): ``burst_bytes`` of tokens, refilled at the rate
+  while the link idles, pass at once (0 on an unshaped model of a WAN link).
 
 The step time is when the last worker finishes. With M = 1 a cyclic ring is a chain and
 the step is the serial bound compute + transfer + K·RTT; with M micro-batches the next
@@ -40,6 +42,7 @@ class StepCosts:
     bwd_bytes: float  # one backward hop of one micro-batch (gradients)
     rate_bps: float  # each site's egress rate
     delay_s: float  # one-way delay of every hop
+    burst_bytes: float = 0.0  # the egress token bucket's size (a shaped link's burst)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -89,12 +92,14 @@ class _Worker:
     pc: int = 0
     clock: float = 0.0
     link_free: float = 0.0
+    tokens: float = 0.0  # the token bucket's bytes when the link last emptied
     sent_s: float = 0.0
 
 
 def simulate_step(order: str, P: int, L: int, M: int, c: StepCosts) -> dict:
     """Step seconds (all workers start at 0 together) and each worker's finish time."""
-    workers = [_Worker(worker_program(order, i, P, L, M, c)) for i in range(P)]
+    programs = [worker_program(order, i, P, L, M, c) for i in range(P)]
+    workers = [_Worker(ops, tokens=c.burst_bytes) for ops in programs]
     arrived: dict[tuple, float] = {}
     while any(w.pc < len(w.ops) for w in workers):
         moved = False
@@ -120,8 +125,11 @@ def _send(w: _Worker, i: int, dest: int | None, direction: str, c: StepCosts) ->
     if dest == i:
         return w.clock
     nbytes = c.fwd_bytes if direction == FORWARD else c.bwd_bytes
-    busy = 8 * nbytes / c.rate_bps
+    byte_s = 8 / c.rate_bps
     start = max(w.clock, w.link_free)
-    w.link_free = start + busy
-    w.sent_s += busy
+    tokens = min(c.burst_bytes, w.tokens + (start - w.link_free) / byte_s)
+    paced = max(0.0, nbytes - tokens)  # what waits for tokens at the rate
+    w.tokens = tokens - (nbytes - paced)
+    w.link_free = start + paced * byte_s
+    w.sent_s += nbytes * byte_s
     return w.link_free + c.delay_s

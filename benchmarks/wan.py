@@ -451,10 +451,12 @@ def measure_shares(cfg, repeats: int = 7) -> dict[str, float]:
     return {k: v / sum(seconds.values()) for k, v in seconds.items()}
 
 
-def project_micro(cfg, compute_s: float, shares: dict, rate_bps: float, delay_s: float) -> dict:
+def project_micro(
+    cfg, compute_s: float, shares: dict, rate_bps: float, delay_s: float, burst: float = 0.0
+) -> dict:
     """The simulated ring step (benchmarks/ring_step_sim.py) for ``cfg`` (its P, L, order,
     micro-batches and wire), ``compute_s`` of one worker per step split by ``shares``, each
-    site's egress ``rate_bps`` and one-way ``delay_s``."""
+    site's egress ``rate_bps`` (a token bucket of ``burst`` bytes) and one-way ``delay_s``."""
     sys.path.insert(0, str(Path(__file__).parent))
     from ring_step_sim import StepCosts, simulate_step
 
@@ -469,6 +471,7 @@ def project_micro(cfg, compute_s: float, shares: dict, rate_bps: float, delay_s:
         bwd_bytes=bwd_b,
         rate_bps=rate_bps,
         delay_s=delay_s,
+        burst_bytes=burst,
     )
     sim = simulate_step(cfg.order, cfg.P, cfg.loops, M, costs)
     return {
@@ -546,7 +549,8 @@ def check_table(rows: list[dict], args: argparse.Namespace, shares: dict) -> str
     lines = [
         f"{args.preset}, P = 4, L = 1, batch {cfg.batch_size} per origin, M = {args.micro}, "
         f"{args.steps} steps ({args.skip} untimed); projected from each run's own compute "
-        f"s/step (slowest worker); compute shares: {_shares_text(shares)}",
+        f"s/step (slowest worker); compute shares: {_shares_text(shares)}; each site's link "
+        "a token bucket as the testbed's tc tbf sets it (128 KiB or 4 ms of burst)",
         "",
         "| wire | link | compute s/step | MB per worker-step | projected transfer s | "
         "projected tokens/s: model [overlapped, serial] | measured tokens/s | "
@@ -563,7 +567,8 @@ def check_table(rows: list[dict], args: argparse.Namespace, shares: dict) -> str
         fast = cfg.tokens_per_step / proj["step_s"]
         slow = fast * proj["serial_busy"] / proj["busy"]  # same compute, serial step
         scfg = cfg.model_copy(update=parse_scheme(scheme))
-        sim = project_micro(scfg, r["compute_s"], shares, float(shape.rate), shape.delay)
+        burst = testbed_burst(int(shape.rate))
+        sim = project_micro(scfg, r["compute_s"], shares, float(shape.rate), shape.delay, burst)
         got = r["tokens_s"]
         lines.append(
             f"| {r['wire']} | {r['shape']} | {r['compute_s']:.3f} | {nbytes / 1e6:.2f} | "
@@ -571,6 +576,15 @@ def check_table(rows: list[dict], args: argparse.Namespace, shares: dict) -> str
             f"{got:,.0f} | **{got / sim['tokens_s']:.2f}** [{got / fast:.2f}, {got / slow:.2f}] |"
         )
     return "\n".join(lines) + "\n"
+
+
+def testbed_burst(rate: int) -> float:
+    """Bytes the testbed's ``tc tbf`` on a site's link passes at once (its token bucket, as
+    ``mobius_fed.testbed.wan.tbf_args`` sets it: 128 KiB or 4 ms of the rate)."""
+    from mobius_fed.testbed.wan import tbf_args
+
+    args = tbf_args(rate)
+    return float(args[args.index("burst") + 1])
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -86,6 +86,19 @@ def test_a_case_computed_by_hand():
     assert r["link_s"] == 2 * 2 * (3.0 + 1.0)  # K·M hops each way
 
 
+def test_the_token_bucket_lets_a_burst_pass_and_refills_at_the_rate():
+    """P = 2, M = 1, 1 s per application each way, 2-byte hops at 1 byte/s, a 2-byte
+    bucket, no delay. Worker 0: F(t0) 0–1 sends at once (bucket full, then empty); F(t1)
+    1–2, bucket refilled 1 byte, link 2–3; head at 3, empty bucket, link 3–5; B(t1) 5–6,
+    1 byte refilled, link 6–7; B(t0) 7–8. Without the bucket: the serial 4 + 8 = 12 s."""
+    c = sim.StepCosts(1.0, 1.0, 0.0, 0.0, 2.0, 2.0, 8.0, 0.0, burst_bytes=2.0)
+    assert sim.simulate_step("cyclic", 2, 1, 1, c)["step_s"] == 8.0
+    plain = sim.StepCosts(1.0, 1.0, 0.0, 0.0, 2.0, 2.0, 8.0, 0.0)
+    assert sim.simulate_step("cyclic", 2, 1, 1, plain)["step_s"] == 12.0
+    assert wan.testbed_burst(2_000_000) == 128 << 10  # 4 ms of 2 Mbit/s is less
+    assert wan.testbed_burst(1_000_000_000) == 500_000
+
+
 @pytest.mark.parametrize("wire", [None, {"fwd": "int8", "bwd": "int4"}])
 @pytest.mark.parametrize("M", [1, 2])
 def test_hop_bytes_per_direction_add_up_to_step_bytes(wire, M: int):
@@ -116,9 +129,12 @@ def test_check_table_reports_measured_over_the_model():
     cfg = TrainConfig(preset="cpu-small", workers=4)
     shares = dict(zip(wan.SHARES, (0.25, 0.5, 0.125, 0.125)))
     row = {"wire": "none", "shape": "10mbit/5ms", "compute_s": 0.5, "busy": 0.2}
+    burst = wan.testbed_burst(10_000_000)
+    model = wan.project_micro(cfg, 0.5, shares, 1e7, 0.005, burst)["tokens_s"]
     nbytes = wan.worker_bytes("cpu-small", 4, 1, cfg.batch_size, "fp32")
-    step = 0.5 + 8 * nbytes / 1e7 + cfg.K * 0.01  # M = 1: the serial bound
-    row["tokens_s"] = 0.9 * cfg.tokens_per_step / step
+    serial = cfg.tokens_per_step / (0.5 + 8 * nbytes / 1e7 + cfg.K * 0.01)
+    assert serial < model < 1.2 * serial  # the burst passes some bytes at once
+    row["tokens_s"] = 0.9 * model
     table = wan.check_table([row, {**row, "shape": "loopback"}], args, shares)
     assert "**0.90**" in table and "loopback" not in table
     assert "fwd 0.25, bwd 0.50, head 0.12, home 0.12" in table
