@@ -341,6 +341,13 @@ def parse_scheme(text: str) -> dict:
     return out
 
 
+def with_scheme(cfg, scheme: str):
+    """``cfg`` with a scheme's wire dtype, codec and subspace (validated anew)."""
+    from mobius_fed.config import TrainConfig
+
+    return TrainConfig.model_validate({**cfg.model_dump(), **parse_scheme(scheme)})
+
+
 def worker_bytes(preset: str, P: int, loops: int, batch: int, scheme: str) -> float:
     """Bytes one worker sends per training step (cyclic: the ring's total over P)."""
     from mobius_fed.config import TrainConfig
@@ -522,7 +529,7 @@ def project_table(args: argparse.Namespace) -> str:
     ]
     for scheme in args.schemes:
         nbytes = worker_bytes(args.preset, args.workers, args.loops, args.batch, scheme)
-        scfg = cfg.model_copy(update=parse_scheme(scheme))
+        scfg = with_scheme(cfg, scheme)
         for compute in args.compute:
             cells = []
             for rate in args.rates:
@@ -539,10 +546,11 @@ def project_table(args: argparse.Namespace) -> str:
 
 
 def check_table(rows: list[dict], args: argparse.Namespace, shares: dict) -> str:
-    """Each shaped ring run against the projection from its own compute s/step, the bytes
-    of its codec and its link: the simulated step at the run's M (``project_micro``, with
-    compute split by ``shares``) and, for reference, the overlapped and serial bounds. The
-    projection holds where measured ÷ projected is near 1."""
+    """Each ring run against the projection from its own compute s/step, the bytes of its
+    codec and its link: the simulated step at the run's M (``project_micro``, with compute
+    split by ``shares``) and, for reference, the overlapped and serial bounds. The
+    projection holds where measured ÷ projected is near 1; on a loopback row (no link cost)
+    that ratio is what the ring loses besides its link."""
     from mobius_fed.config import TrainConfig
 
     cfg = TrainConfig(preset=args.preset, workers=4, micro_batches=args.micro)
@@ -557,25 +565,30 @@ def check_table(rows: list[dict], args: argparse.Namespace, shares: dict) -> str
         "measured ÷ model [÷ overlapped, ÷ serial] |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        if r["shape"] == "loopback":
-            continue
-        shape = parse_shape(r["shape"])
-        scheme = cfg.wire_dtype if r["wire"] == "none" else f"wire={r['wire']}"
-        nbytes = worker_bytes(args.preset, 4, 1, cfg.batch_size, scheme)
-        proj = project(r["compute_s"], nbytes, float(shape.rate), 2 * shape.delay, cfg.K)
-        fast = cfg.tokens_per_step / proj["step_s"]
-        slow = fast * proj["serial_busy"] / proj["busy"]  # same compute, serial step
-        scfg = cfg.model_copy(update=parse_scheme(scheme))
-        burst = testbed_burst(int(shape.rate))
-        sim = project_micro(scfg, r["compute_s"], shares, float(shape.rate), shape.delay, burst)
-        got = r["tokens_s"]
-        lines.append(
-            f"| {r['wire']} | {r['shape']} | {r['compute_s']:.3f} | {nbytes / 1e6:.2f} | "
-            f"{proj['transfer_s']:.3f} | {sim['tokens_s']:,.0f} [{fast:,.0f}, {slow:,.0f}] | "
-            f"{got:,.0f} | **{got / sim['tokens_s']:.2f}** [{got / fast:.2f}, {got / slow:.2f}] |"
-        )
+    lines += [_check_row(r, cfg, shares, args.preset) for r in rows]
     return "\n".join(lines) + "\n"
+
+
+UNSHAPED_BPS = 1e15
+"""An unshaped (loopback) link in the model: no transfer time, no burst, no delay."""
+
+
+def _check_row(r: dict, cfg, shares: dict, preset: str) -> str:
+    shape = parse_shape(r["shape"])
+    rate = float(shape.rate or UNSHAPED_BPS)
+    scheme = cfg.wire_dtype if r["wire"] == "none" else f"wire={r['wire']}"
+    nbytes = worker_bytes(preset, 4, 1, cfg.batch_size, scheme)
+    proj = project(r["compute_s"], nbytes, rate, 2 * shape.delay, cfg.K)
+    fast = cfg.tokens_per_step / proj["step_s"]
+    slow = fast * proj["serial_busy"] / proj["busy"]  # same compute, serial step
+    burst = testbed_burst(int(shape.rate)) if shape.rate else 0.0
+    sim = project_micro(with_scheme(cfg, scheme), r["compute_s"], shares, rate, shape.delay, burst)
+    got = r["tokens_s"]
+    return (
+        f"| {r['wire']} | {r['shape']} | {r['compute_s']:.3f} | {nbytes / 1e6:.2f} | "
+        f"{proj['transfer_s']:.3f} | {sim['tokens_s']:,.0f} [{fast:,.0f}, {slow:,.0f}] | "
+        f"{got:,.0f} | **{got / sim['tokens_s']:.2f}** [{got / fast:.2f}, {got / slow:.2f}] |"
+    )
 
 
 def testbed_burst(rate: int) -> float:
@@ -650,7 +663,9 @@ def main(argv: list[str] | None = None) -> int:
         ["none", "both=int8"],
         "cpu-small",
     )
-    ck.add_argument("--rows", type=Path, help="tabulate the rows a run printed; run nothing")
+    ck.add_argument(
+        "--rows", type=Path, nargs="+", help="tabulate the rows runs printed; run nothing"
+    )
     pj = sub.add_parser("project", help="projected busy fraction and tokens/s (no testbed)")
     pj.add_argument("--compute", type=float, nargs="+", default=[0.076, 0.047], help="s/step")
     pj.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"])
@@ -674,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = TrainConfig(preset=args.preset, workers=4, micro_batches=args.micro)
         shares = _shares(args, cfg, measure=True)  # before the ring loads the machine
-        rows = read_rows(args.rows) if args.rows else bench_ring(args)
+        rows = [r for f in args.rows for r in read_rows(f)] if args.rows else bench_ring(args)
         print(check_table(rows, args, shares))
     else:
         print(ring_table(bench_ring(args)))
