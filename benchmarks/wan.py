@@ -421,10 +421,11 @@ def flop_shares(cfg) -> dict[str, float]:
     }
 
 
-def measure_shares(cfg, repeats: int = 7) -> dict[str, float]:
-    """Shares of one worker's step compute, timed on this machine (one thread, median of
-    ``repeats``): F_i on one micro-batch forward and backward (× K·M), R and the loss forward
-    and backward (× M), and the home rest (embedding both ways, optimizer steps; once)."""
+def measure_shares(cfg, repeats: int = 9) -> dict[str, float]:
+    """Shares of one worker's step compute, timed on this machine (one thread, the fastest
+    of ``repeats``: the one least disturbed by other load): F_i on one micro-batch forward
+    and backward (× K·M), R and the loss forward and backward (× M), and the home rest
+    (embedding both ways, optimizer steps; once)."""
     import torch
 
     from mobius_fed.defences.site_layers import build_site_replica
@@ -452,7 +453,7 @@ def measure_shares(cfg, repeats: int = 7) -> dict[str, float]:
         t4 = time.perf_counter()
         for name, lap in zip(laps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             laps[name].append(lap)
-    per = {k: statistics.median(v) for k, v in laps.items()}
+    per = {k: min(v) for k, v in laps.items()}
     total = {"fwd": cfg.K * M, "bwd": cfg.K * M, "head": M, "home": 1}
     seconds = {k: per[k] * n for k, n in total.items()}
     return {k: v / sum(seconds.values()) for k, v in seconds.items()}
