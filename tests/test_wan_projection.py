@@ -135,9 +135,17 @@ def test_check_table_reports_measured_over_the_model():
     serial = cfg.tokens_per_step / (0.5 + 8 * nbytes / 1e7 + cfg.K * 0.01)
     assert serial < model < 1.2 * serial  # the burst passes some bytes at once
     row["tokens_s"] = 0.9 * model
-    table = wan.check_table([row, {**row, "shape": "loopback"}], args, shares)
-    assert "**0.90**" in table and "| none | loopback | 0.500 | 3.15 | 0.000 |" in table
+    loopback = {**row, "shape": "loopback", "tokens_s": cfg.tokens_per_step / (1.25 * 0.5)}
+    table = wan.check_table([loopback, row], args, shares)
+    lines = table.splitlines()
+    assert lines[-2].startswith("| none | loopback | 0.500 | 3.15 | 0.000 |")
+    assert lines[-2].endswith("**0.80** [0.80, 0.80] | 1.25: 1.00 |")  # κ: its own step
+    slower = wan.project_micro(cfg, 1.25 * 0.5, shares, 1e7, 0.005, burst)["tokens_s"]
+    assert "**0.90**" in lines[-1]
+    assert lines[-1].endswith(f"| 1.25: {0.9 * model / slower:.2f} |")
     assert "fwd 0.25, bwd 0.50, head 0.12, home 0.12" in table
+    assert "| —" not in table
+    assert wan.check_table([row], args, shares).endswith("| — |\n")  # no loopback: no κ
 
 
 def test_bad_inputs_are_refused():
