@@ -16,13 +16,15 @@ loopback row of the same codec.
     python benchmarks/wan.py link --shapes loopback 1gbit/25ms 100mbit/50ms
     python benchmarks/wan.py ring --codecs none fwd=int8,bwd=int8 both=int3 --steps 8
     python benchmarks/wan.py project --compute 0.076 0.047 --rates 100mbit 1gbit 10gbit
-    python benchmarks/wan.py check --preset cpu-small --shapes 10mbit/5ms 100mbit/5ms
+    python benchmarks/wan.py check --preset cpu-small --shapes loopback 10mbit/5ms --micro 2
 
 ``project`` needs no testbed: from compute seconds per step (measured, or given for a GPU),
-the bytes a worker sends per step under a scheme (wire dtype, codec, subspace; exact payload
-sizes) and a link (rate, RTT) it projects the busy fraction and the ring's tokens/s.
-``check`` runs the ``ring`` part on shaped links and sets each run's tokens/s beside the
-projection made from that run's own compute seconds per step.
+the bytes of a hop in each direction under a scheme (wire dtype, codec, subspace; exact
+payload sizes), a link (rate, RTT) and the micro-batches per stream (``--micro M``) it
+simulates one ring step (``ring_step_sim.py``) and prints the busy fraction and the ring's
+tokens/s, with the overlapped and serial bounds beside them. ``check`` runs the ``ring``
+part on shaped links and sets each run's tokens/s beside the projection made from that
+run's own compute seconds per step (``--rows`` tabulates rows a run printed, again).
 
 Shapes are RATE/DELAY per site and direction (``1gbit/25ms``: 1 Gbit/s each way, 25 ms
 one way, so a 50 ms round trip); ``loopback`` is the testbed unshaped. Link tuning
