@@ -18,7 +18,7 @@ M-1..0); then the home work (embedding backward, optimizer steps). Resources:
 
 The step time is when the last worker finishes. With M = 1 a cyclic ring is a chain and
 the step is the serial bound compute + transfer + K·RTT; with M micro-batches the next
-worker starts on chunk 1 while chunk 2 is in flight.
+worker starts on micro-batch 0 while micro-batch 1 is in flight.
 """
 
 from __future__ import annotations
@@ -66,10 +66,11 @@ def worker_program(order: str, i: int, P: int, L: int, M: int, c: StepCosts) -> 
     if M < 1:
         raise ValueError(f"micro-batches M must be ≥ 1, got {M}")
     K = schedule.num_applications(P, L)
-    paths = [schedule.path(order, s, P, L) for s in range(P)]  # type: ignore[arg-type]
+    paths = [schedule.cyclic_path(s, P, L) for s in range(P)]
     consumer = lambda s, slot: paths[s][slot] if slot < K else s  # noqa: E731
     producer = lambda s, slot: paths[s][slot - 1] if slot > 0 else s  # noqa: E731
-    apps = [(t, s, m) for t, s in schedule.worker_schedule(order, i, P, L) for m in range(M)]  # type: ignore[arg-type]
+    ticks = schedule.worker_schedule("cyclic", i, P, L)
+    apps = [(t, s, m) for t, s in ticks for m in range(M)]
     ops: list[Op] = [(0.0, None, (FORWARD, i, 0, m), consumer(i, 0), FORWARD) for m in range(M)]
     for t, s, m in apps:
         ops.append(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -161,3 +162,19 @@ def test_bad_inputs_are_refused():
     cfg = TrainConfig(preset="cpu-small", workers=4)
     with pytest.raises(ValueError, match="four values ≥ 0"):
         wan._shares(argparse.Namespace(shares=[1.0, -1.0, 0.0, 0.0]), cfg, measure=False)
+
+
+def test_project_and_check_from_rows_on_the_command_line(tmp_path, capsys):
+    argv = ["project", "--compute", "0.05", "--rates", "1gbit", "--schemes", "bf16"]
+    assert wan.main([*argv, "--micro", "2", "--shares", "1", "2", "0", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "M = 2 micro-batches" in out and "fwd 0.33, bwd 0.67, head 0.00" in out
+    rows = tmp_path / "run.out"
+    row = {"wire": "both=int8", "shape": "100mbit/5ms", "tokens_s": 5000.0, "compute_s": 0.5}
+    rows.write_text("a table line\n" + json.dumps(row) + "\n")
+    check = ["check", "--rows", str(rows), "--shares", "1", "2", "0", "0"]
+    assert wan.main(check) == 0
+    assert "| both=int8 | 100mbit/5ms | 0.500 | 0.81 |" in capsys.readouterr().out
+    rows.write_text("nothing here\n")
+    with pytest.raises(ValueError, match="no JSON rows"):
+        wan.main(check)
