@@ -653,7 +653,6 @@ def _ring_parser(p: argparse.ArgumentParser, shapes: list, codecs: list, preset:
     p.add_argument("--skip", type=int, default=2, help="untimed first steps")
     p.add_argument("--micro", type=int, default=1, help="micro-batches per stream")
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--shares", type=float, nargs=4, metavar=SHARES, help=SHARES_HELP)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -685,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     ck.add_argument(
         "--rows", type=Path, nargs="+", help="tabulate the rows runs printed; run nothing"
     )
+    ck.add_argument("--shares", type=float, nargs=4, metavar=SHARES, help=SHARES_HELP)
     pj = sub.add_parser("project", help="projected busy fraction and tokens/s (no testbed)")
     pj.add_argument("--compute", type=float, nargs="+", default=[0.076, 0.047], help="s/step")
     pj.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"])
@@ -706,6 +706,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.part == "check":
         from mobius_fed.config import TrainConfig
 
+        if args.order != "cyclic":
+            raise ValueError(f"check --order {args.order}: the projection models cyclic only")
         cfg = TrainConfig(preset=args.preset, workers=4, micro_batches=args.micro)
         shares = _shares(args, cfg, measure=True)  # before the ring loads the machine
         rows = [r for f in args.rows for r in read_rows(f)] if args.rows else bench_ring(args)

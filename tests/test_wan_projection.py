@@ -178,3 +178,5 @@ def test_project_and_check_from_rows_on_the_command_line(tmp_path, capsys):
     rows.write_text("nothing here\n")
     with pytest.raises(ValueError, match="no JSON rows"):
         wan.main(check)
+    with pytest.raises(ValueError, match="models cyclic only"):
+        wan.main([*check, "--order", "ordered"])
