@@ -16,13 +16,15 @@ loopback row of the same codec.
     python benchmarks/wan.py link --shapes loopback 1gbit/25ms 100mbit/50ms
     python benchmarks/wan.py ring --codecs none fwd=int8,bwd=int8 both=int3 --steps 8
     python benchmarks/wan.py project --compute 0.076 0.047 --rates 100mbit 1gbit 10gbit
-    python benchmarks/wan.py check --preset cpu-small --shapes 10mbit/5ms 100mbit/5ms
+    python benchmarks/wan.py check --preset cpu-small --shapes loopback 10mbit/5ms --micro 2
 
 ``project`` needs no testbed: from compute seconds per step (measured, or given for a GPU),
-the bytes a worker sends per step under a scheme (wire dtype, codec, subspace; exact payload
-sizes) and a link (rate, RTT) it projects the busy fraction and the ring's tokens/s.
-``check`` runs the ``ring`` part on shaped links and sets each run's tokens/s beside the
-projection made from that run's own compute seconds per step.
+the bytes of a hop in each direction under a scheme (wire dtype, codec, subspace; exact
+payload sizes), a link (rate, RTT) and the micro-batches per stream (``--micro M``) it
+simulates one ring step (``ring_step_sim.py``) and prints the busy fraction and the ring's
+tokens/s, with the overlapped and serial bounds beside them. ``check`` runs the ``ring``
+part on shaped links and sets each run's tokens/s beside the projection made from that
+run's own compute seconds per step (``--rows`` tabulates rows a run printed, again).
 
 Shapes are RATE/DELAY per site and direction (``1gbit/25ms``: 1 Gbit/s each way, 25 ms
 one way, so a 50 ms round trip); ``loopback`` is the testbed unshaped. Link tuning
@@ -341,6 +343,13 @@ def parse_scheme(text: str) -> dict:
     return out
 
 
+def with_scheme(cfg, scheme: str):
+    """``cfg`` with a scheme's wire dtype, codec and subspace (validated anew)."""
+    from mobius_fed.config import TrainConfig
+
+    return TrainConfig.model_validate({**cfg.model_dump(), **parse_scheme(scheme)})
+
+
 def worker_bytes(preset: str, P: int, loops: int, batch: int, scheme: str) -> float:
     """Bytes one worker sends per training step (cyclic: the ring's total over P)."""
     from mobius_fed.config import TrainConfig
@@ -375,31 +384,163 @@ def project(compute_s: float, nbytes: float, rate_bps: float, rtt_s: float, K: i
     }
 
 
+def hop_bytes(cfg) -> tuple[float, float]:
+    """(forward, backward) bytes of one remote hop of one micro-batch: the codec's payload
+    of a slot (k-wide with the subspace on), ``wire_dtype`` where a direction has none; the
+    arithmetic of ``compression.step_bytes``, per direction."""
+    import math
+
+    from mobius_fed.transport.wire_stages import codecs
+
+    mc = cfg.model()
+    shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, mc.subspace_rank or mc.d_model)
+    plain = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.wire_dtype] * math.prod(shape)
+    fwd, bwd = codecs(cfg)
+    return tuple(plain if c.lossless else c.payload_bytes(shape) for c in (fwd, bwd))
+
+
+BACKWARD_OVER_FORWARD = 2.0
+"""FLOPs of a backward pass over its forward: one matmul for the input gradient and one
+for the weight gradient per forward matmul. Used only where compute shares are not
+measured (``project`` without ``--measure-shares``)."""
+
+
+def flop_shares(cfg) -> dict[str, float]:
+    """Shares of one worker's step compute by FLOP count: all K·M applications forward,
+    all backward, the head (R and the loss, forward and backward), the rest at home (taken
+    as 0: the embedding is a lookup, the optimizer's cost is per parameter, not per token)."""
+    mc = cfg.model()
+    per_group = mc.n_layer // mc.groups
+    app = 2 * (4 + 2 * mc.mlp_ratio) * mc.d_model**2 * per_group  # weights, per token
+    app += 4 * mc.seq_len * mc.d_model * per_group  # attention scores and mixing
+    head = (1 + BACKWARD_OVER_FORWARD) * 2 * mc.vocab_size * mc.d_model
+    total = cfg.K * app * (1 + BACKWARD_OVER_FORWARD) + head
+    return {
+        "fwd": cfg.K * app / total,
+        "bwd": cfg.K * app * BACKWARD_OVER_FORWARD / total,
+        "head": head / total,
+        "home": 0.0,
+    }
+
+
+def measure_shares(cfg, repeats: int = 9) -> dict[str, float]:
+    """Shares of one worker's step compute, timed on this machine (one thread, the fastest
+    of ``repeats``: the one least disturbed by other load): F_i on one micro-batch forward
+    and backward (× K·M), R and the loss forward and backward (× M), and the home rest
+    (embedding both ways, optimizer steps; once)."""
+    import torch
+
+    from mobius_fed.defences.site_layers import build_site_replica
+    from mobius_fed.model import build_group
+    from mobius_fed.model.training import make_optimizers, step_optimizers
+
+    torch.set_num_threads(1)
+    mc, M = cfg.model(), cfg.micro_batches
+    group, replica = build_group(mc, 0, cfg.seed), build_site_replica(cfg, 0, "ring")
+    opts = make_optimizers(group, cfg, blocks=True) + make_optimizers(replica, cfg, blocks=False)
+    idx = torch.randint(0, mc.vocab_size, (cfg.batch_size // M, mc.seq_len))
+    x = torch.randn(*idx.shape, mc.d_model)
+    laps: dict[str, list[float]] = {"fwd": [], "bwd": [], "head": [], "home": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = group(x.clone().requires_grad_(), 0)
+        t1 = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        t2 = time.perf_counter()
+        replica.loss(x.clone().requires_grad_(), idx).backward()
+        t3 = time.perf_counter()
+        e = replica.embed(idx)
+        e.backward(torch.ones_like(e))
+        step_optimizers(opts, cfg, 0)
+        t4 = time.perf_counter()
+        for name, lap in zip(laps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            laps[name].append(lap)
+    per = {k: min(v) for k, v in laps.items()}
+    total = {"fwd": cfg.K * M, "bwd": cfg.K * M, "head": M, "home": 1}
+    seconds = {k: per[k] * n for k, n in total.items()}
+    return {k: v / sum(seconds.values()) for k, v in seconds.items()}
+
+
+def project_micro(
+    cfg, compute_s: float, shares: dict, rate_bps: float, delay_s: float, burst: float = 0.0
+) -> dict:
+    """The simulated ring step (benchmarks/ring_step_sim.py) for ``cfg`` (its P, L, order,
+    micro-batches and wire), ``compute_s`` of one worker per step split by ``shares``, each
+    site's egress ``rate_bps`` (a token bucket of ``burst`` bytes) and one-way ``delay_s``."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ring_step_sim import StepCosts, simulate_step
+
+    KM, M = cfg.K * cfg.micro_batches, cfg.micro_batches
+    fwd_b, bwd_b = hop_bytes(cfg)
+    costs = StepCosts(
+        fwd_s=compute_s * shares["fwd"] / KM,
+        bwd_s=compute_s * shares["bwd"] / KM,
+        head_s=compute_s * shares["head"] / M,
+        home_s=compute_s * shares["home"],
+        fwd_bytes=fwd_b,
+        bwd_bytes=bwd_b,
+        rate_bps=rate_bps,
+        delay_s=delay_s,
+        burst_bytes=burst,
+    )
+    sim = simulate_step(cfg.order, cfg.P, cfg.loops, M, costs)
+    return {
+        **sim,
+        "busy": compute_s / sim["step_s"],
+        "tokens_s": cfg.tokens_per_step / sim["step_s"],
+    }
+
+
+def _shares_text(shares: dict) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in shares.items())
+
+
+def _shares(args: argparse.Namespace, cfg, measure: bool) -> dict[str, float]:
+    """``--shares`` as given, else measured here (``check``) or by FLOPs (``project``)."""
+    if args.shares:
+        if len(args.shares) != 4 or min(args.shares) < 0 or sum(args.shares) <= 0:
+            raise ValueError(f"--shares {args.shares}: four values ≥ 0: fwd bwd head home")
+        return {k: v / sum(args.shares) for k, v in zip(SHARES, args.shares)}
+    return measure_shares(cfg) if measure else flop_shares(cfg)
+
+
+SHARES = ("fwd", "bwd", "head", "home")
+
+
 def project_table(args: argparse.Namespace) -> str:
     from mobius_fed.config import TrainConfig
 
     cfg = TrainConfig(
-        preset=args.preset, workers=args.workers, loops=args.loops, batch_size=args.batch
+        preset=args.preset,
+        workers=args.workers,
+        loops=args.loops,
+        batch_size=args.batch,
+        micro_batches=args.micro,
     )
+    shares = _shares(args, cfg, args.measure_shares)
     tokens = cfg.tokens_per_step
     rtt = float(args.rtt_ms) / 1000
-    head = " | ".join(f"{r}: busy / tokens/s" for r in args.rates)
+    head = " | ".join(f"{r}: busy [overlapped, serial] / tokens/s" for r in args.rates)
     lines = [
         f"{args.preset}, P = {args.workers}, L = {args.loops}, batch {args.batch} per origin, "
-        f"{tokens} tokens per ring step, RTT {args.rtt_ms} ms; busy = compute / step "
-        "(overlapped; serial bound in brackets)",
+        f"M = {args.micro} micro-batches, {tokens} tokens per ring step, RTT {args.rtt_ms} ms; "
+        f"busy = compute / step of the simulated ring step (the two bounds in brackets); "
+        f"compute shares: {_shares_text(shares)}",
         "",
         f"| scheme | MB sent per worker-step | compute s/step | {head} |",
         "|---|---|---|" + "---|" * len(args.rates),
     ]
     for scheme in args.schemes:
         nbytes = worker_bytes(args.preset, args.workers, args.loops, args.batch, scheme)
+        scfg = with_scheme(cfg, scheme)
         for compute in args.compute:
             cells = []
             for rate in args.rates:
-                r = project(compute, nbytes, parse_rate_bps(rate), rtt, cfg.K)
+                bounds = project(compute, nbytes, parse_rate_bps(rate), rtt, cfg.K)
+                sim = project_micro(scfg, compute, shares, parse_rate_bps(rate), rtt / 2)
                 cells.append(
-                    f"{r['busy']:.2f} ({r['serial_busy']:.2f}) / {tokens / r['step_s']:,.0f}"
+                    f"{sim['busy']:.2f} [{bounds['busy']:.2f}, {bounds['serial_busy']:.2f}] "
+                    f"/ {sim['tokens_s']:,.0f}"
                 )
             lines.append(
                 f"| {scheme} | {nbytes / 1e6:.1f} | {compute} | " + " | ".join(cells) + " |"
@@ -407,37 +548,84 @@ def project_table(args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_table(rows: list[dict], args: argparse.Namespace) -> str:
-    """Each shaped ring run against the projection from its own compute s/step, the bytes
-    of its codec and its link, both bounds: overlapped (what ``project`` prints) and serial
-    (no overlap). The projection holds where measured ÷ projected is near 1."""
+def check_table(rows: list[dict], args: argparse.Namespace, shares: dict) -> str:
+    """Each ring run against the projection from its own compute s/step, the bytes of its
+    codec and its link: the simulated step at the run's M (``project_micro``, with compute
+    split by ``shares``) and, for reference, the overlapped and serial bounds. The
+    projection holds where measured ÷ projected is near 1; on a loopback row (no link cost)
+    that ratio is what the ring loses besides its link."""
     from mobius_fed.config import TrainConfig
 
-    cfg = TrainConfig(preset=args.preset, workers=4)
+    cfg = TrainConfig(preset=args.preset, workers=4, micro_batches=args.micro)
     lines = [
-        f"{args.preset}, P = 4, L = 1, batch {cfg.batch_size} per origin, {args.steps} steps "
-        f"({args.skip} untimed); projected from each run's own compute s/step (slowest worker)",
+        f"{args.preset}, P = 4, L = 1, batch {cfg.batch_size} per origin, M = {args.micro}, "
+        f"{args.steps} steps ({args.skip} untimed); projected from each run's own compute "
+        f"s/step (slowest worker); compute shares: {_shares_text(shares)}; each site's link "
+        "a token bucket as the testbed's tc tbf sets it (128 KiB or 4 ms of burst)",
         "",
         "| wire | link | compute s/step | MB per worker-step | projected transfer s | "
-        "projected tokens/s: overlapped / serial | measured tokens/s | "
-        "measured ÷ projected: overlapped / serial |",
-        "|---|---|---|---|---|---|---|---|",
+        "projected tokens/s: model [overlapped, serial] | measured tokens/s | "
+        "measured ÷ model [÷ overlapped, ÷ serial] | κ: measured ÷ model at κ·compute |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        if r["shape"] == "loopback":
-            continue
-        shape = parse_shape(r["shape"])
-        scheme = cfg.wire_dtype if r["wire"] == "none" else f"wire={r['wire']}"
-        nbytes = worker_bytes(args.preset, 4, 1, cfg.batch_size, scheme)
-        proj = project(r["compute_s"], nbytes, float(shape.rate), 2 * shape.delay, cfg.K)
-        fast = cfg.tokens_per_step / proj["step_s"]
-        slow = fast * proj["serial_busy"] / proj["busy"]  # same compute, serial step
-        lines.append(
-            f"| {r['wire']} | {r['shape']} | {r['compute_s']:.3f} | {nbytes / 1e6:.2f} | "
-            f"{proj['transfer_s']:.3f} | {fast:,.0f} / {slow:,.0f} | {r['tokens_s']:,.0f} | "
-            f"{r['tokens_s'] / fast:.2f} / {r['tokens_s'] / slow:.2f} |"
-        )
+    kappa = loopback_kappa(rows, cfg.tokens_per_step)
+    lines += [_check_row(r, cfg, shares, args.preset, kappa.get(r["wire"])) for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def loopback_kappa(rows: list[dict], tokens: int) -> dict[str, float]:
+    """κ per wire from its loopback row: the unshaped ring's step over its slowest worker's
+    compute s/step. The model has no link cost there, so κ is what the ring's critical path
+    takes beyond that compute (workers that are slow at different slots, frames handled on
+    other threads); its column projects each shaped run from κ · its compute."""
+    return {
+        r["wire"]: tokens / r["tokens_s"] / r["compute_s"] for r in rows if r["shape"] == "loopback"
+    }
+
+
+UNSHAPED_BPS = 1e15
+"""An unshaped (loopback) link in the model: no transfer time, no burst, no delay."""
+
+
+def _check_row(r: dict, cfg, shares: dict, preset: str, kappa: float | None) -> str:
+    shape = parse_shape(r["shape"])
+    rate = float(shape.rate or UNSHAPED_BPS)
+    scheme = cfg.wire_dtype if r["wire"] == "none" else f"wire={r['wire']}"
+    nbytes = worker_bytes(preset, 4, 1, cfg.batch_size, scheme)
+    proj = project(r["compute_s"], nbytes, rate, 2 * shape.delay, cfg.K)
+    fast = cfg.tokens_per_step / proj["step_s"]
+    slow = fast * proj["serial_busy"] / proj["busy"]  # same compute, serial step
+    burst = testbed_burst(int(shape.rate)) if shape.rate else 0.0
+    scfg, got = with_scheme(cfg, scheme), r["tokens_s"]
+    sim = project_micro(scfg, r["compute_s"], shares, rate, shape.delay, burst)
+    at_kappa = "—"
+    if kappa is not None:
+        k = project_micro(scfg, kappa * r["compute_s"], shares, rate, shape.delay, burst)
+        at_kappa = f"{kappa:.2f}: {got / k['tokens_s']:.2f}"
+    return (
+        f"| {r['wire']} | {r['shape']} | {r['compute_s']:.3f} | {nbytes / 1e6:.2f} | "
+        f"{proj['transfer_s']:.3f} | {sim['tokens_s']:,.0f} [{fast:,.0f}, {slow:,.0f}] | "
+        f"{got:,.0f} | **{got / sim['tokens_s']:.2f}** [{got / fast:.2f}, {got / slow:.2f}] | "
+        f"{at_kappa} |"
+    )
+
+
+def testbed_burst(rate: int) -> float:
+    """Bytes the testbed's ``tc tbf`` on a site's link passes at once (its token bucket, as
+    ``mobius_fed.testbed.wan.tbf_args`` sets it: 128 KiB or 4 ms of the rate)."""
+    from mobius_fed.testbed.wan import tbf_args
+
+    args = tbf_args(rate)
+    return float(args[args.index("burst") + 1])
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows a ``ring``/``check`` run printed (one JSON object a line; other lines
+    skipped), to tabulate them again."""
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.startswith("{")]
+    if not rows:
+        raise ValueError(f"{path}: no JSON rows (the lines a ring or check run prints)")
+    return rows
 
 
 PROJECT_SCHEMES = [
@@ -447,6 +635,12 @@ PROJECT_SCHEMES = [
     "subspace=rank=96,mode=home;wire=fwd=int8,bwd=int4,rounding=stochastic",
     "subspace=rank=48,mode=home;wire=fwd=int8,bwd=int4,rounding=stochastic",
 ]
+
+
+SHARES_HELP = (
+    "shares of a worker's step compute: all forward applications, all backward, the head, "
+    "the home rest (default: check times them here, project counts FLOPs)"
+)
 
 
 def _ring_parser(p: argparse.ArgumentParser, shapes: list, codecs: list, preset: str) -> None:
@@ -480,12 +674,17 @@ def main(argv: list[str] | None = None) -> int:
         ["none", "both=int8", "fwd=int3,bwd=int4"],
         "cpu-base",
     )
+    ck = sub.add_parser("check", help="shaped ring runs against the projection")
     _ring_parser(
-        sub.add_parser("check", help="shaped ring runs against the projection"),
+        ck,
         ["2mbit/5ms", "10mbit/5ms", "100mbit/5ms"],
         ["none", "both=int8"],
         "cpu-small",
     )
+    ck.add_argument(
+        "--rows", type=Path, nargs="+", help="tabulate the rows runs printed; run nothing"
+    )
+    ck.add_argument("--shares", type=float, nargs=4, metavar=SHARES, help=SHARES_HELP)
     pj = sub.add_parser("project", help="projected busy fraction and tokens/s (no testbed)")
     pj.add_argument("--compute", type=float, nargs="+", default=[0.076, 0.047], help="s/step")
     pj.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"])
@@ -495,6 +694,9 @@ def main(argv: list[str] | None = None) -> int:
     pj.add_argument("--workers", type=int, default=4)
     pj.add_argument("--loops", type=int, default=1)
     pj.add_argument("--batch", type=int, default=8)
+    pj.add_argument("--micro", type=int, default=1, help="micro-batches per stream")
+    pj.add_argument("--shares", type=float, nargs=4, metavar=SHARES, help=SHARES_HELP)
+    pj.add_argument("--measure-shares", action="store_true", help="time them on this machine")
     args = p.parse_args(argv)
     if args.part == "project":
         print(project_table(args))
@@ -502,7 +704,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.part == "link":
         print(link_table(bench_link(args.shapes, args.count)))
     elif args.part == "check":
-        print(check_table(bench_ring(args), args))
+        from mobius_fed.config import TrainConfig
+
+        if args.order != "cyclic":
+            raise ValueError(f"check --order {args.order}: the projection models cyclic only")
+        cfg = TrainConfig(preset=args.preset, workers=4, micro_batches=args.micro)
+        shares = _shares(args, cfg, measure=True)  # before the ring loads the machine
+        rows = [r for f in args.rows for r in read_rows(f)] if args.rows else bench_ring(args)
+        print(check_table(rows, args, shares))
     else:
         print(ring_table(bench_ring(args)))
     return 0
