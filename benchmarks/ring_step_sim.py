@@ -67,8 +67,8 @@ def worker_program(order: str, i: int, P: int, L: int, M: int, c: StepCosts) -> 
         raise ValueError(f"micro-batches M must be ≥ 1, got {M}")
     K = schedule.num_applications(P, L)
     paths = [schedule.cyclic_path(s, P, L) for s in range(P)]
-    consumer = lambda s, slot: paths[s][slot] if slot < K else s  # noqa: E731
-    producer = lambda s, slot: paths[s][slot - 1] if slot > 0 else s  # noqa: E731
+    consumer = lambda s, slot: schedule.consumer(paths[s], s, slot)  # noqa: E731
+    producer = lambda s, slot: schedule.producer(paths[s], s, slot)  # noqa: E731
     ticks = schedule.worker_schedule("cyclic", i, P, L)
     apps = [(t, s, m) for t, s in ticks for m in range(M)]
     ops: list[Op] = [(0.0, None, (FORWARD, i, 0, m), consumer(i, 0), FORWARD) for m in range(M)]

@@ -60,6 +60,18 @@ def path(order: Order, s: int, P: int, L: int) -> list[int]:
     raise ValueError(f"unknown order {order!r} (expected one of {', '.join(ORDERS)})")
 
 
+def producer(path: list[int], s: int, slot: int) -> int:
+    """The worker that writes slot τ of stream s (``path`` = its path): the group applied
+    before it, or home (the embedding) for slot 0."""
+    return path[slot - 1] if slot > 0 else s
+
+
+def consumer(path: list[int], s: int, slot: int) -> int:
+    """The worker that reads slot τ of stream s forward: the group applied there, or home
+    (the head) for slot K = len(path)."""
+    return path[slot] if slot < len(path) else s
+
+
 def tick_table(order: Order, P: int, L: int) -> list[dict[int, list[int]]]:
     """For each tick t, which streams each worker applies its group to.
 

@@ -170,3 +170,14 @@ def test_small_example_matches_the_paper() -> None:
         (0, 1),
         (1, 2),
     ]
+
+
+def test_slot_producer_and_consumer_are_the_groups_either_side_or_home() -> None:
+    path = schedule.cyclic_path(2, 4, 2)  # [2, 3, 0, 1, 2, 3, 0, 1]
+    assert schedule.producer(path, 2, 0) == 2  # slot 0: the embedding, at home
+    assert schedule.consumer(path, 2, 0) == 2  # ... read by the home's own group first
+    assert [schedule.producer(path, 2, t) for t in (1, 3, 8)] == [2, 0, 1]
+    assert [schedule.consumer(path, 2, t) for t in (1, 3, 7)] == [3, 1, 1]
+    assert schedule.consumer(path, 2, 8) == 2  # slot K: the head, at home
+    ordered = schedule.ordered_path(1, 4, 1)  # [0, 1, 2, 3]: origin 1's embedding goes to 0
+    assert schedule.producer(ordered, 1, 0) == 1 and schedule.consumer(ordered, 1, 0) == 0

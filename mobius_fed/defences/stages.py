@@ -128,9 +128,7 @@ def first_remote_slot(cfg: TrainConfig, s: int) -> int | None:
     """The first forward slot of stream s that leaves its home (None when P = 1)."""
     path = schedule.path(cfg.order, s, cfg.P, cfg.loops)
     for slot in range(cfg.K + 1):
-        producer = path[slot - 1] if slot > 0 else s
-        consumer = path[slot] if slot < cfg.K else s
-        if producer != consumer:
+        if schedule.producer(path, s, slot) != schedule.consumer(path, s, slot):
             return slot
     return None
 

@@ -78,9 +78,8 @@ class ReferenceEngine:
 
     def _hop(self, phase: str, direction: str, step: int, s: int, slot: int, m: int) -> HopContext:
         """Slot ``slot`` of stream s: written by the previous group (or home), read by the next."""
-        path, K = self._paths[s], self.cfg.K
-        producer = path[slot - 1] if slot > 0 else s
-        consumer = path[slot] if slot < K else s
+        path = self._paths[s]
+        producer, consumer = schedule.producer(path, s, slot), schedule.consumer(path, s, slot)
         return HopContext(phase, direction, step, s, slot, m, producer, consumer)  # type: ignore[arg-type]
 
     def _forward_hop(self, h: Tensor, phase: str, step: int, s: int, slot: int, m: int) -> Tensor:

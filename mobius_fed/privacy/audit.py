@@ -182,7 +182,7 @@ def first_hop_attacker(cfg: TrainConfig, s: int) -> tuple[int, int] | None:
     if slot is None:
         return None
     path = schedule.path(cfg.order, s, cfg.P, cfg.loops)
-    return slot, (path[slot] if slot < cfg.K else s)
+    return slot, schedule.consumer(path, s, slot)
 
 
 class Audit:

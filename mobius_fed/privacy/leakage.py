@@ -41,8 +41,7 @@ def remote_hops(cfg: TrainConfig, s: int) -> list[tuple[int, int]]:
     path = schedule.path(cfg.order, s, cfg.P, cfg.loops)
     out = []
     for slot in range(cfg.K):
-        producer = path[slot - 1] if slot > 0 else s
-        if producer != path[slot] and path[slot] != s:
+        if schedule.producer(path, s, slot) != path[slot] and path[slot] != s:
             out.append((slot, path[slot]))
     return out
 

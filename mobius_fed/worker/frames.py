@@ -74,11 +74,11 @@ class FrameRules:
     # ----------------------------------------------------------------- routes
     def consumer(self, origin: int, slot: int) -> int:
         """The worker that reads slot τ forward: the group applied there, or home."""
-        return self.paths[origin][slot] if slot < self.K else origin
+        return schedule.consumer(self.paths[origin], origin, slot)
 
     def producer(self, origin: int, slot: int) -> int:
         """The worker that wrote slot τ: the previous group, or home (the embedding)."""
-        return self.paths[origin][slot - 1] if slot > 0 else origin
+        return schedule.producer(self.paths[origin], origin, slot)
 
     def route(self, direction: int, origin: int, slot: int = 0) -> list[int]:
         """The workers a frame visits, in travel order, from its producer to its consumer.
