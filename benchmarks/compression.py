@@ -43,26 +43,33 @@ DEFAULT_WIRES = (
 ARMS = (("cyclic", 1), ("ordered", 1), ("cyclic", 2), ("ordered", 2))
 
 
-def step_bytes(cfg) -> tuple[int, int]:
-    """(bytes, fp32 bytes) of one training step's remote hops in both directions, the whole
-    ring: the codec's payloads (``wire_dtype`` where a direction has none) of what a slot
-    carries (k-wide coordinates with the subspace on), against fp32 d-wide hidden states."""
-    from mobius_fed import schedule
+def hop_bytes(cfg) -> tuple[int, int]:
+    """(forward, backward) bytes of one remote hop of one micro-batch: the codec's payload
+    (``wire_dtype`` where a direction has none) of what a slot carries (k-wide coordinates
+    with the subspace on)."""
     from mobius_fed.transport.wire_stages import codecs
 
-    fwd, bwd = codecs(cfg)
     mc = cfg.model()
     shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, mc.subspace_rank or mc.d_model)
-    fp32 = 4 * shape[0] * shape[1] * mc.d_model  # what the paper's model sends per hop
+    plain = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.wire_dtype] * math.prod(shape)
+    fwd, bwd = codecs(cfg)
+    return tuple(plain if c.lossless else c.payload_bytes(shape) for c in (fwd, bwd))
+
+
+def step_bytes(cfg) -> tuple[int, int]:
+    """(bytes, fp32 bytes) of one training step's remote hops in both directions, the whole
+    ring: :func:`hop_bytes` per hop, against fp32 d-wide hidden states."""
+    from mobius_fed import schedule
+
+    mc = cfg.model()
+    fp32 = 4 * (cfg.batch_size // cfg.micro_batches) * mc.seq_len * mc.d_model  # the paper's
     remote = 0
     for s in range(cfg.P):
         path = schedule.path(cfg.order, s, cfg.P, cfg.loops)
         nodes = [s, *path, s]
         remote += sum(a != b for a, b in itertools.pairwise(nodes))
     hops = remote * cfg.micro_batches
-    plain = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.wire_dtype] * math.prod(shape)
-    size = lambda c: plain if c.lossless else c.payload_bytes(shape)  # noqa: E731
-    return hops * (size(fwd) + size(bwd)), hops * 2 * fp32
+    return hops * sum(hop_bytes(cfg)), hops * 2 * fp32
 
 
 def parse_subspace(text: str) -> dict:

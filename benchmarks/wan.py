@@ -385,18 +385,11 @@ def project(compute_s: float, nbytes: float, rate_bps: float, rtt_s: float, K: i
 
 
 def hop_bytes(cfg) -> tuple[float, float]:
-    """(forward, backward) bytes of one remote hop of one micro-batch: the codec's payload
-    of a slot (k-wide with the subspace on), ``wire_dtype`` where a direction has none; the
-    arithmetic of ``compression.step_bytes``, per direction."""
-    import math
+    """(forward, backward) bytes of one remote hop of one micro-batch (``compression.py``)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from compression import hop_bytes as compression_hop_bytes
 
-    from mobius_fed.transport.wire_stages import codecs
-
-    mc = cfg.model()
-    shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, mc.subspace_rank or mc.d_model)
-    plain = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.wire_dtype] * math.prod(shape)
-    fwd, bwd = codecs(cfg)
-    return tuple(plain if c.lossless else c.payload_bytes(shape) for c in (fwd, bwd))
+    return compression_hop_bytes(cfg)
 
 
 BACKWARD_OVER_FORWARD = 2.0
