@@ -190,9 +190,10 @@ class LeakageAudit:
         eng, x = self.engine, self._own_text(attacker)
         entry = eng.maps.enter(eng.replicas[attacker].embed(x), grad=False)
         h = entry.slot0
-        for t in range(slot):
-            worker = attacker if t == 0 else -1
-            h = eng.maps.apply(eng.groups[attacker], h, t, worker, attacker, entry)
+        for t in range(slot):  # only the first application adds the origin's own b
+            h = eng.maps.apply(
+                eng.groups[attacker], h, t, attacker, attacker, entry if t == 0 else None
+            )
         return torch.cat([self._lift(h), self._lift(entry.slot0)]), torch.cat([x, x])
 
     def _lift(self, c: Tensor) -> Tensor:

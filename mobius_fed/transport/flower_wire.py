@@ -56,13 +56,15 @@ def message_from_bytes(data: bytes) -> Message:
 class RunGrid(Grid):
     """The Grid methods every grid here shares: one run, plain Messages, nodes by id."""
 
-    _run = Run.create_empty(FLOWER_RUN_ID)
+    _run: Run | None = None  # each grid's own, made on first use
 
     def set_run(self, run: Run) -> None:
         self._run = run
 
     @property
     def run(self) -> Run:
+        if self._run is None:
+            self._run = Run.create_empty(FLOWER_RUN_ID)
         return self._run
 
     def create_message(self, content, message_type, dst_node_id, group_id, ttl=None) -> Message:
