@@ -73,14 +73,20 @@ def step_bytes(cfg) -> tuple[int, int]:
 
 
 def parse_subspace(text: str) -> dict:
-    """``off`` or ``rank=K[,mode=stream|home]`` → TrainConfig.subspace's fields."""
+    """``off`` or ``rank=K[,mode=stream|home][,writes=basis|full]`` → TrainConfig.subspace's
+    fields."""
     if text == "off":
         return {}
     fields = dict(item.split("=", 1) for item in text.split(",") if item)
-    unknown = set(fields) - {"rank", "mode"}
+    unknown = set(fields) - {"rank", "mode", "writes"}
     if unknown:
-        raise ValueError(f"--subspace {text!r}: unknown key(s) {sorted(unknown)} (rank, mode)")
-    return {"rank": int(fields["rank"]), "mode": fields.get("mode", "stream")}
+        raise ValueError(
+            f"--subspace {text!r}: unknown key(s) {sorted(unknown)} (rank, mode, writes)"
+        )
+    out = {"rank": int(fields["rank"]), "mode": fields.get("mode", "stream")}
+    if "writes" in fields:
+        out["writes"] = fields["writes"]
+    return out
 
 
 def _pin_threads_and_kernels(device: str) -> None:
@@ -195,7 +201,8 @@ def _arg_parser() -> argparse.ArgumentParser:
         "--subspace",
         nargs="+",
         default=["off"],
-        help="off or rank=K[,mode=stream|home] (TrainConfig.subspace); each × each --wire",
+        help="off or rank=K[,mode=stream|home][,writes=basis|full] (TrainConfig.subspace); "
+        "each × each --wire",
     )
     p.add_argument("--arms", nargs="+", default=[f"{o}:{L}" for o, L in ARMS])
     p.add_argument("--jobs", type=int, default=1, help="arms trained at once")

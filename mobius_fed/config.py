@@ -141,6 +141,7 @@ class TrainConfig(BaseModel):
             knobs=self.knobs,
             precision=self.precision,
             subspace_rank=self.subspace.rank,
+            subspace_writes=self.subspace.writes,
             loss_chunk=self.memory.loss_chunk,
             home_input=self.privacy.home_input,
         )

@@ -65,6 +65,11 @@ def test_off_is_the_paper_model_and_on_writes_through_u():
         h = torch.randn(2, 5, 32)
         upd = g_on.blocks[0](h) - h
     assert torch.allclose(upd @ u @ u.T, upd, atol=1e-4 * upd.abs().max().item())
+    # writes=full: the blocks stay the paper's (only the hops are projected, by the engine)
+    full = TrainConfig(preset="cpu-tiny", subspace={"rank": 8, "writes": "full"})
+    g_full = build_group(full.model(), 1, 0)
+    assert all(type(b.attn.proj) is torch.nn.Linear for b in g_full.blocks)
+    assert all(torch.equal(a, b) for a, b in zip(g_off.parameters(), g_full.parameters()))
 
 
 def _direct_gradients(engine: ReferenceEngine) -> tuple[list[float], list[torch.Tensor]]:
@@ -89,14 +94,18 @@ def _direct_gradients(engine: ReferenceEngine) -> tuple[list[float], list[torch.
 
 
 @pytest.mark.parametrize(
-    ("mode", "order", "loops"), [("stream", "ordered", 2), ("home", "cyclic", 2)]
+    ("mode", "order", "loops", "writes"),
+    [
+        ("stream", "ordered", 2, "basis"),
+        ("home", "cyclic", 2, "basis"),
+        ("home", "cyclic", 1, "full"),
+    ],
 )
 def test_engine_gradients_equal_one_autograd_graph(
-    tmp_path: Path, mode, order, loops, tiny_train, corpus_engine
+    tmp_path: Path, mode, order, loops, writes, tiny_train, corpus_engine
 ):
-    cfg = TrainConfig(
-        **tiny_train, workers=3, order=order, loops=loops, subspace={"rank": 8, "mode": mode}
-    )
+    sub = {"rank": 8, "mode": mode, "writes": writes}
+    cfg = TrainConfig(**tiny_train, workers=3, order=order, loops=loops, subspace=sub)
     engine = corpus_engine(cfg, tmp_path)
     got = engine.compute_gradients()
     mine = [p.grad.clone() for m in engine.groups + engine.replicas for p in m.parameters()]
@@ -167,14 +176,24 @@ class SubspaceRing(Ring):
 
 
 RING_CASES = [
-    ("cyclic", 1, "stream", {}),
+    ("cyclic", 1, "stream", {}),  # blocks write through U
     (
         "ordered",
         2,
         "stream",
         {"wire_fwd": "int8", "wire_bwd": "int4", "wire_rounding": "stochastic"},
     ),
-    ("cyclic", 2, "home", {"wire_fwd": "int6", "wire_bwd": "int4", "wire_rounding": "stochastic"}),
+    (  # blocks write at full width, only the hops are projected (writes=full)
+        "cyclic",
+        2,
+        "home",
+        {
+            "subspace_writes": "full",
+            "wire_fwd": "int6",
+            "wire_bwd": "int4",
+            "wire_rounding": "stochastic",
+        },
+    ),
     ("ordered", 1, "stream", {"wire_fwd": "int8"}),
 ]
 
@@ -220,6 +239,7 @@ def test_bytes_and_projection_count_the_coordinates():
     compression, wan = _benchmark("compression"), _benchmark("wan")
     sub = compression.parse_subspace("rank=12,mode=home")
     assert sub == {"rank": 12, "mode": "home"}
+    assert compression.parse_subspace("rank=12,writes=full")["writes"] == "full"
     with pytest.raises(ValueError, match="unknown key"):
         compression.parse_subspace("rank=12,width=3")
     sent, fp32 = compression.step_bytes(TrainConfig(subspace=sub))

@@ -10,6 +10,7 @@ from mobius_fed.model.knobs import LoopKnobs, ResidualScale
 
 Precision = Literal["bf16", "fp32"]
 HomeInput = Literal["off", "rotation", "mlp", "block"]
+SubspaceWrites = Literal["basis", "full"]
 """The private input layer each origin applies to E(x) (``privacy.home_input``)."""
 """Block arithmetic on CUDA: bf16 autocast (residual stream fp32) or fp32 throughout."""
 
@@ -34,6 +35,9 @@ class ModelConfig(BaseModel):
     residual_scale: ResidualScale = "off"
     precision: Precision = "bf16"
     subspace_rank: int = Field(0, ge=0, description="k of the shared residual subspace; 0 = off")
+    subspace_writes: SubspaceWrites = Field(
+        "basis", description="basis: blocks write through U; full: only the hops are projected"
+    )
     loss_chunk: int = Field(0, ge=0, description="tokens per head cross-entropy chunk; 0 = off")
     home_input: HomeInput = Field("off", description="each origin's private input layer")
 
@@ -91,6 +95,7 @@ def make_model_config(
     knobs: LoopKnobs | None = None,
     precision: Precision = "bf16",
     subspace_rank: int = 0,
+    subspace_writes: SubspaceWrites = "basis",
     loss_chunk: int = 0,
     home_input: HomeInput = "off",
 ) -> ModelConfig:
@@ -119,6 +124,7 @@ def make_model_config(
         residual_scale=knobs.residual_scale,
         precision=precision,
         subspace_rank=subspace_rank,
+        subspace_writes=subspace_writes,
         loss_chunk=loss_chunk,
         home_input=home_input,
         **spec,

@@ -19,7 +19,8 @@ class BlockGroup(nn.Module):
     With the loop knobs on (``ModelConfig.depth_embedding`` / ``residual_scale``) the group
     also owns a ``[K, d]`` table of depth vectors and scales each visit's update; both are
     functions of the application index t alone, so any engine computes the same thing.
-    With ``ModelConfig.subspace_rank`` k > 0 its blocks write through the basis U [d, k].
+    With ``ModelConfig.subspace_rank`` k > 0 its blocks write through the basis U [d, k],
+    unless ``subspace_writes`` is "full" (then only the hops are projected, by the engine).
     """
 
     def __init__(self, cfg: ModelConfig, basis: Tensor | None = None) -> None:
@@ -29,7 +30,7 @@ class BlockGroup(nn.Module):
                 f"subspace rank {cfg.subspace_rank} needs a basis of shape "
                 f"({cfg.d_model}, {cfg.subspace_rank}) (see model.subspace.subspace_basis)"
             )
-        basis = basis if cfg.subspace_rank else None
+        basis = basis if cfg.subspace_rank and cfg.subspace_writes == "basis" else None
         self.blocks = nn.ModuleList(Block(cfg, basis) for _ in range(cfg.layers_per_group))
         self.applications = cfg.applications
         self.epsilon = residual_epsilon(cfg.residual_scale, cfg.loops)

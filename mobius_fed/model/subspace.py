@@ -19,6 +19,12 @@ residual stream wherever it leaves a machine:
   the subspace, and the head reads E(x_s) + U·c_K. Cyclic order only: in the ordered order
   the stream would pass the groups before its origin's with no input at all.
 
+``writes`` says where the constraint applies: ``basis`` (above) makes every block write
+through U; ``full`` keeps the blocks unconstrained (``nn.Linear`` output projections) and
+projects only the hops, so inside a group the residual stream is d wide and only what
+leaves the machine lies in span(U), as with ResBM's bottleneck between stages. The maps
+below are the same either way: one application is Uᵀ(F_i(U·c + b) − b).
+
 Because the map is a pure function of (c, b, U), the reference engine and a ring of
 workers compute the same tensors bit for bit, and any wire codec quantises c.
 
@@ -40,6 +46,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
+from mobius_fed.model.config import SubspaceWrites
+
 SubspaceMode = Literal["stream", "home"]
 
 
@@ -55,6 +63,13 @@ class SubspaceConfig(BaseModel):
         "stream",
         description="stream: the embedding is projected too (b = 0); home: the token "
         "embedding stays at its origin (b = E(x) there, cyclic order only)",
+    )
+
+    writes: SubspaceWrites = Field(
+        "basis",
+        description="basis: every block writes through U, so the residual stream is k wide "
+        "everywhere; full: blocks write at full width inside a group and only the hops are "
+        "projected (what leaves the machine)",
     )
 
     @property
