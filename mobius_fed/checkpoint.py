@@ -49,47 +49,51 @@ import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
-import torch
 from safetensors import SafetensorError, TensorSpec, serialize_file
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "mobius-fed-checkpoint"
 VERSION = 2  # what save_checkpoint writes; load_checkpoint reads 1 and 2
 MAX_HEADER_BYTES = 256 * 1024 * 1024
 TMP_MARKER = ".tmp-"
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "complex64",
-        "complex128",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "bool",
-        "float8_e4m3fn",
-        "float8_e5m2",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
-_TORCH_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+# torch dtypes by name; torch is imported on first use (a coordinator never holds a tensor)
+TORCH_DTYPE_NAMES = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "complex64",
+    "complex128",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
 _NUMPY_KINDS = frozenset("biufc")
 # the dtypes safetensors stores natively (others, complex128, go as raw bytes)
-_ST_DTYPES = frozenset(TORCH_DTYPES) - {"complex128"}
+_ST_DTYPES = frozenset(TORCH_DTYPE_NAMES) - {"complex128"}
 _Buffer = np.ndarray | bytearray  # a value's bytes while it is decoded
 _PATH_PART = re.compile(r"\['([^']*)'\]|\[(-?\d+)\]|\.(\w+)")
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _is_torch(v: Any, name: str) -> bool:
+    """``isinstance(v, torch.<name>)`` without importing torch: no torch, no tensor."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(v, getattr(torch, name))
 
 
 class CheckpointError(ValueError):
@@ -146,7 +150,7 @@ class _Encoder:
             if math.isfinite(v):
                 return float(v)
             return {"T": "float", "v": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
-        if isinstance(v, torch.Tensor):
+        if _is_torch(v, "Tensor"):
             return self.tensor(v, where)
         if isinstance(v, bytes | bytearray):
             return {"T": "bytes", "key": self._raw(np.frombuffer(bytes(v), np.uint8), where)}
@@ -154,7 +158,7 @@ class _Encoder:
             return self.array_record(v, where)
         if isinstance(v, dict):
             return self.mapping(v, where)
-        if isinstance(v, tuple) and type(v) in (tuple, torch.Size):
+        if type(v) is tuple or (isinstance(v, tuple) and _is_torch(v, "Size")):
             return {"T": "tuple", "v": [self.value(x, f"{where}[{i}]") for i, x in enumerate(v)]}
         if type(v) is list:
             return [self.value(x, f"{where}[{i}]") for i, x in enumerate(v)]
@@ -175,8 +179,10 @@ class _Encoder:
         return out
 
     def tensor(self, t: torch.Tensor, where: str) -> dict:
-        name = _TORCH_NAMES.get(t.dtype)
-        if name is None:
+        import torch
+
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in TORCH_DTYPE_NAMES:
             raise TypeError(f"{where}: tensor dtype {t.dtype} is not supported")
         if t.is_sparse or t.layout != torch.strided or t.is_quantized:
             raise TypeError(f"{where}: only dense tensors can be stored")
@@ -479,7 +485,10 @@ class _Decoder:
         return out
 
     def tensor(self, v: dict, where: str) -> torch.Tensor:
-        dtype = TORCH_DTYPES.get(v.get("dtype"))  # type: ignore[arg-type]
+        import torch
+
+        name = v.get("dtype")
+        dtype = getattr(torch, name) if name in TORCH_DTYPE_NAMES else None
         if dtype is None:
             raise self.bad(where, f"unknown tensor dtype {v.get('dtype')!r}")
         shape = self.shape(v, where)
@@ -737,7 +746,7 @@ def sha256_of(path: Path) -> str:
 
 def iter_tensors(state: Any) -> Iterator[torch.Tensor]:
     """Every torch tensor inside a nested state (for tests and diagnostics)."""
-    if isinstance(state, torch.Tensor):
+    if _is_torch(state, "Tensor"):
         yield state
     elif isinstance(state, dict):
         for v in state.values():

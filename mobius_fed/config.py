@@ -10,10 +10,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mobius_fed.defences.config import PrivacyConfig
-from mobius_fed.model.config import PRESETS, ModelConfig, Precision, make_model_config
+from mobius_fed.model.config import (
+    PRESETS,
+    MemoryConfig,
+    ModelConfig,
+    Precision,
+    SubspaceConfig,
+    make_model_config,
+)
 from mobius_fed.model.knobs import LoopKnobs
-from mobius_fed.model.memory import MemoryConfig
-from mobius_fed.model.subspace import SubspaceConfig
 from mobius_fed.schedule import ORDERS, Order
 from mobius_fed.settings import (  # noqa: F401 - re-exported: the config API lives here
     ENV_PREFIX,

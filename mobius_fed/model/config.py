@@ -10,6 +10,7 @@ from mobius_fed.model.knobs import LoopKnobs, ResidualScale
 
 Precision = Literal["bf16", "fp32"]
 HomeInput = Literal["off", "rotation", "mlp", "block"]
+SubspaceMode = Literal["stream", "home"]
 SubspaceWrites = Literal["basis", "full"]
 """The private input layer each origin applies to E(x) (``privacy.home_input``)."""
 """Block arithmetic on CUDA: bf16 autocast (residual stream fp32) or fp32 throughout."""
@@ -62,6 +63,45 @@ class ModelConfig(BaseModel):
     def applications(self) -> int:
         """K = L·P: block-group applications on every stream's path."""
         return self.loops * self.groups
+
+
+class MemoryConfig(BaseModel):
+    """``TrainConfig.memory``: trade compute for memory on a worker."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    recompute: bool = Field(
+        False, description="keep only each group application's input; recompute in backward"
+    )
+    loss_chunk: int = Field(
+        0, ge=0, description="tokens per chunk of the head's cross-entropy; 0 = all at once"
+    )
+
+
+class SubspaceConfig(BaseModel):
+    """``TrainConfig.subspace``: rank 0 (the default) is the paper's unconstrained model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(
+        0, ge=0, description="k: width of the shared residual subspace on the wire; 0 = off"
+    )
+    mode: SubspaceMode = Field(
+        "stream",
+        description="stream: the embedding is projected too (b = 0); home: the token "
+        "embedding stays at its origin (b = E(x) there, cyclic order only)",
+    )
+
+    writes: SubspaceWrites = Field(
+        "basis",
+        description="basis: every block writes through U, so the residual stream is k wide "
+        "everywhere; full: blocks write at full width inside a group and only the hops are "
+        "projected (what leaves the machine)",
+    )
+
+    @property
+    def on(self) -> bool:
+        return self.rank > 0
 
 
 # vocab_size None = derived from the encoding (padded to a multiple of 64).

@@ -17,21 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
-
-
-class MemoryConfig(BaseModel):
-    """``TrainConfig.memory``: trade compute for memory on a worker."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    recompute: bool = Field(
-        False, description="keep only each group application's input; recompute in backward"
-    )
-    loss_chunk: int = Field(
-        0, ge=0, description="tokens per chunk of the head's cross-entropy; 0 = all at once"
-    )
 
 
 def _chunk(hn: Tensor, weight: Tensor, y: Tensor, cap: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -40,41 +40,10 @@ degrade quality: the benchmark in ``benchmarks/compression.py`` measures how muc
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
-from mobius_fed.model.config import SubspaceWrites
-
-SubspaceMode = Literal["stream", "home"]
-
-
-class SubspaceConfig(BaseModel):
-    """``TrainConfig.subspace``: rank 0 (the default) is the paper's unconstrained model."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    rank: int = Field(
-        0, ge=0, description="k: width of the shared residual subspace on the wire; 0 = off"
-    )
-    mode: SubspaceMode = Field(
-        "stream",
-        description="stream: the embedding is projected too (b = 0); home: the token "
-        "embedding stays at its origin (b = E(x) there, cyclic order only)",
-    )
-
-    writes: SubspaceWrites = Field(
-        "basis",
-        description="basis: every block writes through U, so the residual stream is k wide "
-        "everywhere; full: blocks write at full width inside a group and only the hops are "
-        "projected (what leaves the machine)",
-    )
-
-    @property
-    def on(self) -> bool:
-        return self.rank > 0
+from mobius_fed.model.config import SubspaceMode
 
 
 def subspace_basis(d: int, k: int, seed: int) -> Tensor:
