@@ -221,6 +221,8 @@ def test_ring_equals_reference_with_subspace(tmp_path: Path, order, loops, mode,
     for i in range(3):
         rows = [json.loads(x) for x in (ring.out(i) / "metrics.jsonl").read_text().splitlines()]
         sent += max(r.get("bytes_sent", 0) for r in rows)
+        # every step row carries the worker's peak memory so far (resident set on a CPU)
+        assert all(r["peak_bytes"] > 2**20 for r in rows if "compute_s" in r)
     assert 0 < sent < 0.4 * full, (sent, full)
 
 

@@ -101,6 +101,20 @@ def run_static_ring(cfg: WorkerConfig) -> Path:
     return metrics
 
 
+def peak_bytes(device: torch.device) -> int | None:
+    """This process's peak memory so far: CUDA's allocated peak, else the peak resident set
+    (VmHWM, Linux); None where neither can be read."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _train_step(cfg: WorkerConfig, executor: RingExecutor, links: RingLinks | None, f) -> None:
     """One step on the static ring, its line in metrics.jsonl (and an evaluation's, when due)."""
     train, r = cfg.train, executor.train_step()
@@ -112,6 +126,7 @@ def _train_step(cfg: WorkerConfig, executor: RingExecutor, links: RingLinks | No
         "wait_s": r.wait_s,
         "seconds": r.seconds,
         "bytes_sent": links.bytes_sent if links else 0,
+        "peak_bytes": peak_bytes(executor.device),
     }
     f.write(json.dumps(row) + "\n")
     f.flush()
