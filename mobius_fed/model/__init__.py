@@ -6,53 +6,27 @@ The torch modules load on first use, so that code which only needs the configura
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 from mobius_fed.model.config import PRESETS, ModelConfig, make_model_config, pad_vocab
 
-if TYPE_CHECKING:
-    from mobius_fed.model.groups import (
-        HOME_LAYERS,
-        BlockGroup,
-        HomeLayer,
-        Replica,
-        build_group,
-        build_replica,
-        count_parameters,
-        derive_seed,
-        is_private,
-    )
-
-_FROM_GROUPS = (
-    "HOME_LAYERS",
-    "BlockGroup",
-    "HomeLayer",
-    "Replica",
-    "build_group",
-    "build_replica",
-    "count_parameters",
-    "derive_seed",
-    "is_private",
+_FROM_GROUPS = frozenset(
+    {
+        "HOME_LAYERS",
+        "BlockGroup",
+        "HomeLayer",
+        "Replica",
+        "build_group",
+        "build_replica",
+        "count_parameters",
+        "derive_seed",
+        "is_private",
+    }
 )
-
-__all__ = [
-    "HOME_LAYERS",
-    "PRESETS",
-    "BlockGroup",
-    "HomeLayer",
-    "ModelConfig",
-    "Replica",
-    "build_group",
-    "build_replica",
-    "count_parameters",
-    "derive_seed",
-    "is_private",
-    "make_model_config",
-    "pad_vocab",
-]
+__all__ = ["PRESETS", "ModelConfig", "make_model_config", "pad_vocab", *sorted(_FROM_GROUPS)]
 
 
 def __getattr__(name: str):
+    """The names of :mod:`mobius_fed.model.groups`, imported (with torch) on first use."""
     if name in _FROM_GROUPS:
         return getattr(importlib.import_module("mobius_fed.model.groups"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
