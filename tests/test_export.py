@@ -58,8 +58,10 @@ def _hf_models(dirs: list[Path]) -> list:
         {},
         {"privacy": {"home_layer": "block"}, "tied": False},
         {"knobs": {"depth_embedding": True, "residual_scale": "inverse_loops"}},
+        {"subspace": {"rank": 8, "mode": "home", "writes": "full"}},
+        {"subspace": {"rank": 8, "mode": "stream"}},
     ],
-    ids=["paper", "home-block-untied", "loop-knobs"],
+    ids=["paper", "home-block-untied", "loop-knobs", "subspace-home-full", "subspace-stream"],
 )
 def test_local_run_export_equals_the_engines_evaluation(
     site_dirs: list[Path], tmp_path: Path, extra: dict
@@ -133,13 +135,18 @@ def _random_model(**kw) -> MobiusLM:
     return model
 
 
+SUBSPACE = {"subspace_rank": 8, "subspace_mode": "home", "origin": 1, "source_groups": [1, 0]}
+
+
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"home_layer": "mlp"}, {"home_layer": "block"}, {"depth_embedding": True}],
-    ids=["paper", "home-mlp", "home-block", "depth-embedding"],
+    [{}, {"home_layer": "mlp"}, {"home_layer": "block"}, {"depth_embedding": True}, SUBSPACE],
+    ids=["paper", "home-mlp", "home-block", "depth-embedding", "subspace-home"],
 )
 def test_kv_cache_logits_equal_the_full_forward(kw: dict) -> None:
     model = _random_model(residual_epsilon=0.5, **kw)
+    if model.subspace_basis is not None:  # a buffer: the weights file brings U
+        model.subspace_basis.copy_(torch.linalg.qr(torch.randn(32, 8))[0])
     ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         full = model(torch.tensor([ids]))[0]

@@ -96,6 +96,14 @@ def test_analyze_checkpoints_side_by_side(site_dirs: list[Path], tmp_path: Path)
         analyze.load_model(tmp_path / "missing")
 
 
+def test_analyze_refuses_a_subspace_run_by_name(site_dirs: list[Path], tmp_path: Path) -> None:
+    engine = _engine(site_dirs, subspace={"rank": 8, "mode": "home"})
+    engine.save(tmp_path / "sub" / "checkpoint.pt")
+    model = analyze.load_model(tmp_path / "sub")  # loads (export uses it); analysis refuses
+    with pytest.raises(ValueError, match=r"has a shared subspace \(subspace.rank = 8\)"):
+        analyze.analyze_model(model, engine.sites, batches=1)
+
+
 # ------------------------------------------------------------------------ sweep
 def test_grid_rejects_bad_values() -> None:
     base = _cfg()

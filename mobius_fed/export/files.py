@@ -65,6 +65,9 @@ def origin_config(model: Any, s: int) -> dict:
         "residual_epsilon": residual_epsilon(mc.residual_scale, mc.loops),
         "home_layer": cfg.privacy.home_layer or "off",
         "home_input": cfg.privacy.home_input or "off",
+        # the shared subspace: every hop is projected, c = Uᵀ(h − b), h = U·c + b
+        "subspace_rank": mc.subspace_rank,
+        "subspace_mode": cfg.subspace.mode,
         "path": [in_path.index(i) for i in route],
         "groups_in_path": len(in_path),
         "source_groups": in_path,
@@ -87,11 +90,21 @@ def origin_state(model: Any, conf: dict) -> dict[str, torch.Tensor]:
     """The tensors of one origin: E/R and its private layers (``wte.``, ``lm_head.``,
     ``home.``, ``home_input.``),
     then ``groups.<j>.`` for the j-th group of its path."""
+    from mobius_fed.model.subspace import BasisLinear
+
     s = conf["origin"]
     state = {k: v for k, v in model.replicas[s].state_dict().items()}
     for j, i in enumerate(conf["source_groups"]):
         for k, v in model.groups[i].state_dict().items():
             state[f"groups.{j}.{k}"] = v
+        for name, m in model.groups[i].named_modules():  # writes through U: W = U·W′
+            if isinstance(m, BasisLinear):
+                state[f"groups.{j}.{name}.weight"] = m.basis @ m.weight
+    if conf["subspace_rank"]:
+        from mobius_fed.model.groups import build_basis
+        from mobius_fed.research.trained_model import model_config
+
+        state["subspace_basis"] = build_basis(model_config(model.cfg), model.cfg.seed)
     return {k: v.detach().to("cpu").float().contiguous().clone() for k, v in state.items()}
 
 

@@ -176,6 +176,40 @@ def check_config(cfg: dict) -> None:
         raise ValueError("config.json: path names a group outside groups_in_path")
 
 
+class Hops:
+    """What travels between two applications of one forward pass: the hidden state, or
+    with a shared subspace U its coordinates c = Uᵀ(h − b) (b = E(x) at the origin's own
+    group in ``home`` mode, else 0), rebuilt as h = U·c + b by the next group."""
+
+    def __init__(self, core: MobiusCore, e: Tensor) -> None:
+        self.U, self.e = core.subspace_basis, e
+        self.home = core.mobius.get("subspace_mode") == "home"
+        groups, origin = core.mobius.get("source_groups") or [], core.mobius.get("origin")
+        self.own = groups.index(origin) if origin in groups else None  # the origin's group
+        if self.U is None:
+            self.x = e
+        else:
+            self.x = e.new_zeros(*e.shape[:-1], self.U.size(1)) if self.home else e @ self.U
+
+    def apply(self, group: BlockGroup, j: int, t: int, past: list | None) -> list:
+        """Group j at application t; returns its keys/values."""
+        if self.U is None:
+            self.x, kv = group(self.x, t, past)
+            return kv
+        b = self.e if self.home and j == self.own else None
+        h = self.x @ self.U.T
+        out, kv = group(h if b is None else h + b, t, past)
+        self.x = (out if b is None else out - b) @ self.U
+        return kv
+
+    def last(self) -> Tensor:
+        """The hidden state the head reads."""
+        if self.U is None:
+            return self.x
+        h = self.x @ self.U.T
+        return h + self.e if self.home else h
+
+
 class MobiusCore:
     """The modules and forward pass shared by :class:`MobiusLM` and the transformers class."""
 
@@ -190,6 +224,11 @@ class MobiusCore:
         self.home = HomeMLP(cfg) if kind == "mlp" else HomeBlock(cfg) if kind == "block" else None
         entry = INPUT_LAYERS.get(cfg.get("home_input", "off"))
         self.home_input = None if entry is None else entry(cfg)
+        k = int(cfg.get("subspace_rank", 0))
+        if k:  # U [d, k] of the run's shared subspace (from the weights file)
+            self.register_buffer("subspace_basis", torch.zeros(cfg["d_model"], k))
+        else:
+            self.subspace_basis = None
 
     def embed(self, idx: Tensor, past: KVCache | None) -> tuple[Tensor, tuple | None]:
         """E_s(x), and the keys/values of the input layer ``block`` (cached last)."""
@@ -207,14 +246,14 @@ class MobiusCore:
         keys/values of all of them."""
         h, entry_kv = self.embed(idx, past)
         per_group = self.mobius["layers_per_group"]
+        hop = Hops(self, h)
         cache: KVCache = []
         for t, j in enumerate(self.mobius["path"]):
             group_past = None if past is None else past[t * per_group : (t + 1) * per_group]
-            h, kv = self.groups[j](h, t, group_past)
-            cache.extend(kv)
+            cache.extend(hop.apply(self.groups[j], j, t, group_past))
         if entry_kv is not None:
             cache.append(entry_kv)
-        return h, cache
+        return hop.last(), cache
 
     def head(self, h: Tensor) -> Tensor:
         """The home layer (if any), then R: soft-capped logits [B, T, V] in fp32."""

@@ -37,6 +37,7 @@ from mobius_fed import schedule
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.model import BlockGroup, Replica
+from mobius_fed.model.groups import build_basis
 from mobius_fed.research.trained_model import Model, model_config
 
 CHECKPOINT = "checkpoint.pt"
@@ -93,7 +94,7 @@ def load_model(path: Path) -> Model:
         )
     cfg = TrainConfig.model_validate(state["config"])
     mc = model_config(cfg)
-    groups = [BlockGroup(mc) for _ in range(cfg.P)]
+    groups = [BlockGroup(mc, build_basis(mc, cfg.seed)) for _ in range(cfg.P)]
     replicas = [Replica(mc, cfg.privacy.home_layer) for _ in range(cfg.P)]  # home layers too
     for module, sd in zip(groups + replicas, state["groups"] + state["replicas"], strict=True):
         module.load_state_dict(sd)
@@ -143,6 +144,12 @@ def analyze_model(model: Model, sites: Sequence[SiteData], batches: int = 2) -> 
         raise ValueError(f"analyze: need one site per origin: P={P}, got {len(sites)}")
     if batches < 1:
         raise ValueError(f"analyze: batches must be ≥ 1, got {batches}")
+    if cfg.subspace.on:
+        raise ValueError(
+            f"analyze: {model.name} has a shared subspace (subspace.rank = "
+            f"{cfg.subspace.rank}); its per-depth measures are not defined for it yet "
+            "(mobius-fed export and eval do handle it)"
+        )
     data = [_batches(site, cfg, batches) for site in sites]
     tables, outs, deltas = _depth_tables(model, data)
     cka, cos = _similarities(P, K, outs, deltas)

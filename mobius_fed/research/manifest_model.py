@@ -57,7 +57,7 @@ def _worker_file(manifest: Path, rank: int, entry: dict[str, Any]) -> Path:
 def load_manifest_model(manifest: Path):
     """The :class:`~mobius_fed.research.trained_model.Model` that ``manifest`` describes."""
     from mobius_fed.checkpoint import load_checkpoint
-    from mobius_fed.model.groups import BlockGroup, build_replica
+    from mobius_fed.model.groups import BlockGroup, build_basis, build_replica
     from mobius_fed.research.trained_model import Model, model_config
     from mobius_fed.strategies import from_plain
     from mobius_fed.transport.safe_arrays import array_record_to_torch, spec_of
@@ -79,7 +79,7 @@ def load_manifest_model(manifest: Path):
         state = load_checkpoint(file, entry["sha256"])  # a copy was checked against it too
         if state.get("rank") != rank or "group" not in state or "replica" not in state:
             raise ValueError(f"analyze: {file} is not worker-{rank}'s checkpoint")
-        group = BlockGroup(mc)
+        group = BlockGroup(mc, build_basis(mc, cfg.seed))
         group.load_state_dict(state["group"])
         replica = build_replica(cfg.model(), cfg.seed, cfg.privacy.home_layer)
         replica.load_state_dict(state["replica"])  # the site's home layer, if any
