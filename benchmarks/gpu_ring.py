@@ -15,7 +15,7 @@ and bytes sent per step.
 
 On a CPU the ring equals the reference exactly. On CUDA, kernels may differ between a
 worker process and the reference (cuBLAS/SDPA choices), so the check is a tolerance
-(``--tolerance``, 1e-5 by default, meant for fp32).
+(``--tolerance``: 1e-5 by default, 1e-2 for bf16 blocks on CUDA).
 """
 
 from __future__ import annotations
@@ -55,14 +55,22 @@ def main(argv: list[str] | None = None) -> int:
     add_train_flags(p)
     p.add_argument("--warmup", type=int, default=1, help="untimed ring steps")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--tolerance", type=float, default=1e-5, help="max |Δ loss| allowed")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="max |Δ loss| allowed (default 1e-5; 1e-2 for bf16 blocks on CUDA)",
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds for the ring")
     p.add_argument("--keep", type=Path, default=None, help="keep worker dirs and logs here")
     p.set_defaults(preset="gpt2-small")
     args = p.parse_args(argv)
     cfg = train_config_from_args(args, sync_every=0, eval_every=0)  # E/R local: static ring
-    if cfg.steps <= args.warmup:
-        p.error(f"--steps ({cfg.steps}) must exceed --warmup ({args.warmup})")
+    if not 1 <= args.warmup < cfg.steps:
+        p.error(f"--warmup ({args.warmup}) must be at least 1 and below --steps ({cfg.steps})")
+    cuda = cfg.device.startswith("cuda")
+    if args.tolerance is None:
+        args.tolerance = 1e-2 if cuda and cfg.precision == "bf16" else 1e-5
     mc = cfg.model()
     print(
         f"gpu ring: {cfg.preset} ({mc.n_layer} layers, d={mc.d_model}, T={mc.seq_len}), "
@@ -82,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         sites = [SiteData(sites_dir / f"site-{i}", mc.seq_len, cfg.encoding) for i in range(cfg.P)]
         print("[reference] ...", flush=True)
         ref = run_reference(cfg, sites, args.threads, args.warmup, cfg.steps - args.warmup)
-        ref_peak = torch.cuda.max_memory_allocated() if cfg.device.startswith("cuda") else None
+        ref_peak = torch.cuda.max_memory_allocated() if cuda else None
+        if cuda:
+            torch.cuda.empty_cache()  # the engine is gone: leave the device to the workers
         print("[ring] ...", flush=True)
         ring = ConfiguredRing(root / "ring", cfg, args.threads, sites_dir, certs)
         ring.root.mkdir(parents=True, exist_ok=True)
@@ -94,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         tmp.cleanup()
     common = sorted(k for k in ref["losses"] if k in got["losses"])
+    if not common:
+        print("no (step, origin) loss of the ring matches the reference's", file=sys.stderr)
+        return 1
     diff = max(abs(ref["losses"][k] - got["losses"][k]) for k in common)
     result = {
         "preset": cfg.preset,

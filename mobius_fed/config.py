@@ -125,6 +125,11 @@ class TrainConfig(BaseModel):
                 f"batch_size={self.batch_size} is not divisible by "
                 f"micro_batches={self.micro_batches}"
             )
+        if self.subspace.writes != "basis" and not self.subspace.on:
+            raise ValueError(
+                f"subspace writes {self.subspace.writes!r} needs a subspace: set subspace "
+                "rank k > 0 (--subspace-rank K)"
+            )
         if self.subspace.on and self.subspace.mode == "home" and self.order != "cyclic":
             raise ValueError(
                 "subspace mode 'home' needs the cyclic order: in the ordered order a stream "
@@ -180,9 +185,19 @@ class TrainConfig(BaseModel):
         )
 
     def fingerprint(self) -> str:
-        """Hash of the whole config; peers refuse a run whose hash differs."""
-        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        """Hash of the whole config; peers refuse a run whose hash differs. A setting added
+        after a release (``LATER_SETTINGS``) counts only when it differs from its default,
+        so that manifests written before it existed still resume."""
+        doc = self.model_dump(mode="json")
+        for (section, key), default in LATER_SETTINGS.items():
+            if doc[section].get(key) == default:
+                del doc[section][key]
+        blob = json.dumps(doc, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# (sub-config, field) → default of the settings added after manifests were first written.
+LATER_SETTINGS: dict[tuple[str, str], Any] = {("subspace", "writes"): "basis"}
 
 
 # MOBIUS_<NAME> → TrainConfig setting key, for every field (nested ones with ``__``).

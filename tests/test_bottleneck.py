@@ -36,6 +36,8 @@ def test_basis_is_orthonormal_seeded_and_checked():
 def test_bad_settings_are_refused_with_the_reason():
     with pytest.raises(ValidationError, match="subspace rank 33 exceeds d_model=32"):
         TrainConfig(preset="cpu-tiny", subspace={"rank": 33})
+    with pytest.raises(ValidationError, match="subspace writes 'full' needs a subspace"):
+        TrainConfig(preset="cpu-tiny", subspace={"writes": "full"})
     with pytest.raises(ValidationError, match="subspace mode 'home' needs the cyclic order"):
         TrainConfig(preset="cpu-tiny", order="ordered", subspace={"rank": 8, "mode": "home"})
     with pytest.raises(ValidationError, match="mode"):
@@ -176,7 +178,7 @@ class SubspaceRing(Ring):
 
 
 RING_CASES = [
-    ("cyclic", 1, "stream", {}),  # blocks write through U
+    ("cyclic", 1, "home", {}),  # blocks write through U
     (
         "ordered",
         2,

@@ -277,3 +277,11 @@ def test_a_subset_of_coordinator_settings_as_flags() -> None:
     assert "MOBIUS_REJOIN_TIMEOUT" in actions["--rejoin-timeout"].help
     assert tuple(actions["--state-copy"].choices) == ("coordinator", "off")
     assert "--strategy" not in actions
+
+
+def test_fingerprint_of_older_runs_is_stable() -> None:
+    """A manifest stores its config's fingerprint: a new setting at its default must not
+    change it (list the setting in config.LATER_SETTINGS), or older runs cannot resume."""
+    assert TrainConfig().fingerprint() == "91b524307e57102c"  # the default config's, 2026-12
+    full = TrainConfig(subspace={"rank": 8, "writes": "full"})
+    assert full.fingerprint() != TrainConfig(subspace={"rank": 8}).fingerprint()

@@ -58,10 +58,19 @@ def _hf_models(dirs: list[Path]) -> list:
         {},
         {"privacy": {"home_layer": "block"}, "tied": False},
         {"knobs": {"depth_embedding": True, "residual_scale": "inverse_loops"}},
-        {"subspace": {"rank": 8, "mode": "home", "writes": "full"}},
+        {
+            "subspace": {"rank": 8, "mode": "home", "writes": "full"},
+            "privacy": {"home_input": "mlp"},
+        },
         {"subspace": {"rank": 8, "mode": "stream"}},
     ],
-    ids=["paper", "home-block-untied", "loop-knobs", "subspace-home-full", "subspace-stream"],
+    ids=[
+        "paper",
+        "home-block-untied",
+        "loop-knobs",
+        "subspace-home-full-input-mlp",
+        "subspace-stream",
+    ],
 )
 def test_local_run_export_equals_the_engines_evaluation(
     site_dirs: list[Path], tmp_path: Path, extra: dict
@@ -117,6 +126,11 @@ def test_loader_names_missing_and_mismatched_files(tmp_path: Path) -> None:
         load(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**conf, "path": [0, 5]}))
     with pytest.raises(ValueError, match="path names a group outside"):
+        load(tmp_path)
+    (tmp_path / "config.json").write_text(
+        json.dumps({**conf, "subspace_rank": 8, "subspace_mode": "hom"})
+    )
+    with pytest.raises(ValueError, match="unknown subspace_mode 'hom'"):
         load(tmp_path)
 
 

@@ -174,6 +174,13 @@ def check_config(cfg: dict) -> None:
         raise ValueError(f"config.json: unknown home_input {cfg['home_input']!r}")
     if any(not 0 <= j < cfg["groups_in_path"] for j in cfg["path"]):
         raise ValueError("config.json: path names a group outside groups_in_path")
+    k, mode = cfg.get("subspace_rank", 0), cfg.get("subspace_mode", "stream")
+    if not (isinstance(k, int) and 0 <= k <= cfg["d_model"]):
+        raise ValueError(f"config.json: subspace_rank {k!r} outside 0..d_model={cfg['d_model']}")
+    if mode not in ("stream", "home"):
+        raise ValueError(f"config.json: unknown subspace_mode {mode!r} (stream, home)")
+    if k and mode == "home" and cfg.get("origin") not in (cfg.get("source_groups") or []):
+        raise ValueError("config.json: subspace_mode home needs the origin among source_groups")
 
 
 class Hops:

@@ -137,6 +137,16 @@ def _batches(site: SiteData, cfg: TrainConfig, n: int) -> list[tuple[Tensor, Ten
 
 
 @torch.no_grad()
+def refuse_subspace(model: Model) -> None:
+    """Analysis reads full-width hidden states along a path: not defined with a subspace."""
+    if model.cfg.subspace.on:
+        raise ValueError(
+            f"analyze: {model.name} has a shared subspace (subspace.rank = "
+            f"{model.cfg.subspace.rank}); its per-depth measures are not defined for it yet "
+            "(mobius-fed export and eval do handle it)"
+        )
+
+
 def analyze_model(model: Model, sites: Sequence[SiteData], batches: int = 2) -> Analysis:
     """Measure ``model`` on ``batches`` validation batches per origin (see module doc)."""
     cfg, P, K = model.cfg, model.cfg.P, model.cfg.K
@@ -144,12 +154,7 @@ def analyze_model(model: Model, sites: Sequence[SiteData], batches: int = 2) -> 
         raise ValueError(f"analyze: need one site per origin: P={P}, got {len(sites)}")
     if batches < 1:
         raise ValueError(f"analyze: batches must be ≥ 1, got {batches}")
-    if cfg.subspace.on:
-        raise ValueError(
-            f"analyze: {model.name} has a shared subspace (subspace.rank = "
-            f"{cfg.subspace.rank}); its per-depth measures are not defined for it yet "
-            "(mobius-fed export and eval do handle it)"
-        )
+    refuse_subspace(model)
     data = [_batches(site, cfg, batches) for site in sites]
     tables, outs, deltas = _depth_tables(model, data)
     cka, cos = _similarities(P, K, outs, deltas)
@@ -364,11 +369,13 @@ def analyze_paths(
     if not runs:
         raise ValueError("analyze: no runs given")
     out = Path(out) if out else _run_dir(Path(runs[0])) / "analysis"
-    analyses = []
-    for run in runs:
-        model = load_model(Path(run))
-        sites = sites_for(model.cfg, Path(run), data, out)
-        analyses.append(analyze_model(model, sites, batches))
+    models = [load_model(Path(run)) for run in runs]
+    for model in models:
+        refuse_subspace(model)  # before any data is prepared or any run analysed
+    analyses = [
+        analyze_model(model, sites_for(model.cfg, Path(run), data, out), batches)
+        for run, model in zip(runs, models, strict=True)
+    ]
     return write_report(analyses, out)
 
 
