@@ -45,6 +45,10 @@ import textwrap
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))  # the sibling benchmarks below
+from compression import hop_bytes, parse_subspace, step_bytes
+from ring_step_sim import StepCosts, simulate_step
+
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = (8, 512, 1024)
 NBYTES = 8 * 512 * 1024 * 4
@@ -334,9 +338,6 @@ def parse_scheme(text: str) -> dict:
 
             out["wire"] = WireConfig.parse_flag(value)
         elif key == "subspace":
-            sys.path.insert(0, str(Path(__file__).parent))
-            from compression import parse_subspace
-
             out["subspace"] = parse_subspace(value)
         else:
             raise ValueError(f"scheme {text!r}: unknown part {key!r} (dtype, wire, subspace)")
@@ -353,9 +354,6 @@ def with_scheme(cfg, scheme: str):
 def worker_bytes(preset: str, P: int, loops: int, batch: int, scheme: str) -> float:
     """Bytes one worker sends per training step (cyclic: the ring's total over P)."""
     from mobius_fed.config import TrainConfig
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from compression import step_bytes
 
     cfg = TrainConfig(
         preset=preset, workers=P, loops=loops, batch_size=batch, **parse_scheme(scheme)
@@ -382,14 +380,6 @@ def project(compute_s: float, nbytes: float, rate_bps: float, rtt_s: float, K: i
         "busy": compute_s / step,
         "serial_busy": compute_s / serial,
     }
-
-
-def hop_bytes(cfg) -> tuple[float, float]:
-    """(forward, backward) bytes of one remote hop of one micro-batch (``compression.py``)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from compression import hop_bytes as compression_hop_bytes
-
-    return compression_hop_bytes(cfg)
 
 
 BACKWARD_OVER_FORWARD = 2.0
@@ -460,9 +450,6 @@ def project_micro(
     """The simulated ring step (benchmarks/ring_step_sim.py) for ``cfg`` (its P, L, order,
     micro-batches and wire), ``compute_s`` of one worker per step split by ``shares``, each
     site's egress ``rate_bps`` (a token bucket of ``burst`` bytes) and one-way ``delay_s``."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from ring_step_sim import StepCosts, simulate_step
-
     KM, M = cfg.K * cfg.micro_batches, cfg.micro_batches
     fwd_b, bwd_b = hop_bytes(cfg)
     costs = StepCosts(

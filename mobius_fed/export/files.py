@@ -100,11 +100,10 @@ def origin_state(model: Any, conf: dict) -> dict[str, torch.Tensor]:
         for name, m in model.groups[i].named_modules():  # writes through U: W = U·W′
             if isinstance(m, BasisLinear):
                 state[f"groups.{j}.{name}.weight"] = m.basis @ m.weight
-    if conf["subspace_rank"]:
+    if conf["subspace_rank"]:  # U, as the engines build it (StreamMaps)
         from mobius_fed.model.groups import build_basis
-        from mobius_fed.research.trained_model import model_config
 
-        state["subspace_basis"] = build_basis(model_config(model.cfg), model.cfg.seed)
+        state["subspace_basis"] = build_basis(model.cfg.model(), model.cfg.seed)
     return {k: v.detach().to("cpu").float().contiguous().clone() for k, v in state.items()}
 
 

@@ -10,10 +10,10 @@ from mobius_fed.model.knobs import LoopKnobs, ResidualScale
 
 Precision = Literal["bf16", "fp32"]
 HomeInput = Literal["off", "rotation", "mlp", "block"]
-SubspaceMode = Literal["stream", "home"]
-SubspaceWrites = Literal["basis", "full"]
 """The private input layer each origin applies to E(x) (``privacy.home_input``)."""
 """Block arithmetic on CUDA: bf16 autocast (residual stream fp32) or fp32 throughout."""
+SubspaceMode = Literal["stream", "home"]
+SubspaceWrites = Literal["basis", "full"]
 
 
 class ModelConfig(BaseModel):
@@ -91,7 +91,6 @@ class SubspaceConfig(BaseModel):
         description="stream: the embedding is projected too (b = 0); home: the token "
         "embedding stays at its origin (b = E(x) there, cyclic order only)",
     )
-
     writes: SubspaceWrites = Field(
         "basis",
         description="basis: every block writes through U, so the residual stream is k wide "
