@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mobius_fed.cli.common import (
+    CliError,
     add_data_flag,
     add_threads_flag,
     add_train_flags,
     apply_threads,
     console,
     resolve_sites,
-    run_guarded,
     train_config_from_args,
 )
 
@@ -82,11 +82,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(DIR/coordinator.key, for --privacy-er-noise; the coordinator's host only) and exit",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=lambda args: run_guarded(cmd_audit, args))
+    p.set_defaults(func=cmd_audit)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from mobius_fed.cli.common import CliError
     from mobius_fed.defences.stages import write_site_keys
     from mobius_fed.privacy.audit import Audit
     from mobius_fed.privacy.sweep import select, sweep, write_outputs

@@ -53,15 +53,6 @@ def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_print_config_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--print-config",
-        action="store_true",
-        help="print the configuration that --config, MOBIUS_* and the flags give (JSON), "
-        "and exit without starting",
-    )
-
-
 def print_config(cfg) -> int:
     """Print a config model as JSON (the resolved settings); exit status 0."""
     import json
@@ -100,7 +91,12 @@ def daemon_parser(prog: str, description: str, tables: str) -> argparse.Argument
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_config_flag(p, tables)
     add_log_level_flag(p)
-    add_print_config_flag(p)
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the configuration that --config, MOBIUS_* and the flags give (JSON), "
+        "and exit without starting",
+    )
     return p
 
 
@@ -128,24 +124,17 @@ def flag_values(args: argparse.Namespace, flags: dict[str, tuple[str, type]]) ->
     return {dest: getattr(args, dest, None) for dest, _ in flags.values()}
 
 
-def train_flag_values(args: argparse.Namespace) -> dict:
-    """``{dest: value}`` of the TrainConfig flags given (absent ones are None)."""
-    from mobius_fed.cli.flags import flag_values
-    from mobius_fed.config import TrainConfig
-
-    return flag_values(args, TrainConfig)
-
-
 def train_config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
     """TrainConfig from ``--config``'s ``[train]`` table, then ``MOBIUS_*``, then flags
     (``overrides`` win over everything: values a command sets itself). Errors name the
     setting and where its value came from."""
+    from mobius_fed.cli import flags as cli_flags
     from mobius_fed.cli.variables import refuse_unknown
     from mobius_fed.config import TrainConfig
     from mobius_fed.settings import layered_config
 
     refuse_unknown()
-    flags = {**train_flag_values(args), **overrides}
+    flags = {**cli_flags.flag_values(args, TrainConfig), **overrides}
     return layered_config(
         TrainConfig,
         section="train",
@@ -197,18 +186,14 @@ def step_progress(*fields: str, out: Console = console):
 
 
 # ------------------------------------------------------------------------- threads
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, else the machine's count)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
 def default_threads(processes: int = 1) -> int:
-    """Threads for one of ``processes`` training processes on this machine:
-    available cores // processes, at least 1."""
-    return max(1, available_cores() // max(1, processes))
+    """Threads for one of ``processes`` training processes on this machine: the cores this
+    process may run on (its affinity mask, else the machine's count) // processes, at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, processes))
 
 
 def threads_value(text: str) -> int:
@@ -338,17 +323,11 @@ class GracefulStop:
     (143 for SIGTERM, 130 for SIGINT, 129 for SIGHUP).
     """
 
-    def __init__(
-        self,
-        prog: str,
-        finished: Callable[[], bool] | None = None,
-        deadline: float = 1.5,
-        signals: Sequence[int] = STOP_SIGNALS,
-    ) -> None:
+    def __init__(self, prog: str, deadline: float = 1.5) -> None:
         self.prog = prog
-        self.finished: Callable[[], bool] = finished or (lambda: False)
+        self.finished: Callable[[], bool] = lambda: False  # the daemon sets its own
         self.deadline = deadline
-        self.signals = tuple(int(s) for s in signals)
+        self.signals = tuple(int(s) for s in STOP_SIGNALS)
         self.signum: int | None = None
         self.received_at: float | None = None
         self._lock = threading.Lock()
@@ -481,23 +460,31 @@ def site_dirs(root: Path, P: int) -> list[Path]:
     return dirs
 
 
+def prepared_dir(data: Sequence[Path] | None) -> Path | None:
+    """``--data DIR``: the one directory of prepared site-<i>/ folders, else None."""
+    return Path(data[0]) if data and len(data) == 1 and Path(data[0]).is_dir() else None
+
+
+def split_sites(data: Sequence[Path] | None, root: Path, P: int, encoding: str) -> list[Path]:
+    """Split the text files ``data`` (none: the embedded corpus) into ``root/site-<i>``."""
+    from mobius_fed.data import embedded_corpus, prepare_sites
+
+    for f in data or ():
+        if not Path(f).exists():
+            raise CliError(f"data path not found: {f}")
+    text = None if data else embedded_corpus()
+    return prepare_sites(data, root, P, encoding, text=text, overwrite=True)
+
+
 def resolve_sites(cfg: TrainConfig, data: Sequence[Path] | None, out: Path) -> list[SiteData]:
     """Per-site datasets from a prepared directory, text files, or the embedded corpus."""
-    from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+    from mobius_fed.data import SiteData
 
-    if data and len(data) == 1 and Path(data[0]).is_dir():
-        dirs = site_dirs(Path(data[0]), cfg.P)
-    elif data:
-        for f in data:
-            if not Path(f).exists():
-                raise CliError(f"data path not found: {f}")
-        dirs = prepare_sites(
-            [Path(f) for f in data], out / "sites", cfg.P, cfg.encoding, overwrite=True
-        )
+    given = prepared_dir(data)
+    if given is not None:
+        dirs = site_dirs(given, cfg.P)
     else:
-        dirs = prepare_sites(
-            None, out / "sites", cfg.P, cfg.encoding, text=embedded_corpus(), overwrite=True
-        )
+        dirs = split_sites(data, out / "sites", cfg.P, cfg.encoding)
     seq_len = cfg.model().seq_len
     sites = [SiteData(d, seq_len, cfg.encoding) for d in dirs]
     vocab = cfg.model().vocab_size

@@ -35,7 +35,6 @@ class DashboardProxy:
         self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
-        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -84,10 +83,9 @@ class DashboardProxy:
         return Handler
 
     def start(self) -> DashboardProxy:
-        self._thread = threading.Thread(
+        threading.Thread(
             target=self.server.serve_forever, name="dashboard-proxy", daemon=True
-        )
-        self._thread.start()
+        ).start()
         return self
 
     def stop(self) -> None:

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mobius_fed.cli.common import CliError, add_threads_flag, apply_threads, console, run_guarded
+from mobius_fed.cli.common import CliError, add_threads_flag, apply_threads, console
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="export origin S only (repeatable; one origin: written to OUT itself; "
         "default: every origin, to OUT/origin-<s>/)",
     )
-    p.set_defaults(func=lambda args: run_guarded(cmd_export, args))
+    p.set_defaults(func=cmd_export)
 
     g = sub.add_parser("generate", help="sample text from an exported model (KV cache)")
     g.add_argument("model", type=Path, help="an export directory (holding config.json)")
@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=0, help="same seed, same text (default: 0)")
     g.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     add_threads_flag(g)
-    g.set_defaults(func=lambda args: run_guarded(cmd_generate, args))
+    g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="loss and perplexity of an exported model on a text file")
     e.add_argument("model", type=Path, help="an export directory (holding config.json)")
@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     e.add_argument("--json", action="store_true", help="print the result as JSON")
     add_threads_flag(e)
-    e.set_defaults(func=lambda args: run_guarded(cmd_eval, args))
+    e.set_defaults(func=cmd_eval)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ that a value given nowhere on the command line leaves the file and environment i
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,12 +77,10 @@ def value_type(s: Setting) -> type | None:
     return members.pop()
 
 
-def help_text(s: Setting, note: str = "") -> str:
-    parts = [s.description.rstrip(".") or s.key.replace("_", " ")]
-    if note:
-        parts.append(note)
+def help_text(s: Setting) -> str:
+    what = s.description.rstrip(".") or s.key.replace("_", " ")
     default = "required" if s.required else f"default: {_show(s.default)}"
-    return (f"{'; '.join(parts)} ({default}; env {s.env})").replace("%", "%%")
+    return f"{what} ({default}; env {s.env})".replace("%", "%%")
 
 
 def add_settings_flags(
@@ -91,7 +90,6 @@ def add_settings_flags(
     flatten: Iterable[str] = (),
     skip: Iterable[str] = (),
     only: Iterable[str] | None = None,
-    notes: dict[str, str] | None = None,
 ) -> list[Setting]:
     """One flag per setting of ``model`` (keys in ``skip`` left out; with ``only``, just
     those keys, e.g. a coordinator setting that ``up`` passes on); the settings added."""
@@ -103,20 +101,18 @@ def add_settings_flags(
             continue
         if wanted is not None and s.key not in wanted:
             continue
-        kwargs: dict[str, Any] = {"dest": s.dest, "default": None}
-        kwargs["help"] = help_text(s, (notes or {}).get(s.key, ""))
-        if has_type(s.annotation, bool) and not s.choices():
-            parser.add_argument(s.flag, action=BoolFlag, **kwargs)
+        kwargs: dict[str, Any] = {"dest": s.dest, "default": None, "help": help_text(s)}
+        choices = s.choices()
+        if has_type(s.annotation, bool) and not choices:
+            kwargs["action"] = BoolFlag
+        elif choices:
+            kwargs["choices"] = choices
         else:
-            choices = s.choices()
-            if choices:
-                kwargs["choices"] = choices
-            else:
-                kwargs["metavar"] = _metavar(s)
-                kind = value_type(s)
-                if kind is not None:
-                    kwargs["type"] = kind
-            parser.add_argument(s.flag, **kwargs)
+            kwargs["metavar"] = _metavar(s)
+            kind = value_type(s)
+            if kind is not None:
+                kwargs["type"] = kind
+        parser.add_argument(s.flag, **kwargs)
         added.append(s)
     if wanted is None:
         _add_compact_flags(parser, model, flatten=tuple(flatten), skip=skip)
@@ -154,30 +150,23 @@ def flag_values(
     settings = settings_of(model, flatten=flatten)
     values = {s.dest: getattr(args, s.dest, None) for s in settings}
     for s in settings:
-        sub_dest = s.dest.rsplit("__", 1)[0] if "__" in s.dest else None
-        if sub_dest is None:
-            continue
-        text = getattr(args, sub_dest + COMPACT_SUFFIX, None)
+        sub_dest = s.dest.rpartition("__")[0]  # "" for a top-level setting
+        text = getattr(args, sub_dest + COMPACT_SUFFIX, None) if sub_dest else None
         if text is None:
             continue
         parsed = _compact(model, s.path[:-1], text)
-        if values[s.dest] is None and s.name[-1] in parsed:
-            values[s.dest] = parsed[s.name[-1]]
+        if values[s.dest] is None:
+            values[s.dest] = parsed.get(s.name[-1])
     return values
 
 
-_compact_cache: dict[tuple[str, str], dict[str, Any]] = {}
-
-
+@functools.cache
 def _compact(model: type[BaseModel], path: tuple[str, ...], text: str) -> dict[str, Any]:
-    """The fields a compact flag sets, via the sub-config's ``parse_flag``."""
-    key = (".".join(path), text)
-    if key not in _compact_cache:
-        cls: Any = model
-        for part in path:
-            cls = submodel(cls.model_fields[part].annotation)
-        _compact_cache[key] = dict(cls.parse_flag(text))
-    return _compact_cache[key]
+    """The fields a compact flag sets, via the sub-config's ``parse_flag`` (memoized)."""
+    cls: Any = model
+    for part in path:
+        cls = submodel(cls.model_fields[part].annotation)
+    return dict(cls.parse_flag(text))
 
 
 def daemon_flags(settings: Iterable[Setting]) -> dict[str, tuple[str, type]]:

@@ -163,10 +163,6 @@ def _wanted(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
     return list(BUILTIN), list(PLUGINS)
 
 
-def _register(sub, module_name: str) -> None:
-    importlib.import_module(f"mobius_fed.cli.{module_name}").register(sub)
-
-
 def _add_prepare_parser(sub) -> None:
     p = sub.add_parser("prepare", help="split text into per-site shard directories")
     p.add_argument("inputs", type=Path, nargs="*", help=".txt/.jsonl/.parquet (default: embedded)")
@@ -253,7 +249,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     if "local" in builtins:
         BUILTIN["local"](sub)
     for module in plugins:
-        _register(sub, module)
+        importlib.import_module(f"mobius_fed.cli.{module}").register(sub)
     for name in ("prepare", "config"):
         if name in builtins:
             BUILTIN[name](sub)

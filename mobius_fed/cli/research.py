@@ -14,7 +14,10 @@ from mobius_fed.cli.common import (
     add_train_flags,
     apply_threads,
     console,
+    prepared_dir,
     resolve_sites,
+    site_dirs,
+    split_sites,
     train_config_from_args,
 )
 
@@ -28,22 +31,13 @@ GRID_FIELDS = ("workers", "loops", "order", "seed")
 # ------------------------------------------------------------------------------- sweep
 def _sweep_sites(cfg: TrainConfig, data: list[Path] | None, out: Path) -> Path:
     """Directory of P prepared sites for this P (prepared once, reused on resume)."""
-    from mobius_fed.cli.common import site_dirs
-    from mobius_fed.data import embedded_corpus, prepare_sites
-
-    if data and len(data) == 1 and Path(data[0]).is_dir():
-        site_dirs(Path(data[0]), cfg.P)  # raises naming what is missing
-        return Path(data[0])
+    given = prepared_dir(data)
+    if given is not None:
+        site_dirs(given, cfg.P)  # raises naming what is missing
+        return given
     root = out / f"sites-P{cfg.P}"
-    if all((root / f"site-{i}" / "meta.json").is_file() for i in range(cfg.P)):
-        return root
-    for f in data or ():
-        if not Path(f).exists():
-            raise CliError(f"data path not found: {f}")
-    text = None if data else embedded_corpus()
-    prepare_sites(
-        [Path(f) for f in data or ()], root, cfg.P, cfg.encoding, text=text, overwrite=True
-    )
+    if not all((root / f"site-{i}" / "meta.json").is_file() for i in range(cfg.P)):
+        split_sites(data, root, cfg.P, cfg.encoding)
     return root
 
 

@@ -68,11 +68,8 @@ def register(subparsers: Any) -> None:
 
 def status_main(args: argparse.Namespace) -> int:
     """Fetch and print the status; CliError (exit 2) when it cannot be read."""
-    timeout = float(getattr(args, "timeout", 5.0) or 5.0)
-    rest = getattr(args, "rest", None)
-    addr = getattr(args, "coordinator", None)
-    certs_flag = getattr(args, "certs", None)
-    run = getattr(args, "run", None)
+    rest, addr, run = args.rest, args.coordinator, getattr(args, "run", None)
+    timeout = float(args.timeout or 5.0)
     ep = None
     if run is not None or not (rest or addr):
         ep = run_endpoints(run)
@@ -81,14 +78,14 @@ def status_main(args: argparse.Namespace) -> int:
             raise CliError(
                 f"the `mobius-fed up` that wrote {ep.path} (pid {ep.pid}) has exited{where}"
             )
-    certs = Path(certs_flag or (ep.certs_dir if ep else "certs"))
+    certs = Path(args.certs or (ep.certs_dir if ep else "certs"))
     if rest:
         doc = fetch_rest_status(rest, certs, timeout)
     else:
         addr = addr or (ep.grpc if ep else DEFAULT_COORDINATOR)
         doc = fetch_grpc_status(addr, certs, timeout)
     console = Console(soft_wrap=True)
-    if getattr(args, "json", False):
+    if args.json:
         console.print_json(json.dumps(doc, allow_nan=True))
     else:
         render_status(doc, console)

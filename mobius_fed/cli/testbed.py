@@ -185,9 +185,6 @@ def register(subparsers: Any) -> None:
     c.set_defaults(func=cmd_cleanup)
 
 
-add_testbed_parser = register  # the name this function had before
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mobius-fed")
     register(parser.add_subparsers(dest="command", required=True))

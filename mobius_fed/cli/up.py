@@ -36,15 +36,20 @@ from mobius_fed.cli.common import (
     add_resume_flag,
     console,
     default_threads,
+    prepared_dir,
+    site_dirs,
+    split_sites,
+    threads_from,
 )
 from mobius_fed.coordinator.endpoints import write_endpoints
-from mobius_fed.machines import ENDED_PHASES, IncidentState
+from mobius_fed.machines import ENDED_PHASES as ENDED
+from mobius_fed.machines import IncidentState
+from mobius_fed.tracking import add_tracker_flag
 from mobius_fed.transport.tls import NodeTLS
 
 if TYPE_CHECKING:  # torch loads only when up runs, not when `mobius-fed` builds its parser
     from mobius_fed.config import TrainConfig
 
-ENDED = ENDED_PHASES
 BUNDLE_FILES = ("ca.crt", "tls.crt", "tls.key")
 
 
@@ -65,8 +70,8 @@ def free_ports(n: int) -> list[int]:
 
 
 def flag_args(flags: dict[str, Any]) -> list[str]:
-    """``{"--flag": value}`` as a command line's words (in order)."""
-    return [word for flag, value in flags.items() for word in (flag, str(value))]
+    """``{"--flag": value}`` as a command line's words (in order; None leaves a flag out)."""
+    return [w for flag, value in flags.items() if value is not None for w in (flag, str(value))]
 
 
 def toml_table(name: str, doc: dict[str, Any]) -> list[str]:
@@ -139,31 +144,25 @@ class LocalFederation:
         return all(p.is_file() for p in top + bundles)
 
     def prepare(self) -> LocalFederation:
-        from mobius_fed.data import embedded_corpus, prepare_sites
         from mobius_fed.transport.certs import init_certs
 
         P = self.train.P
         if not self._certs_complete():  # none yet, or made for fewer workers: all new ones
             init_certs(self.certs, P, overwrite=True)
-        if self.data and len(self.data) == 1 and Path(self.data[0]).is_dir():
-            from mobius_fed.cli.common import site_dirs
-
-            site_dirs(Path(self.data[0]), P)  # CliError naming a missing site-<i>
-            self.sites = Path(self.data[0]).resolve()
+        given = prepared_dir(self.data)
+        if given is not None:
+            site_dirs(given, P)  # CliError naming a missing site-<i>
+            self.sites = given.resolve()
         elif self.data:
             missing = [str(f) for f in self.data if not Path(f).exists()]
             if missing:
                 raise CliError(f"--data: not found: {', '.join(missing)}")
-            prepare_sites(
-                [Path(f) for f in self.data], self.sites, P, self.train.encoding, overwrite=True
-            )
+            split_sites(self.data, self.sites, P, self.train.encoding)
         elif (
             not all((self.sites / f"site-{i}").is_dir() for i in range(P))
             or (self.sites / f"site-{P}").exists()
         ):
-            prepare_sites(
-                None, self.sites, P, self.train.encoding, text=embedded_corpus(), overwrite=True
-            )
+            split_sites(None, self.sites, P, self.train.encoding)
         self.logs.mkdir(parents=True, exist_ok=True)
         return self
 
@@ -201,19 +200,14 @@ class LocalFederation:
             "--run-id": "local-up",
             "--config": self.write_train_toml(),
             "--tracker": "none",  # up itself tracks (one tracker across coordinator restarts)
+            "--metrics-listen": f"127.0.0.1:{self.metrics_port}" if self.metrics_url else None,
+            "--rejoin-timeout": self.rejoin_timeout,
+            "--max-incidents": self.max_incidents,
+            "--keep-checkpoints": self.keep_checkpoints,
         }
         cmd = [sys.executable, "-m", "mobius_fed.cli.coordinator", *flag_args(flags)]
         for k, v in self.strategy_options.items():
             cmd += ["--strategy-option", f"{k}={json.dumps(v)}"]
-        if self.metrics_url:
-            cmd += ["--metrics-listen", f"127.0.0.1:{self.metrics_port}"]
-        for flag, value in (
-            ("--rejoin-timeout", self.rejoin_timeout),
-            ("--max-incidents", self.max_incidents),
-            ("--keep-checkpoints", self.keep_checkpoints),
-        ):
-            if value is not None:
-                cmd += [flag, str(value)]
         if resume == "auto":
             cmd += ["--resume", "auto"]
         elif resume:
@@ -333,11 +327,10 @@ class LocalFederation:
                 continue
             self.restarts[name] = n + 1
             self._say(f"{name} exited with {rc}; restarting ({n + 1}/{self.max_restarts})")
-            delay = 0.0 if n == 0 else min(0.5 * 2**n, 5.0)  # back off a crash loop
-            self._restart_at[name] = now + delay
-            if delay == 0.0:
-                del self._restart_at[name]
+            if n == 0:
                 self._restart(name)
+            else:  # back off a crash loop
+                self._restart_at[name] = now + min(0.5 * 2**n, 5.0)
 
     def _phase_now(self) -> str | None:
         """The run's phase from a fresh status (the last one seen if the coordinator is down)."""
@@ -438,17 +431,17 @@ def cmd_up(args, train: TrainConfig) -> int:
         strategy_options=dict(args.strategy_options),
         checkpoint_every=args.checkpoint_every,
         resume=args.resume or False,
-        threads=getattr(args, "threads", None) or _env_threads(),
-        data=getattr(args, "data", None),
+        threads=threads_from(args, train.P),
+        data=args.data,
         rejoin_timeout=args.rejoin_timeout,
         max_incidents=args.max_incidents,
         keep_checkpoints=args.keep_checkpoints,
         max_restarts=args.max_restarts,
     )
     final: dict[str, Any] | None = None
-    linger = linger_default(getattr(args, "linger", None))
+    linger = linger_default(args.linger)
     try:
-        with _tracked(fed, getattr(args, "tracker", None)):
+        with _tracked(fed, args.tracker):
             final = _up(fed, args, train)
         _report(final)
         if linger:
@@ -492,15 +485,6 @@ def _tracked(fed: LocalFederation, tracker: str | None):
 
     config = fed.train.model_dump(mode="json")
     return tracked(tracker, fed.coordinator_out / METRICS_FILE, run_name="up", config=config)
-
-
-def _env_threads() -> int | None:
-    """MOBIUS_THREADS, when set (else each worker gets cores / P)."""
-    if not os.environ.get("MOBIUS_THREADS", "").strip():
-        return None
-    from mobius_fed.cli.common import threads_from
-
-    return threads_from(None)
 
 
 def _report(final: dict[str, Any]) -> None:
@@ -632,9 +616,7 @@ class _LazyTrainFlagsParser(argparse.ArgumentParser):
     def _populate(self) -> None:
         if not self.populated:
             self.populated = True
-            from mobius_fed.cli.common import add_train_flags
-
-            add_train_flags(self)
+            common.add_train_flags(self)
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         self._populate()
@@ -647,10 +629,9 @@ class _LazyTrainFlagsParser(argparse.ArgumentParser):
 
 def up_main(args: argparse.Namespace) -> int:
     """``mobius-fed up``: build the train config from TOML/env/flags and run."""
-    from mobius_fed.cli.common import train_config_from_args
     from mobius_fed.cli.coordinator import parse_options
 
-    train = train_config_from_args(args)
+    train = common.train_config_from_args(args)
     args.strategy_options = parse_options(args.strategy_option)
     return cmd_up(args, train)
 
@@ -692,8 +673,6 @@ def register(sub) -> None:
         p,
         "continue from the newest complete manifest; --resume auto: only if there is one",
     )
-    from mobius_fed.tracking import add_tracker_flag
-
     add_tracker_flag(p)
     p.set_defaults(func=up_main)
 
