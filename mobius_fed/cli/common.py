@@ -110,15 +110,6 @@ def add_daemon_train_flags(parser: argparse.ArgumentParser, title: str, model, s
     train.add_argument("--untied", dest="tied", action="store_false", help="same as --no-tied")
 
 
-def daemon_main(prog: str, parser: argparse.ArgumentParser, run, argv: list[str] | None) -> int:
-    """Parse ``argv``, set up logging and the stop signals, then :func:`run_daemon`."""
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    return run_daemon(prog, run, args, GracefulStop(prog).install())
-
-
 def flag_values(args: argparse.Namespace, flags: dict[str, tuple[str, type]]) -> dict:
     """``{dest: value}`` for a ``{flag: (dest, type)}`` table such as the daemons' FLAGS."""
     return {dest: getattr(args, dest, None) for dest, _ in flags.values()}
@@ -229,18 +220,14 @@ def threads_from(args: argparse.Namespace | None = None, processes: int = 1) -> 
     return n if n is not None else default_threads(processes)
 
 
-def apply_threads(
-    args: argparse.Namespace | None = None, *, processes: int = 1, torch_now: bool = True
-) -> int:
+def apply_threads(args: argparse.Namespace | None = None, *, processes: int = 1) -> int:
     """Set this process's torch intra-op threads (see :func:`threads_from`) and return the
-    number. ``OMP_NUM_THREADS`` is set too, for a torch loaded later; ``torch_now=False``
-    leaves torch unloaded when it is not loaded yet."""
+    number. ``OMP_NUM_THREADS`` is set first, for a torch not loaded yet."""
     n = threads_from(args, processes)
     os.environ["OMP_NUM_THREADS"] = str(n)
-    if torch_now or "torch" in sys.modules:
-        import torch
+    import torch
 
-        torch.set_num_threads(n)
+    torch.set_num_threads(n)
     return n
 
 
@@ -433,11 +420,17 @@ class GracefulStop:
         os._exit(code)
 
 
-def run_daemon(prog: str, fn, args: argparse.Namespace, stop: GracefulStop) -> int:
-    """:func:`run_guarded` for a daemon: once a stop signal arrived, the exit status is
-    ``stop``'s (0 after a finished run, else 128 + signal), whatever the unwinding raised."""
+def daemon_main(prog: str, parser: argparse.ArgumentParser, run, argv: list[str] | None) -> int:
+    """Parse ``argv``, set up logging and the stop signals, then :func:`run_guarded`: once a
+    stop signal arrived, the exit status is the :class:`GracefulStop`'s (0 after a finished
+    run, else 128 + signal), whatever the unwinding raised."""
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    stop = GracefulStop(prog).install()
     try:
-        rc = run_guarded(fn, args, stop)
+        rc = run_guarded(run, args, stop)
     except SystemExit as exc:  # fail(): status 2; Terminated: 128 + signal
         rc = exc.code if isinstance(exc.code, int) else 1
     if stop.installed:

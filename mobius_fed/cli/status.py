@@ -113,18 +113,26 @@ def operator_tls(certs: Path) -> NodeTLS:
     return tls
 
 
+def get_status(addr: str, tls: NodeTLS, timeout: float) -> str:
+    """The status document (JSON text) from ``GetStatus`` over mTLS gRPC; grpc.RpcError when
+    the call fails."""
+    from mobius_fed.proto import control_pb2, control_pb2_grpc
+    from mobius_fed.transport.tls import open_channel
+
+    channel = open_channel(addr, tls, target_name=COORDINATOR_NAME)
+    try:
+        stub = control_pb2_grpc.ControlStub(channel)
+        return stub.GetStatus(control_pb2.StatusRequest(), timeout=timeout).json
+    finally:
+        channel.close()
+
+
 def fetch_grpc_status(addr: str, certs: Path, timeout: float) -> dict[str, Any]:
     """``GetStatus`` over mTLS gRPC as the operator."""
     import grpc
 
-    from mobius_fed.proto import control_pb2, control_pb2_grpc
-    from mobius_fed.transport.tls import open_channel
-
-    tls = operator_tls(certs)
-    channel = open_channel(addr, tls, target_name=COORDINATOR_NAME)
     try:
-        stub = control_pb2_grpc.ControlStub(channel)
-        reply = stub.GetStatus(control_pb2.StatusRequest(), timeout=timeout)
+        text = get_status(addr, operator_tls(certs), timeout)
     except grpc.RpcError as exc:
         code = exc.code() if hasattr(exc, "code") else None
         detail = exc.details() if hasattr(exc, "details") else str(exc)
@@ -136,10 +144,8 @@ def fetch_grpc_status(addr: str, certs: Path, timeout: float) -> dict[str, Any]:
             ) from None
         name = code.name if code is not None else type(exc).__name__
         raise CliError(f"status request to {addr} failed ({name}): {detail}") from None
-    finally:
-        channel.close()
     try:
-        return json.loads(reply.json)
+        return json.loads(text)
     except ValueError as exc:
         raise CliError(f"coordinator at {addr} sent an unreadable status document: {exc}") from None
 

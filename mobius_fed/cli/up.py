@@ -244,9 +244,7 @@ class LocalFederation:
     @property
     def metrics_url(self) -> str | None:
         """The plain metrics listener's /metrics (None: off)."""
-        if not self.metrics:
-            return None
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics else None
 
     def rest(self, path: str) -> Any:
         """GET a REST endpoint of the coordinator as the operator (JSON or text)."""
@@ -354,20 +352,13 @@ class LocalFederation:
         """The coordinator's status over gRPC with the operator's certificate."""
         import grpc
 
-        from mobius_fed.proto import control_pb2, control_pb2_grpc
-        from mobius_fed.transport.tls import open_channel
+        from mobius_fed.cli.status import get_status
 
-        channel = open_channel(
-            f"127.0.0.1:{self.coord_port}", self.operator_tls(), target_name="coordinator"
-        )
+        addr = f"127.0.0.1:{self.coord_port}"
         try:
-            stub = control_pb2_grpc.ControlStub(channel)
-            reply = stub.GetStatus(control_pb2.StatusRequest(), timeout=timeout)
-            return json.loads(reply.json)
+            return json.loads(get_status(addr, self.operator_tls(), timeout))
         except grpc.RpcError:
             return None
-        finally:
-            channel.close()
 
     def wait(self, on_status=None, timeout: float = 3600) -> dict[str, Any]:
         """Poll until the run is done or failed, or the coordinator died (and, with
