@@ -262,15 +262,8 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
     )
     console.print(run)
     workers = Table(title="workers", show_header=True, header_style="bold")
-    for col, justify in (
-        ("rank", "right"),
-        ("address", "left"),
-        ("state", "left"),
-        ("heartbeat age (s)", "right"),
-        ("last loss", "right"),
-        ("tokens/s", "right"),
-    ):
-        workers.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for col in ("rank", "address", "state", "heartbeat age (s)", "last loss", "tokens/s"):
+        workers.add_column(col, justify="left" if col in ("address", "state") else "right")
     for w in doc.get("workers", []):
         workers.add_row(
             str(w.get("rank", "?")),
