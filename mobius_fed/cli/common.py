@@ -40,19 +40,6 @@ def add_config_flag(parser: argparse.ArgumentParser, tables: str = "a [train] ta
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
-    level = os.environ.get("MOBIUS_LOG_LEVEL", "").strip().upper() or "INFO"
-    if level not in LOG_LEVELS:
-        fail(f"MOBIUS_LOG_LEVEL={level!r}: expected one of {', '.join(LOG_LEVELS)}")
-    parser.add_argument(
-        "--log-level",
-        default=level,
-        type=str.upper,
-        choices=LOG_LEVELS,
-        help="log verbosity (default: INFO; env MOBIUS_LOG_LEVEL)",
-    )
-
-
 def print_config(cfg) -> int:
     """Print a config model as JSON (the resolved settings); exit status 0."""
     import json
@@ -90,7 +77,16 @@ def daemon_parser(prog: str, description: str, tables: str) -> argparse.Argument
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_config_flag(p, tables)
-    add_log_level_flag(p)
+    level = os.environ.get("MOBIUS_LOG_LEVEL", "").strip().upper() or "INFO"
+    if level not in LOG_LEVELS:
+        fail(f"MOBIUS_LOG_LEVEL={level!r}: expected one of {', '.join(LOG_LEVELS)}")
+    p.add_argument(
+        "--log-level",
+        default=level,
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="log verbosity (default: INFO; env MOBIUS_LOG_LEVEL)",
+    )
     p.add_argument(
         "--print-config",
         action="store_true",
