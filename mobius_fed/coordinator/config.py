@@ -103,11 +103,6 @@ class CoordinatorConfig(BaseModel):
         self.checkpoint_round_interval(self.train)
         return self
 
-    @property
-    def insecure(self) -> bool:
-        """Always False: the coordinator has no plaintext mode."""
-        return False
-
     def checkpoint_round_interval(self, train: TrainConfig | None = None) -> int:
         """``checkpoint_every`` (steps) as Flower rounds: steps / sync_every (0: end only)."""
         train = self.train if train is None else train

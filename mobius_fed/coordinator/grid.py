@@ -128,9 +128,8 @@ class ControlGrid(RunGrid):
             with self._cond:
                 self._raise_if_failed()
                 box = self._outboxes.get(rank)
-            if box is None:
-                raise RunFailed(f"worker-{rank} has no open session")
-            with self._cond:
+                if box is None:
+                    raise RunFailed(f"worker-{rank} has no open session")
                 self._pending[msg.metadata.message_id] = rank
             box.put(control_pb2.Envelope(flower_message=message_to_bytes(msg)))
             ids.append(msg.metadata.message_id)
@@ -270,6 +269,3 @@ class ControlGrid(RunGrid):
             boxes = list(self._outboxes.values())
         for box in boxes:
             box.put(control_pb2.Envelope(note=note, flower_message=text.encode()))
-
-    def broadcast_stop(self, reason: str) -> None:
-        self.broadcast("stop", reason)

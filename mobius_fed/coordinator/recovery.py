@@ -142,8 +142,7 @@ class Recovery:
             if inc.state != IncidentState.OPEN:
                 continue
             in_flight_end = self.plan.steps_of(inc.round)[1] if inc.round else end
-            rank_w = self.state.workers.get(inc.rank) if inc.rank is not None else None
-            back = rank_w.registered_at if rank_w and rank_w.registered_at else None
+            back = getattr(self.state.workers.get(inc.rank), "registered_at", None)
             self.state.update_incident(
                 inc,
                 state=IncidentState.RECOVERED,
@@ -156,9 +155,9 @@ class Recovery:
             log.info(
                 "incident %d recovered in %.1fs: rolled back to round %d, %d step(s) redone",
                 inc.id,
-                now - inc.detected_at,
+                inc.recovery_s,
                 rnd,
-                max(0, in_flight_end - end),
+                inc.steps_redone,
             )
         for w in self.state.workers.values():
             if w.state in (W.REJOINING, W.RESTORING):

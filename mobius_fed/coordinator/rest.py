@@ -225,10 +225,7 @@ class _AccessMiddleware:
         self.app, self.allowed, self.local, self.public = app, allowed, local, public
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        denial = self._check(scope)
+        denial = self._check(scope) if scope["type"] == "http" else None
         if denial is None:
             await self.app(scope, receive, send)
             return

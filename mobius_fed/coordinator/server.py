@@ -80,7 +80,6 @@ class Coordinator:
             self.grid,
             fingerprint=cfg.train.fingerprint(),
             run_spec=self._run_spec,
-            registration_timeout=cfg.registration_timeout,
         )
         self.recovery = Recovery(cfg, self.state, self.grid, self.service, self.store)
         self.strategy: Any = None
@@ -98,9 +97,7 @@ class Coordinator:
         )
         control_pb2_grpc.add_ControlServicer_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = add_port(
-            self._server, self.cfg.listen, self.cfg.tls(), insecure=self.cfg.insecure
-        )
+        self.port = add_port(self._server, self.cfg.listen, self.cfg.tls())
         if not self.port:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         self._server.start()
@@ -206,7 +203,7 @@ class Coordinator:
             self.state.finish(Phase.DONE)
             log.info("run %s was already complete (round %d); serving its status",
                      self.cfg.run_id, start.round)  # fmt: skip
-            self.grid.broadcast_stop("done")
+            self.grid.broadcast("stop", "done")
             return 0
         missing = self.grid.wait_for_sessions(self.cfg.registration_timeout)
         if missing:
@@ -226,7 +223,7 @@ class Coordinator:
         self.state.finish(Phase.DONE)
         self.recorder.flush()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        self.grid.broadcast_stop("done")
+        self.grid.broadcast("stop", "done")
         self._await_workers_leaving(timeout=30)
         log.info("run %s done: %d steps, checkpoint %s",
                  self.cfg.run_id, self.state.step, self.state.checkpoint)  # fmt: skip
@@ -241,7 +238,7 @@ class Coordinator:
                 raise RunFailed(f"{', '.join(f'worker-{r}' for r in missing)} sent no SecAgg "
                                 "public key (privacy.er_secagg is on)")  # fmt: skip
             self.secagg.relay([keys[r] for r in range(self.train.P)], self.recovery.ring_id)
-        strategy = make_strategy(
+        return make_strategy(
             self.cfg.strategy,
             self.train.P,
             self.plan,
@@ -255,7 +252,6 @@ class Coordinator:
             # One more file than manifests: a worker writes round r before its manifest commits.
             keep_checkpoints=self.cfg.keep_checkpoints + 1 if self.cfg.keep_checkpoints else 0,
         )
-        return strategy
 
     def _run_strategy(self, snap: RoundState) -> None:
         """Flower's Strategy.start from round ``snap.round`` on (its evaluation first, if
@@ -294,7 +290,7 @@ class Coordinator:
         for inc in self.state.incidents:
             if inc.state == IncidentState.OPEN:
                 self.state.update_incident(inc, state=IncidentState.FAILED)
-        self.grid.broadcast_stop(reason)
+        self.grid.broadcast("stop", reason)
         self._await_workers_leaving(timeout=10)
         return 1
 
