@@ -69,7 +69,6 @@ class IncidentRaised(RuntimeError):
         edge = self.edge
         if edge is None and self.rank is not None:
             edge = edges_of([self.rank], P)
-        seen = self.last_seen
         return dict(
             kind=self.kind,
             what=self.what,
@@ -77,7 +76,7 @@ class IncidentRaised(RuntimeError):
             edge=edge,
             round=rnd,
             detected_at=now,
-            detection_s=None if seen is None else max(0.0, now - seen),
+            detection_s=None if self.last_seen is None else max(0.0, now - self.last_seen),
         )
 
 

@@ -301,13 +301,9 @@ class _ThreadServer(uvicorn.Server):
 
 
 class RestServer:
-    """Serve :func:`make_app` of ``state`` with uvicorn in a daemon thread.
-
-    TLS mode (``tls`` given): mutual TLS, client certificates must chain to ``tls.ca``,
-    and ``allowed(identity)`` decides who may read (None: any ``mobius://`` identity our CA
-    signed). Local mode (``local=True``, ``tls`` None): plain HTTP on a loopback host only.
-    Metrics mode (``metrics=True``, ``tls`` None): plain HTTP on any address, only the
-    metrics listener's routes (:func:`make_app` ``routes="metrics"``), nobody authenticated.
+    """Serve :func:`make_app` of ``state`` with uvicorn in a daemon thread, in one of the
+    module doc's modes: TLS (``tls`` given; ``allowed(identity)`` decides who may read, None:
+    any ``mobius://`` identity our CA signed), ``local=True`` or ``metrics=True``.
     ``port=0`` picks a free port; read it from :attr:`port` after :meth:`start`.
     """
 

@@ -51,7 +51,7 @@ class RunState:
     privacy: Callable[[int], dict[str, Any] | None] | None = None  # step → status block
     totals: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(
-            ("rounds", "evaluations", "tokens", "heartbeats", "steps_redone"), 0.0
+            ("rounds", "evaluations", "tokens", "heartbeats"), 0.0
         )
     )
     _metrics: Any = field(default=None, repr=False)
