@@ -87,7 +87,6 @@ class Coordinator:
         self._health = health.HealthServicer()
         self.rest = None
         self.metrics_server = None
-        self.port = 0
 
     # -------------------------------------------------------------- servers
     def start(self) -> None:
@@ -97,8 +96,7 @@ class Coordinator:
         )
         control_pb2_grpc.add_ControlServicer_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = add_port(self._server, self.cfg.listen, self.cfg.tls())
-        if not self.port:
+        if not add_port(self._server, self.cfg.listen, self.cfg.tls()):
             raise OSError(f"cannot listen on {self.cfg.listen}")
         self._server.start()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -127,8 +125,7 @@ class Coordinator:
             tls=None if local else self.cfg.tls(),
             allowed=lambda who: who in self.service.enrolled,
             local=local,
-        )
-        self.rest.start()
+        ).start()
         scheme = "http" if local else "https"
         log.info("REST status on %s://%s:%s/v1/status", scheme, host, self.rest.port)
 
@@ -140,8 +137,7 @@ class Coordinator:
         host = host.strip("[]")
         self.metrics_server = RestServer(
             self.state, host, int(port), tls=None, allowed=None, metrics=True
-        )
-        self.metrics_server.start()
+        ).start()
         log.info("metrics on http://%s:%s/metrics", host, self.metrics_server.port)
 
     def _set_health(self, status: int) -> None:
@@ -149,10 +145,9 @@ class Coordinator:
             self._health.set(name, status)
 
     def stop(self) -> None:
-        if self.rest is not None:
-            self.rest.stop()
-        if self.metrics_server is not None:
-            self.metrics_server.stop()
+        for rest in (self.rest, self.metrics_server):
+            if rest is not None:
+                rest.stop()
         if self._server is not None:  # open worker sessions would use up any longer grace
             self._server.stop(grace=0.5).wait()
 
