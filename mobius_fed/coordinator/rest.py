@@ -10,9 +10,8 @@ the package (``static/``); nothing is loaded from a CDN.
 * **TLS** (the normal one): mutual TLS 1.3 only, with the coordinator's certificate; the
   handshake requires a client certificate signed by our CA, and the caller's one
   ``mobius://`` identity (URI SAN; a certificate with several has none) must then pass
-  ``allowed(identity)``, else 403. uvicorn does not expose the
-  peer certificate to the app, so :class:`_PeerCertH11Protocol` copies it into the
-  per-connection ASGI ``scope["state"]`` where :class:`_AccessMiddleware` reads it.
+  ``allowed(identity)``, else 403. :class:`_PeerCertH11Protocol` hands the peer
+  certificate, which uvicorn does not expose, to :class:`_AccessMiddleware`.
 * **local**: plain HTTP bound to a loopback address only, read-only, unauthenticated,
   with a warning in the log. For debugging on the coordinator's own machine.
 * **metrics** (``metrics_listen``, explicit opt-in): plain HTTP on any address for
