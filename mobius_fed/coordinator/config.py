@@ -100,13 +100,8 @@ class CoordinatorConfig(BaseModel):
             raise ValueError("train.sync_every must be ≥ 1: each Flower round is one barrier")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
-        self.checkpoint_round_interval(self.train)
+        self.checkpoint_round_interval()
         return self
-
-    @property
-    def insecure(self) -> bool:
-        """Always False: the coordinator has no plaintext mode."""
-        return False
 
     def checkpoint_round_interval(self, train: TrainConfig | None = None) -> int:
         """``checkpoint_every`` (steps) as Flower rounds: steps / sync_every (0: end only)."""
@@ -138,12 +133,11 @@ def load_coordinator_config(
     """File, then ``MOBIUS_*`` environment, then flags (later wins). ``flags`` and
     ``train_flags`` map setting dests (``listen``, ``steps``, ``privacy__label_noise``) to
     values; None means not given."""
-    environ = dict(os.environ if environ is None else environ)
     return layered_config(
         CoordinatorConfig,
         section="coordinator",
         path=path,
-        environ=environ,
+        environ=dict(os.environ if environ is None else environ),
         flags={**(train_flags or {}), **(flags or {})},
         what="coordinator configuration",
     )

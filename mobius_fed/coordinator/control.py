@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import secrets
 import threading
 import time
@@ -13,6 +12,7 @@ from collections.abc import Callable
 import grpc
 
 from mobius_fed.coordinator.grid import ControlGrid, IncidentRaised, RunFailed
+from mobius_fed.coordinator.replies import in_range
 from mobius_fed.coordinator.state import RunState, json_safe
 from mobius_fed.machines import (
     HEARTBEAT_SETS,
@@ -55,11 +55,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
         *,
         fingerprint: str,
         run_spec: Callable[[int], control_pb2.RunSpec],
-        registration_timeout: float,
     ) -> None:
         self.state, self.grid, self.fingerprint = state, grid, fingerprint
-        self.run_spec, self.registration_timeout = run_spec, registration_timeout
-        self.P = state.P
+        self.run_spec, self.P = run_spec, state.P
         self._registered: dict[int, str] = {}
         self._cond = threading.Condition()
         self.enrolled = {worker_identity(i) for i in range(self.P)}
@@ -203,8 +201,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 fields["state"] = request.state
             self.state.update_worker(rank, **fields)
         self.state.count_heartbeat()
-        failure = self.grid.failure
-        if failure:
+        if failure := self.grid.failure:
             return control_pb2.HeartbeatReply(stop=True, reason=failure)
         if self.state.ended:
             return control_pb2.HeartbeatReply(stop=True, reason=self.state.error or "done")
@@ -311,9 +308,9 @@ def heartbeat_problem(request: control_pb2.HeartbeatRequest, steps: int) -> str 
         return f"state {request.state[:40]!r} (expected one of {', '.join(REPORTED_STATES)})"
     if request.step > steps:
         return f"step {request.step} (the run has {steps} steps)"
-    if request.step and not (math.isfinite(request.last_loss) and 0 <= request.last_loss < 1e4):
+    if request.step and not in_range(request.last_loss, 1e4):
         return f"last_loss {request.last_loss!r} (expected a finite loss in [0, 1e4))"
-    if not (math.isfinite(request.tokens_per_s) and 0 <= request.tokens_per_s < 1e12):
+    if not in_range(request.tokens_per_s, 1e12):
         return f"tokens_per_s {request.tokens_per_s!r} (expected finite, in [0, 1e12))"
     if request.links_json:
         if len(request.links_json) > 4096:
@@ -331,10 +328,6 @@ def heartbeat_problem(request: control_pb2.HeartbeatRequest, steps: int) -> str 
                 return f"links_json.{side}.path: {str(edge.get('path'))[:20]!r}"
             for key, top in _EDGE_NUMBERS:
                 v = edge.get(key, 0)
-                if (
-                    isinstance(v, bool)
-                    or not isinstance(v, int | float)
-                    or not (math.isfinite(v) and 0 <= v < top)
-                ):
+                if not in_range(v, top):
                     return f"links_json.{side}.{key}: {v!r}"
     return None

@@ -69,7 +69,6 @@ class IncidentRaised(RuntimeError):
         edge = self.edge
         if edge is None and self.rank is not None:
             edge = edges_of([self.rank], P)
-        seen = self.last_seen
         return dict(
             kind=self.kind,
             what=self.what,
@@ -77,7 +76,7 @@ class IncidentRaised(RuntimeError):
             edge=edge,
             round=rnd,
             detected_at=now,
-            detection_s=None if seen is None else max(0.0, now - seen),
+            detection_s=None if self.last_seen is None else max(0.0, now - self.last_seen),
         )
 
 
@@ -128,9 +127,8 @@ class ControlGrid(RunGrid):
             with self._cond:
                 self._raise_if_failed()
                 box = self._outboxes.get(rank)
-            if box is None:
-                raise RunFailed(f"worker-{rank} has no open session")
-            with self._cond:
+                if box is None:
+                    raise RunFailed(f"worker-{rank} has no open session")
                 self._pending[msg.metadata.message_id] = rank
             box.put(control_pb2.Envelope(flower_message=message_to_bytes(msg)))
             ids.append(msg.metadata.message_id)
@@ -270,6 +268,3 @@ class ControlGrid(RunGrid):
             boxes = list(self._outboxes.values())
         for box in boxes:
             box.put(control_pb2.Envelope(note=note, flower_message=text.encode()))
-
-    def broadcast_stop(self, reason: str) -> None:
-        self.broadcast("stop", reason)

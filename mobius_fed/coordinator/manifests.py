@@ -74,5 +74,4 @@ def complete_manifests(out_dir: Path, plan: RoundPlan | None = None) -> list[Pat
 
 def latest_manifest(out_dir: Path) -> Path | None:
     """The newest complete manifest (its E/R file present and verified), or None."""
-    found = complete_manifests(out_dir)
-    return found[0] if found else None
+    return next(iter(complete_manifests(out_dir)), None)

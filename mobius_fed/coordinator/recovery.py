@@ -94,7 +94,6 @@ class Recovery:
         rank holds a session again. RunFailed past the budget or the rejoin timeout."""
         raised = self.grid.take_incident() or exc
         incident = self._record(raised)  # an open incident puts the run in recovering
-        self.grid.broadcast("abort", raised.what)
         deadline = time.monotonic() + self.cfg.rejoin_timeout
         while True:
             self._check_budget(incident)
@@ -105,7 +104,6 @@ class Recovery:
             extra = self.grid.take_incident()  # another loss while waiting: same recovery
             if extra is not None:
                 self._record(extra)
-                self.grid.broadcast("abort", extra.what)
                 continue
             lost = [w.rank for w in self.state.workers.values() if w.state == W.LOST]
             if not missing and not lost:
@@ -118,13 +116,14 @@ class Recovery:
                 )
 
     def _record(self, raised: IncidentRaised) -> Incident:
-        """The incident's record, opened now unless its raiser opened it with the loss."""
+        """Record ``raised`` (unless its raiser opened it with the loss); abort its round."""
         incident = raised.opened
         if incident is None:
             incident = self.state.open_incident(**raised.fields(self.P, self.in_flight))
         else:
             self.state.update_incident(incident, round=self.in_flight)
         log.error("incident %d: %s (round %d in flight)", incident.id, raised.what, self.in_flight)
+        self.grid.broadcast("abort", raised.what)
         return incident
 
     def _check_budget(self, incident: Incident) -> None:
@@ -142,8 +141,7 @@ class Recovery:
             if inc.state != IncidentState.OPEN:
                 continue
             in_flight_end = self.plan.steps_of(inc.round)[1] if inc.round else end
-            rank_w = self.state.workers.get(inc.rank) if inc.rank is not None else None
-            back = rank_w.registered_at if rank_w and rank_w.registered_at else None
+            back = getattr(self.state.workers.get(inc.rank), "registered_at", None)
             self.state.update_incident(
                 inc,
                 state=IncidentState.RECOVERED,
@@ -156,9 +154,9 @@ class Recovery:
             log.info(
                 "incident %d recovered in %.1fs: rolled back to round %d, %d step(s) redone",
                 inc.id,
-                now - inc.detected_at,
+                inc.recovery_s,
                 rnd,
-                max(0, in_flight_end - end),
+                inc.steps_redone,
             )
         for w in self.state.workers.values():
             if w.state in (W.REJOINING, W.RESTORING):
@@ -251,8 +249,7 @@ class Recovery:
         return {rank: a.reason for rank, a in answers.items() if not a.ok}
 
     def _restore_order(self, rank: int, rnd: int, has_it: bool) -> RestoreOrder:
-        end = self.plan.steps_of(rnd)[1]  # round 0 ends at step 0
-        order = RestoreOrder(rnd, end, fresh=self.store.fresh)
+        order = RestoreOrder(rnd, self.plan.steps_of(rnd)[1], fresh=self.store.fresh)
         manifest = self.store.manifest_doc(rnd)
         entry = manifest["workers"].get(str(rank)) if manifest else None
         if not entry:

@@ -36,12 +36,9 @@ def validate_reply(rank: int, reply: Message, replica_spec: Any, secagg: Any = N
         raise RunFailed(f"{who} sent an unusable {reply.metadata.message_type} reply: {problem}")
 
 
-def _finite_loss(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e4
-
-
-def _finite_figure(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e18
+def in_range(v: Any, top: float) -> bool:
+    """A number (not a bool) in [0, top): NaN and ±inf fail the comparison."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < top
 
 
 def reply_problem(kind: str, content: Any) -> str | None:
@@ -50,15 +47,15 @@ def reply_problem(kind: str, content: Any) -> str | None:
         if kind == "train":
             m = content["metrics"]
             losses = list(m["losses"])
-            if not losses or not all(_finite_loss(v) for v in losses):
+            if not losses or not all(in_range(v, 1e4) for v in losses):
                 return "losses must be a non-empty list of finite losses in [0, 1e4)"
             if not float(m["num-examples"]) > 0 or not float(m["train-seconds"]) >= 0:
                 return "num-examples must be > 0 and train-seconds ≥ 0"
             for key in OPTIONAL_FIGURES:
-                if key in m and not _finite_figure(m[key]):
+                if key in m and not in_range(m[key], 1e18):
                     return f"{key} must be a finite number ≥ 0"
         elif kind == "evaluate":
-            if not _finite_loss(content["metrics"]["eval-loss"]):
+            if not in_range(content["metrics"]["eval-loss"], 1e4):
                 return "eval-loss must be a finite loss in [0, 1e4)"
         elif kind == "query.state":
             rounds = list(content["config"]["rounds"])

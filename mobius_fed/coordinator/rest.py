@@ -10,9 +10,8 @@ the package (``static/``); nothing is loaded from a CDN.
 * **TLS** (the normal one): mutual TLS 1.3 only, with the coordinator's certificate; the
   handshake requires a client certificate signed by our CA, and the caller's one
   ``mobius://`` identity (URI SAN; a certificate with several has none) must then pass
-  ``allowed(identity)``, else 403. uvicorn does not expose the
-  peer certificate to the app, so :class:`_PeerCertH11Protocol` copies it into the
-  per-connection ASGI ``scope["state"]`` where :class:`_AccessMiddleware` reads it.
+  ``allowed(identity)``, else 403. :class:`_PeerCertH11Protocol` hands the peer
+  certificate, which uvicorn does not expose, to :class:`_AccessMiddleware`.
 * **local**: plain HTTP bound to a loopback address only, read-only, unauthenticated,
   with a warning in the log. For debugging on the coordinator's own machine.
 * **metrics** (``metrics_listen``, explicit opt-in): plain HTTP on any address for
@@ -225,10 +224,7 @@ class _AccessMiddleware:
         self.app, self.allowed, self.local, self.public = app, allowed, local, public
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        denial = self._check(scope)
+        denial = self._check(scope) if scope["type"] == "http" else None
         if denial is None:
             await self.app(scope, receive, send)
             return
@@ -304,13 +300,9 @@ class _ThreadServer(uvicorn.Server):
 
 
 class RestServer:
-    """Serve :func:`make_app` of ``state`` with uvicorn in a daemon thread.
-
-    TLS mode (``tls`` given): mutual TLS, client certificates must chain to ``tls.ca``,
-    and ``allowed(identity)`` decides who may read (None: any ``mobius://`` identity our CA
-    signed). Local mode (``local=True``, ``tls`` None): plain HTTP on a loopback host only.
-    Metrics mode (``metrics=True``, ``tls`` None): plain HTTP on any address, only the
-    metrics listener's routes (:func:`make_app` ``routes="metrics"``), nobody authenticated.
+    """Serve :func:`make_app` of ``state`` with uvicorn in a daemon thread, in one of the
+    module doc's modes: TLS (``tls`` given; ``allowed(identity)`` decides who may read, None:
+    any ``mobius://`` identity our CA signed), ``local=True`` or ``metrics=True``.
     ``port=0`` picks a free port; read it from :attr:`port` after :meth:`start`.
     """
 

@@ -67,8 +67,7 @@ class RoundStore:
                 f"--resume: no complete checkpoint manifest under {checkpoint_dir(cfg.out_dir)}"
             )
         for path in self.manifests:
-            doc = json.loads(path.read_text())
-            if doc["fingerprint"] != cfg.train.fingerprint():
+            if json.loads(path.read_text())["fingerprint"] != cfg.train.fingerprint():
                 raise ValueError(f"--resume: {path} was written by a different train config")
         self.snapshots: dict[int, RoundState] = {}
         self.fresh = False  # a fresh start: workers set an earlier run's files aside
@@ -175,8 +174,7 @@ class RoundStore:
         # The two newest rounds (a worker may have finished one its peers did not)
         # and the newest manifest's.
         keep = {*sorted(self.snapshots, reverse=True)[:2], self.last_manifest_round}
-        for old in [r for r in self.snapshots if r not in keep]:
-            del self.snapshots[old]
+        self.snapshots = {r: v for r, v in self.snapshots.items() if r in keep}
 
     def write_checkpoint(
         self, rnd: int, replies: list[Message], snap: RoundState
@@ -225,16 +223,15 @@ class RoundStore:
             ck = Checkpoint.of(reply.content["checkpoint"])
             entry = {"identity": worker_identity(rank), "path": ck.path, "sha256": ck.sha256}
             if ck.copy is not None:
-                data = ck.copy
-                digest = hashlib.sha256(data).hexdigest()
+                digest = hashlib.sha256(ck.copy).hexdigest()
                 if digest != ck.sha256:
                     raise RunFailed(
                         f"worker-{rank}'s copy of its round-{rnd} checkpoint does not match its "
                         f"sha256 (expected {ck.sha256}, got {digest})"
                     )
                 name = f"worker-{rank}.ckpt"
-                write_bytes_atomic(rdir / name, data)
-                entry.update(copy=name, copy_sha256=digest, copy_bytes=len(data))
+                write_bytes_atomic(rdir / name, ck.copy)
+                entry.update(copy=name, copy_sha256=digest, copy_bytes=len(ck.copy))
             yield rank, entry
 
     def prune(self, keep: int) -> None:

@@ -80,7 +80,6 @@ class Coordinator:
             self.grid,
             fingerprint=cfg.train.fingerprint(),
             run_spec=self._run_spec,
-            registration_timeout=cfg.registration_timeout,
         )
         self.recovery = Recovery(cfg, self.state, self.grid, self.service, self.store)
         self.strategy: Any = None
@@ -88,7 +87,6 @@ class Coordinator:
         self._health = health.HealthServicer()
         self.rest = None
         self.metrics_server = None
-        self.port = 0
 
     # -------------------------------------------------------------- servers
     def start(self) -> None:
@@ -98,10 +96,7 @@ class Coordinator:
         )
         control_pb2_grpc.add_ControlServicer_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = add_port(
-            self._server, self.cfg.listen, self.cfg.tls(), insecure=self.cfg.insecure
-        )
-        if not self.port:
+        if not add_port(self._server, self.cfg.listen, self.cfg.tls()):
             raise OSError(f"cannot listen on {self.cfg.listen}")
         self._server.start()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -130,8 +125,7 @@ class Coordinator:
             tls=None if local else self.cfg.tls(),
             allowed=lambda who: who in self.service.enrolled,
             local=local,
-        )
-        self.rest.start()
+        ).start()
         scheme = "http" if local else "https"
         log.info("REST status on %s://%s:%s/v1/status", scheme, host, self.rest.port)
 
@@ -143,8 +137,7 @@ class Coordinator:
         host = host.strip("[]")
         self.metrics_server = RestServer(
             self.state, host, int(port), tls=None, allowed=None, metrics=True
-        )
-        self.metrics_server.start()
+        ).start()
         log.info("metrics on http://%s:%s/metrics", host, self.metrics_server.port)
 
     def _set_health(self, status: int) -> None:
@@ -152,10 +145,9 @@ class Coordinator:
             self._health.set(name, status)
 
     def stop(self) -> None:
-        if self.rest is not None:
-            self.rest.stop()
-        if self.metrics_server is not None:
-            self.metrics_server.stop()
+        for rest in (self.rest, self.metrics_server):
+            if rest is not None:
+                rest.stop()
         if self._server is not None:  # open worker sessions would use up any longer grace
             self._server.stop(grace=0.5).wait()
 
@@ -206,7 +198,7 @@ class Coordinator:
             self.state.finish(Phase.DONE)
             log.info("run %s was already complete (round %d); serving its status",
                      self.cfg.run_id, start.round)  # fmt: skip
-            self.grid.broadcast_stop("done")
+            self.grid.broadcast("stop", "done")
             return 0
         missing = self.grid.wait_for_sessions(self.cfg.registration_timeout)
         if missing:
@@ -226,7 +218,7 @@ class Coordinator:
         self.state.finish(Phase.DONE)
         self.recorder.flush()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        self.grid.broadcast_stop("done")
+        self.grid.broadcast("stop", "done")
         self._await_workers_leaving(timeout=30)
         log.info("run %s done: %d steps, checkpoint %s",
                  self.cfg.run_id, self.state.step, self.state.checkpoint)  # fmt: skip
@@ -241,7 +233,7 @@ class Coordinator:
                 raise RunFailed(f"{', '.join(f'worker-{r}' for r in missing)} sent no SecAgg "
                                 "public key (privacy.er_secagg is on)")  # fmt: skip
             self.secagg.relay([keys[r] for r in range(self.train.P)], self.recovery.ring_id)
-        strategy = make_strategy(
+        return make_strategy(
             self.cfg.strategy,
             self.train.P,
             self.plan,
@@ -255,7 +247,6 @@ class Coordinator:
             # One more file than manifests: a worker writes round r before its manifest commits.
             keep_checkpoints=self.cfg.keep_checkpoints + 1 if self.cfg.keep_checkpoints else 0,
         )
-        return strategy
 
     def _run_strategy(self, snap: RoundState) -> None:
         """Flower's Strategy.start from round ``snap.round`` on (its evaluation first, if
@@ -294,7 +285,7 @@ class Coordinator:
         for inc in self.state.incidents:
             if inc.state == IncidentState.OPEN:
                 self.state.update_incident(inc, state=IncidentState.FAILED)
-        self.grid.broadcast_stop(reason)
+        self.grid.broadcast("stop", reason)
         self._await_workers_leaving(timeout=10)
         return 1
 

@@ -18,6 +18,7 @@ from mobius_fed.machines import (
     PHASE,
     WORKER,
     EdgeState,
+    Machine,
     Phase,
     WorkerState,
 )
@@ -50,7 +51,7 @@ class RunState:
     privacy: Callable[[int], dict[str, Any] | None] | None = None  # step → status block
     totals: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(
-            ("rounds", "evaluations", "tokens", "heartbeats", "steps_redone"), 0.0
+            ("rounds", "evaluations", "tokens", "heartbeats"), 0.0
         )
     )
     _metrics: Any = field(default=None, repr=False)
@@ -64,11 +65,7 @@ class RunState:
     def update_worker(self, rank: int, **fields: Any) -> None:
         """Set worker ``rank``'s figures; a ``state`` goes through its machine's table."""
         with self._lock:
-            w = self.workers[rank]
-            if "state" in fields:
-                w.state = WORKER.step(w.state, fields.pop("state"), f"worker-{rank}")
-            for k, v in fields.items():
-                setattr(w, k, v)
+            _apply(self.workers[rank], WORKER, f"worker-{rank}", fields)
 
     def move_worker(self, rank: int, new: WorkerState, **fields: Any) -> bool:
         """Worker ``rank`` → ``new`` (with ``fields``) if the table allows it; else refused."""
@@ -170,18 +167,13 @@ class RunState:
         """Worker ``rank`` → lost and, with ``incident``'s fields, its incident opened: one
         change, so no reader sees a lost worker in a run that is still training."""
         with self._lock:
-            w = self.workers[rank]
-            self.move_worker(rank, WorkerState.LOST, incidents=w.incidents + 1)
+            self.move_worker(rank, WorkerState.LOST, incidents=self.workers[rank].incidents + 1)
             return None if incident is None else self.open_incident(**incident)
 
     def update_incident(self, incident: IncidentModel, **fields: Any) -> None:
         """Set ``incident``'s fields; a ``state`` goes through its machine's table."""
         with self._lock:
-            if "state" in fields:
-                new = fields.pop("state")
-                incident.state = INCIDENT.step(incident.state, new, f"incident {incident.id}")
-            for k, v in fields.items():
-                setattr(incident, k, v)
+            _apply(incident, INCIDENT, f"incident {incident.id}", fields)
 
     def rollback(self, end_step: int, rnd: int) -> None:
         """Forget every record past round ``rnd`` (its steps end at ``end_step``)."""
@@ -319,6 +311,14 @@ class RunState:
     def prometheus(self) -> str:
         """Prometheus text exposition format (version 0.0.4), by ``prometheus_client``."""
         return self.metrics.render().decode()
+
+
+def _apply(record: Any, machine: Machine, name: str, fields: dict[str, Any]) -> None:
+    """Set ``record``'s fields; a ``state`` goes through ``machine``'s table."""
+    if "state" in fields:
+        record.state = machine.step(record.state, fields.pop("state"), name)
+    for k, v in fields.items():
+        setattr(record, k, v)
 
 
 def json_safe(doc: Any) -> Any:

@@ -154,6 +154,19 @@ function flatten(obj, prefix, out) {
   return out;
 }
 
+// The mean loss and one series per origin of rows [{loss, origin_losses}], at x(row).
+function lossSeries(rows, x, P, name, label, prefix) {
+  const series = [{ name, label, color: "#111827",
+    points: rows.filter((r) => r.loss !== null).map((r) => [x(r), r.loss]) }];
+  for (let s = 0; s < P; s++) {
+    series.push({ name: `${prefix}-origin-${s}`, label: `origin ${s}`, origin: true,
+      color: PALETTE[s % PALETTE.length],
+      points: rows.filter((r) => r.origin_losses[s] !== null)
+        .map((r) => [x(r), r.origin_losses[s]]) });
+  }
+  return series;
+}
+
 function render(status, history) {
   const body = document.body;
   body.dataset.phase = status.phase;
@@ -183,26 +196,12 @@ function render(status, history) {
   if (status.error) el("span", { class: "state-failed" }, summary, `error: ${status.error}`);
 
   const P = status.workers.length;
-  const evalSeries = [{ name: "eval", label: "Eq. 8", color: "#111827",
-    points: history.evals.filter((e) => e.loss !== null).map((e) => [e.step, e.loss]) }];
-  for (let s = 0; s < P; s++) {
-    evalSeries.push({ name: `val-origin-${s}`, label: `origin ${s}`, origin: true,
-      color: PALETTE[s % PALETTE.length],
-      points: history.evals.filter((e) => e.origin_losses[s] !== null)
-        .map((e) => [e.step, e.origin_losses[s]]) });
-  }
-  chart(document.getElementById("chart-eval"), evalSeries,
+  chart(document.getElementById("chart-eval"),
+    lossSeries(history.evals, (e) => e.step, P, "eval", "Eq. 8", "val"),
     { title: "validation loss", empty: "no evaluation yet" });
-
-  const trainSeries = [{ name: "train", label: "mean", color: "#111827",
-    points: history.steps.filter((r) => r.loss !== null).map((r) => [r.step + 1, r.loss]) }];
-  for (let s = 0; s < P; s++) {
-    trainSeries.push({ name: `train-origin-${s}`, label: `origin ${s}`, origin: true,
-      color: PALETTE[s % PALETTE.length],
-      points: history.steps.filter((r) => r.origin_losses[s] !== null)
-        .map((r) => [r.step + 1, r.origin_losses[s]]) });
-  }
-  chart(document.getElementById("chart-train"), trainSeries, { title: "training loss" });
+  chart(document.getElementById("chart-train"),
+    lossSeries(history.steps, (r) => r.step + 1, P, "train", "mean", "train"),
+    { title: "training loss" });
 
   const rounds = history.rounds.filter((r) => r.steps > 0);
   chart(document.getElementById("chart-step"), [
