@@ -13,6 +13,7 @@ its process and its snapshots, registers again and is restored like any other wo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -110,8 +111,7 @@ class _Heartbeats(threading.Thread):
     def run(self) -> None:
         node = self.node
         while not self.done.is_set():
-            links = node.links
-            edges = getattr(links, "edge_states", None) if links is not None else None
+            edges = getattr(node.links, "edge_states", None)
             generation = node.generation
             try:
                 reply = node.stub.Heartbeat(
@@ -178,12 +178,8 @@ class WorkerNode:
                         f"worker's state is for {self.executor.cfg.fingerprint()}; restart "
                         "the worker to join that run"
                     )
-                log.info(
-                    "worker-%d %s run %s",
-                    self.cfg.rank,
-                    "re-registered with" if rejoin else "registered with",
-                    spec.run_id,
-                )
+                how = "re-registered with" if rejoin else "registered with"
+                log.info("worker-%d %s run %s", self.cfg.rank, how, spec.run_id)
                 outcome, reason = self._serve(spec)
                 if outcome == "done":
                     log.info("worker-%d finished run %s", self.cfg.rank, spec.run_id)
@@ -354,11 +350,9 @@ class WorkerNode:
 
 
 def _drain(q: queue.Queue) -> None:
-    while True:
-        try:
+    with contextlib.suppress(queue.Empty):
+        while True:
             q.get_nowait()
-        except queue.Empty:
-            return
 
 
 def run_with_coordinator(cfg: WorkerConfig) -> int:

@@ -237,15 +237,10 @@ class WorkerHandlers:
     def _train_steps(self, start: int, end: int) -> TrainReport:
         links_before = self.executor.links  # a new ring incarnation brings new links
         sent_before = links_before.bytes_sent if links_before is not None else 0
-        losses, seconds, wait_s, compute_s = [], 0.0, 0.0, 0.0
+        steps = []
         for _ in range(start, end):
             r = self.executor.train_step()
-            losses.append(r.loss)
-            seconds, wait_s, compute_s = (
-                seconds + r.seconds,
-                wait_s + r.wait_s,
-                compute_s + r.compute_s,
-            )
+            steps.append(r)
             if self.on_step:
                 self.on_step(r)
         links = self.executor.links
@@ -253,11 +248,11 @@ class WorkerHandlers:
             0 if links is None else links.bytes_sent - (sent_before if links is links_before else 0)
         )
         return TrainReport(
-            losses=losses,
+            losses=[r.loss for r in steps],
             num_examples=self.tokens_per_step * (end - start),
-            train_s=seconds,
-            wait_s=wait_s,
-            compute_s=compute_s,
+            train_s=sum(r.seconds for r in steps),
+            wait_s=sum(r.wait_s for r in steps),
+            compute_s=sum(r.compute_s for r in steps),
             bytes_sent=max(0, sent),
         )
 
@@ -271,30 +266,16 @@ class WorkerHandlers:
             return ck
         size = path.stat().st_size
         if executor.replica.private_parameters():
-            log.warning(
-                "worker-%d: no copy of round %d for the coordinator: the checkpoint "
-                "holds the private home layer, which never leaves this site",
-                executor.rank,
-                rnd,
-            )
+            why = "the checkpoint holds the private home layer, which never leaves this site"
         elif self.secagg is not None:
-            log.warning(
-                "worker-%d: no copy of round %d for the coordinator: the checkpoint holds "
-                "this site's own E/R, which Secure Aggregation keeps from it",
-                executor.rank,
-                rnd,
-            )
+            why = "the checkpoint holds this site's own E/R, which Secure Aggregation keeps from it"
         elif size <= COPY_LIMIT_BYTES:
             return dataclasses.replace(ck, copy=path.read_bytes())
         else:
-            log.warning(
-                "worker-%d: no copy of round %d for the coordinator: %d bytes exceed "
-                "the control channel's %d",
-                executor.rank,
-                rnd,
-                size,
-                COPY_LIMIT_BYTES,
-            )
+            why = f"{size} bytes exceed the control channel's {COPY_LIMIT_BYTES}"
+        log.warning(
+            "worker-%d: no copy of round %d for the coordinator: %s", executor.rank, rnd, why
+        )
         return ck
 
     def evaluate(self, msg: Message) -> Message:

@@ -59,10 +59,7 @@ from mobius_fed.transport.codec import (
 )
 from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.link_tuning import LinkTuning, refuse_renamed_variables
-from mobius_fed.transport.tls import (
-    NodeTLS,
-    worker_identity,
-)
+from mobius_fed.transport.tls import NodeTLS, worker_identity
 from mobius_fed.transport.wire_stages import codecs
 from mobius_fed.worker.frames import (
     ACK,
@@ -89,8 +86,6 @@ from mobius_fed.worker.link_session import (
 )
 
 log = logging.getLogger("mobius.link")
-
-# ------------------------------------------------------------------------- links
 
 
 class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServicer):
@@ -119,8 +114,7 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
         self.tuning = tuning
         if tuning.allocator:
             tune_allocator()  # process-wide, once: the link's buffers stay on the heap
-        if chunk_bytes is None:
-            chunk_bytes = self.tuning.chunk
+        chunk_bytes = tuning.chunk if chunk_bytes is None else chunk_bytes
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         if ack_every < 1:
@@ -130,10 +124,9 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
             raise ValueError(f"link_grace must be ≥ 0, got {link_grace}")
         self.rules, self.rank, self.P = rules, rules.rank, rules.P
         self.chunk_bytes = chunk_bytes
+        # Sent and received alike: a message larger than one of our pieces is refused
+        # (RESOURCE_EXHAUSTED), so every worker of a ring must use the same piece size.
         self.max_message = max_message_bytes(chunk_bytes)
-        # A message larger than one of our pieces is refused (RESOURCE_EXHAUSTED): every
-        # worker of a ring must use the same piece size (link.chunk).
-        self.max_receive = self.max_message
         self.tunnels = tunnels  # a tunnelled out-edge dials its local forwarder
         self.listen = listen
         self.successor_addr = tunnels.successor_address if tunnels else successor
@@ -167,6 +160,22 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
         """What this worker sends to its predecessor (BACKWARD frames), if connected."""
         s = self._in
         return s.end if s is not None else None
+
+    def _grpc_options(self, keepalive_ms: int) -> list[tuple[str, int | str]]:
+        """What both ends of a link set: message sizes, tuning, pings every ``keepalive_ms``."""
+        t = self.timers
+        return [
+            ("grpc.max_receive_message_length", self.max_message),
+            ("grpc.max_send_message_length", self.max_message),
+            *self.tuning.grpc_options(),
+            ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_timeout_ms", t.keepalive_timeout_ms),
+            # grpcio ≥ 1.6x waits this long for any ping's ack (default: a minute or more);
+            # without it an unanswered keepalive ping does not end the connection.
+            ("grpc.http2.ping_timeout_ms", t.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
 
     # --------------------------------------------------------------- routing
     def _assembler(self, direction: int) -> TensorAssembler:
@@ -350,9 +359,8 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
         return edges
 
     def _describe_edges(self) -> str:
-        e = self.edge_states()
-        bad = [f"{v['edge']} {v['state']}" for v in e.values() if v["state"] != "up"]
-        return "; ".join(bad)
+        edges = self.edge_states().values()
+        return "; ".join(f"{v['edge']} {v['state']}" for v in edges if v["state"] != "up")
 
     # -------------------------------------------------------------- shutdown
     @property

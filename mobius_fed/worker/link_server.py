@@ -14,17 +14,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from mobius_fed.proto import ring_pb2
-from mobius_fed.transport.codec import (
-    FrameError,
-)
-from mobius_fed.transport.tls import (
-    add_port,
-    peer_identity,
-    worker_identity,
-)
-from mobius_fed.worker.frames import (
-    FORWARD,
-)
+from mobius_fed.transport.codec import FrameError
+from mobius_fed.transport.tls import add_port, peer_identity, worker_identity
+from mobius_fed.worker.frames import FORWARD
 from mobius_fed.worker.link_session import (
     IDLE_CONNECTION_MS,
     MAX_CONCURRENT_RPCS,
@@ -58,19 +50,12 @@ class PredecessorServer:
         self._old_bytes = 0  # bytes sent by ended predecessor sessions
         self._server: grpc.Server | None = None
 
-    def _server_options(self) -> list[tuple[str, int]]:
+    def _server_options(self) -> list[tuple[str, int | str]]:
         t = self.timers
         return [
-            ("grpc.max_receive_message_length", self.max_receive),
-            ("grpc.max_send_message_length", self.max_message),
-            *self.tuning.grpc_options(),
+            *self._grpc_options(t.server_keepalive_ms),
             ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
-            ("grpc.keepalive_time_ms", t.server_keepalive_ms),
-            ("grpc.keepalive_timeout_ms", t.keepalive_timeout_ms),
-            ("grpc.http2.ping_timeout_ms", t.keepalive_timeout_ms),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
             ("grpc.http2.min_ping_interval_without_data_ms", t.min_ping_interval_ms),
             ("grpc.so_reuseport", 0),  # a second process on this port fails loudly
         ]

@@ -1,10 +1,6 @@
 """The state a ring link keeps across its gRPC streams: the inbox of decoded tensors,
-and each edge's session (frames sent and kept until acknowledged, frames received).
-
-A session survives its stream: each side keeps the frames it sent until the other side
-acknowledges them (ACK frames, every ``ack_every`` frames), and counts the frames it
-received. A stream that breaks is resumed by presenting the session's token and count;
-both sides then resend the rest, in order (see :mod:`mobius_fed.worker.link`).
+and each edge's session (frames sent and kept until acknowledged, frames received), which
+a broken stream resumes (see :mod:`mobius_fed.worker.link`, "Transient faults").
 """
 
 from __future__ import annotations
@@ -20,13 +16,8 @@ from pathlib import Path
 import torch
 
 from mobius_fed.proto import ring_pb2
-from mobius_fed.transport.codec import (
-    FrameError,
-    TensorAssembler,
-)
-from mobius_fed.worker.frames import (
-    FrameKey,
-)
+from mobius_fed.transport.codec import FrameError, TensorAssembler
+from mobius_fed.worker.frames import FrameKey
 
 log = logging.getLogger("mobius.link")
 RING_SERVICE = ring_pb2.DESCRIPTOR.services_by_name["RingLink"].full_name
