@@ -165,16 +165,9 @@ class Snapshots:
                 checkpoint_path(self.directory, rnd).unlink(missing_ok=True)
 
 
-def make_client_app(
-    executor: RingExecutor,
-    snapshots: Snapshots,
-    rejoin_ring: Callable[[str, list[str]], None],
-    on_step: Callable[[WorkerStep], None] | None = None,
-    on_state: Callable[[WorkerState], None] | None = None,
-) -> ClientApp:
-    """The ClientApp of ``executor``; ``rejoin_ring(ring_id, peers)`` replaces its ring links."""
+def make_client_app(worker: WorkerHandlers) -> ClientApp:
+    """The ClientApp that hands each message to ``worker``."""
     app = ClientApp()
-    worker = WorkerHandlers(executor, snapshots, rejoin_ring, on_step, on_state)
     app.train()(lambda msg, context: worker.train(msg))
     app.evaluate()(lambda msg, context: worker.evaluate(msg))
     app.query("state")(lambda msg, context: worker.query_state(msg))
@@ -184,15 +177,17 @@ def make_client_app(
 
 
 class WorkerHandlers:
-    """What a worker does with each coordinator message (see :mod:`mobius_fed.messages`)."""
+    """What a worker does with each coordinator message (see :mod:`mobius_fed.messages`);
+    ``rejoin_ring(ring_id, peers)`` replaces the executor's ring links, ``on_step`` and
+    ``on_state`` report each step and each state change."""
 
     def __init__(
         self,
         executor: RingExecutor,
         snapshots: Snapshots,
         rejoin_ring: Callable[[str, list[str]], None],
-        on_step: Callable[[WorkerStep], None] | None = None,
-        on_state: Callable[[WorkerState], None] | None = None,
+        on_step: Callable[[WorkerStep], None],
+        on_state: Callable[[WorkerState], None],
     ) -> None:
         self.executor, self.snapshots, self.rejoin_ring = executor, snapshots, rejoin_ring
         self.on_step, self.on_state = on_step, on_state
@@ -200,10 +195,6 @@ class WorkerHandlers:
         self.tokens_per_step = cfg.batch_size * cfg.model().seq_len
         # Secure Aggregation: a fresh key pair per process; the E/R update leaves masked.
         self.secagg = SiteMasker(cfg, executor.rank) if cfg.privacy.er_secagg else None
-
-    def state(self, s: WorkerState) -> None:
-        if self.on_state:
-            self.on_state(s)
 
     def train(self, msg: Message) -> Message:
         order, executor = TrainOrder.of(msg.content[CONFIG]), self.executor
@@ -214,7 +205,7 @@ class WorkerHandlers:
             )
         masks = None if self.secagg is None else Round.of(msg.content[CONFIG], executor.cfg.P)
         load_replica(executor, msg.content[ARRAYS])
-        self.state(WorkerState.TRAINING)
+        self.on_state(WorkerState.TRAINING)
         report = self._train_steps(start, end)
         t0 = time.perf_counter()  # the barrier snapshot's cost on the critical path
         snap = copy.deepcopy(executor.state_dict())
@@ -231,7 +222,7 @@ class WorkerHandlers:
             reply["checkpoint"] = self._checkpoint(order, snap).to_record()
             self.snapshots.prune_disk(order.keep_checkpoints)
         self.snapshots.keep(rnd, snap, order.checkpoint)
-        self.state(WorkerState.READY)
+        self.on_state(WorkerState.READY)
         return Message(reply, reply_to=msg)
 
     def _train_steps(self, start: int, end: int) -> TrainReport:
@@ -241,8 +232,7 @@ class WorkerHandlers:
         for _ in range(start, end):
             r = self.executor.train_step()
             steps.append(r)
-            if self.on_step:
-                self.on_step(r)
+            self.on_step(r)
         links = self.executor.links
         sent = (
             0 if links is None else links.bytes_sent - (sent_before if links is links_before else 0)
@@ -280,10 +270,10 @@ class WorkerHandlers:
 
     def evaluate(self, msg: Message) -> Message:
         load_replica(self.executor, msg.content[ARRAYS])
-        self.state(WorkerState.EVALUATING)
+        self.on_state(WorkerState.EVALUATING)
         t0 = time.perf_counter()
         loss = self.executor.evaluate()
-        self.state(WorkerState.READY)
+        self.on_state(WorkerState.READY)
         metrics = MetricRecord(
             {"num-examples": 1, "eval-loss": loss, "eval-seconds": time.perf_counter() - t0}
         )
@@ -297,7 +287,7 @@ class WorkerHandlers:
 
     def restore(self, msg: Message) -> Message:
         order, executor = RestoreOrder.of(msg.content[CONFIG]), self.executor
-        self.state(WorkerState.RESTORING)
+        self.on_state(WorkerState.RESTORING)
         try:
             source = restore_round(executor, self.snapshots, order)
             if executor.step != order.step:
@@ -319,7 +309,7 @@ class WorkerHandlers:
         order = RingOrder.of(msg.content[CONFIG])
         log.info("worker-%d joining ring %s", self.executor.rank, order.ring_id)
         self.rejoin_ring(order.ring_id, order.peers)
-        self.state(WorkerState.READY)
+        self.on_state(WorkerState.READY)
         return Message(RecordDict({CONFIG: ConfigRecord({"ok": True})}), reply_to=msg)
 
 

@@ -289,10 +289,6 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
         ):
             out.put(data)  # gRPC sends piece k while piece k+1 is built
 
-    def send(self, frame: ring_pb2.Frame) -> None:
-        """Send a ready-made frame message (serialized here) in its direction."""
-        self._outgoing(frame.direction).put(frame.SerializeToString())
-
     def _outgoing(self, direction: int) -> Endpoint:
         if direction != BACKWARD:
             return self._out.end
@@ -338,24 +334,19 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
             in_state, in_down = EdgeState.DOWN, 0.0
         o = self._out
         out_down = now - o.down_since if o.down_since is not None else 0.0
-        edges = {
-            "in": {
-                "peer": f"worker-{self.pred}",
-                "edge": self.edge_in,
-                "state": in_state,
-                "reconnects": self._in_reconnects,
-                "down_s": round(in_down, 3),
-            },
-            "out": {
-                "peer": f"worker-{self.succ}",
-                "edge": self.edge_out,
-                "state": self._out_state,
-                "reconnects": self._out_reconnects,
-                "down_s": round(out_down, 3),
-            },
-        }
-        for side in ("in", "out"):
-            edges[side].update(self.tunnels.describe(side) if self.tunnels else {"path": DIRECT})
+        edges = {}
+        for side, peer, edge, state, reconnects, down in (
+            ("in", self.pred, self.edge_in, in_state, self._in_reconnects, in_down),
+            ("out", self.succ, self.edge_out, self._out_state, self._out_reconnects, out_down),
+        ):
+            edges[side] = {
+                "peer": f"worker-{peer}",
+                "edge": edge,
+                "state": state,
+                "reconnects": reconnects,
+                "down_s": round(down, 3),
+                **(self.tunnels.describe(side) if self.tunnels else {"path": DIRECT}),
+            }
         return edges
 
     def _describe_edges(self) -> str:
@@ -403,14 +394,8 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
             if call is not None:
                 call.cancel()
         with self._lock:
-            s = self._in
-            if s is not None:
-                if s.timer is not None:
-                    s.timer.cancel()
-                s.end.close()
-                st = s.end.stream
-                if st is not None:
-                    s.end.end_stream(st)
+            if self._in is not None:
+                self._in.stop()
         if self._client_thread is not None:
             self._client_thread.join(timeout=10)
         if self._channel is not None:

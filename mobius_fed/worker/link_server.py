@@ -317,12 +317,7 @@ class PredecessorServer:
         if self._in is s:
             self._in = None
         self._old_bytes += s.end.bytes_sent
-        if s.timer is not None:
-            s.timer.cancel()
-        s.end.close()
-        st = s.end.stream
-        if st is not None:
-            s.end.end_stream(st)
+        s.stop()
         with s.rx_lock:  # a frame being processed lands first; later ones see st.dead
             dropped = self.inbox.drop(s)
             partial = s.pieces.pending + len(s.relay_hold)

@@ -379,4 +379,12 @@ class Session:
         self.finished = False
         self.down_since: float | None = None
         self.last_error = ""
-        self.timer: threading.Timer | None = None
+        self.timer: threading.Timer | None = None  # server side: the reconnect grace
+
+    def stop(self) -> None:
+        """No more frames either way: cancel the grace timer and end the live stream."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.end.close()
+        if (st := self.end.stream) is not None:
+            self.end.end_stream(st)
