@@ -22,9 +22,7 @@ counts the frames it received. When a stream breaks, the client re-dials with ba
 up to ``link_grace`` seconds and presents the session's secret token and its count; the
 server answers with its own count and both resend the rest, in order. The step then
 completes with unchanged math. Past the grace the inbox fails with an error naming the
-ring edge. Keepalive: the client pings every ``client_keepalive_ms``; the server accepts
-pings that often (``grpc.http2.min_ping_interval_without_data_ms``) and pings the client
-itself, so a dead connection is noticed on both sides within seconds.
+ring edge. Both ends ping (:class:`LinkTimers`): a dead connection is noticed in seconds.
 
 Bytes on the wire: both sides of the stream carry pre-serialized ``Frame`` bytes (the
 Stream method is registered with no (de)serializers on either end). A tensor is encoded
@@ -181,12 +179,8 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
     def _assembler(self, direction: int) -> TensorAssembler:
         """Piece validation/reassembly state for one incoming session: FORWARD (from the
         predecessor) or BACKWARD frames (from the successor), each with its codec."""
-        fwd, bwd = codecs(self.rules.cfg)
-        return TensorAssembler(
-            self.rules.shape,
-            self.rules.cfg.wire_dtype,
-            codec=fwd if direction == FORWARD else bwd,
-        )
+        codec = codecs(self.rules.cfg)[0 if direction == FORWARD else 1]
+        return TensorAssembler(self.rules.shape, self.rules.cfg.wire_dtype, codec=codec)
 
     def _new_session(self, who: str, direction: int) -> Session:
         """A session whose incoming frames travel ``direction``."""

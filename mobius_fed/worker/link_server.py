@@ -136,9 +136,8 @@ class PredecessorServer:
             ack = int(md.get(MD_ACK, "0"))
         except ValueError:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad {MD_ACK} metadata")
-        token = md.get(MD_SESSION, "")
         st = StreamCall(label)
-        refusal = self._admit(st, token, ack, label)
+        refusal = self._admit(st, md.get(MD_SESSION, ""), ack, label)
         if refusal is not None:
             code, msg = refusal
             log.warning("refused stream from %s on edge %s: %s", label, self.edge_in, msg)
@@ -285,7 +284,6 @@ class PredecessorServer:
                 s.finished = True
             else:
                 s.down_since = time.monotonic()
-                s.last_error = "the stream broke"
                 log.warning(
                     "ring edge %s down (stream from %s broke); waiting up to %.0fs for it to "
                     "reconnect",
