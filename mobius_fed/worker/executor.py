@@ -189,12 +189,10 @@ class RingExecutor:
                 h = self._take(FrameKey(EVAL, n, FORWARD, s, t, j))
                 out = self.maps.apply(self.group, h, t, self.rank, s, entry)
                 self._send(FrameKey(EVAL, n, FORWARD, s, t + 1, j), out)
-        losses = [
-            self.replica.loss(
-                self.maps.head(self._take(FrameKey(EVAL, n, FORWARD, self.rank, K, j)), entry), y
-            )
-            for j, ((_, y), entry) in enumerate(zip(micro, entries))
-        ]
+        losses = []
+        for j, ((_, y), entry) in enumerate(zip(micro, entries)):
+            h = self._take(FrameKey(EVAL, n, FORWARD, self.rank, K, j))
+            losses.append(self.replica.loss(self.maps.head(h, entry), y))
         return mean_loss(losses)
 
     # ------------------------------------------------------------- recovery

@@ -152,11 +152,9 @@ class Snapshots:
             return set()
         return {int(m.group(1)) for p in self.directory.iterdir() if (m := pattern.match(p.name))}
 
-    def disk_rounds(self) -> set[int]:
-        return self._matching(CHECKPOINT_FILE) | self._matching(BARRIER_FILE)
-
     def rounds(self) -> set[int]:
-        return set(self.memory) | self.disk_rounds() | {0}
+        disk = self._matching(CHECKPOINT_FILE) | self._matching(BARRIER_FILE)
+        return set(self.memory) | disk | {0}
 
     def prune_disk(self, keep: int) -> None:
         """Keep the ``keep`` newest checkpoint files (0: all)."""

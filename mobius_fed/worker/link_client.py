@@ -237,15 +237,12 @@ class SuccessorClient:
                 return None
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             details = exc.details() if hasattr(exc, "details") else str(exc)
-            if code not in _RETRY:
-                self.inbox.fail(
-                    PeerError(
-                        f"ring edge {self.edge_out}: worker-{self.succ} ended the link: "
-                        f"{code.name} {details}"
-                    )
-                )
-                return None
-            return f"{code.name} {details}"
+            why = f"{code.name} {details}"
+            if code in _RETRY:
+                return why
+            msg = f"ring edge {self.edge_out}: worker-{self.succ} ended the link: {why}"
+            self.inbox.fail(PeerError(msg))
+            return None
         except Exception as exc:  # a bug must not leave the executor waiting silently
             log.exception("worker-%d: receiving on edge %s failed", self.rank, self.edge_out)
             self.inbox.fail(exc)
