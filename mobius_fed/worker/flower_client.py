@@ -115,8 +115,7 @@ class Snapshots:
             del self.memory[old]
 
     def write_barrier(self, rnd: int, state: dict) -> None:
-        """Write the barrier state of ``rnd`` in the background (one write at a time; no
-        fsync: it must survive the process, the file carries its payload's sha256)."""
+        """Write the barrier state of ``rnd`` in the background, one write at a time."""
         self.wait_written()
 
         def write() -> None:

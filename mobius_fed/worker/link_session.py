@@ -10,7 +10,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -96,7 +96,7 @@ class Inbox:
         self._pruned_at = -1
         self._current_step = current_step
         self._cond = threading.Condition()
-        self._error: BaseException | None = None
+        self.error: BaseException | None = None  # the first failure: get() raises it
         self.fins: set[int] = set()
         self._fin_from: dict[int, object] = {}
         self.last_problem: str | None = None  # named in a timeout: why a frame never came
@@ -144,13 +144,9 @@ class Inbox:
 
     def fail(self, error: BaseException) -> None:
         with self._cond:
-            if self._error is None:
-                self._error = error
+            if self.error is None:
+                self.error = error
             self._cond.notify_all()
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
 
     def _prune(self) -> None:
         now = self._current_step()
@@ -164,8 +160,8 @@ class Inbox:
         last = time.monotonic()
         with self._cond:
             while key not in self._items:
-                if self._error is not None:
-                    raise PeerError(str(self._error)) from self._error
+                if self.error is not None:
+                    raise PeerError(str(self.error)) from self.error
                 now = time.monotonic()
                 if self.held():
                     deadline += now - last
@@ -188,7 +184,7 @@ class Inbox:
     def wait_fins(self, expected: set[int], timeout: float) -> bool:
         with self._cond:
             return self._cond.wait_for(
-                lambda: expected <= self.fins or self._error is not None, timeout
+                lambda: expected <= self.fins or self.error is not None, timeout
             )
 
 
@@ -215,18 +211,18 @@ class Capture:
 # ------------------------------------------------------------------- session state
 
 
+@dataclass(eq=False)
 class StreamCall:
     """One gRPC Stream call carrying a session."""
 
-    def __init__(self, who: str) -> None:
-        self.who = who
-        self.cursor = 1  # sequence number of the next frame to send on this stream
-        self.dead = False
-        self.ended = False
-        self.failure: str | None = None
-        self.go = threading.Event()  # client side: the handshake told us where to resume
-        self.session: Session | None = None
-        self.rx_at_start = 0  # server side: the count sent back in the handshake
+    who: str
+    cursor: int = 1  # sequence number of the next frame to send on this stream
+    dead: bool = False
+    ended: bool = False
+    failure: str | None = None
+    go: threading.Event = field(default_factory=threading.Event)  # client: resume point known
+    session: Session | None = None
+    rx_at_start: int = 0  # server side: the count sent back in the handshake
 
 
 class Endpoint:
