@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from mobius_fed.relay.plan import DIRECT, RELAYED, REVERSED, EdgePlan, RingPlanError, plan_ring
 from mobius_fed.relay.rendezvous import Rendezvous
 from mobius_fed.relay.splice import ACCEPT, Intro
-from mobius_fed.relay.tunnels import ByteCounter, Forwarder, TunnelKeeper, relay_dialer
+from mobius_fed.relay.tunnels import Forwarder, TunnelKeeper, relay_dialer
 
 PAIR_TIMEOUT_S = 5.0  # a gRPC connection waits this long for a parked tunnel
 
@@ -42,7 +42,6 @@ class EdgeTunnels:
         self.rendezvous: Rendezvous | None = None
         self.forwarder: Forwarder | None = None
         self.keeper: TunnelKeeper | None = None
-        self._direct = ByteCounter()
         self.successor_address = self.out.meet
         if self.out.path == REVERSED:
             self._open_rendezvous(tunnel_listen)

@@ -8,6 +8,7 @@ and the two are spliced.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -122,14 +123,11 @@ class Rendezvous:
                 slot = self._waiting.get((run, edge), [])
                 while slot:
                     conn = slot.pop(0)
-                    if _alive(conn):
-                        try:
+                    with contextlib.suppress(OSError):
+                        if _alive(conn):
                             conn.sendall(PAIRED)
                             return conn
-                        except OSError:
-                            close_quietly(conn)
-                    else:
-                        close_quietly(conn)
+                    close_quietly(conn)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None

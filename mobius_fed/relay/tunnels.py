@@ -187,12 +187,11 @@ class TunnelKeeper:
             await_paired(sock, f"rendezvous {self.meet}")
             local = dial(self.local)
         except OSError:
-            with self._lock:
-                self._open.discard(sock)
             close_quietly(sock)
             raise
-        with self._lock:
-            self._open.discard(sock)
+        finally:
+            with self._lock:
+                self._open.discard(sock)
         self.last_error = ""
         splice(sock, local, self.counter.add, name=f"splice {self.edge}")
         return True

@@ -13,7 +13,7 @@ from mobius_fed.config import ENV_PREFIX, ConfigError, TrainConfig
 from mobius_fed.relay.edges import TunnelKeys
 from mobius_fed.relay.keys import read_relay_key
 from mobius_fed.relay.plan import is_host_port
-from mobius_fed.settings import layered_config, settings_of
+from mobius_fed.settings import layered_config, read_toml, settings_of
 from mobius_fed.transport.link_tuning import LinkConfig, LinkTuningError, refuse_renamed_variables
 from mobius_fed.transport.tls import NodeTLS
 
@@ -99,7 +99,6 @@ class WorkerConfig(BaseModel):
                 )
             if self.rank >= self.train.workers:
                 raise ValueError(f"rank {self.rank} out of range for P={self.train.workers}")
-        tls = (self.ca, self.cert, self.key)
         if self.insecure and self.coordinator is not None:
             raise ValueError(
                 "insecure is for static rings only: the coordinator knows workers by their "
@@ -113,7 +112,7 @@ class WorkerConfig(BaseModel):
             raise ValueError("tunnel_advertise needs tunnel_listen (where to bind it)")
         if self.relay and self.relay_key is None:
             raise ValueError("relay needs relay_key (the file holding the relay's key)")
-        if not self.insecure and None in tls:
+        if not self.insecure and None in (self.ca, self.cert, self.key):
             raise ValueError("ca, cert and key are required (or --insecure for local debugging)")
         return self
 
@@ -182,8 +181,6 @@ def load_worker_config(
         ENV_PREFIX + n in environ for n in TRAIN_ENV_KEYS
     )
     if path is not None and not train_given:
-        from mobius_fed.settings import read_toml
-
         train_given = bool(read_toml(path).get("train"))
     return layered_config(
         WorkerConfig,

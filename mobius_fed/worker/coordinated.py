@@ -13,6 +13,7 @@ its process and its snapshots, registers again and is restored like any other wo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -42,7 +43,7 @@ from mobius_fed.transport.tls import check_node_secrets, open_channel
 from mobius_fed.worker.config import WorkerConfig
 from mobius_fed.worker.daemon import make_links
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
-from mobius_fed.worker.flower_client import Snapshots, make_client_app
+from mobius_fed.worker.flower_client import Snapshots, WorkerHandlers, make_client_app
 from mobius_fed.worker.link import PeerError, RingLinks
 
 log = logging.getLogger("mobius.worker")
@@ -99,40 +100,6 @@ def register(
             delay = min(2 * delay, 2.0)
 
 
-class _Heartbeats(threading.Thread):
-    """Heartbeats from registration on, across sessions; replies go to ``node.on_reply``."""
-
-    def __init__(self, node: WorkerNode, interval: float) -> None:
-        super().__init__(daemon=True, name="heartbeats")
-        self.node, self.interval = node, interval
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        node = self.node
-        while not self.done.is_set():
-            links = node.links
-            edges = getattr(links, "edge_states", None) if links is not None else None
-            generation = node.generation
-            try:
-                reply = node.stub.Heartbeat(
-                    control_pb2.HeartbeatRequest(
-                        state=node.state,
-                        step=node.executor.step if node.executor else 0,
-                        last_loss=node.loss,
-                        tokens_per_s=node.tps,
-                        links_json=json.dumps(edges()) if edges else "",
-                    ),
-                    timeout=max(5.0, 3 * self.interval),
-                )
-            except grpc.RpcError as exc:
-                log.warning("heartbeat failed: %s", exc.code().name)
-            except Exception:  # never let the heartbeats die with the process alive
-                log.exception("heartbeat failed")
-            else:
-                node.on_reply(reply, generation)
-            self.done.wait(self.interval)
-
-
 class WorkerNode:
     """One worker process across sessions: executor, snapshots and ring links survive a
     lost session; only the session and the ring incarnation are replaced."""
@@ -161,15 +128,19 @@ class WorkerNode:
     # ------------------------------------------------------------------ run
     def run(self) -> int:
         rejoin = False
-        beats: _Heartbeats | None = None
+        stop_beats = threading.Event()
         try:
             while True:
                 spec = register(self.stub, self.cfg, rejoin=rejoin)
                 self.run_key = spec.tunnel_key  # new with every coordinator process
                 self.generation += 1
-                if beats is None:  # from now on the coordinator expects heartbeats
-                    beats = _Heartbeats(self, spec.heartbeat_interval_s or 1.0)
-                    beats.start()
+                if self.generation == 1:  # from now on the coordinator expects heartbeats
+                    threading.Thread(
+                        target=self._heartbeats,
+                        args=(spec.heartbeat_interval_s or 1.0, stop_beats),
+                        daemon=True,
+                        name="heartbeats",
+                    ).start()
                 if self.executor is None:
                     self._build(spec)
                 elif spec.config_fingerprint != self.executor.cfg.fingerprint():
@@ -178,12 +149,8 @@ class WorkerNode:
                         f"worker's state is for {self.executor.cfg.fingerprint()}; restart "
                         "the worker to join that run"
                     )
-                log.info(
-                    "worker-%d %s run %s",
-                    self.cfg.rank,
-                    "re-registered with" if rejoin else "registered with",
-                    spec.run_id,
-                )
+                how = "re-registered with" if rejoin else "registered with"
+                log.info("worker-%d %s run %s", self.cfg.rank, how, spec.run_id)
                 outcome, reason = self._serve(spec)
                 if outcome == "done":
                     log.info("worker-%d finished run %s", self.cfg.rank, spec.run_id)
@@ -193,10 +160,33 @@ class WorkerNode:
                 log.warning("worker-%d: %s; registering again", self.cfg.rank, reason)
                 rejoin = True
         finally:
-            if beats is not None:
-                beats.done.set()
+            stop_beats.set()
             self.close_links()
             self.channel.close()
+
+    def _heartbeats(self, interval: float, stop: threading.Event) -> None:
+        """Heartbeats from registration on, across sessions; replies go to :meth:`on_reply`."""
+        while not stop.is_set():
+            edges = getattr(self.links, "edge_states", None)
+            generation = self.generation
+            try:
+                reply = self.stub.Heartbeat(
+                    control_pb2.HeartbeatRequest(
+                        state=self.state,
+                        step=self.executor.step if self.executor else 0,
+                        last_loss=self.loss,
+                        tokens_per_s=self.tps,
+                        links_json=json.dumps(edges()) if edges else "",
+                    ),
+                    timeout=max(5.0, 3 * interval),
+                )
+            except grpc.RpcError as exc:
+                log.warning("heartbeat failed: %s", exc.code().name)
+            except Exception:  # never let the heartbeats die with the process alive
+                log.exception("heartbeat failed")
+            else:
+                self.on_reply(reply, generation)
+            stop.wait(interval)
 
     def on_reply(self, reply: control_pb2.HeartbeatReply, generation: int) -> None:
         """A heartbeat's answer: end the session to rejoin, or because the run ended. A
@@ -285,7 +275,8 @@ class WorkerNode:
         def on_state(s: WorkerState) -> None:
             self.state = s
 
-        app = make_client_app(executor, self.snapshots, self.rejoin_ring, on_step, on_state)
+        worker = WorkerHandlers(executor, self.snapshots, self.rejoin_ring, on_step, on_state)
+        app = make_client_app(worker)
         context = Context(
             run_id=FLOWER_RUN_ID,
             node_id=worker_node_id(executor.rank),
@@ -354,11 +345,9 @@ class WorkerNode:
 
 
 def _drain(q: queue.Queue) -> None:
-    while True:
-        try:
+    with contextlib.suppress(queue.Empty):
+        while True:
             q.get_nowait()
-        except queue.Empty:
-            return
 
 
 def run_with_coordinator(cfg: WorkerConfig) -> int:

@@ -23,16 +23,6 @@ from mobius_fed.worker.link import RingLinks
 log = logging.getLogger("mobius.worker")
 
 
-def open_ring(cfg: WorkerConfig, executor: RingExecutor) -> RingLinks | None:
-    """Serve the predecessor and connect to the successor (nothing to do when P = 1)."""
-    links = make_links(cfg, executor)
-    if links is not None:
-        links.start_server()
-        links.connect()
-        executor.links = links
-    return links
-
-
 def make_links(cfg: WorkerConfig, executor: RingExecutor, run_key: bytes = b"") -> RingLinks | None:
     """The ring links of ``executor`` for ``cfg`` (not started; None when P = 1).
 
@@ -41,12 +31,9 @@ def make_links(cfg: WorkerConfig, executor: RingExecutor, run_key: bytes = b"") 
         return None
     tunnels = None
     if any(";" in p for p in cfg.peers):
+        keys = cfg.tunnel_keys(run_key)
         tunnels = EdgeTunnels(
-            cfg.peers,
-            executor.rank,
-            executor.rules.run_id,
-            cfg.tunnel_keys(run_key),
-            cfg.tunnel_listen,
+            cfg.peers, executor.rank, executor.rules.run_id, keys, cfg.tunnel_listen
         )
     return RingLinks(
         executor.rules,
@@ -75,7 +62,11 @@ def run_static_ring(cfg: WorkerConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
     metrics.write_text("")
-    links = open_ring(cfg, executor)
+    links = make_links(cfg, executor)
+    if links is not None:  # serve the predecessor, connect to the successor
+        links.start_server()
+        links.connect()
+        executor.links = links
     log.info(
         "worker-%d: %s, P=%d L=%d order=%s, %d steps",
         cfg.rank,

@@ -102,31 +102,23 @@ class RingExecutor:
         self._wait += time.perf_counter() - start
         return tensor.to(self.device, non_blocking=True)
 
-    def _hop(self, phase: int, direction: str, step: int, s: int, slot: int, m: int) -> HopContext:
-        return HopContext(
-            "train" if phase == TRAIN else "eval",
-            direction,  # type: ignore[arg-type]
-            step,
+    def _send(self, key: FrameKey, tensor: Tensor) -> None:
+        """Pass ``tensor`` through the hop stages and emit it as frame ``key``: forward to
+        the slot's consumer, backward to its producer."""
+        s, slot, forward = key.origin, key.tick, key.direction == FORWARD
+        ctx = HopContext(
+            "train" if key.phase == TRAIN else "eval",
+            "forward" if forward else "backward",
+            key.step,
             s,
             slot,
-            m,
+            key.micro,
             self.rules.producer(s, slot),
             self.rules.consumer(s, slot),
         )
-
-    def _send_forward(self, phase: int, step: int, s: int, slot: int, m: int, h: Tensor) -> None:
-        key = FrameKey(phase, step, FORWARD, s, slot, m)
-        ctx = self._hop(phase, "forward", step, s, slot, m)
         if self.hops:
-            h = self.hops.forward(h, ctx)
-        self._emit(key, h, self.rules.consumer(s, slot), ctx)
-
-    def _send_backward(self, step: int, s: int, slot: int, m: int, g: Tensor) -> None:
-        key = FrameKey(TRAIN, step, BACKWARD, s, slot, m)
-        ctx = self._hop(TRAIN, "backward", step, s, slot, m)
-        if self.hops:
-            g = self.hops.backward(g, ctx)
-        self._emit(key, g, self.rules.producer(s, slot), ctx)
+            tensor = (self.hops.forward if forward else self.hops.backward)(tensor, ctx)
+        self._emit(key, tensor, ctx.consumer if forward else ctx.producer, ctx)
 
     # ---------------------------------------------------------------- train
     def _micro(self, split: str, step: int) -> list[tuple[Tensor, Tensor]]:
@@ -148,7 +140,7 @@ class RingExecutor:
             embedded.append(entry)
             if nopeek is not None and first == 0:
                 penalty[0, m] = nopeek.gradient(x, entry.slot0)
-            self._send_forward(TRAIN, n, self.rank, 0, m, entry.slot0.detach())
+            self._send(FrameKey(TRAIN, n, FORWARD, self.rank, 0, m), entry.slot0.detach())
         saved: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
         for t, s, m in self.applications:
             inp = self._take(FrameKey(TRAIN, n, FORWARD, s, t, m)).requires_grad_()
@@ -157,20 +149,20 @@ class RingExecutor:
             if nopeek is not None and s == self.rank and first == t + 1:
                 penalty[t + 1, m] = nopeek.gradient(batches[m][0], out)
             saved[t, s, m] = (inp, out)
-            self._send_forward(TRAIN, n, s, t + 1, m, out.detach())
+            self._send(FrameKey(TRAIN, n, FORWARD, s, t + 1, m), out.detach())
         losses = []
         for m, (_, y) in enumerate(batches):
             h = self._take(FrameKey(TRAIN, n, FORWARD, self.rank, K, m)).requires_grad_()
             loss = self.replica.loss(self.maps.head(h, embedded[m]), y)
             loss.backward()
             losses.append(loss)
-            self._send_backward(n, self.rank, K, m, h.grad)
+            self._send(FrameKey(TRAIN, n, BACKWARD, self.rank, K, m), h.grad)
         for t, s, m in reversed(self.applications):
             inp, out = saved.pop((t, s, m))
             g = self._take(FrameKey(TRAIN, n, BACKWARD, s, t + 1, m))
             extra = penalty.pop((t + 1, m), None) if s == self.rank else None
             out.backward(g if extra is None else g + extra)
-            self._send_backward(n, s, t, m, inp.grad)
+            self._send(FrameKey(TRAIN, n, BACKWARD, s, t, m), inp.grad)
         for m in range(M):
             g = self._take(FrameKey(TRAIN, n, BACKWARD, self.rank, 0, m))
             extra = penalty.pop((0, m), None)
@@ -191,18 +183,16 @@ class RingExecutor:
         micro = [mb for b in range(self.cfg.eval_batches) for mb in self._micro("val", b)]
         entries = [self.maps.enter(self.replica.embed(x), grad=False) for x, _ in micro]
         for j, entry in enumerate(entries):
-            self._send_forward(EVAL, n, self.rank, 0, j, entry.slot0)
+            self._send(FrameKey(EVAL, n, FORWARD, self.rank, 0, j), entry.slot0)
         for t, s in self.ticks:
             for j, entry in enumerate(entries):
                 h = self._take(FrameKey(EVAL, n, FORWARD, s, t, j))
                 out = self.maps.apply(self.group, h, t, self.rank, s, entry)
-                self._send_forward(EVAL, n, s, t + 1, j, out)
-        losses = [
-            self.replica.loss(
-                self.maps.head(self._take(FrameKey(EVAL, n, FORWARD, self.rank, K, j)), entry), y
-            )
-            for j, ((_, y), entry) in enumerate(zip(micro, entries))
-        ]
+                self._send(FrameKey(EVAL, n, FORWARD, s, t + 1, j), out)
+        losses = []
+        for j, ((_, y), entry) in enumerate(zip(micro, entries)):
+            h = self._take(FrameKey(EVAL, n, FORWARD, self.rank, K, j))
+            losses.append(self.replica.loss(self.maps.head(h, entry), y))
         return mean_loss(losses)
 
     # ------------------------------------------------------------- recovery

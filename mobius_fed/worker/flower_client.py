@@ -115,8 +115,7 @@ class Snapshots:
             del self.memory[old]
 
     def write_barrier(self, rnd: int, state: dict) -> None:
-        """Write the barrier state of ``rnd`` in the background (one write at a time; no
-        fsync: it must survive the process, the file carries its payload's sha256)."""
+        """Write the barrier state of ``rnd`` in the background, one write at a time."""
         self.wait_written()
 
         def write() -> None:
@@ -152,11 +151,9 @@ class Snapshots:
             return set()
         return {int(m.group(1)) for p in self.directory.iterdir() if (m := pattern.match(p.name))}
 
-    def disk_rounds(self) -> set[int]:
-        return self._matching(CHECKPOINT_FILE) | self._matching(BARRIER_FILE)
-
     def rounds(self) -> set[int]:
-        return set(self.memory) | self.disk_rounds() | {0}
+        disk = self._matching(CHECKPOINT_FILE) | self._matching(BARRIER_FILE)
+        return set(self.memory) | disk | {0}
 
     def prune_disk(self, keep: int) -> None:
         """Keep the ``keep`` newest checkpoint files (0: all)."""
@@ -165,16 +162,9 @@ class Snapshots:
                 checkpoint_path(self.directory, rnd).unlink(missing_ok=True)
 
 
-def make_client_app(
-    executor: RingExecutor,
-    snapshots: Snapshots,
-    rejoin_ring: Callable[[str, list[str]], None],
-    on_step: Callable[[WorkerStep], None] | None = None,
-    on_state: Callable[[WorkerState], None] | None = None,
-) -> ClientApp:
-    """The ClientApp of ``executor``; ``rejoin_ring(ring_id, peers)`` replaces its ring links."""
+def make_client_app(worker: WorkerHandlers) -> ClientApp:
+    """The ClientApp that hands each message to ``worker``."""
     app = ClientApp()
-    worker = WorkerHandlers(executor, snapshots, rejoin_ring, on_step, on_state)
     app.train()(lambda msg, context: worker.train(msg))
     app.evaluate()(lambda msg, context: worker.evaluate(msg))
     app.query("state")(lambda msg, context: worker.query_state(msg))
@@ -184,15 +174,17 @@ def make_client_app(
 
 
 class WorkerHandlers:
-    """What a worker does with each coordinator message (see :mod:`mobius_fed.messages`)."""
+    """What a worker does with each coordinator message (see :mod:`mobius_fed.messages`);
+    ``rejoin_ring(ring_id, peers)`` replaces the executor's ring links, ``on_step`` and
+    ``on_state`` report each step and each state change."""
 
     def __init__(
         self,
         executor: RingExecutor,
         snapshots: Snapshots,
         rejoin_ring: Callable[[str, list[str]], None],
-        on_step: Callable[[WorkerStep], None] | None = None,
-        on_state: Callable[[WorkerState], None] | None = None,
+        on_step: Callable[[WorkerStep], None],
+        on_state: Callable[[WorkerState], None],
     ) -> None:
         self.executor, self.snapshots, self.rejoin_ring = executor, snapshots, rejoin_ring
         self.on_step, self.on_state = on_step, on_state
@@ -200,10 +192,6 @@ class WorkerHandlers:
         self.tokens_per_step = cfg.batch_size * cfg.model().seq_len
         # Secure Aggregation: a fresh key pair per process; the E/R update leaves masked.
         self.secagg = SiteMasker(cfg, executor.rank) if cfg.privacy.er_secagg else None
-
-    def state(self, s: WorkerState) -> None:
-        if self.on_state:
-            self.on_state(s)
 
     def train(self, msg: Message) -> Message:
         order, executor = TrainOrder.of(msg.content[CONFIG]), self.executor
@@ -214,7 +202,7 @@ class WorkerHandlers:
             )
         masks = None if self.secagg is None else Round.of(msg.content[CONFIG], executor.cfg.P)
         load_replica(executor, msg.content[ARRAYS])
-        self.state(WorkerState.TRAINING)
+        self.on_state(WorkerState.TRAINING)
         report = self._train_steps(start, end)
         t0 = time.perf_counter()  # the barrier snapshot's cost on the critical path
         snap = copy.deepcopy(executor.state_dict())
@@ -231,33 +219,27 @@ class WorkerHandlers:
             reply["checkpoint"] = self._checkpoint(order, snap).to_record()
             self.snapshots.prune_disk(order.keep_checkpoints)
         self.snapshots.keep(rnd, snap, order.checkpoint)
-        self.state(WorkerState.READY)
+        self.on_state(WorkerState.READY)
         return Message(reply, reply_to=msg)
 
     def _train_steps(self, start: int, end: int) -> TrainReport:
         links_before = self.executor.links  # a new ring incarnation brings new links
         sent_before = links_before.bytes_sent if links_before is not None else 0
-        losses, seconds, wait_s, compute_s = [], 0.0, 0.0, 0.0
+        steps = []
         for _ in range(start, end):
             r = self.executor.train_step()
-            losses.append(r.loss)
-            seconds, wait_s, compute_s = (
-                seconds + r.seconds,
-                wait_s + r.wait_s,
-                compute_s + r.compute_s,
-            )
-            if self.on_step:
-                self.on_step(r)
+            steps.append(r)
+            self.on_step(r)
         links = self.executor.links
         sent = (
             0 if links is None else links.bytes_sent - (sent_before if links is links_before else 0)
         )
         return TrainReport(
-            losses=losses,
+            losses=[r.loss for r in steps],
             num_examples=self.tokens_per_step * (end - start),
-            train_s=seconds,
-            wait_s=wait_s,
-            compute_s=compute_s,
+            train_s=sum(r.seconds for r in steps),
+            wait_s=sum(r.wait_s for r in steps),
+            compute_s=sum(r.compute_s for r in steps),
             bytes_sent=max(0, sent),
         )
 
@@ -271,38 +253,24 @@ class WorkerHandlers:
             return ck
         size = path.stat().st_size
         if executor.replica.private_parameters():
-            log.warning(
-                "worker-%d: no copy of round %d for the coordinator: the checkpoint "
-                "holds the private home layer, which never leaves this site",
-                executor.rank,
-                rnd,
-            )
+            why = "the checkpoint holds the private home layer, which never leaves this site"
         elif self.secagg is not None:
-            log.warning(
-                "worker-%d: no copy of round %d for the coordinator: the checkpoint holds "
-                "this site's own E/R, which Secure Aggregation keeps from it",
-                executor.rank,
-                rnd,
-            )
+            why = "the checkpoint holds this site's own E/R, which Secure Aggregation keeps from it"
         elif size <= COPY_LIMIT_BYTES:
             return dataclasses.replace(ck, copy=path.read_bytes())
         else:
-            log.warning(
-                "worker-%d: no copy of round %d for the coordinator: %d bytes exceed "
-                "the control channel's %d",
-                executor.rank,
-                rnd,
-                size,
-                COPY_LIMIT_BYTES,
-            )
+            why = f"{size} bytes exceed the control channel's {COPY_LIMIT_BYTES}"
+        log.warning(
+            "worker-%d: no copy of round %d for the coordinator: %s", executor.rank, rnd, why
+        )
         return ck
 
     def evaluate(self, msg: Message) -> Message:
         load_replica(self.executor, msg.content[ARRAYS])
-        self.state(WorkerState.EVALUATING)
+        self.on_state(WorkerState.EVALUATING)
         t0 = time.perf_counter()
         loss = self.executor.evaluate()
-        self.state(WorkerState.READY)
+        self.on_state(WorkerState.READY)
         metrics = MetricRecord(
             {"num-examples": 1, "eval-loss": loss, "eval-seconds": time.perf_counter() - t0}
         )
@@ -316,7 +284,7 @@ class WorkerHandlers:
 
     def restore(self, msg: Message) -> Message:
         order, executor = RestoreOrder.of(msg.content[CONFIG]), self.executor
-        self.state(WorkerState.RESTORING)
+        self.on_state(WorkerState.RESTORING)
         try:
             source = restore_round(executor, self.snapshots, order)
             if executor.step != order.step:
@@ -338,7 +306,7 @@ class WorkerHandlers:
         order = RingOrder.of(msg.content[CONFIG])
         log.info("worker-%d joining ring %s", self.executor.rank, order.ring_id)
         self.rejoin_ring(order.ring_id, order.peers)
-        self.state(WorkerState.READY)
+        self.on_state(WorkerState.READY)
         return Message(RecordDict({CONFIG: ConfigRecord({"ok": True})}), reply_to=msg)
 
 

@@ -50,10 +50,8 @@ class FrameKey:
 
     def describe(self) -> str:
         d = direction_name(self.direction)
-        try:
-            p = ring_pb2.Phase.Name(self.phase)
-        except ValueError:
-            p = str(self.phase)
+        known = self.phase in ring_pb2.Phase.values()
+        p = ring_pb2.Phase.Name(self.phase) if known else str(self.phase)
         return f"{p} {d} step {self.step} origin {self.origin} slot {self.tick} micro {self.micro}"
 
 
@@ -145,10 +143,9 @@ class FrameRules:
             raise FrameError(f"frame rejected: origin {frame.origin} (expected < P={self.P})")
         if frame.tick > self.K:
             raise FrameError(f"frame rejected: tick {frame.tick} (expected ≤ K={self.K})")
-        if frame.micro >= self.micro_count(frame.phase):
-            raise FrameError(
-                f"frame rejected: micro {frame.micro} (expected < {self.micro_count(frame.phase)})"
-            )
+        micros = self.micro_count(frame.phase)
+        if frame.micro >= micros:
+            raise FrameError(f"frame rejected: micro {frame.micro} (expected < {micros})")
         verdict = self.arrival(frame, direction)
         # Frames for this worker belong to its current step or the next one; a relay may
         # still carry the previous step while this worker has moved on.

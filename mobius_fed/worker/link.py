@@ -22,9 +22,7 @@ counts the frames it received. When a stream breaks, the client re-dials with ba
 up to ``link_grace`` seconds and presents the session's secret token and its count; the
 server answers with its own count and both resend the rest, in order. The step then
 completes with unchanged math. Past the grace the inbox fails with an error naming the
-ring edge. Keepalive: the client pings every ``client_keepalive_ms``; the server accepts
-pings that often (``grpc.http2.min_ping_interval_without_data_ms``) and pings the client
-itself, so a dead connection is noticed on both sides within seconds.
+ring edge. Both ends ping (:class:`LinkTimers`): a dead connection is noticed in seconds.
 
 Bytes on the wire: both sides of the stream carry pre-serialized ``Frame`` bytes (the
 Stream method is registered with no (de)serializers on either end). A tensor is encoded
@@ -59,10 +57,7 @@ from mobius_fed.transport.codec import (
 )
 from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.link_tuning import LinkTuning, refuse_renamed_variables
-from mobius_fed.transport.tls import (
-    NodeTLS,
-    worker_identity,
-)
+from mobius_fed.transport.tls import NodeTLS, worker_identity
 from mobius_fed.transport.wire_stages import codecs
 from mobius_fed.worker.frames import (
     ACK,
@@ -89,8 +84,6 @@ from mobius_fed.worker.link_session import (
 )
 
 log = logging.getLogger("mobius.link")
-
-# ------------------------------------------------------------------------- links
 
 
 class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServicer):
@@ -119,8 +112,7 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
         self.tuning = tuning
         if tuning.allocator:
             tune_allocator()  # process-wide, once: the link's buffers stay on the heap
-        if chunk_bytes is None:
-            chunk_bytes = self.tuning.chunk
+        chunk_bytes = tuning.chunk if chunk_bytes is None else chunk_bytes
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         if ack_every < 1:
@@ -130,10 +122,9 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
             raise ValueError(f"link_grace must be ≥ 0, got {link_grace}")
         self.rules, self.rank, self.P = rules, rules.rank, rules.P
         self.chunk_bytes = chunk_bytes
+        # Sent and received alike: a message larger than one of our pieces is refused
+        # (RESOURCE_EXHAUSTED), so every worker of a ring must use the same piece size.
         self.max_message = max_message_bytes(chunk_bytes)
-        # A message larger than one of our pieces is refused (RESOURCE_EXHAUSTED): every
-        # worker of a ring must use the same piece size (link.chunk).
-        self.max_receive = self.max_message
         self.tunnels = tunnels  # a tunnelled out-edge dials its local forwarder
         self.listen = listen
         self.successor_addr = tunnels.successor_address if tunnels else successor
@@ -168,16 +159,28 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
         s = self._in
         return s.end if s is not None else None
 
+    def _grpc_options(self, keepalive_ms: int) -> list[tuple[str, int | str]]:
+        """What both ends of a link set: message sizes, tuning, pings every ``keepalive_ms``."""
+        t = self.timers
+        return [
+            ("grpc.max_receive_message_length", self.max_message),
+            ("grpc.max_send_message_length", self.max_message),
+            *self.tuning.grpc_options(),
+            ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_timeout_ms", t.keepalive_timeout_ms),
+            # grpcio ≥ 1.6x waits this long for any ping's ack (default: a minute or more);
+            # without it an unanswered keepalive ping does not end the connection.
+            ("grpc.http2.ping_timeout_ms", t.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+
     # --------------------------------------------------------------- routing
     def _assembler(self, direction: int) -> TensorAssembler:
         """Piece validation/reassembly state for one incoming session: FORWARD (from the
         predecessor) or BACKWARD frames (from the successor), each with its codec."""
-        fwd, bwd = codecs(self.rules.cfg)
-        return TensorAssembler(
-            self.rules.shape,
-            self.rules.cfg.wire_dtype,
-            codec=fwd if direction == FORWARD else bwd,
-        )
+        codec = codecs(self.rules.cfg)[0 if direction == FORWARD else 1]
+        return TensorAssembler(self.rules.shape, self.rules.cfg.wire_dtype, codec=codec)
 
     def _new_session(self, who: str, direction: int) -> Session:
         """A session whose incoming frames travel ``direction``."""
@@ -280,10 +283,6 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
         ):
             out.put(data)  # gRPC sends piece k while piece k+1 is built
 
-    def send(self, frame: ring_pb2.Frame) -> None:
-        """Send a ready-made frame message (serialized here) in its direction."""
-        self._outgoing(frame.direction).put(frame.SerializeToString())
-
     def _outgoing(self, direction: int) -> Endpoint:
         if direction != BACKWARD:
             return self._out.end
@@ -329,30 +328,24 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
             in_state, in_down = EdgeState.DOWN, 0.0
         o = self._out
         out_down = now - o.down_since if o.down_since is not None else 0.0
-        edges = {
-            "in": {
-                "peer": f"worker-{self.pred}",
-                "edge": self.edge_in,
-                "state": in_state,
-                "reconnects": self._in_reconnects,
-                "down_s": round(in_down, 3),
-            },
-            "out": {
-                "peer": f"worker-{self.succ}",
-                "edge": self.edge_out,
-                "state": self._out_state,
-                "reconnects": self._out_reconnects,
-                "down_s": round(out_down, 3),
-            },
-        }
-        for side in ("in", "out"):
-            edges[side].update(self.tunnels.describe(side) if self.tunnels else {"path": DIRECT})
+        edges = {}
+        for side, peer, edge, state, reconnects, down in (
+            ("in", self.pred, self.edge_in, in_state, self._in_reconnects, in_down),
+            ("out", self.succ, self.edge_out, self._out_state, self._out_reconnects, out_down),
+        ):
+            edges[side] = {
+                "peer": f"worker-{peer}",
+                "edge": edge,
+                "state": state,
+                "reconnects": reconnects,
+                "down_s": round(down, 3),
+                **(self.tunnels.describe(side) if self.tunnels else {"path": DIRECT}),
+            }
         return edges
 
     def _describe_edges(self) -> str:
-        e = self.edge_states()
-        bad = [f"{v['edge']} {v['state']}" for v in e.values() if v["state"] != "up"]
-        return "; ".join(bad)
+        edges = self.edge_states().values()
+        return "; ".join(f"{v['edge']} {v['state']}" for v in edges if v["state"] != "up")
 
     # -------------------------------------------------------------- shutdown
     @property
@@ -395,14 +388,8 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
             if call is not None:
                 call.cancel()
         with self._lock:
-            s = self._in
-            if s is not None:
-                if s.timer is not None:
-                    s.timer.cancel()
-                s.end.close()
-                st = s.end.stream
-                if st is not None:
-                    s.end.end_stream(st)
+            if self._in is not None:
+                self._in.stop()
         if self._client_thread is not None:
             self._client_thread.join(timeout=10)
         if self._channel is not None:

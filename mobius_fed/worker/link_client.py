@@ -14,15 +14,9 @@ import grpc
 from mobius_fed.machines import EdgeState
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
 from mobius_fed.relay.plan import DIRECT, REVERSED
-from mobius_fed.transport.codec import (
-    FrameError,
-)
-from mobius_fed.transport.tls import (
-    channel_credentials,
-)
-from mobius_fed.worker.frames import (
-    BACKWARD,
-)
+from mobius_fed.transport.codec import FrameError
+from mobius_fed.transport.tls import channel_credentials
+from mobius_fed.worker.frames import BACKWARD
 from mobius_fed.worker.link_session import (
     HANDSHAKE_TIMEOUT_S,
     MD_ACK,
@@ -55,17 +49,8 @@ class SuccessorClient:
 
     def _channel_options(self) -> list[tuple[str, int | str]]:
         t = self.timers
-        opts: list[tuple[str, int | str]] = [
-            ("grpc.max_receive_message_length", self.max_receive),
-            ("grpc.max_send_message_length", self.max_message),
-            *self.tuning.grpc_options(),
-            ("grpc.keepalive_time_ms", t.client_keepalive_ms),
-            ("grpc.keepalive_timeout_ms", t.keepalive_timeout_ms),
-            # grpcio ≥ 1.6x waits this long for any ping's ack (default: a minute or more);
-            # without it an unanswered keepalive ping does not end the connection.
-            ("grpc.http2.ping_timeout_ms", t.keepalive_timeout_ms),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
+        opts = [
+            *self._grpc_options(t.client_keepalive_ms),
             ("grpc.enable_retries", 0),
             ("grpc.initial_reconnect_backoff_ms", int(t.first_backoff_s * 1000) or 1),
             ("grpc.max_reconnect_backoff_ms", int(t.max_backoff_s * 1000) or 1),
@@ -252,15 +237,12 @@ class SuccessorClient:
                 return None
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             details = exc.details() if hasattr(exc, "details") else str(exc)
-            if code not in _RETRY:
-                self.inbox.fail(
-                    PeerError(
-                        f"ring edge {self.edge_out}: worker-{self.succ} ended the link: "
-                        f"{code.name} {details}"
-                    )
-                )
-                return None
-            return f"{code.name} {details}"
+            why = f"{code.name} {details}"
+            if code in _RETRY:
+                return why
+            msg = f"ring edge {self.edge_out}: worker-{self.succ} ended the link: {why}"
+            self.inbox.fail(PeerError(msg))
+            return None
         except Exception as exc:  # a bug must not leave the executor waiting silently
             log.exception("worker-%d: receiving on edge %s failed", self.rank, self.edge_out)
             self.inbox.fail(exc)

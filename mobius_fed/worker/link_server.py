@@ -14,17 +14,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from mobius_fed.proto import ring_pb2
-from mobius_fed.transport.codec import (
-    FrameError,
-)
-from mobius_fed.transport.tls import (
-    add_port,
-    peer_identity,
-    worker_identity,
-)
-from mobius_fed.worker.frames import (
-    FORWARD,
-)
+from mobius_fed.transport.codec import FrameError
+from mobius_fed.transport.tls import add_port, peer_identity, worker_identity
+from mobius_fed.worker.frames import FORWARD
 from mobius_fed.worker.link_session import (
     IDLE_CONNECTION_MS,
     MAX_CONCURRENT_RPCS,
@@ -58,19 +50,12 @@ class PredecessorServer:
         self._old_bytes = 0  # bytes sent by ended predecessor sessions
         self._server: grpc.Server | None = None
 
-    def _server_options(self) -> list[tuple[str, int]]:
+    def _server_options(self) -> list[tuple[str, int | str]]:
         t = self.timers
         return [
-            ("grpc.max_receive_message_length", self.max_receive),
-            ("grpc.max_send_message_length", self.max_message),
-            *self.tuning.grpc_options(),
+            *self._grpc_options(t.server_keepalive_ms),
             ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
-            ("grpc.keepalive_time_ms", t.server_keepalive_ms),
-            ("grpc.keepalive_timeout_ms", t.keepalive_timeout_ms),
-            ("grpc.http2.ping_timeout_ms", t.keepalive_timeout_ms),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
             ("grpc.http2.min_ping_interval_without_data_ms", t.min_ping_interval_ms),
             ("grpc.so_reuseport", 0),  # a second process on this port fails loudly
         ]
@@ -151,9 +136,8 @@ class PredecessorServer:
             ack = int(md.get(MD_ACK, "0"))
         except ValueError:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad {MD_ACK} metadata")
-        token = md.get(MD_SESSION, "")
         st = StreamCall(label)
-        refusal = self._admit(st, token, ack, label)
+        refusal = self._admit(st, md.get(MD_SESSION, ""), ack, label)
         if refusal is not None:
             code, msg = refusal
             log.warning("refused stream from %s on edge %s: %s", label, self.edge_in, msg)
@@ -300,7 +284,6 @@ class PredecessorServer:
                 s.finished = True
             else:
                 s.down_since = time.monotonic()
-                s.last_error = "the stream broke"
                 log.warning(
                     "ring edge %s down (stream from %s broke); waiting up to %.0fs for it to "
                     "reconnect",
@@ -332,12 +315,7 @@ class PredecessorServer:
         if self._in is s:
             self._in = None
         self._old_bytes += s.end.bytes_sent
-        if s.timer is not None:
-            s.timer.cancel()
-        s.end.close()
-        st = s.end.stream
-        if st is not None:
-            s.end.end_stream(st)
+        s.stop()
         with s.rx_lock:  # a frame being processed lands first; later ones see st.dead
             dropped = self.inbox.drop(s)
             partial = s.pieces.pending + len(s.relay_hold)

@@ -1,10 +1,6 @@
 """The state a ring link keeps across its gRPC streams: the inbox of decoded tensors,
-and each edge's session (frames sent and kept until acknowledged, frames received).
-
-A session survives its stream: each side keeps the frames it sent until the other side
-acknowledges them (ACK frames, every ``ack_every`` frames), and counts the frames it
-received. A stream that breaks is resumed by presenting the session's token and count;
-both sides then resend the rest, in order (see :mod:`mobius_fed.worker.link`).
+and each edge's session (frames sent and kept until acknowledged, frames received), which
+a broken stream resumes (see :mod:`mobius_fed.worker.link`, "Transient faults").
 """
 
 from __future__ import annotations
@@ -14,19 +10,14 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from mobius_fed.proto import ring_pb2
-from mobius_fed.transport.codec import (
-    FrameError,
-    TensorAssembler,
-)
-from mobius_fed.worker.frames import (
-    FrameKey,
-)
+from mobius_fed.transport.codec import FrameError, TensorAssembler
+from mobius_fed.worker.frames import FrameKey
 
 log = logging.getLogger("mobius.link")
 RING_SERVICE = ring_pb2.DESCRIPTOR.services_by_name["RingLink"].full_name
@@ -105,7 +96,7 @@ class Inbox:
         self._pruned_at = -1
         self._current_step = current_step
         self._cond = threading.Condition()
-        self._error: BaseException | None = None
+        self.error: BaseException | None = None  # the first failure: get() raises it
         self.fins: set[int] = set()
         self._fin_from: dict[int, object] = {}
         self.last_problem: str | None = None  # named in a timeout: why a frame never came
@@ -153,13 +144,9 @@ class Inbox:
 
     def fail(self, error: BaseException) -> None:
         with self._cond:
-            if self._error is None:
-                self._error = error
+            if self.error is None:
+                self.error = error
             self._cond.notify_all()
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
 
     def _prune(self) -> None:
         now = self._current_step()
@@ -173,8 +160,8 @@ class Inbox:
         last = time.monotonic()
         with self._cond:
             while key not in self._items:
-                if self._error is not None:
-                    raise PeerError(str(self._error)) from self._error
+                if self.error is not None:
+                    raise PeerError(str(self.error)) from self.error
                 now = time.monotonic()
                 if self.held():
                     deadline += now - last
@@ -197,7 +184,7 @@ class Inbox:
     def wait_fins(self, expected: set[int], timeout: float) -> bool:
         with self._cond:
             return self._cond.wait_for(
-                lambda: expected <= self.fins or self._error is not None, timeout
+                lambda: expected <= self.fins or self.error is not None, timeout
             )
 
 
@@ -224,18 +211,18 @@ class Capture:
 # ------------------------------------------------------------------- session state
 
 
+@dataclass(eq=False)
 class StreamCall:
     """One gRPC Stream call carrying a session."""
 
-    def __init__(self, who: str) -> None:
-        self.who = who
-        self.cursor = 1  # sequence number of the next frame to send on this stream
-        self.dead = False
-        self.ended = False
-        self.failure: str | None = None
-        self.go = threading.Event()  # client side: the handshake told us where to resume
-        self.session: Session | None = None
-        self.rx_at_start = 0  # server side: the count sent back in the handshake
+    who: str
+    cursor: int = 1  # sequence number of the next frame to send on this stream
+    dead: bool = False
+    ended: bool = False
+    failure: str | None = None
+    go: threading.Event = field(default_factory=threading.Event)  # client: resume point known
+    session: Session | None = None
+    rx_at_start: int = 0  # server side: the count sent back in the handshake
 
 
 class Endpoint:
@@ -388,4 +375,12 @@ class Session:
         self.finished = False
         self.down_since: float | None = None
         self.last_error = ""
-        self.timer: threading.Timer | None = None
+        self.timer: threading.Timer | None = None  # server side: the reconnect grace
+
+    def stop(self) -> None:
+        """No more frames either way: cancel the grace timer and end the live stream."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.end.close()
+        if (st := self.end.stream) is not None:
+            self.end.end_stream(st)
