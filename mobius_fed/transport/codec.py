@@ -1,27 +1,20 @@
 """Tensor <-> ``ring_pb2.Tensor`` codec and frame validation for ring links.
 
-Encode, message API (:func:`encode_tensor`, :func:`make_frame`): cast to the wire dtype on
-CPU (no copy if already so), then one copy of the raw little-endian bytes into a
-``bytes`` object; the protobuf setter and serialization copy again.
+Encode: :func:`encode_tensor` and :func:`make_frame` cast to the wire dtype on CPU (no
+copy if already so) and copy the raw little-endian bytes once into a ``bytes`` object
+(protobuf copies again). :func:`encode_frames`, what a ring link sends, builds each frame's
+serialized bytes in one ``b"".join`` copy from the tensor's memory (the CRC runs over a
+memoryview of it); a tensor larger than ``chunk_bytes`` becomes several frames, each a
+contiguous 1-D piece (see ring.proto) that parses to what :func:`make_frame` builds for it.
 
-Encode, wire API (:func:`encode_frames`, what the ring link sends): the serialized bytes
-of each frame are built directly, in one ``b"".join`` copy from the tensor's memory (the
-CRC runs over a memoryview of that memory, no copy). A tensor larger than ``chunk_bytes``
-becomes several frames, each carrying a contiguous 1-D piece (see ring.proto); they parse
-to exactly what :func:`make_frame` would build for the same piece.
-
-Decode on the ring link: :func:`parse_frame` parses received frame bytes with protobuf
-except for the tensor data, which it returns as a zero-copy view of the received buffer
-(a frame repeating ``tensor`` or ``tensor.data`` is refused, protobuf would merge them);
-:class:`TensorAssembler` validates every piece (header order, total,
-offset, size, dtype, full shape, CRC, finiteness) and copies it into one preallocated
-tensor per key; nothing is handed out before the last piece validated.
-
-Decode: every check (dtype, shape, byte length, CRC-32) runs before a tensor exists.
-``msg.data`` on the upb protobuf backend returns a fresh ``bytes`` copy of the field on
-each access; :func:`decode_tensor` reads it once and wraps that object with
-``torch.frombuffer`` without copying. For fp32 wire and fp32 output the result aliases
-that private ``bytes`` object (nobody else holds it, so in-place ops on the result are
+Decode: every check (dtype, shape, byte length, CRC-32, finiteness) runs before a tensor
+exists. :func:`parse_frame` parses frame bytes with protobuf except the tensor data, a
+zero-copy view of the received buffer (a repeated ``tensor`` or ``tensor.data`` is
+refused: protobuf would merge them); :class:`TensorAssembler` also checks each piece's
+header order, total, offset and size, and copies it into one preallocated tensor per key,
+handed out only after the last piece validated. ``msg.data`` on the upb backend returns a
+fresh ``bytes`` copy per access: :func:`decode_tensor` reads it once and wraps it with
+``torch.frombuffer``, so an fp32 result aliases that private object (in-place ops are
 harmless); bf16/fp16 are widened into a new tensor by ``.to(out_dtype)``.
 """
 
@@ -57,11 +50,9 @@ WIRE_TO_ENUM: dict[str, int] = {
 ENUM_TO_WIRE: dict[int, str] = {v: k for k, v in WIRE_TO_ENUM.items()}
 _SWAP_VIEW = {2: torch.int16, 4: torch.int32}
 
-# torch.frombuffer warns once per process (TORCH_WARN_ONCE) that a bytes buffer is not
-# writable. The bytes object decode_tensor wraps is a private copy made by the protobuf
-# accessor, so aliasing it is deliberate: spend that one warning here, silenced, at import
-# (under the import lock, so no thread races on the warning filters). Side effect: other
-# code in this process will not see that warning either.
+# torch.frombuffer warns once per process that a bytes buffer is not writable. Aliasing the
+# private copy decode_tensor wraps is deliberate: spend that one warning here, silenced, at
+# import (under the import lock: no thread races on the filters). Nobody else sees it either.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
     torch.frombuffer(b"\0\0\0\0", dtype=torch.uint8)
@@ -559,33 +550,37 @@ class TensorAssembler:
         size = dtype.itemsize
         if data is None:
             data = msg.data  # one fresh copy (upb): read once
-        start, count = _piece_span(part, msg, k, n, numel, len(data), size, what)
+        start, _ = _piece_span(part, msg, k, n, numel, len(data), size, what)
         _check_crc(data, msg)
         piece = _from_wire(data, dtype)
         _check_finite(piece)
         if part is None:
-            part = self._new_partial(key, what, n)
-            if keep:
-                part.out = torch.empty(numel, dtype=self.out_dtype)
-        if part.out is not None:
-            part.out[start : start + count].copy_(piece)
-        return self._advance(key, part, k, start + count, shape)
+            part = self._new_partial(key, what, n, keep, numel, self.out_dtype)
+        return self._advance(key, part, k, start, piece, shape)
 
-    def _advance(self, key: Hashable, part: _Partial, k: int, offset: int, shape):
-        """Piece ``k`` is in: the whole tensor (viewed as ``shape``) after the last piece."""
-        part.next_chunk, part.next_offset = k + 1, offset
+    def _advance(self, key: Hashable, part: _Partial, k: int, start: int, piece, shape):
+        """Piece ``k`` is in: copied to element ``start`` of its home; the whole tensor
+        (viewed as ``shape``) after the last piece."""
+        if part.out is not None:
+            part.out[start : start + piece.numel()].copy_(piece)
+        part.next_chunk, part.next_offset = k + 1, start + piece.numel()
         if k < part.chunks - 1:
             return None
         del self._pending[key]
         return part.out.view(shape) if part.out is not None else None
 
-    def _new_partial(self, key: Hashable, what: str, chunks: int) -> _Partial:
+    def _new_partial(
+        self, key: Hashable, what: str, chunks: int, keep: bool, numel: int, dtype: torch.dtype
+    ) -> _Partial:
+        """Room for one more partial tensor (its ``numel`` elements allocated if ``keep``)."""
         if len(self._pending) >= self.max_pending:
             raise FrameError(
                 f"frame rejected: {what} would be the {len(self._pending) + 1}th partially "
                 f"received tensor on this stream (at most {self.max_pending})"
             )
         part = self._pending[key] = _Partial(chunks=chunks)
+        if keep:
+            part.out = torch.empty(numel, dtype=dtype)
         return part
 
     def _add_packed(self, key: Hashable, frame: ring_pb2.Frame, keep: bool, what: str, data):
@@ -608,15 +603,12 @@ class TensorAssembler:
         part = self._pending.get(key)
         if data is None:
             data = msg.data
-        start, count = _piece_span(part, msg, k, n, total, len(data), 1, what)
+        start, _ = _piece_span(part, msg, k, n, total, len(data), 1, what)
         _check_crc(data, msg)
         if part is None:
-            part = self._new_partial(key, what, n)
-            if keep:
-                part.out = torch.empty(total, dtype=torch.uint8)
-        if part.out is not None:
-            part.out[start : start + count].copy_(torch.frombuffer(data, dtype=torch.uint8))
-        out = self._advance(key, part, k, start + count, (total,))
+            part = self._new_partial(key, what, n, keep, total, torch.uint8)
+        piece = torch.frombuffer(data, dtype=torch.uint8)
+        out = self._advance(key, part, k, start, piece, (total,))
         if out is None:
             return None
         try:
