@@ -38,15 +38,13 @@ def service_env(svc: Service, extra: Mapping[str, str] | None = None) -> dict[st
     then ``extra``."""
     bindir = os.path.dirname(sys.executable)
     path = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
-    env = {
+    base = {
         "PATH": f"{bindir}:{path}" if bindir not in path.split(":") else path,
         "HOME": os.environ.get("HOME", "/root"),
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": "1",
     }
-    env.update(svc.environment)
-    env.update(extra or {})
-    return env
+    return {**base, **svc.environment, **(extra or {})}
 
 
 @dataclass

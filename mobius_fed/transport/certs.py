@@ -78,9 +78,9 @@ def identity_of(name: str) -> str:
         return COORDINATOR_IDENTITY
     if name == "operator":
         return OPERATOR_IDENTITY
-    prefix = "worker-"
-    if name.startswith(prefix) and name[len(prefix) :].isdigit():
-        return worker_identity(int(name[len(prefix) :]))
+    index = name.removeprefix("worker-")
+    if index != name and index.isdigit():
+        return worker_identity(int(index))
     raise ValueError(f"unknown node name {name!r}")
 
 
@@ -225,19 +225,16 @@ def _issue(
     not_before: dt.datetime,
     not_after: dt.datetime,
 ) -> NodeTLS:
-    """A fresh key and certificate for node ``name``, written flat and as its bundle."""
+    """A fresh key and certificate for node ``name``, written flat and as its bundle
+    (ca.crt, tls.crt, tls.key: for exactly one host or container, no other node's key)."""
     key = ec.generate_private_key(ec.SECP256R1())
     cert = leaf_certificate(key.public_key(), name, sans, ca_key, ca_cert, not_before, not_after)
-    node = layout.node(name)
-    write_file(node.key, key_pem(key), 0o600)
-    write_file(node.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    # A per-node bundle (ca.crt, tls.crt, tls.key) to hand to exactly one host or
-    # container: it holds that node's key and nobody else's.
-    bundle = layout.bundle(name)
+    node, bundle = layout.node(name), layout.bundle(name)
     bundle.cert.parent.mkdir(parents=True, exist_ok=True)
     write_file(bundle.ca, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    write_file(bundle.key, key_pem(key), 0o600)
-    write_file(bundle.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    for tls in (node, bundle):
+        write_file(tls.key, key_pem(key), 0o600)
+        write_file(tls.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return bundle
 
 

@@ -20,6 +20,7 @@ harmless); bf16/fp16 are widened into a new tensor by ``.to(out_dtype)``.
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 import zlib
@@ -107,10 +108,7 @@ def _check_meta(
     shape = tuple(msg.shape)
     if shape != tuple(expected_shape):
         raise FrameError(f"tensor rejected: shape {shape} (expected {tuple(expected_shape)})")
-    numel = 1
-    for n in shape:
-        numel *= n
-    return WIRE_DTYPES[wire], shape, numel
+    return WIRE_DTYPES[wire], shape, math.prod(shape)
 
 
 def _check_crc(data: bytes | memoryview, msg: ring_pb2.Tensor) -> None:
@@ -219,7 +217,6 @@ def make_frame(
         tick=tick,
         micro=micro,
         direction=direction,
-        chunk=0,
         chunks=1,
     )
     _fill_tensor(frame.tensor, tensor, wire)
