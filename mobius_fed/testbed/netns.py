@@ -78,10 +78,9 @@ class Testbed:
     service to the shape of its access link (rate and one-way delay, see
     :mod:`mobius_fed.testbed.wan`); services not named are unshaped.
 
-    It composes a :class:`~mobius_fed.testbed.network.TestbedNetwork` (``net``), a
-    :class:`~mobius_fed.testbed.filesystem.ServiceFilesystem` (``fs``) and a
-    :class:`~mobius_fed.testbed.supervisor.Supervisor` (``supervisor``); the methods below
-    forwarded to them are documented there.
+    Its parts ``net`` (:class:`~.network.TestbedNetwork`), ``fs``
+    (:class:`~.filesystem.ServiceFilesystem`) and ``supervisor`` (:class:`~.supervisor.Supervisor`)
+    document the methods forwarded to them.
     """
 
     __test__ = False  # not a pytest test class
@@ -214,19 +213,16 @@ class Testbed:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # finish the cleanup
                 saved[sig] = signal.signal(sig, signal.SIG_IGN)
         try:
-            self._teardown()
+            popens = self.supervisor.stop()
+            self.net.kill_processes()
+            kill_process_groups(popens)
+            self.supervisor.close_logs()
+            self.net.remove()
+            self.fs.remove_host_dirs()
+            self._say(f"testbed {self.prefix} removed")
+            if self._tb_log is not None:
+                self._tb_log.close()
+                self._tb_log = None
         finally:
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
-
-    def _teardown(self) -> None:
-        popens = self.supervisor.stop()
-        self.net.kill_processes()
-        kill_process_groups(popens)
-        self.supervisor.close_logs()
-        self.net.remove()
-        self.fs.remove_host_dirs()
-        self._say(f"testbed {self.prefix} removed")
-        if self._tb_log is not None:
-            self._tb_log.close()
-            self._tb_log = None

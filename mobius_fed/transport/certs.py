@@ -316,9 +316,8 @@ def renew_node(root: Path, name: str, hosts: Sequence[str] = (), *, days: int = 
     """Issue node ``name`` a new key and certificate with the same identity from the CA.
 
     For a leaked or lost node key: the node's flat files and ``nodes/<name>/`` bundle are
-    replaced; deploy the bundle to that node only. Keeps the old certificate's SANs (plus
-    ``hosts``). The OLD certificate stays valid until it expires (there is no revocation
-    list): to cut it off at once, rotate the whole CA (:func:`rotate_ca`).
+    replaced (deploy it to that node only), keeping the old certificate's SANs plus
+    ``hosts``. The OLD certificate stays valid until it expires (see the module doc).
     """
     layout = load_layout(root)
     old = layout.node(name).cert  # KeyError for an unknown node

@@ -283,9 +283,8 @@ def encode_frames(
     """Yield the serialized bytes of the frame(s) carrying ``tensor`` in dtype ``wire``.
 
     One frame if the tensor's wire bytes fit in ``chunk_bytes``, else ``chunks`` frames of
-    at most ``chunk_bytes`` each (a whole number of elements, at least one). The tensor is
-    cast once; each frame's bytes are then built in one copy from its memory. Frames are
-    produced lazily, so the caller can hand each to the transport while the next is built.
+    at most ``chunk_bytes`` each (a whole number of elements, at least one), built lazily:
+    the caller hands each to the transport while the next is built.
 
     ``packed=(codec spec, shape)``: ``tensor`` is a lossy codec's flat ``uint8`` payload
     for a tensor of that shape (sent as dtype PACKED; ``wire`` is ignored).
@@ -491,7 +490,7 @@ class TensorAssembler:
         if not frame.HasField("tensor"):
             raise FrameError("frame rejected: no tensor")
         if self.codec is not None:
-            return self._add_packed(key, frame, keep, what, data)
+            return self._add_packed(key, part, frame, keep, what, data)
         msg = frame.tensor
         if frame.chunks == 1:  # a whole tensor in one frame: the codec's own checks and messages
             if msg.offset != 0:
@@ -580,7 +579,7 @@ class TensorAssembler:
             part.out = torch.empty(numel, dtype=dtype)
         return part
 
-    def _add_packed(self, key: Hashable, frame: ring_pb2.Frame, keep: bool, what: str, data):
+    def _add_packed(self, key, part: _Partial | None, frame: ring_pb2.Frame, keep, what, data):
         """One piece of a codec payload: dtype, codec, shape, byte range and CRC are checked
         per piece; the whole payload is decoded (size, finiteness) once its last piece is
         in."""
@@ -597,7 +596,6 @@ class TensorAssembler:
         total = codec.payload_bytes(self.shape)
         if n > total:
             raise FrameError(f"frame rejected: chunks {n} for {what} (a {total}-byte payload)")
-        part = self._pending.get(key)
         if data is None:
             data = msg.data
         start, _ = _piece_span(part, msg, k, n, total, len(data), 1, what)

@@ -217,10 +217,8 @@ def open_channel(
 
 
 def tls13_handshakes_enforced() -> bool:
-    """Whether this process's gRPC refuses TLS 1.2 handshakes (see the module doc).
-
-    Either way RPCs over anything but TLS 1.3 get no identity from :func:`peer_identity`.
-    """
+    """Whether this process's gRPC refuses TLS 1.2 handshakes (see the module doc); either
+    way RPCs over anything but TLS 1.3 get no identity from :func:`peer_identity`."""
     return _HANDSHAKE_TLS13
 
 
