@@ -19,8 +19,8 @@ interface, address or route):
 - named volumes are directories ``<root>/volumes/<name>``; logs go to ``<root>/logs``.
 
 :meth:`Testbed.down` (also run by ``__exit__``) kills every process in the namespaces and
-removes namespaces, veths, bridges and ``/etc/netns`` entries. :func:`cleanup_stale` does
-the same for the leftovers of a run that was killed.
+removes namespaces, veths, bridges and ``/etc/netns`` entries;
+:func:`~.namespaces.cleanup_stale` does the same for the leftovers of a run that was killed.
 """
 
 from __future__ import annotations
@@ -38,10 +38,8 @@ from mobius_fed.testbed.compose import ComposeProject, Service, load_compose
 from mobius_fed.testbed.filesystem import ServiceFilesystem
 from mobius_fed.testbed.namespaces import (
     TestbedError,
-    cleanup_stale,
     fresh_prefix,
     kill_process_groups,
-    list_netns,
     log,
     lookup_service,
     netns_available,
@@ -51,8 +49,6 @@ from mobius_fed.testbed.supervisor import Supervisor, service_env
 
 if TYPE_CHECKING:  # wan is imported where used: `python -m mobius_fed.testbed.wan` runs it
     from mobius_fed.testbed.wan import WanShape
-
-__all__ = ["Testbed", "TestbedError", "cleanup_stale", "list_netns", "netns_available"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
