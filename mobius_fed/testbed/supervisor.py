@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -58,7 +58,6 @@ class _Proc:
     healthy: bool = False
     final: bool = False  # exited and will not be restarted
     log_file: BinaryIO | None = None
-    history: list[int] = field(default_factory=list)
 
 
 class Supervisor:
@@ -185,7 +184,6 @@ class Supervisor:
                     if rc is None:
                         continue
                     st.returncode = rc
-                    st.history.append(rc)
                     svc = self.project.services[name]
                     if self._will_restart(svc, st, rc):
                         st.restarts += 1
