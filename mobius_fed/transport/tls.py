@@ -223,17 +223,13 @@ def tls13_handshakes_enforced() -> bool:
 
 
 # --------------------------------------------------------------------------- identities
-def _is_mobius_uri(value: str) -> bool:
-    return value[: len(SCHEME)].lower() == SCHEME
-
-
 def identity_or_reason(uris: Sequence[str]) -> tuple[str | None, str]:
     """The identity among a certificate's URI SANs: exactly one ``mobius://`` URI, valid.
 
     Returns ``(identity, "")`` or ``(None, reason)``. Other schemes are ignored; the
     ``mobius`` scheme is matched case-insensitively so ``MOBIUS://…`` cannot hide a second.
     """
-    ours = [u for u in uris if _is_mobius_uri(u)]
+    ours = [u for u in uris if u[: len(SCHEME)].lower() == SCHEME]
     if not ours:
         return None, "certificate carries no mobius:// URI"
     if len(ours) > 1:
