@@ -7,8 +7,8 @@ serialized bytes in one ``b"".join`` copy from the tensor's memory (the CRC runs
 memoryview of it); a tensor larger than ``chunk_bytes`` becomes several frames, each a
 contiguous 1-D piece (see ring.proto) that parses to what :func:`make_frame` builds for it.
 
-Decode: every check (dtype, shape, byte length, CRC-32, finiteness) runs before a tensor
-exists. :func:`parse_frame` parses frame bytes with protobuf except the tensor data, a
+Decode: dtype, shape, byte length and CRC-32 are checked before a tensor exists (finiteness
+right after). :func:`parse_frame` parses frame bytes with protobuf except the tensor data, a
 zero-copy view of the received buffer (a repeated ``tensor`` or ``tensor.data`` is
 refused: protobuf would merge them); :class:`TensorAssembler` also checks each piece's
 header order, total, offset and size, and copies it into one preallocated tensor per key,
