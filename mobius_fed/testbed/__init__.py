@@ -6,13 +6,8 @@ command-line tool.
 
 from mobius_fed.testbed.compose import ComposeError, ComposeProject, Service, load_compose
 from mobius_fed.testbed.demo import coordinator_status, operator_certs, wait_for_run
-from mobius_fed.testbed.netns import (
-    Testbed,
-    TestbedError,
-    cleanup_stale,
-    list_netns,
-    netns_available,
-)
+from mobius_fed.testbed.namespaces import TestbedError, cleanup_stale, list_netns, netns_available
+from mobius_fed.testbed.netns import Testbed
 
 __all__ = [
     "ComposeError",

@@ -315,19 +315,12 @@ def _healthcheck(value: Any, svc: str) -> Healthcheck | None:
         raise ComposeError(f"service {svc}: healthcheck has no test")
     if not argv:
         raise ComposeError(f"service {svc}: empty healthcheck test")
-
-    def dur(key: str, default: float) -> float:
-        v = value.get(key)
-        return default if v is None else parse_duration(v, f"service {svc}: healthcheck.{key}")
-
-    return Healthcheck(
-        argv=argv,
-        interval=dur("interval", 30.0),
-        timeout=dur("timeout", 30.0),
-        retries=int(value.get("retries", 3)),
-        start_period=dur("start_period", 0.0),
-        start_interval=dur("start_interval", 5.0),
-    )
+    timing = {
+        key: parse_duration(value[key], f"service {svc}: healthcheck.{key}")
+        for key in ("interval", "timeout", "start_period", "start_interval")
+        if value.get(key) is not None
+    }  # unset ones keep Healthcheck's defaults
+    return Healthcheck(argv=argv, retries=int(value.get("retries", 3)), **timing)
 
 
 def _restart(value: Any, svc: str) -> tuple[str, int | None]:

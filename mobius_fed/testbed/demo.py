@@ -1,10 +1,4 @@
-"""The mobius-fed side of the namespace testbed: read the coordinator's status from inside.
-
-The compose file's certificate job leaves the operator's bundle in the ``certs`` volume
-under ``nodes/operator/`` (``ca.crt``, ``tls.crt``, ``tls.key``); ``mobius-fed status``
-wants ``ca.crt``, ``operator.crt`` and ``operator.key`` in one directory, so
-:func:`operator_certs` copies them into ``<root>/operator-certs``.
-"""
+"""The mobius-fed side of the namespace testbed: read the coordinator's status from inside."""
 
 from __future__ import annotations
 
@@ -21,7 +15,9 @@ from mobius_fed.testbed.netns import Testbed, TestbedError
 
 
 def operator_certs(tb: Testbed, volume: str = "certs") -> Path:
-    """``<root>/operator-certs`` with ca.crt, operator.crt, operator.key (mode 0600 key)."""
+    """``<root>/operator-certs``: the operator's bundle that the compose file's certificate
+    job leaves under ``nodes/operator/`` in the ``certs`` volume, renamed to the ca.crt,
+    operator.crt and operator.key (mode 0600) that ``mobius-fed status`` wants."""
     src = tb.volume_path(volume) / "nodes" / "operator"
     dst = tb.root / "operator-certs"
     dst.mkdir(parents=True, exist_ok=True)

@@ -50,10 +50,8 @@ class ServiceFilesystem:
 
     def _source(self, svc: Service, m: Mount, idx: int) -> Path:
         if m.kind == "volume":
-            if m.source is None:
-                base = self.volumes_dir / "_anonymous" / f"{svc.name}-{idx}"
-            else:
-                base = self.volumes_dir / m.source
+            anonymous = f"_anonymous/{svc.name}-{idx}"
+            base = self.volumes_dir / (anonymous if m.source is None else m.source)
             src = base / m.subpath if m.subpath else base
         else:  # bind
             src = Path(os.path.expanduser(m.source or ""))

@@ -19,8 +19,8 @@ interface, address or route):
 - named volumes are directories ``<root>/volumes/<name>``; logs go to ``<root>/logs``.
 
 :meth:`Testbed.down` (also run by ``__exit__``) kills every process in the namespaces and
-removes namespaces, veths, bridges and ``/etc/netns`` entries. :func:`cleanup_stale` does
-the same for the leftovers of a run that was killed.
+removes namespaces, veths, bridges and ``/etc/netns`` entries;
+:func:`~.namespaces.cleanup_stale` does the same for the leftovers of a run that was killed.
 """
 
 from __future__ import annotations
@@ -38,10 +38,8 @@ from mobius_fed.testbed.compose import ComposeProject, Service, load_compose
 from mobius_fed.testbed.filesystem import ServiceFilesystem
 from mobius_fed.testbed.namespaces import (
     TestbedError,
-    cleanup_stale,
     fresh_prefix,
     kill_process_groups,
-    list_netns,
     log,
     lookup_service,
     netns_available,
@@ -51,8 +49,6 @@ from mobius_fed.testbed.supervisor import Supervisor, service_env
 
 if TYPE_CHECKING:  # wan is imported where used: `python -m mobius_fed.testbed.wan` runs it
     from mobius_fed.testbed.wan import WanShape
-
-__all__ = ["Testbed", "TestbedError", "cleanup_stale", "list_netns", "netns_available"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -78,10 +74,9 @@ class Testbed:
     service to the shape of its access link (rate and one-way delay, see
     :mod:`mobius_fed.testbed.wan`); services not named are unshaped.
 
-    It composes a :class:`~mobius_fed.testbed.network.TestbedNetwork` (``net``), a
-    :class:`~mobius_fed.testbed.filesystem.ServiceFilesystem` (``fs``) and a
-    :class:`~mobius_fed.testbed.supervisor.Supervisor` (``supervisor``); the methods below
-    forwarded to them are documented there.
+    Its parts ``net`` (:class:`~.network.TestbedNetwork`), ``fs``
+    (:class:`~.filesystem.ServiceFilesystem`) and ``supervisor`` (:class:`~.supervisor.Supervisor`)
+    document the methods forwarded to them.
     """
 
     __test__ = False  # not a pytest test class
@@ -153,14 +148,12 @@ class Testbed:
         if self._closed:
             raise TestbedError("this testbed was torn down; make a new one")
         reason = netns_available()
-        if reason:
-            raise TestbedError(reason)
-        if self.wan:
+        if not reason and self.wan:
             from mobius_fed.testbed.wan import wan_tools_missing
 
             reason = wan_tools_missing(self.wan.values())
-            if reason:
-                raise TestbedError(reason)
+        if reason:
+            raise TestbedError(reason)
         self._built = True
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self._tb_log = open(self.logs_dir / "testbed.log", "a")  # noqa: SIM115
@@ -190,12 +183,10 @@ class Testbed:
     namespace = _forward("net", TestbedNetwork.namespace)
     namespaces = _forward("net", TestbedNetwork.namespaces)
     address = _forward("net", TestbedNetwork.address)
-    hosts_file = _forward("net", TestbedNetwork.hosts_file)
     volume_path = _forward("fs", ServiceFilesystem.volume_path)
     log_path = _forward("supervisor", Supervisor.log_path)
     log_tail = _forward("supervisor", Supervisor.log_tail)
     describe_failure = _forward("supervisor", Supervisor.describe_failure)
-    probe = _forward("supervisor", Supervisor.probe)
     exec = _forward("supervisor", Supervisor.exec)
     processes = _forward("supervisor", Supervisor.processes)
     returncode = _forward("supervisor", Supervisor.returncode)
@@ -216,19 +207,16 @@ class Testbed:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # finish the cleanup
                 saved[sig] = signal.signal(sig, signal.SIG_IGN)
         try:
-            self._teardown()
+            popens = self.supervisor.stop()
+            self.net.kill_processes()
+            kill_process_groups(popens)
+            self.supervisor.close_logs()
+            self.net.remove()
+            self.fs.remove_host_dirs()
+            self._say(f"testbed {self.prefix} removed")
+            if self._tb_log is not None:
+                self._tb_log.close()
+                self._tb_log = None
         finally:
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
-
-    def _teardown(self) -> None:
-        popens = self.supervisor.stop()
-        self.net.kill_processes()
-        kill_process_groups(popens)
-        self.supervisor.close_logs()
-        self.net.remove()
-        self.fs.remove_host_dirs()
-        self._say(f"testbed {self.prefix} removed")
-        if self._tb_log is not None:
-            self._tb_log.close()
-            self._tb_log = None

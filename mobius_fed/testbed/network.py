@@ -87,14 +87,13 @@ class TestbedNetwork:
         """The /etc/hosts the service sees."""
         svc = lookup_service(self.project, service)
         lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
-        seen: set[str] = set()
+        seen = {svc.name}
         own = self.addresses[svc.name]
         if own:
             aliases = [a for n in svc.networks for a in svc.networks[n]]
             lines.append("\t".join([next(iter(own.values())), svc.name, *aliases]))
         else:
             lines[0] += f" {svc.name}"
-        seen.add(svc.name)
         for net in svc.networks:
             for other in self.project.services.values():
                 if other.name in seen or net not in other.networks:

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -38,15 +38,13 @@ def service_env(svc: Service, extra: Mapping[str, str] | None = None) -> dict[st
     then ``extra``."""
     bindir = os.path.dirname(sys.executable)
     path = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
-    env = {
+    base = {
         "PATH": f"{bindir}:{path}" if bindir not in path.split(":") else path,
         "HOME": os.environ.get("HOME", "/root"),
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": "1",
     }
-    env.update(svc.environment)
-    env.update(extra or {})
-    return env
+    return {**base, **svc.environment, **(extra or {})}
 
 
 @dataclass
@@ -60,7 +58,6 @@ class _Proc:
     healthy: bool = False
     final: bool = False  # exited and will not be restarted
     log_file: BinaryIO | None = None
-    history: list[int] = field(default_factory=list)
 
 
 class Supervisor:
@@ -187,7 +184,6 @@ class Supervisor:
                     if rc is None:
                         continue
                     st.returncode = rc
-                    st.history.append(rc)
                     svc = self.project.services[name]
                     if self._will_restart(svc, st, rc):
                         st.restarts += 1

@@ -255,10 +255,7 @@ def _relay_one(conn: socket.socket, delay: float, peers: dict[str, float], hold:
 
 def run_relay(delay: float, peers: dict[str, float], hold: int, port: int = RELAY_PORT) -> None:
     """Serve the delay line of one site until killed."""
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("0.0.0.0", port))
-    srv.listen(128)
+    srv = socket.create_server(("0.0.0.0", port), backlog=128)  # with SO_REUSEADDR
     print("ready", flush=True)
     while True:
         conn, _ = srv.accept()
@@ -270,10 +267,7 @@ def run_relay(delay: float, peers: dict[str, float], hold: int, port: int = RELA
 
 def serve_probe(port: int) -> None:
     """Answer :func:`probe`: echo 1-byte pings, swallow bulk bytes and report their count."""
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("0.0.0.0", port))
-    srv.listen(16)
+    srv = socket.create_server(("0.0.0.0", port), backlog=16)  # with SO_REUSEADDR
     while True:
         conn, _ = srv.accept()
         threading.Thread(target=_probe_session, args=(conn,), daemon=True).start()

@@ -78,9 +78,9 @@ def identity_of(name: str) -> str:
         return COORDINATOR_IDENTITY
     if name == "operator":
         return OPERATOR_IDENTITY
-    prefix = "worker-"
-    if name.startswith(prefix) and name[len(prefix) :].isdigit():
-        return worker_identity(int(name[len(prefix) :]))
+    index = name.removeprefix("worker-")
+    if index != name and index.isdigit():
+        return worker_identity(int(index))
     raise ValueError(f"unknown node name {name!r}")
 
 
@@ -225,19 +225,16 @@ def _issue(
     not_before: dt.datetime,
     not_after: dt.datetime,
 ) -> NodeTLS:
-    """A fresh key and certificate for node ``name``, written flat and as its bundle."""
+    """A fresh key and certificate for node ``name``, written flat and as its bundle
+    (ca.crt, tls.crt, tls.key: for exactly one host or container, no other node's key)."""
     key = ec.generate_private_key(ec.SECP256R1())
     cert = leaf_certificate(key.public_key(), name, sans, ca_key, ca_cert, not_before, not_after)
-    node = layout.node(name)
-    write_file(node.key, key_pem(key), 0o600)
-    write_file(node.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    # A per-node bundle (ca.crt, tls.crt, tls.key) to hand to exactly one host or
-    # container: it holds that node's key and nobody else's.
-    bundle = layout.bundle(name)
+    node, bundle = layout.node(name), layout.bundle(name)
     bundle.cert.parent.mkdir(parents=True, exist_ok=True)
     write_file(bundle.ca, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    write_file(bundle.key, key_pem(key), 0o600)
-    write_file(bundle.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    for tls in (node, bundle):
+        write_file(tls.key, key_pem(key), 0o600)
+        write_file(tls.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return bundle
 
 
@@ -275,14 +272,28 @@ def init_certs(
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    out = fresh_dir(Path(out), overwrite, "certificates")
+    return new_pki(out, workers, hosts, days=days, overwrite=overwrite, what="certificates")
+
+
+def new_pki(
+    out: Path,
+    workers: int,
+    hosts: Sequence[str] = (),
+    *,
+    days: int,
+    overwrite: bool,
+    what: str,
+    names: Sequence[str] | None = None,
+) -> CertLayout:
+    """A fresh CA in ``out`` (``what`` names it when ``out`` is refused) and certificates
+    for ``names`` (default: every node of the layout)."""
+    out = fresh_dir(Path(out), overwrite, what)
     not_before, not_after = validity(days)
     ca_key, ca_cert = new_ca(not_before, not_after)
     layout = CertLayout(root=out, ca_cert=out / "ca.crt", ca_key=out / "ca.key", workers=workers)
     write_file(layout.ca_key, key_pem(ca_key), 0o600)
     write_file(layout.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
-
-    for name in layout.names():
+    for name in layout.names() if names is None else names:
         _issue(layout, name, ca_key, ca_cert, node_sans(name, hosts), not_before, not_after)
     return layout
 
@@ -305,30 +316,20 @@ def renew_node(root: Path, name: str, hosts: Sequence[str] = (), *, days: int = 
     """Issue node ``name`` a new key and certificate with the same identity from the CA.
 
     For a leaked or lost node key: the node's flat files and ``nodes/<name>/`` bundle are
-    replaced; deploy the bundle to that node only. Keeps the old certificate's SANs (plus
-    ``hosts``). The OLD certificate stays valid until it expires (there is no revocation
-    list): to cut it off at once, rotate the whole CA (:func:`rotate_ca`).
+    replaced (deploy it to that node only), keeping the old certificate's SANs plus
+    ``hosts``. The OLD certificate stays valid until it expires (see the module doc).
     """
     layout = load_layout(root)
-    layout.node(name)  # KeyError for an unknown node
+    old = layout.node(name).cert  # KeyError for an unknown node
     ca_key, ca_cert = load_ca(layout.ca_cert, layout.ca_key)
-    sans = node_sans(name, hosts)
-    old = layout.node(name).cert
-    if old.is_file():
-        kept = x509.load_pem_x509_certificate(old.read_bytes())
-        try:
-            previous = list(
-                kept.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-            )
-        except x509.ExtensionNotFound:
-            previous = []
-        sans = previous + [n for n in sans if n not in previous]
-    uris = [n for n in sans if isinstance(n, x509.UniformResourceIdentifier)]
-    if [u.value for u in uris] != [identity_of(name)]:
-        raise ValueError(f"{old} carries URIs {[u.value for u in uris]}, not {identity_of(name)}")
-    now = dt.datetime.now(dt.timezone.utc)
-    not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
-    return _issue(layout, name, ca_key, ca_cert, sans, now - dt.timedelta(minutes=5), not_after)
+    previous = _san_list(old)
+    sans = previous + [n for n in node_sans(name, hosts) if n not in previous]
+    uris = [n.value for n in sans if isinstance(n, x509.UniformResourceIdentifier)]
+    if uris != [identity_of(name)]:
+        raise ValueError(f"{old} carries URIs {uris}, not {identity_of(name)}")
+    not_before, not_after = validity(days)
+    not_after = min(not_after, ca_cert.not_valid_after_utc)
+    return _issue(layout, name, ca_key, ca_cert, sans, not_before, not_after)
 
 
 def rotate_ca(root: Path, hosts: Sequence[str] = (), *, days: int = 365) -> CertLayout:

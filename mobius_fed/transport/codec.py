@@ -1,32 +1,26 @@
 """Tensor <-> ``ring_pb2.Tensor`` codec and frame validation for ring links.
 
-Encode, message API (:func:`encode_tensor`, :func:`make_frame`): cast to the wire dtype on
-CPU (no copy if already so), then one copy of the raw little-endian bytes into a
-``bytes`` object; the protobuf setter and serialization copy again.
+Encode: :func:`encode_tensor` and :func:`make_frame` cast to the wire dtype on CPU (no
+copy if already so) and copy the raw little-endian bytes once into a ``bytes`` object
+(protobuf copies again). :func:`encode_frames`, what a ring link sends, builds each frame's
+serialized bytes in one ``b"".join`` copy from the tensor's memory (the CRC runs over a
+memoryview of it); a tensor larger than ``chunk_bytes`` becomes several frames, each a
+contiguous 1-D piece (see ring.proto) that parses to what :func:`make_frame` builds for it.
 
-Encode, wire API (:func:`encode_frames`, what the ring link sends): the serialized bytes
-of each frame are built directly, in one ``b"".join`` copy from the tensor's memory (the
-CRC runs over a memoryview of that memory, no copy). A tensor larger than ``chunk_bytes``
-becomes several frames, each carrying a contiguous 1-D piece (see ring.proto); they parse
-to exactly what :func:`make_frame` would build for the same piece.
-
-Decode on the ring link: :func:`parse_frame` parses received frame bytes with protobuf
-except for the tensor data, which it returns as a zero-copy view of the received buffer
-(a frame repeating ``tensor`` or ``tensor.data`` is refused, protobuf would merge them);
-:class:`TensorAssembler` validates every piece (header order, total,
-offset, size, dtype, full shape, CRC, finiteness) and copies it into one preallocated
-tensor per key; nothing is handed out before the last piece validated.
-
-Decode: every check (dtype, shape, byte length, CRC-32) runs before a tensor exists.
-``msg.data`` on the upb protobuf backend returns a fresh ``bytes`` copy of the field on
-each access; :func:`decode_tensor` reads it once and wraps that object with
-``torch.frombuffer`` without copying. For fp32 wire and fp32 output the result aliases
-that private ``bytes`` object (nobody else holds it, so in-place ops on the result are
+Decode: dtype, shape, byte length and CRC-32 are checked before a tensor exists (finiteness
+right after). :func:`parse_frame` parses frame bytes with protobuf except the tensor data, a
+zero-copy view of the received buffer (a repeated ``tensor`` or ``tensor.data`` is
+refused: protobuf would merge them); :class:`TensorAssembler` also checks each piece's
+header order, total, offset and size, and copies it into one preallocated tensor per key,
+handed out only after the last piece validated. ``msg.data`` on the upb backend returns a
+fresh ``bytes`` copy per access: :func:`decode_tensor` reads it once and wraps it with
+``torch.frombuffer``, so an fp32 result aliases that private object (in-place ops are
 harmless); bf16/fp16 are widened into a new tensor by ``.to(out_dtype)``.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 import zlib
@@ -57,11 +51,9 @@ WIRE_TO_ENUM: dict[str, int] = {
 ENUM_TO_WIRE: dict[int, str] = {v: k for k, v in WIRE_TO_ENUM.items()}
 _SWAP_VIEW = {2: torch.int16, 4: torch.int32}
 
-# torch.frombuffer warns once per process (TORCH_WARN_ONCE) that a bytes buffer is not
-# writable. The bytes object decode_tensor wraps is a private copy made by the protobuf
-# accessor, so aliasing it is deliberate: spend that one warning here, silenced, at import
-# (under the import lock, so no thread races on the warning filters). Side effect: other
-# code in this process will not see that warning either.
+# torch.frombuffer warns once per process that a bytes buffer is not writable. Aliasing the
+# private copy decode_tensor wraps is deliberate: spend that one warning here, silenced, at
+# import (under the import lock: no thread races on the filters). Nobody else sees it either.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
     torch.frombuffer(b"\0\0\0\0", dtype=torch.uint8)
@@ -116,10 +108,7 @@ def _check_meta(
     shape = tuple(msg.shape)
     if shape != tuple(expected_shape):
         raise FrameError(f"tensor rejected: shape {shape} (expected {tuple(expected_shape)})")
-    numel = 1
-    for n in shape:
-        numel *= n
-    return WIRE_DTYPES[wire], shape, numel
+    return WIRE_DTYPES[wire], shape, math.prod(shape)
 
 
 def _check_crc(data: bytes | memoryview, msg: ring_pb2.Tensor) -> None:
@@ -228,7 +217,6 @@ def make_frame(
         tick=tick,
         micro=micro,
         direction=direction,
-        chunk=0,
         chunks=1,
     )
     _fill_tensor(frame.tensor, tensor, wire)
@@ -295,9 +283,8 @@ def encode_frames(
     """Yield the serialized bytes of the frame(s) carrying ``tensor`` in dtype ``wire``.
 
     One frame if the tensor's wire bytes fit in ``chunk_bytes``, else ``chunks`` frames of
-    at most ``chunk_bytes`` each (a whole number of elements, at least one). The tensor is
-    cast once; each frame's bytes are then built in one copy from its memory. Frames are
-    produced lazily, so the caller can hand each to the transport while the next is built.
+    at most ``chunk_bytes`` each (a whole number of elements, at least one), built lazily:
+    the caller hands each to the transport while the next is built.
 
     ``packed=(codec spec, shape)``: ``tensor`` is a lossy codec's flat ``uint8`` payload
     for a tensor of that shape (sent as dtype PACKED; ``wire`` is ignored).
@@ -376,15 +363,13 @@ def _split_field(buf: bytes, lo: int, hi: int, field: int, what: str):
             pos += 4
         elif kind == 2:
             size, pos = _read_varint(buf, pos)
+            pos += size
             if tag >> 3 == field:
                 if span is not None:
                     raise FrameError(f"frame rejected: {what} appears twice")
-                span = (pos, pos + size)
-                pos += size
-                if pos > hi:
-                    break
-                continue
-            pos += size
+                span = (pos - size, pos)
+                if pos <= hi:
+                    continue  # kept out of the other fields' bytes
         else:
             raise FrameError(f"frame rejected: not a Frame message (wire type {kind})")
         if pos > hi:
@@ -503,7 +488,7 @@ class TensorAssembler:
         if not frame.HasField("tensor"):
             raise FrameError("frame rejected: no tensor")
         if self.codec is not None:
-            return self._add_packed(key, frame, keep, what, data)
+            return self._add_packed(key, part, frame, keep, what, data)
         msg = frame.tensor
         if frame.chunks == 1:  # a whole tensor in one frame: the codec's own checks and messages
             if msg.offset != 0:
@@ -559,36 +544,40 @@ class TensorAssembler:
         size = dtype.itemsize
         if data is None:
             data = msg.data  # one fresh copy (upb): read once
-        start, count = _piece_span(part, msg, k, n, numel, len(data), size, what)
+        start, _ = _piece_span(part, msg, k, n, numel, len(data), size, what)
         _check_crc(data, msg)
         piece = _from_wire(data, dtype)
         _check_finite(piece)
         if part is None:
-            part = self._new_partial(key, what, n)
-            if keep:
-                part.out = torch.empty(numel, dtype=self.out_dtype)
-        if part.out is not None:
-            part.out[start : start + count].copy_(piece)
-        return self._advance(key, part, k, start + count, shape)
+            part = self._new_partial(key, what, n, keep, numel, self.out_dtype)
+        return self._advance(key, part, k, start, piece, shape)
 
-    def _advance(self, key: Hashable, part: _Partial, k: int, offset: int, shape):
-        """Piece ``k`` is in: the whole tensor (viewed as ``shape``) after the last piece."""
-        part.next_chunk, part.next_offset = k + 1, offset
+    def _advance(self, key: Hashable, part: _Partial, k: int, start: int, piece, shape):
+        """Piece ``k`` is in: copied to element ``start`` of its home; the whole tensor
+        (viewed as ``shape``) after the last piece."""
+        if part.out is not None:
+            part.out[start : start + piece.numel()].copy_(piece)
+        part.next_chunk, part.next_offset = k + 1, start + piece.numel()
         if k < part.chunks - 1:
             return None
         del self._pending[key]
         return part.out.view(shape) if part.out is not None else None
 
-    def _new_partial(self, key: Hashable, what: str, chunks: int) -> _Partial:
+    def _new_partial(
+        self, key: Hashable, what: str, chunks: int, keep: bool, numel: int, dtype: torch.dtype
+    ) -> _Partial:
+        """Room for one more partial tensor (its ``numel`` elements allocated if ``keep``)."""
         if len(self._pending) >= self.max_pending:
             raise FrameError(
                 f"frame rejected: {what} would be the {len(self._pending) + 1}th partially "
                 f"received tensor on this stream (at most {self.max_pending})"
             )
         part = self._pending[key] = _Partial(chunks=chunks)
+        if keep:
+            part.out = torch.empty(numel, dtype=dtype)
         return part
 
-    def _add_packed(self, key: Hashable, frame: ring_pb2.Frame, keep: bool, what: str, data):
+    def _add_packed(self, key, part: _Partial | None, frame: ring_pb2.Frame, keep, what, data):
         """One piece of a codec payload: dtype, codec, shape, byte range and CRC are checked
         per piece; the whole payload is decoded (size, finiteness) once its last piece is
         in."""
@@ -605,18 +594,14 @@ class TensorAssembler:
         total = codec.payload_bytes(self.shape)
         if n > total:
             raise FrameError(f"frame rejected: chunks {n} for {what} (a {total}-byte payload)")
-        part = self._pending.get(key)
         if data is None:
             data = msg.data
-        start, count = _piece_span(part, msg, k, n, total, len(data), 1, what)
+        start, _ = _piece_span(part, msg, k, n, total, len(data), 1, what)
         _check_crc(data, msg)
         if part is None:
-            part = self._new_partial(key, what, n)
-            if keep:
-                part.out = torch.empty(total, dtype=torch.uint8)
-        if part.out is not None:
-            part.out[start : start + count].copy_(torch.frombuffer(data, dtype=torch.uint8))
-        out = self._advance(key, part, k, start + count, (total,))
+            part = self._new_partial(key, what, n, keep, total, torch.uint8)
+        piece = torch.frombuffer(data, dtype=torch.uint8)
+        out = self._advance(key, part, k, start, piece, (total,))
         if out is None:
             return None
         try:

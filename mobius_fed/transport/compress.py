@@ -114,11 +114,10 @@ class Codec:
 
     def payload_bytes(self, shape: tuple[int, ...]) -> int:
         """Exact payload size for a tensor of ``shape`` (what a receiver expects)."""
-        numel = math.prod(shape)
         if self.name == "lowrank":
-            rows, width = numel // shape[-1], shape[-1]
-            r = min(self.rank, rows, width)
+            rows, width, r = self._factors(shape)
             return 2 * r * (rows + width)
+        numel = math.prod(shape)
         groups = self._groups(numel)
         if self.name in _FP8:
             return 2 * groups + numel
@@ -185,7 +184,8 @@ class Codec:
                 half = ((1 << bits) - 1) / 2
                 codes = unpack_bits(body, bits)[: groups * self.group].float()
                 g = (codes.view(-1, self.group) - half) * scale
-            out = self._unrotate(g.reshape(-1)[:numel].view(shape))
+            # the normalised Sylvester matrix is its own inverse: rotating again undoes it
+            out = self._rotate(g.reshape(-1)[:numel].view(shape))
         if not bool(torch.isfinite(out).all()):
             raise CodecError(f"{self.spec} payload decodes to non-finite values")
         return out
@@ -195,17 +195,11 @@ class Codec:
         return self.decode(self.encode(t, seed), tuple(t.shape)).to(device=t.device, dtype=t.dtype)
 
     # --------------------------------------------------------------- helpers
-    def _rotated(self) -> bool:
-        return self.name in _BITS and self.name != "int8"
-
     def _rotate(self, x: Tensor) -> Tensor:
-        if not self._rotated():
+        if self.name not in _BITS or self.name == "int8":
             return x
         n = hadamard_block(x.shape[-1])
         return (x.reshape(*x.shape[:-1], -1, n) @ hadamard(n)).reshape(x.shape)
-
-    def _unrotate(self, x: Tensor) -> Tensor:
-        return self._rotate(x)  # the normalised Sylvester matrix is its own inverse
 
     def _factors(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
         width = shape[-1]

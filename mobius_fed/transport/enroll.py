@@ -31,14 +31,12 @@ from cryptography.x509.oid import NameOID
 
 from mobius_fed.transport.certs import (
     PrivateKey,
-    fresh_dir,
     identity_of,
     key_pem,
     leaf_certificate,
     load_ca,
-    new_ca,
+    new_pki,
     node_sans,
-    validity,
     write_file,
 )
 from mobius_fed.transport.tls import (
@@ -84,30 +82,8 @@ def make_ca(out: Path, *, days: int = 365, overwrite: bool = False) -> Path:
     Writes ``ca.crt``, ``ca.key``, ``operator.crt``/``.key`` and the operator's bundle
     ``nodes/operator/{ca.crt,tls.crt,tls.key}``, laid out as :func:`init_certs` does.
     """
-    out = fresh_dir(Path(out), overwrite, "a CA")
-    not_before, not_after = validity(days)
-    ca_key, ca_cert = new_ca(not_before, not_after)
-    write_file(out / "ca.key", key_pem(ca_key), 0o600)
-    write_file(out / CA_FILE, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    op_key = ec.generate_private_key(ec.SECP256R1())
-    op = leaf_certificate(
-        op_key.public_key(),
-        "operator",
-        node_sans("operator", ()),
-        ca_key,
-        ca_cert,
-        not_before,
-        not_after,
-    )
-    op_pem, ca_pem = (c.public_bytes(serialization.Encoding.PEM) for c in (op, ca_cert))
-    write_file(out / "operator.key", key_pem(op_key), 0o600)
-    write_file(out / "operator.crt", op_pem, 0o644)
-    bundle = out / "nodes" / "operator"  # the same operator bundle `certs init` writes
-    bundle.mkdir(parents=True, exist_ok=True)
-    write_file(bundle / CA_FILE, ca_pem, 0o644)
-    write_file(bundle / CERT_FILE, op_pem, 0o644)
-    write_file(bundle / KEY_FILE, key_pem(op_key), 0o600)
-    return out
+    layout = new_pki(out, 0, days=days, overwrite=overwrite, what="a CA", names=["operator"])
+    return layout.root
 
 
 # --------------------------------------------------------------------------- site: request

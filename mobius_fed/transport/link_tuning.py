@@ -19,11 +19,9 @@ with probing off, a stream is capped at one window per round trip (64 KiB at 50 
   (:mod:`mobius_fed.transport.allocator`; on by default).
 
 A worker takes them from its ``link`` settings (:class:`LinkConfig`): ``[worker.link]`` in
-TOML, ``MOBIUS_LINK__RATE`` (e.g. ``1gbit``), ``MOBIUS_LINK__RTT`` (e.g. ``50ms``),
-``MOBIUS_LINK__WINDOW``, ``MOBIUS_LINK__CHUNK``, ``MOBIUS_LINK__SOCKET_BUFFER`` (bytes) and
-``MOBIUS_LINK__BDP_PROBE`` (true/false), ``MOBIUS_LINK__ALLOCATOR`` (tuned/system), or the
-matching ``--link-*`` flags. They change no
-math: frames and their order are the same whatever the tuning.
+TOML, ``MOBIUS_LINK__<FIELD>`` (e.g. ``MOBIUS_LINK__RATE=1gbit``, ``MOBIUS_LINK__RTT=50ms``)
+or the matching ``--link-*`` flags. They change no math: frames and their order are the
+same whatever the tuning.
 """
 
 from __future__ import annotations

@@ -112,13 +112,7 @@ def parse_npy(
     return dtype, shape, fortran, start + hlen
 
 
-def array_to_numpy(
-    array: Any,
-    name: str = "?",
-    *,
-    expected_shape: tuple[int, ...] | None = None,
-    expected_dtype: str | None = None,
-) -> np.ndarray:
+def array_to_numpy(array: Any, name: str = "?") -> np.ndarray:
     """A Flower Array as a fresh, writable, native-endian ndarray, checked end to end."""
     for field in ("dtype", "shape", "stype", "data"):
         if not hasattr(array, field):
@@ -133,10 +127,6 @@ def array_to_numpy(
         raise _fail(name, f".npy header shape {shape} differs from the declared shape {declared}")
     if not _same_dtype(dtype, array.dtype):
         raise _fail(name, f".npy header dtype {dtype.str} differs from the declared {array.dtype}")
-    if expected_shape is not None and shape != tuple(expected_shape):
-        raise _fail(name, f"shape {shape}, expected {tuple(expected_shape)}")
-    if expected_dtype is not None and dtype.name != expected_dtype:
-        raise _fail(name, f"dtype {dtype.name}, expected {expected_dtype}")
     flat = np.frombuffer(array.data, dtype=dtype, offset=offset, count=math.prod(shape))
     out = flat.reshape(shape, order="F" if fortran else "C")
     native = dtype.newbyteorder("=")

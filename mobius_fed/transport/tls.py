@@ -51,10 +51,9 @@ def restrict_grpc_to_tls13() -> bool:
     return "grpc._cython.cygrpc" not in sys.modules or before == GRPC_TLS13_CIPHER_SUITES
 
 
-from mobius_fed import TLS13_HANDSHAKES  # noqa: E402
+from mobius_fed import TLS13_HANDSHAKES as _HANDSHAKE_TLS13  # noqa: E402
 
 restrict_grpc_to_tls13()  # already done by the package's __init__, which knows if it took
-_HANDSHAKE_TLS13 = TLS13_HANDSHAKES
 
 import grpc  # noqa: E402  (after the environment above: gRPC reads it at import)
 
@@ -180,7 +179,10 @@ def channel_options(target_name: str | None = None) -> Options:
     return opts
 
 
-def _warn_plaintext(what: str) -> None:
+def _plaintext(insecure: bool, what: str) -> None:
+    """Refuse plaintext unless ``insecure``; shout when it is used."""
+    if not insecure:
+        raise ValueError("no TLS material given; plaintext needs an explicit insecure=True")
     log.warning(
         "!!! INSECURE: %s WITHOUT TLS — no encryption, no authentication. "
         "Local debugging only; never on a real network. !!!",
@@ -200,9 +202,7 @@ def add_port(
                 address,
             )
         return server.add_secure_port(address, server_credentials(tls))
-    if not insecure:
-        raise ValueError("no TLS material given; plaintext needs an explicit insecure=True")
-    _warn_plaintext(f"serving on {address}")
+    _plaintext(insecure, f"serving on {address}")
     return server.add_insecure_port(address)
 
 
@@ -212,32 +212,24 @@ def open_channel(
     """Open an mTLS channel, or plaintext only if ``tls`` is None and ``insecure``."""
     if tls is not None:
         return grpc.secure_channel(target, channel_credentials(tls), channel_options(target_name))
-    if not insecure:
-        raise ValueError("no TLS material given; plaintext needs an explicit insecure=True")
-    _warn_plaintext(f"connecting to {target}")
+    _plaintext(insecure, f"connecting to {target}")
     return grpc.insecure_channel(target, channel_options(None))
 
 
 def tls13_handshakes_enforced() -> bool:
-    """Whether this process's gRPC refuses TLS 1.2 handshakes (see the module doc).
-
-    Either way RPCs over anything but TLS 1.3 get no identity from :func:`peer_identity`.
-    """
+    """Whether this process's gRPC refuses TLS 1.2 handshakes (see the module doc); either
+    way RPCs over anything but TLS 1.3 get no identity from :func:`peer_identity`."""
     return _HANDSHAKE_TLS13
 
 
 # --------------------------------------------------------------------------- identities
-def _is_mobius_uri(value: str) -> bool:
-    return value[: len(SCHEME)].lower() == SCHEME
-
-
 def identity_or_reason(uris: Sequence[str]) -> tuple[str | None, str]:
     """The identity among a certificate's URI SANs: exactly one ``mobius://`` URI, valid.
 
     Returns ``(identity, "")`` or ``(None, reason)``. Other schemes are ignored; the
     ``mobius`` scheme is matched case-insensitively so ``MOBIUS://…`` cannot hide a second.
     """
-    ours = [u for u in uris if _is_mobius_uri(u)]
+    ours = [u for u in uris if u[: len(SCHEME)].lower() == SCHEME]
     if not ours:
         return None, "certificate carries no mobius:// URI"
     if len(ours) > 1:
@@ -350,21 +342,15 @@ def _private_keys(data: bytes, path: Path) -> list[Any] | None:
 
     if b"PRIVATE KEY-----" in data:
         blocks = [m.group(0) for m in _PEM_PRIVATE_KEY.finditer(data)]
-        if not blocks:
-            return None
-        keys = []
-        for block in blocks:
-            try:
-                keys.append(serialization.load_pem_private_key(block, password=None))
-            except (ValueError, TypeError, UnsupportedAlgorithm):
-                return None
-        return keys
-    if path.suffix.lower() in (".key", ".der"):
-        try:
-            return [serialization.load_der_private_key(data, password=None)]
-        except (ValueError, TypeError, UnsupportedAlgorithm):
-            return None
-    return []
+        load = serialization.load_pem_private_key
+    elif path.suffix.lower() in (".key", ".der"):
+        blocks, load = [data], serialization.load_der_private_key
+    else:
+        return []
+    try:
+        return [load(block, password=None) for block in blocks] or None  # no block: None
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        return None
 
 
 def spki(holder: Any) -> bytes:
@@ -381,10 +367,9 @@ def _certificates(pem: bytes, what: str, path: Path) -> list[Any]:
     from cryptography import x509
 
     try:
-        certs = x509.load_pem_x509_certificates(pem)
+        return x509.load_pem_x509_certificates(pem)
     except ValueError as exc:
         raise SecretsError(f"{what} {path} is not a PEM certificate ({exc})") from None
-    return certs
 
 
 EXPIRY_WARNING_DAYS = 14
@@ -474,12 +459,12 @@ def check_node_secrets(
         _check_validity(ca, "CA certificate", Path(tls.ca), now)
     _check_validity(cert, "certificate", Path(tls.cert), now)
     _check_issuer(cert, cas, tls)
-    dirs: list[Path] = []
-    for p in (tls.cert, tls.key, tls.ca):
-        # the directory as mounted, and where its symlinks (Kubernetes secrets) lead
-        for d in (Path(p).absolute().parent, Path(p).resolve().parent):
-            if d not in dirs:
-                dirs.append(d)
+    # each directory as mounted, and where its symlinks (Kubernetes secrets) lead
+    dirs = dict.fromkeys(
+        d
+        for p in (tls.cert, tls.key, tls.ca)
+        for d in (Path(p).absolute().parent, Path(p).resolve().parent)
+    )
     for d in dirs:
         for f in sorted(d.iterdir()):
             _check_file(f, tls, own_pub, ca_pubs)

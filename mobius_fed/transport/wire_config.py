@@ -47,14 +47,13 @@ class WireConfig(BaseModel):
         bad item."""
         values: dict[str, object] = {}
         for item in filter(None, (p.strip() for p in text.split(","))):
-            key, eq, value = item.partition("=")
-            key = key.strip()
-            if not eq or not value.strip():
+            key, eq, value = (part.strip() for part in item.partition("="))
+            if not eq or not value:
                 raise ValueError(f"--wire {item!r}: expected KEY=VALUE (e.g. fwd=int8,bwd=fp8)")
             if key == "both":
-                values["fwd"] = values["bwd"] = value.strip()
+                values["fwd"] = values["bwd"] = value
             elif key in cls.model_fields:
-                values[key] = value.strip()
+                values[key] = value
             else:
                 raise ValueError(
                     f"--wire {item!r}: unknown key {key!r} (expected one of "
