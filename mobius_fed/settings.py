@@ -127,10 +127,7 @@ def literal_values(annotation: Any) -> tuple[Any, ...]:
 
 def has_type(annotation: Any, kind: type) -> bool:
     """Whether ``annotation`` (or a union member, or a generic's origin) is ``kind``."""
-    for member in _members(annotation):
-        if member is kind or typing.get_origin(member) is kind:
-            return True
-    return False
+    return any(m is kind or typing.get_origin(m) is kind for m in _members(annotation))
 
 
 def submodel(annotation: Any) -> type[BaseModel] | None:

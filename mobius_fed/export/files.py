@@ -36,8 +36,7 @@ def origin_dir(out: Path, s: int, single: bool) -> Path:
 
 
 def origin_config(model: Any, s: int) -> dict:
-    """config.json of origin s of ``model`` (a
-    :class:`~mobius_fed.research.trained_model.Model`)."""
+    """config.json of origin s of ``model``, a :class:`~mobius_fed.research.trained_model.Model`."""
     from mobius_fed.model.knobs import residual_epsilon
     from mobius_fed.research.trained_model import model_config
 
@@ -87,13 +86,12 @@ def origin_config(model: Any, s: int) -> dict:
 
 
 def origin_state(model: Any, conf: dict) -> dict[str, torch.Tensor]:
-    """The tensors of one origin: E/R and its private layers (``wte.``, ``lm_head.``,
-    ``home.``, ``home_input.``),
-    then ``groups.<j>.`` for the j-th group of its path."""
+    """The tensors of one origin: E/R and its private layers (``wte.``, ``lm_head.``, ``home.``,
+    ``home_input.``), then ``groups.<j>.`` for the j-th group of its path."""
     from mobius_fed.model.subspace import BasisLinear
 
     s = conf["origin"]
-    state = {k: v for k, v in model.replicas[s].state_dict().items()}
+    state = dict(model.replicas[s].state_dict())
     for j, i in enumerate(conf["source_groups"]):
         for k, v in model.groups[i].state_dict().items():
             state[f"groups.{j}.{k}"] = v
@@ -157,14 +155,6 @@ def write_origin(model: Any, s: int, directory: Path) -> Path:
     return directory
 
 
-def load_run(run: Path) -> Any:
-    """The :class:`~mobius_fed.research.trained_model.Model` of a run, read as ``analyze`` reads it:
-    a reference-engine checkpoint or run directory, or a coordinated run's manifest."""
-    from mobius_fed.research.analyze import load_model
-
-    return load_model(run)
-
-
 def export_run(run: Path, out: Path, origins: list[int] | None = None) -> list[Path]:
     """Export ``run`` (an ``up`` root, a coordinator ``--out``, a manifest or a
     reference-engine checkpoint / run directory) into ``out``; returns the directories.
@@ -172,9 +162,10 @@ def export_run(run: Path, out: Path, origins: list[int] | None = None) -> list[P
     Every worker file a manifest names is checked against its sha256 first.
     """
     from mobius_fed.checkpoint import CheckpointError
+    from mobius_fed.research.analyze import load_model  # the run, read as ``analyze`` reads it
 
     try:
-        model = load_run(Path(run))
+        model = load_model(Path(run))
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         raise ExportError(f"export: cannot read {run}: {exc}") from exc
     P = model.cfg.P

@@ -38,6 +38,7 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.model import BlockGroup, Replica
 from mobius_fed.model.groups import build_basis
+from mobius_fed.plotting import pyplot, save_figure
 from mobius_fed.research.trained_model import Model, model_config
 
 CHECKPOINT = "checkpoint.pt"
@@ -260,12 +261,8 @@ def _grid(title: str, table: list[list[float]], spec: str = ".3f") -> list[str]:
 
 
 def _heatmaps(analyses: Sequence[Analysis], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     metrics = [
         ("lens_loss", "logit-lens val loss"),
@@ -274,11 +271,11 @@ def _heatmaps(analyses: Sequence[Analysis], path: Path) -> Path | None:
         ("cka_mean", "mean CKA with other depths"),
     ]
     n = len(analyses)
-    fig, axes = plt.subplots(len(metrics), n, figsize=(3.2 + 2.6 * n, 2.2 * len(metrics)))
-    axes = [[axes]] if n == 1 and len(metrics) == 1 else axes
+    size = (3.2 + 2.6 * n, 2.2 * len(metrics))
+    fig, axes = plt.subplots(len(metrics), n, figsize=size, squeeze=False)
     for r, (key, label) in enumerate(metrics):
         for c, a in enumerate(analyses):
-            ax = axes[r][c] if n > 1 else axes[r]
+            ax = axes[r][c]
             im = ax.imshow(getattr(a, key), aspect="auto", cmap="viridis")
             ax.set_title(f"{a.order} K={a.K}: {label}", fontsize=7)
             ax.set_xlabel("depth t", fontsize=7)
@@ -286,19 +283,12 @@ def _heatmaps(analyses: Sequence[Analysis], path: Path) -> Path | None:
             ax.tick_params(labelsize=6)
             ax.set_yticks(range(a.P))
             fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def _similarity(analyses: Sequence[Analysis], key: str, label: str, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     P = max(a.P for a in analyses)
     fig, axes = plt.subplots(
