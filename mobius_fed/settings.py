@@ -118,11 +118,8 @@ def _members(annotation: Any) -> tuple[Any, ...]:
 
 
 def literal_values(annotation: Any) -> tuple[Any, ...]:
-    out: list[Any] = []
-    for member in _members(annotation):
-        if typing.get_origin(member) is Literal:
-            out.extend(typing.get_args(member))
-    return tuple(out)
+    literals = [m for m in _members(annotation) if typing.get_origin(m) is Literal]
+    return tuple(v for m in literals for v in typing.get_args(m))
 
 
 def has_type(annotation: Any, kind: type) -> bool:
@@ -194,10 +191,8 @@ def _put(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in top.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
+        both = isinstance(value, Mapping) and isinstance(out.get(key), dict)
+        out[key] = _merge(out[key], value) if both else value
     return out
 
 

@@ -172,12 +172,10 @@ def analyze_model(model: Model, sites: Sequence[SiteData], batches: int = 2) -> 
         P=P,
         K=K,
         origin_loss=_origin_losses(model, data),
-        lens_loss=tables["lens"],
-        norm=tables["norm"],
-        update=tables["update"],
         cka=cka,
         cosine=cos,
         cka_mean=cka_mean,
+        **tables,  # lens_loss, norm, update
     )
 
 
@@ -202,14 +200,13 @@ def _origin_losses(model: Model, data) -> list[float]:
 
 
 def _depth_tables(model: Model, data):
-    """Logit-lens loss, output norm and relative update of every group i at every depth t,
-    on the same probe tokens for every path (the pooled validation batches of all origins),
-    so depths differ only by where the group runs; and each (i, t)'s outputs and updates."""
+    """Logit-lens loss, output norm and relative update of every group i at every depth t, on
+    the pooled probe tokens of the module doc; and each (i, t)'s outputs and updates."""
     cfg, P, K = model.cfg, model.cfg.P, model.cfg.K
     probe = torch.cat([x for per in data for x, _ in per])
     targets = torch.cat([y for per in data for _, y in per])
     sums: dict[str, list[list[list[float]]]] = {
-        k: [[[] for _ in range(K)] for _ in range(P)] for k in ("lens", "norm", "update")
+        k: [[[] for _ in range(K)] for _ in range(P)] for k in ("lens_loss", "norm", "update")
     }
     outs: dict[tuple[int, int], Tensor] = {}
     deltas: dict[tuple[int, int], Tensor] = {}
@@ -217,7 +214,7 @@ def _depth_tables(model: Model, data):
         h = model.replicas[s].embed(probe)
         for t, i in enumerate(schedule.path(cfg.order, s, P, cfg.loops)):
             out = model.groups[i](h, t)
-            sums["lens"][i][t].append(float(model.replicas[s].loss(out, targets)))
+            sums["lens_loss"][i][t].append(float(model.replicas[s].loss(out, targets)))
             sums["norm"][i][t].append(float(out.norm(dim=-1).mean()))
             sums["update"][i][t].append(relative_update(h, out))
             if (i, t) not in outs:  # ordered paths all pass (i, t); the first origin's is kept

@@ -8,6 +8,7 @@ checkpoint).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -72,13 +73,10 @@ def grid(
                 f"sweep: P={P} does not divide the {n_layer} layers (divisors: {divisors})"
             )
     cells = []
-    for P in workers:
-        for L in loops:
-            for seed in seeds:
-                for order in orders:
-                    update = {"workers": P, "loops": L, "order": order, "seed": seed}
-                    cfg = TrainConfig.model_validate({**base.model_dump(), **update})
-                    cells.append(Cell(cfg, Path(out) / "cells" / cell_name(cfg)))
+    for P, L, seed, order in itertools.product(workers, loops, seeds, orders):
+        update = {"workers": P, "loops": L, "order": order, "seed": seed}
+        cfg = TrainConfig.model_validate({**base.model_dump(), **update})
+        cells.append(Cell(cfg, Path(out) / "cells" / cell_name(cfg)))
     return cells
 
 
