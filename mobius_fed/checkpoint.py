@@ -430,11 +430,12 @@ class _Decoder:
             raise self.bad(where, f"{len(data)} bytes stored, {nbytes} needed")
         return data
 
-    def shape(self, v: dict, where: str) -> list[int]:
+    def sized(self, v: dict, where: str, itemsize: int) -> tuple[list[int], _Buffer]:
+        """The value's shape, checked, and its bytes (exactly as many as the shape needs)."""
         shape = v.get("shape")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise self.bad(where, f"bad shape {shape!r}")
-        return shape
+        return shape, self.payload(v, where, math.prod(shape) * itemsize)
 
     def value(self, v: Any, where: str) -> Any:
         if v is None or isinstance(v, bool | int | float | str):
@@ -488,10 +489,8 @@ class _Decoder:
         dtype = getattr(torch, name) if name in TORCH_DTYPE_NAMES else None
         if dtype is None:
             raise self.bad(where, f"unknown tensor dtype {v.get('dtype')!r}")
-        shape = self.shape(v, where)
-        numel = math.prod(shape)
-        data = self.payload(v, where, numel * dtype.itemsize)
-        if numel == 0:
+        shape, data = self.sized(v, where, dtype.itemsize)
+        if not math.prod(shape):
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
 
@@ -502,10 +501,8 @@ class _Decoder:
             raise self.bad(where, f"unknown numpy dtype {v.get('dtype')!r}") from None
         if dtype.kind not in _NUMPY_KINDS or dtype.hasobject or dtype.fields:
             raise self.bad(where, f"numpy dtype {dtype} is not allowed")
-        shape = self.shape(v, where)
-        numel = math.prod(shape)
-        data = self.payload(v, where, numel * dtype.itemsize)
-        arr = np.frombuffer(data, dtype=dtype, count=numel).reshape(shape)
+        shape, data = self.sized(v, where, dtype.itemsize)
+        arr = np.frombuffer(data, dtype=dtype, count=math.prod(shape)).reshape(shape)
         if v["T"] == "npscalar":
             if shape:
                 raise self.bad(where, "a numpy scalar with a shape")

@@ -79,8 +79,7 @@ class TrainOrder(_Wire):
     barrier_snapshot: bool = False
 
     def fill(self, config: ConfigRecord) -> ConfigRecord:
-        for key, value in self.items().items():
-            config[key] = value
+        config.update(self.items())
         return config
 
 
