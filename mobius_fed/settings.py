@@ -254,9 +254,7 @@ def layered_config(
     if path is not None:
         data = _file_layer(model, section, path, flatten)
         origin[("<file>",)] = str(path)
-        for s in settings:
-            if _get(data, s.path) is not None:
-                origin[s.path] = str(path)
+        origin.update({s.path: str(path) for s in settings if _get(data, s.path) is not None})
     if environ is not None:
         for s in settings:
             text = environ.get(s.env)

@@ -227,9 +227,8 @@ def _depth_tables(model: Model, data):
 
 def _similarities(P: int, K: int, outs, deltas):
     """Linear CKA of each group's outputs and mean cosine of its updates, depth × depth."""
-    nan = math.nan
-    cka = [[[nan] * K for _ in range(K)] for _ in range(P)]
-    cos = [[[nan] * K for _ in range(K)] for _ in range(P)]
+    cka = [[[math.nan] * K for _ in range(K)] for _ in range(P)]
+    cos = [[[math.nan] * K for _ in range(K)] for _ in range(P)]
     for i in range(P):
         depths = [t for t in range(K) if (i, t) in outs]
         for a in depths:
