@@ -30,11 +30,6 @@ class ExportError(ValueError):
     """A run cannot be exported; the message names the file or the problem."""
 
 
-def origin_dir(out: Path, s: int, single: bool) -> Path:
-    """Where origin s's model goes: ``out`` itself for one origin, else ``out/origin-<s>``."""
-    return Path(out) if single else Path(out) / f"origin-{s}"
-
-
 def origin_config(model: Any, s: int) -> dict:
     """config.json of origin s of ``model``, a :class:`~mobius_fed.research.trained_model.Model`."""
     from mobius_fed.model.knobs import residual_epsilon
@@ -157,7 +152,8 @@ def write_origin(model: Any, s: int, directory: Path) -> Path:
 
 def export_run(run: Path, out: Path, origins: list[int] | None = None) -> list[Path]:
     """Export ``run`` (an ``up`` root, a coordinator ``--out``, a manifest or a
-    reference-engine checkpoint / run directory) into ``out``; returns the directories.
+    reference-engine checkpoint / run directory) into ``out/origin-<s>`` (``out`` itself for
+    one origin asked for); returns the directories.
 
     Every worker file a manifest names is checked against its sha256 first.
     """
@@ -174,5 +170,6 @@ def export_run(run: Path, out: Path, origins: list[int] | None = None) -> list[P
     if bad:
         raise ExportError(f"export: origin {bad[0]} does not exist (the run has P={P}: 0..{P - 1})")
     single = origins is not None and len(wanted) == 1
+    out = Path(out)
     with torch.no_grad():
-        return [write_origin(model, s, origin_dir(out, s, single)) for s in wanted]
+        return [write_origin(model, s, out if single else out / f"origin-{s}") for s in wanted]

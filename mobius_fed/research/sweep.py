@@ -26,8 +26,6 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.research.cell import CELL, RESULT, read_result, write_json
 from mobius_fed.schedule import ORDERS
 
-SWEEP = "sweep.json"
-
 
 @dataclass(frozen=True)
 class Cell:
@@ -39,10 +37,6 @@ class Cell:
     @property
     def name(self) -> str:
         return self.directory.name
-
-
-def cell_name(cfg: TrainConfig) -> str:
-    return f"P{cfg.P}-L{cfg.loops}-{cfg.order}-s{cfg.seed}"
 
 
 def grid(
@@ -76,7 +70,8 @@ def grid(
     for P, L, seed, order in itertools.product(workers, loops, seeds, orders):
         update = {"workers": P, "loops": L, "order": order, "seed": seed}
         cfg = TrainConfig.model_validate({**base.model_dump(), **update})
-        cells.append(Cell(cfg, Path(out) / "cells" / cell_name(cfg)))
+        name = f"P{cfg.P}-L{cfg.loops}-{cfg.order}-s{cfg.seed}"
+        cells.append(Cell(cfg, Path(out) / "cells" / name))
     return cells
 
 
