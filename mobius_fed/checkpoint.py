@@ -23,14 +23,13 @@ bytes (``U8``); the tree's dtype and shape rebuild it. ``data_sha256`` is the SH
 tensors' bytes in the order of their names. Files of format 1 (a JSON header, then the
 payloads at the byte ranges ``"at": [begin, end]`` of the tree) are still read.
 
-Reading parses JSON and copies bytes into tensors: no code runs, whatever the file holds.
-Reading is our own one-pass reader of the same format, because the sha256 must be verified
-before any value is trusted and the library cannot hash while it reads: the header's byte ranges
-are checked as the ``safetensors`` library checks them, each tensor is read straight into a
-buffer of its own (the only copy), and the sha256 (the payload's, or the whole file's against a
-manifest) is verified before any value is built. Every problem (missing file, hash mismatch,
-truncation, corruption, a pickle, a value we cannot store, a failed write) raises
-:class:`CheckpointError` naming the file.
+Reading parses JSON and copies bytes into tensors: no code runs, whatever the file holds. It
+is our own one-pass reader, because the library cannot hash while it reads: the header's byte
+ranges are checked as ``safetensors`` checks them, each tensor is read straight into a buffer of
+its own (the only copy), and the sha256 (the payload's, or the whole file's against a manifest)
+is verified before any value is built. Every problem (missing file, hash mismatch, truncation,
+corruption, a pickle, a value we cannot store, a failed write) raises :class:`CheckpointError`
+naming the file.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import io
 import json
 import math
 import os
@@ -123,7 +121,11 @@ class _Encoder:
         self.arrays: dict[str, np.ndarray] = {}  # keeps every pointer alive while writing
         self.metadata: dict[str, str] = {}
 
-    def _put(self, arr: np.ndarray, st_dtype: str, shape: list[int], where: str) -> str:
+    def _put(self, arr: np.ndarray, st_dtype: str | None, shape: list[int], where: str) -> str:
+        """Store ``arr`` under a new name; ``st_dtype`` None stores its raw bytes (``U8``)."""
+        if st_dtype is None:
+            arr = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
+            st_dtype, shape = "uint8", [arr.size]
         name = base = _tensor_name(where)
         n = 1
         while name in self.arrays:
@@ -134,10 +136,6 @@ class _Encoder:
             dtype=st_dtype, shape=shape, data_ptr=arr.ctypes.data, data_len=arr.nbytes
         )
         return name
-
-    def _raw(self, arr: np.ndarray, where: str) -> str:
-        flat = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
-        return self._put(flat, "uint8", [flat.size], where)
 
     def value(self, v: Any, where: str) -> Any:
         if isinstance(v, np.ndarray | np.generic):  # before float: np.float64 is a float
@@ -153,7 +151,10 @@ class _Encoder:
         if _is_torch(v, "Tensor"):
             return self.tensor(v, where)
         if isinstance(v, bytes | bytearray):
-            return {"T": "bytes", "key": self._raw(np.frombuffer(bytes(v), np.uint8), where)}
+            return {
+                "T": "bytes",
+                "key": self._put(np.frombuffer(bytes(v), np.uint8), None, [], where),
+            }
         if type(v).__name__ == "ArrayRecord" and type(v).__module__.startswith("flwr."):
             return self.array_record(v, where)
         if isinstance(v, dict):
@@ -189,10 +190,8 @@ class _Encoder:
         c = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
         node = {"T": "tensor", "dtype": name, "shape": list(c.shape)}
         raw = c.reshape(-1).view(torch.uint8) if c.numel() else torch.empty(0, dtype=torch.uint8)
-        if name in _ST_DTYPES:
-            node["key"] = self._put(raw.numpy(), name, list(c.shape), where)
-        else:
-            node["key"] = self._raw(raw.numpy(), where)
+        st_dtype = name if name in _ST_DTYPES else None
+        node["key"] = self._put(raw.numpy(), st_dtype, list(c.shape), where)
         return node
 
     def ndarray(self, a: np.ndarray | np.generic, where: str) -> dict:
@@ -203,10 +202,8 @@ class _Encoder:
         if arr.dtype.kind not in _NUMPY_KINDS or arr.dtype.hasobject or arr.dtype.fields:
             raise TypeError(f"{where}: numpy dtype {arr.dtype} is not supported")
         node = {"T": kind, "dtype": arr.dtype.str, "shape": list(arr.shape)}
-        if arr.dtype.isnative and arr.dtype.name in _ST_DTYPES:
-            node["key"] = self._put(arr, arr.dtype.name, list(arr.shape), where)
-        else:
-            node["key"] = self._raw(arr, where)
+        native = arr.dtype.isnative and arr.dtype.name in _ST_DTYPES
+        node["key"] = self._put(arr, arr.dtype.name if native else None, list(arr.shape), where)
         return node
 
     def array_record(self, rec: Any, where: str) -> dict:
@@ -243,13 +240,17 @@ def encode(state: Any) -> _Encoder:
 
 
 # --------------------------------------------------------------------------- writing
-def _fsync_dir(d: Path) -> None:
-    with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tmp_name(path: Path) -> Path:
+    """A hidden sibling of ``path`` naming its writer (``prune_checkpoints`` clears it)."""
+    return path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def _oserror(path: Path, exc: OSError) -> CheckpointError:
@@ -284,7 +285,7 @@ def save_checkpoint(path: Path, state: dict, durable: bool = True) -> Path:
         raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
     # safetensors writes into a temporary file of its own, next to the one it is given:
     # a private directory keeps both, and prune_checkpoints clears it if the writer dies.
-    tmp_dir = path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
+    tmp_dir = _tmp_name(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp_dir.mkdir()
@@ -294,11 +295,7 @@ def save_checkpoint(path: Path, state: dict, durable: bool = True) -> Path:
         except SafetensorError as exc:
             raise _write_error(exc) from None
         if durable:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(tmp)
         os.replace(tmp, path)
     except OSError as exc:
         raise _oserror(path, exc) from exc
@@ -307,7 +304,8 @@ def save_checkpoint(path: Path, state: dict, durable: bool = True) -> Path:
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     if durable:
-        _fsync_dir(path.parent)
+        with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
+            _fsync(path.parent)
     return path
 
 
@@ -315,7 +313,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` via a temporary file and a rename; on an error (a full
     disk…) remove the temporary file, keep what was there and raise naming the path."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = _tmp_name(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
@@ -406,11 +404,10 @@ class _Source:
 
 
 def _kind_of(head: bytes) -> str:
+    """What a file that is not a checkpoint is, when it is a pickle or holds one; else ''."""
     if head.startswith(b"PK\x03\x04"):
         return "a zip archive (a torch.save file, which holds a pickle)"
-    if head[:1] == b"\x80":
-        return "a pickle"
-    return "not a mobius-fed checkpoint"
+    return "a pickle" if head[:1] == b"\x80" else ""
 
 
 class _Decoder:
@@ -433,11 +430,12 @@ class _Decoder:
             raise self.bad(where, f"{len(data)} bytes stored, {nbytes} needed")
         return data
 
-    def shape(self, v: dict, where: str) -> list[int]:
+    def sized(self, v: dict, where: str, itemsize: int) -> tuple[list[int], _Buffer]:
+        """The value's shape, checked, and its bytes (exactly as many as the shape needs)."""
         shape = v.get("shape")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise self.bad(where, f"bad shape {shape!r}")
-        return shape
+        return shape, self.payload(v, where, math.prod(shape) * itemsize)
 
     def value(self, v: Any, where: str) -> Any:
         if v is None or isinstance(v, bool | int | float | str):
@@ -491,10 +489,8 @@ class _Decoder:
         dtype = getattr(torch, name) if name in TORCH_DTYPE_NAMES else None
         if dtype is None:
             raise self.bad(where, f"unknown tensor dtype {v.get('dtype')!r}")
-        shape = self.shape(v, where)
-        numel = math.prod(shape)
-        data = self.payload(v, where, numel * dtype.itemsize)
-        if numel == 0:
+        shape, data = self.sized(v, where, dtype.itemsize)
+        if not math.prod(shape):
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
 
@@ -505,10 +501,8 @@ class _Decoder:
             raise self.bad(where, f"unknown numpy dtype {v.get('dtype')!r}") from None
         if dtype.kind not in _NUMPY_KINDS or dtype.hasobject or dtype.fields:
             raise self.bad(where, f"numpy dtype {dtype} is not allowed")
-        shape = self.shape(v, where)
-        numel = math.prod(shape)
-        data = self.payload(v, where, numel * dtype.itemsize)
-        arr = np.frombuffer(data, dtype=dtype, count=numel).reshape(shape)
+        shape, data = self.sized(v, where, dtype.itemsize)
+        arr = np.frombuffer(data, dtype=dtype, count=math.prod(shape)).reshape(shape)
         if v["T"] == "npscalar":
             if shape:
                 raise self.bad(where, "a numpy scalar with a shape")
@@ -561,21 +555,19 @@ def _header(src: _Source) -> tuple[int, dict]:
     head = src.read(8).tobytes()
     hlen = int.from_bytes(head, "little")
     what = _kind_of(head[:4])
+    refused = f"checkpoint {path} is {what}: refused, never unpickled" if what else ""
     if hlen > min(MAX_HEADER_BYTES, size - 8):
-        if what != "not a mobius-fed checkpoint":
-            raise CheckpointError(f"checkpoint {path} is {what}: refused, never unpickled")
         raise CheckpointError(
-            f"checkpoint {path} is truncated or not a checkpoint: header of {hlen} bytes, "
-            f"file of {size}"
+            refused
+            or f"checkpoint {path} is truncated or not a checkpoint: header of {hlen} "
+            f"bytes, file of {size}"
         )
     try:
         header = json.loads(src.read(hlen).tobytes())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        if what != "not a mobius-fed checkpoint":
-            raise CheckpointError(
-                f"checkpoint {path} is {what}: refused, never unpickled"
-            ) from None
-        raise CheckpointError(f"checkpoint {path} has an unreadable header: {exc}") from None
+        raise CheckpointError(
+            refused or f"checkpoint {path} has an unreadable header: {exc}"
+        ) from None
     if not isinstance(header, dict):
         raise CheckpointError(f"checkpoint {path} is not a {FORMAT} file")
     return hlen, header
@@ -694,16 +686,6 @@ def _read_state(src: _Source, verify_payload: bool, expected_sha256: str | None 
         return decoder.value(root, "state")
     except RecursionError:
         raise CheckpointError(f"checkpoint {path} is corrupted: nesting too deep") from None
-
-
-def decode(buf: bytes | bytearray | memoryview, path: Path, *, verify_payload: bool = True) -> Any:
-    """Parse a whole checkpoint file held in memory (see the module doc).
-
-    ``verify_payload=False`` skips the payload's own sha256 (when the whole file was
-    just checked against a manifest's hash).
-    """
-    data = memoryview(buf).cast("B")
-    return _read_state(_Source(io.BytesIO(data), data.nbytes, Path(path), False), verify_payload)
 
 
 def load_checkpoint(path: Path, expected_sha256: str | None = None) -> dict:

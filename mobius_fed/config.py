@@ -31,7 +31,6 @@ from mobius_fed.settings import (  # noqa: F401 - re-exported: the config API li
 from mobius_fed.transport.wire_config import WireConfig
 
 ENCODING_VOCAB = {"bytes": 257, "gpt2": 50257}
-WIRE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 class TrainConfig(BaseModel):

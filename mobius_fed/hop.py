@@ -25,12 +25,9 @@ and :func:`mobius_fed.transport.wire_stages.build_stages` (lossy wire codecs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 from torch import Tensor
-
-if TYPE_CHECKING:
-    pass
 
 Engine = Literal["reference", "ring"]
 Direction = Literal["forward", "backward"]

@@ -22,9 +22,7 @@ from typing import Any, ClassVar, TypeVar
 from flwr.app import ConfigRecord, MetricRecord
 
 # Keys of the ConfigRecord a train/evaluate message carries.
-STEP_START, STEP_END, CHECKPOINT = "step-start", "step-end", "checkpoint"
-STATE_COPY = "state-copy"  # the worker also sends its checkpoint's bytes (a copy kept elsewhere)
-BARRIER_SNAPSHOT = "barrier-snapshot"  # the worker writes its barrier state to disk too
+STEP_START, STEP_END = "step-start", "step-end"
 ARRAYS, METRICS, CONFIG = "arrays", "metrics", "config"
 _W = TypeVar("_W", bound="_Wire")
 _CASTS = {"int": int, "bool": bool, "str": str, "bytes": bytes, "float": float}
@@ -81,8 +79,7 @@ class TrainOrder(_Wire):
     barrier_snapshot: bool = False
 
     def fill(self, config: ConfigRecord) -> ConfigRecord:
-        for key, value in self.items().items():
-            config[key] = value
+        config.update(self.items())
         return config
 
 

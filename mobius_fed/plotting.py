@@ -6,6 +6,18 @@ from pathlib import Path
 from typing import Any
 
 
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def save_figure(fig: Any, path: Path, *axes: Any, dpi: int = 120) -> Path:
     """Legend and light grid on ``axes``, tight layout, write ``path``, free the figure."""
     import matplotlib.pyplot as plt

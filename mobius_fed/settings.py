@@ -118,19 +118,13 @@ def _members(annotation: Any) -> tuple[Any, ...]:
 
 
 def literal_values(annotation: Any) -> tuple[Any, ...]:
-    out: list[Any] = []
-    for member in _members(annotation):
-        if typing.get_origin(member) is Literal:
-            out.extend(typing.get_args(member))
-    return tuple(out)
+    literals = [m for m in _members(annotation) if typing.get_origin(m) is Literal]
+    return tuple(v for m in literals for v in typing.get_args(m))
 
 
 def has_type(annotation: Any, kind: type) -> bool:
     """Whether ``annotation`` (or a union member, or a generic's origin) is ``kind``."""
-    for member in _members(annotation):
-        if member is kind or typing.get_origin(member) is kind:
-            return True
-    return False
+    return any(m is kind or typing.get_origin(m) is kind for m in _members(annotation))
 
 
 def submodel(annotation: Any) -> type[BaseModel] | None:
@@ -197,10 +191,8 @@ def _put(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in top.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
+        both = isinstance(value, Mapping) and isinstance(out.get(key), dict)
+        out[key] = _merge(out[key], value) if both else value
     return out
 
 
@@ -262,9 +254,7 @@ def layered_config(
     if path is not None:
         data = _file_layer(model, section, path, flatten)
         origin[("<file>",)] = str(path)
-        for s in settings:
-            if _get(data, s.path) is not None:
-                origin[s.path] = str(path)
+        origin.update({s.path: str(path) for s in settings if _get(data, s.path) is not None})
     if environ is not None:
         for s in settings:
             text = environ.get(s.env)

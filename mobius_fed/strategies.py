@@ -73,14 +73,12 @@ class RoundPlan:
 
     def evaluates(self, rnd: int) -> bool:
         start, end = self.steps_of(rnd)
-        if end == self.steps:
-            return True
-        return bool(self.eval_every) and end // self.eval_every > start // self.eval_every
+        crosses = bool(self.eval_every) and end // self.eval_every > start // self.eval_every
+        return end == self.steps or crosses
 
     def checkpoints(self, rnd: int) -> bool:
-        if rnd == self.num_rounds:
-            return True
-        return bool(self.checkpoint_every) and rnd % self.checkpoint_every == 0
+        every = bool(self.checkpoint_every) and rnd % self.checkpoint_every == 0
+        return rnd == self.num_rounds or every
 
 
 class RoundHooks(Protocol):

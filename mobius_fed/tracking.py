@@ -179,9 +179,7 @@ class WandbTracker(Tracker):
 
 
 BACKENDS: dict[str, type[Tracker]] = {
-    "tensorboard": TensorBoardTracker,
-    "mlflow": MlflowTracker,
-    "wandb": WandbTracker,
+    t.name: t for t in (TensorBoardTracker, MlflowTracker, WandbTracker)
 }
 
 
@@ -207,11 +205,9 @@ class SafeTracker:
         self.failure = f"{type(exc).__name__}: {exc}"
         log.error("tracker %s failed (%s): %s; the run goes on without it", self.name, what, exc)
         tracker, self.tracker = self.tracker, None
-        try:
+        with contextlib.suppress(Exception):  # already failing: nothing more to report
             if tracker is not None:
                 tracker.close()
-        except Exception:  # already failing: nothing more to report
-            pass
 
     def record(self, record: dict[str, Any]) -> None:
         """Log one ``metrics.jsonl`` record (nothing when it holds no step or no scalar)."""
@@ -290,11 +286,9 @@ class MetricsFollower:
         with self._lock:
             try:
                 size = self.path.stat().st_size
+                skip_below = self.last_step if size < self.offset else -1
                 if size < self.offset:  # rewritten by a resume: its kept rows were sent
                     self.offset = 0
-                    skip_below = self.last_step
-                else:
-                    skip_below = -1
                 with open(self.path, "rb") as f:
                     f.seek(self.offset)
                     data = f.read()

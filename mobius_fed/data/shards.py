@@ -58,13 +58,10 @@ def read_shard(path: str | os.PathLike[str]) -> np.ndarray:
     if count < 0:
         raise DataError(f"{path}: negative token count {count}")
     expected = HEADER_BYTES + 2 * count
-    if size < expected:
+    if size != expected:
+        what = "truncated" if size < expected else "oversized"
         raise DataError(
-            f"{path}: truncated: {size} bytes, header says {count} tokens ({expected} bytes)"
-        )
-    if size > expected:
-        raise DataError(
-            f"{path}: oversized: {size} bytes, header says {count} tokens ({expected} bytes)"
+            f"{path}: {what}: {size} bytes, header says {count} tokens ({expected} bytes)"
         )
     if count == 0:
         empty = np.zeros(0, dtype=np.uint16)

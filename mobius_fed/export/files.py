@@ -30,14 +30,8 @@ class ExportError(ValueError):
     """A run cannot be exported; the message names the file or the problem."""
 
 
-def origin_dir(out: Path, s: int, single: bool) -> Path:
-    """Where origin s's model goes: ``out`` itself for one origin, else ``out/origin-<s>``."""
-    return Path(out) if single else Path(out) / f"origin-{s}"
-
-
 def origin_config(model: Any, s: int) -> dict:
-    """config.json of origin s of ``model`` (a
-    :class:`~mobius_fed.research.trained_model.Model`)."""
+    """config.json of origin s of ``model``, a :class:`~mobius_fed.research.trained_model.Model`."""
     from mobius_fed.model.knobs import residual_epsilon
     from mobius_fed.research.trained_model import model_config
 
@@ -87,13 +81,12 @@ def origin_config(model: Any, s: int) -> dict:
 
 
 def origin_state(model: Any, conf: dict) -> dict[str, torch.Tensor]:
-    """The tensors of one origin: E/R and its private layers (``wte.``, ``lm_head.``,
-    ``home.``, ``home_input.``),
-    then ``groups.<j>.`` for the j-th group of its path."""
+    """The tensors of one origin: E/R and its private layers (``wte.``, ``lm_head.``, ``home.``,
+    ``home_input.``), then ``groups.<j>.`` for the j-th group of its path."""
     from mobius_fed.model.subspace import BasisLinear
 
     s = conf["origin"]
-    state = {k: v for k, v in model.replicas[s].state_dict().items()}
+    state = dict(model.replicas[s].state_dict())
     for j, i in enumerate(conf["source_groups"]):
         for k, v in model.groups[i].state_dict().items():
             state[f"groups.{j}.{k}"] = v
@@ -157,24 +150,18 @@ def write_origin(model: Any, s: int, directory: Path) -> Path:
     return directory
 
 
-def load_run(run: Path) -> Any:
-    """The :class:`~mobius_fed.research.trained_model.Model` of a run, read as ``analyze`` reads it:
-    a reference-engine checkpoint or run directory, or a coordinated run's manifest."""
-    from mobius_fed.research.analyze import load_model
-
-    return load_model(run)
-
-
 def export_run(run: Path, out: Path, origins: list[int] | None = None) -> list[Path]:
     """Export ``run`` (an ``up`` root, a coordinator ``--out``, a manifest or a
-    reference-engine checkpoint / run directory) into ``out``; returns the directories.
+    reference-engine checkpoint / run directory) into ``out/origin-<s>`` (``out`` itself for
+    one origin asked for); returns the directories.
 
     Every worker file a manifest names is checked against its sha256 first.
     """
     from mobius_fed.checkpoint import CheckpointError
+    from mobius_fed.research.analyze import load_model  # the run, read as ``analyze`` reads it
 
     try:
-        model = load_run(Path(run))
+        model = load_model(Path(run))
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         raise ExportError(f"export: cannot read {run}: {exc}") from exc
     P = model.cfg.P
@@ -183,5 +170,6 @@ def export_run(run: Path, out: Path, origins: list[int] | None = None) -> list[P
     if bad:
         raise ExportError(f"export: origin {bad[0]} does not exist (the run has P={P}: 0..{P - 1})")
     single = origins is not None and len(wanted) == 1
+    out = Path(out)
     with torch.no_grad():
-        return [write_origin(model, s, origin_dir(out, s, single)) for s in wanted]
+        return [write_origin(model, s, out if single else out / f"origin-{s}") for s in wanted]

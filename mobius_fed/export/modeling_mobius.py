@@ -321,10 +321,6 @@ else:
             path, per_group = kwargs.get("path") or [], kwargs.get("layers_per_group") or 0
             self.num_hidden_layers = len(path) * per_group
 
-        @property
-        def fields(self) -> dict:
-            return self.to_dict()
-
     class MobiusForCausalLM(PreTrainedModel, GenerationMixin, MobiusCore):
         """``AutoModelForCausalLM`` of an export: forward(input_ids, labels=…) → logits and
         the next-token loss (labels shifted inside, as every causal LM of the Hub)."""
@@ -335,7 +331,7 @@ else:
 
         def __init__(self, config: MobiusConfig) -> None:
             super().__init__(config)
-            self.build(config.fields)
+            self.build(config.to_dict())
             self.post_init()
 
         def _init_weights(self, module: nn.Module) -> None:  # weights come from the file

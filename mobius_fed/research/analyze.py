@@ -38,6 +38,7 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.model import BlockGroup, Replica
 from mobius_fed.model.groups import build_basis
+from mobius_fed.plotting import pyplot, save_figure
 from mobius_fed.research.trained_model import Model, model_config
 
 CHECKPOINT = "checkpoint.pt"
@@ -171,12 +172,10 @@ def analyze_model(model: Model, sites: Sequence[SiteData], batches: int = 2) -> 
         P=P,
         K=K,
         origin_loss=_origin_losses(model, data),
-        lens_loss=tables["lens"],
-        norm=tables["norm"],
-        update=tables["update"],
         cka=cka,
         cosine=cos,
         cka_mean=cka_mean,
+        **tables,  # lens_loss, norm, update
     )
 
 
@@ -201,14 +200,13 @@ def _origin_losses(model: Model, data) -> list[float]:
 
 
 def _depth_tables(model: Model, data):
-    """Logit-lens loss, output norm and relative update of every group i at every depth t,
-    on the same probe tokens for every path (the pooled validation batches of all origins),
-    so depths differ only by where the group runs; and each (i, t)'s outputs and updates."""
+    """Logit-lens loss, output norm and relative update of every group i at every depth t, on
+    the pooled probe tokens of the module doc; and each (i, t)'s outputs and updates."""
     cfg, P, K = model.cfg, model.cfg.P, model.cfg.K
     probe = torch.cat([x for per in data for x, _ in per])
     targets = torch.cat([y for per in data for _, y in per])
     sums: dict[str, list[list[list[float]]]] = {
-        k: [[[] for _ in range(K)] for _ in range(P)] for k in ("lens", "norm", "update")
+        k: [[[] for _ in range(K)] for _ in range(P)] for k in ("lens_loss", "norm", "update")
     }
     outs: dict[tuple[int, int], Tensor] = {}
     deltas: dict[tuple[int, int], Tensor] = {}
@@ -216,7 +214,7 @@ def _depth_tables(model: Model, data):
         h = model.replicas[s].embed(probe)
         for t, i in enumerate(schedule.path(cfg.order, s, P, cfg.loops)):
             out = model.groups[i](h, t)
-            sums["lens"][i][t].append(float(model.replicas[s].loss(out, targets)))
+            sums["lens_loss"][i][t].append(float(model.replicas[s].loss(out, targets)))
             sums["norm"][i][t].append(float(out.norm(dim=-1).mean()))
             sums["update"][i][t].append(relative_update(h, out))
             if (i, t) not in outs:  # ordered paths all pass (i, t); the first origin's is kept
@@ -229,9 +227,8 @@ def _depth_tables(model: Model, data):
 
 def _similarities(P: int, K: int, outs, deltas):
     """Linear CKA of each group's outputs and mean cosine of its updates, depth × depth."""
-    nan = math.nan
-    cka = [[[nan] * K for _ in range(K)] for _ in range(P)]
-    cos = [[[nan] * K for _ in range(K)] for _ in range(P)]
+    cka = [[[math.nan] * K for _ in range(K)] for _ in range(P)]
+    cos = [[[math.nan] * K for _ in range(K)] for _ in range(P)]
     for i in range(P):
         depths = [t for t in range(K) if (i, t) in outs]
         for a in depths:
@@ -260,12 +257,8 @@ def _grid(title: str, table: list[list[float]], spec: str = ".3f") -> list[str]:
 
 
 def _heatmaps(analyses: Sequence[Analysis], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     metrics = [
         ("lens_loss", "logit-lens val loss"),
@@ -274,11 +267,11 @@ def _heatmaps(analyses: Sequence[Analysis], path: Path) -> Path | None:
         ("cka_mean", "mean CKA with other depths"),
     ]
     n = len(analyses)
-    fig, axes = plt.subplots(len(metrics), n, figsize=(3.2 + 2.6 * n, 2.2 * len(metrics)))
-    axes = [[axes]] if n == 1 and len(metrics) == 1 else axes
+    size = (3.2 + 2.6 * n, 2.2 * len(metrics))
+    fig, axes = plt.subplots(len(metrics), n, figsize=size, squeeze=False)
     for r, (key, label) in enumerate(metrics):
         for c, a in enumerate(analyses):
-            ax = axes[r][c] if n > 1 else axes[r]
+            ax = axes[r][c]
             im = ax.imshow(getattr(a, key), aspect="auto", cmap="viridis")
             ax.set_title(f"{a.order} K={a.K}: {label}", fontsize=7)
             ax.set_xlabel("depth t", fontsize=7)
@@ -286,19 +279,12 @@ def _heatmaps(analyses: Sequence[Analysis], path: Path) -> Path | None:
             ax.tick_params(labelsize=6)
             ax.set_yticks(range(a.P))
             fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def _similarity(analyses: Sequence[Analysis], key: str, label: str, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     P = max(a.P for a in analyses)
     fig, axes = plt.subplots(

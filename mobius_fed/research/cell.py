@@ -28,9 +28,7 @@ def write_json(path: Path, data: Any) -> None:
 def read_result(cell_dir: Path) -> dict[str, Any] | None:
     """The finished cell's result, or None when it has not finished."""
     path = Path(cell_dir) / RESULT
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text())
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def load_sites(sites_dir: Path, P: int, seq_len: int, encoding: str, *, coupled: bool) -> list:
@@ -57,13 +55,9 @@ def run_cell(cell_dir: Path, *, threads: int = 1) -> dict[str, Any]:
     cell_dir = Path(cell_dir)
     spec = json.loads((cell_dir / CELL).read_text())
     cfg = TrainConfig.model_validate(spec["train"])
-    sites = load_sites(
-        Path(spec["sites"]),
-        cfg.P,
-        cfg.model().seq_len,
-        cfg.encoding,
-        coupled=bool(spec.get("coupled_batches")),
-    )
+    coupled = bool(spec.get("coupled_batches"))
+    seq_len = cfg.model().seq_len
+    sites = load_sites(Path(spec["sites"]), cfg.P, seq_len, cfg.encoding, coupled=coupled)
     engine = ReferenceEngine(cfg, sites)
     start = time.perf_counter()
     evals = train(
@@ -76,7 +70,7 @@ def run_cell(cell_dir: Path, *, threads: int = 1) -> dict[str, Any]:
     result = {
         "name": cell_dir.name,
         "train": spec["train"],
-        "coupled_batches": bool(spec.get("coupled_batches")),
+        "coupled_batches": coupled,
         "final": final.loss,
         "origin_losses": final.origin_losses,
         "curve": [

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mobius_fed.plotting import save_figure
-from mobius_fed.research.report import PAPER_TABLE1, Row, describe, rows
+from mobius_fed.plotting import pyplot, save_figure
+from mobius_fed.research.report import PAPER_TABLE1, Row, ci_text, describe, rows
 from mobius_fed.stats import mean, t975
 
 PAPER_TOKENS = 2.5e9
@@ -130,10 +130,6 @@ def fit_points(pts: Sequence[Point]) -> Fit | None:
 
 
 # ------------------------------------------------------------------------------- report
-def _ci(m: float, half: float) -> str:
-    return f"{m:+.4f}" if math.isnan(half) else f"{m:+.4f} [{m - half:+.4f}, {m + half:+.4f}]"
-
-
 def _loss(values: dict[int, float]) -> str:
     return f"{mean(list(values.values())):.4f}" if values else "—"
 
@@ -149,7 +145,7 @@ def points_table(table: Table) -> str:
         for p in pts:
             lines.append(
                 f"| {P} | {L} | {p.steps} | {p.tokens_per_param:.2f} | {_loss(p.row.ordered)} "
-                f"| {_loss(p.row.cyclic)} | {_ci(*p.row.delta_ci)} | {len(p.row.deltas)} |"
+                f"| {_loss(p.row.cyclic)} | {ci_text(*p.row.delta_ci)} | {len(p.row.deltas)} |"
             )
     for L, d in PAPER_TABLE1.items():
         lines.append(
@@ -194,7 +190,7 @@ def fits_table(table: Table) -> str:
             lines.append(f"| {P} | {L} | — (one length) | {len(pts)} | — | — |")
             continue
         lines.append(
-            f"| {P} | {L} | {_ci(fit.slope, fit.half)} | {fit.n} "
+            f"| {P} | {L} | {ci_text(fit.slope, fit.half)} | {fit.n} "
             f"| {fit.at(PAPER_TOKENS_PER_PARAM):+.4f} | {trend(fit, pts[-1])} |"
         )
     return "\n".join(lines) + "\n"
@@ -203,12 +199,8 @@ def fits_table(table: Table) -> str:
 def plot_crossover(table: Table, path: Path, title: str) -> Path | None:
     """Δ against tokens/param (log x), one line per (P, L) with 95 % bars and its fit dashed;
     the paper's Table 1 points at 2.5B / 124M."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     several_p = len({P for P, _ in table}) > 1

@@ -37,13 +37,10 @@ def find_manifest(path: Path) -> Path | None:
 
 def _worker_file(manifest: Path, rank: int, entry: dict[str, Any]) -> Path:
     """The first of the places a worker's checkpoint can be that holds a file."""
-    tried = []
-    if "copy" in entry:
-        tried.append(manifest.parent / entry["copy"])
     reported = Path(entry["path"])
-    tried.append(reported)
     coordinator = manifest.parent.parent.parent  # <out>/checkpoints/round-<r>/manifest.json
-    tried.append(coordinator.parent / f"worker-{rank}" / "checkpoints" / reported.name)
+    tried = [manifest.parent / entry["copy"]] if "copy" in entry else []
+    tried += [reported, coordinator.parent / f"worker-{rank}" / "checkpoints" / reported.name]
     for file in tried:
         if file.is_file():
             return file

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mobius_fed.plotting import save_figure
+from mobius_fed.plotting import pyplot, save_figure
 from mobius_fed.stats import ci95, mean, std
 
 # The paper's Table 1 (124M, 2.5B FineWeb tokens, P = 4, one seed): Δ = Möbius − ordered.
@@ -54,14 +54,9 @@ def _mean_std(values: dict[int, float]) -> str:
     return f"{mean(xs):.4f} ± {std(xs):.4f}" if len(xs) > 1 else f"{xs[0]:.4f}"
 
 
-def _delta(row: Row) -> str:
-    d = row.deltas
-    if not d:
-        return "—"
-    m, half = row.delta_ci
-    if math.isnan(half):
-        return f"{m:+.4f}"
-    return f"{m:+.4f} [{m - half:+.4f}, {m + half:+.4f}]"
+def ci_text(m: float, half: float) -> str:
+    """``m`` and its 95 % interval [m − half, m + half] (none when ``half`` is nan)."""
+    return f"{m:+.4f}" if math.isnan(half) else f"{m:+.4f} [{m - half:+.4f}, {m + half:+.4f}]"
 
 
 def markdown_table(table: Sequence[Row]) -> str:
@@ -73,9 +68,10 @@ def markdown_table(table: Sequence[Row]) -> str:
     ]
     for r in table:
         paper = PAPER_TABLE1.get(r.L) if r.P == 4 else None
+        delta = ci_text(*r.delta_ci) if r.deltas else "—"
         lines.append(
             f"| {r.P} | {r.L} | {r.P * r.L} | {_mean_std(r.ordered)} | {_mean_std(r.cyclic)} "
-            f"| {_delta(r)} | {len(r.deltas)} | {'—' if paper is None else f'{paper:+.4f}'} |"
+            f"| {delta} | {len(r.deltas)} | {'—' if paper is None else f'{paper:+.4f}'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -111,12 +107,8 @@ def describe(train: dict[str, Any], *, coupled: bool = False) -> str:
 
 def plot_delta(table: Sequence[Row], path: Path, title: str) -> Path | None:
     """Δ against L, one line per P with 95 % error bars, the paper's P = 4 points beside."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     by_p: dict[int, list[Row]] = defaultdict(list)

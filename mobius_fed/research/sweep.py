@@ -8,6 +8,7 @@ checkpoint).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -25,8 +26,6 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.research.cell import CELL, RESULT, read_result, write_json
 from mobius_fed.schedule import ORDERS
 
-SWEEP = "sweep.json"
-
 
 @dataclass(frozen=True)
 class Cell:
@@ -38,10 +37,6 @@ class Cell:
     @property
     def name(self) -> str:
         return self.directory.name
-
-
-def cell_name(cfg: TrainConfig) -> str:
-    return f"P{cfg.P}-L{cfg.loops}-{cfg.order}-s{cfg.seed}"
 
 
 def grid(
@@ -72,13 +67,11 @@ def grid(
                 f"sweep: P={P} does not divide the {n_layer} layers (divisors: {divisors})"
             )
     cells = []
-    for P in workers:
-        for L in loops:
-            for seed in seeds:
-                for order in orders:
-                    update = {"workers": P, "loops": L, "order": order, "seed": seed}
-                    cfg = TrainConfig.model_validate({**base.model_dump(), **update})
-                    cells.append(Cell(cfg, Path(out) / "cells" / cell_name(cfg)))
+    for P, L, seed, order in itertools.product(workers, loops, seeds, orders):
+        update = {"workers": P, "loops": L, "order": order, "seed": seed}
+        cfg = TrainConfig.model_validate({**base.model_dump(), **update})
+        name = f"P{cfg.P}-L{cfg.loops}-{cfg.order}-s{cfg.seed}"
+        cells.append(Cell(cfg, Path(out) / "cells" / name))
     return cells
 
 
