@@ -44,13 +44,10 @@ def write_site_keys(directory: str | Path, sites: int) -> list[Path]:
     import secrets
 
     Path(directory).mkdir(parents=True, exist_ok=True)
-    paths = []
-    for path in [key_path(directory, s) for s in range(sites)] + [
-        Path(directory) / COORDINATOR_KEY
-    ]:
+    paths = [key_path(directory, s) for s in range(sites)] + [Path(directory) / COORDINATOR_KEY]
+    for path in paths:
         path.write_bytes(secrets.token_bytes(KEY_BYTES))
         path.chmod(0o600)
-        paths.append(path)
     return paths
 
 

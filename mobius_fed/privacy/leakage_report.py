@@ -66,10 +66,7 @@ def hop_table(report: LeakageReport) -> str:
     attackers = {r.slot: r.attacker for r in report.hops}
     head = "| stage | attack | " + " | ".join(f"slot {s} (worker {attackers[s]})" for s in slots)
     lines = [head + " |", "|---|---|" + "---|" * len(slots)]
-    keys: list[tuple[str, str]] = []
-    for r in report.hops:
-        if (r.stage, r.attack) not in keys:
-            keys.append((r.stage, r.attack))
+    keys = dict.fromkeys((r.stage, r.attack) for r in report.hops)
     cell = {(r.stage, r.attack, r.slot): r for r in report.hops}
     for stage, attack in keys:
         parts = []
@@ -98,11 +95,7 @@ def update_table(report: LeakageReport) -> str:
         first, last = late[0].round, late[-1].round
         groups.append((f"rounds {first}–{last} (mean)", late))
     for label, rows in groups:
-        keys: list[tuple[str, str]] = []
-        for r in rows:
-            if (r.rows, r.score) not in keys:
-                keys.append((r.rows, r.score))
-        for name, score in keys:
+        for name, score in dict.fromkeys((r.rows, r.score) for r in rows):
             sel = [r for r in rows if (r.rows, r.score) == (name, score)]
             n = len(sel)
             mean = [sum(getattr(r, f) for r in sel) / n for f in _FIELDS]

@@ -99,10 +99,8 @@ def markdown_table(rows: Sequence[tuple[str, AuditReport]]) -> str:
     base = {r.order: r.eval_loss for label, r in rows if not _defended(r)}
     lines = [
         "| defence | order | Eq. 8 val loss | Δ vs none | target recovery | attacks: R on h / "
-        "linear map / stand-in per token / stand-in matching / clusters | model alone "
-        "| chance | first-hop exact "
-        "| first-hop top-5 "
-        "| most frequent token | ε, q=1 | ε, q=batch/site |",
+        "linear map / stand-in per token / stand-in matching / clusters | model alone | chance "
+        "| first-hop exact | first-hop top-5 | most frequent token | ε, q=1 | ε, q=batch/site |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, r in rows:
