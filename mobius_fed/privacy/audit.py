@@ -146,17 +146,8 @@ class AuditReport:
         return out
 
 
-DERIVED = (
-    "accuracy",
-    "model_accuracy",
-    "linear_accuracy",
-    "surrogate_accuracy",
-    "matching_accuracy",
-    "cluster_accuracy",
-    "cluster_purity",
-    "cluster_purity_chance",
-    "best_accuracy",
-)
+# TargetAttack's properties, in order: as_dict writes them, sweep.report_from_dict drops them.
+DERIVED = tuple(name for name, v in vars(TargetAttack).items() if isinstance(v, property))
 
 
 def check_victim(cfg: TrainConfig, victim: int) -> None:
@@ -211,9 +202,8 @@ class Audit:
         self.engine = ReferenceEngine(cfg, self.sites)
         ensure_home_layers(self.engine)
         self.keys = NoiseKeys(cfg, "reference", None)
-        K = cfg.K
-        self.target = TargetAttack(victim, last_hop_attacker(cfg, victim))
-        self.target.home_layer = cfg.privacy.home_layer
+        attacker = last_hop_attacker(cfg, victim)
+        self.target = TargetAttack(victim, attacker, home_layer=cfg.privacy.home_layer)
         self._surrogate: nn.Module | None = None
         if cfg.privacy.home_layer != "off":
             self.target.linear_correct = self.target.cluster_correct = 0
@@ -228,12 +218,12 @@ class Audit:
             self.target.surrogate_correct = 0
         self._step_hits: dict[int, list[int]] = {}
         self.last_hop = Observer(
-            rank=self.target.attacker,
-            backward_slots={victim: K},
+            rank=attacker,
+            backward_slots={victim: cfg.K},
             phases=("train",),
             on_backward=self._attack_targets,
+            sent_forward={victim: cfg.K},
         )
-        self.last_hop.sent_forward = {victim: K}
         self.last_hop.attach(self.engine.hops)
         first = first_hop_attacker(cfg, victim)
         self.first_hop: Observer | None = None
@@ -282,9 +272,9 @@ class Audit:
             finally:
                 head.home = own
         hits = int((guess == y).sum())
-        self.target.tokens += y.numel()
-        self.target.correct += hits
-        self.target.model_correct += int((model == y).sum())
+        t.tokens += y.numel()
+        t.correct += hits
+        t.model_correct += int((model == y).sum())
         tally = self._step_hits.setdefault(ctx.step, [0, 0])
         tally[0] += hits
         tally[1] += y.numel()

@@ -76,8 +76,7 @@ class LeakageAudit:
         self.hops = remote_hops(cfg, victim)[: 1 if first_hop_only else None]
         self.observers = []
         for slot, worker in self.hops:
-            obs = Observer(rank=worker, forward_slots={victim: slot}, phases=("train", "eval"))
-            obs.train_steps = frozenset({0})
+            obs = Observer(rank=worker, forward_slots={victim: slot}, train_steps=frozenset({0}))
             obs.attach(self.engine.hops)
             self.observers.append(obs)
         self.start_wte = {
@@ -98,12 +97,10 @@ class LeakageAudit:
         }
 
     def _bags(self, steps: range, site: int | None = None) -> dict[str, Tensor]:
-        xs, ys = [], []
-        for n in steps:
-            for x, y in self.engine._micro("train", self.victim if site is None else site, n):
-                xs.append(x.reshape(-1))
-                ys.append(y.reshape(-1))
-        x, y = torch.cat(xs), torch.cat(ys)
+        site = self.victim if site is None else site
+        micro = [mb for n in steps for mb in self.engine._micro("train", site, n)]
+        x = torch.cat([x.reshape(-1) for x, _ in micro])
+        y = torch.cat([y.reshape(-1) for _, y in micro])
         return {
             "E (tied: inputs and targets)": torch.cat([x, y]),
             "E (inputs)": x,
