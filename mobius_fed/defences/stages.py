@@ -147,11 +147,8 @@ class LabelNoise:
 
 
 class InputNoise:
-    """Gaussian noise on a stream's first remote hop.
-
-    Without ``input_clip`` the std is σ × each token's RMS (no bound, no accounting). With
-    it, each position's hidden state is first clipped to L2 norm C and the std is σ·C: a
-    Gaussian mechanism per position (``accounting.input_epsilon_spent``)."""
+    """Gaussian noise on a stream's first remote hop: std σ × each token's RMS, or with
+    ``input_clip`` C each position clipped to C and std σ·C (``accounting``'s mechanism)."""
 
     def __init__(self, cfg: TrainConfig, keys: NoiseKeys) -> None:
         self.keys, self.sigma = keys, cfg.privacy.input_noise

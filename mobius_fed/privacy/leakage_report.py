@@ -75,11 +75,8 @@ def hop_table(report: LeakageReport) -> str:
             parts.append("—" if r is None else f"{_pct(r.exact)} / {_pct(r.top5)}")
         lines.append(f"| {stage} | {attack} | " + " | ".join(parts) + " |")
     exact, top5 = report.chance
-    lines.append(
-        "| | chance (1/V, 5/V) | "
-        + " | ".join([f"{_pct(exact)} / {_pct(top5)}"] * len(slots))
-        + " |"
-    )
+    chance = f"{_pct(exact)} / {_pct(top5)}"
+    lines.append("| | chance (1/V, 5/V) | " + " | ".join([chance] * len(slots)) + " |")
     return "\n".join(lines)
 
 
@@ -97,8 +94,7 @@ def update_table(report: LeakageReport) -> str:
     for label, rows in groups:
         for name, score in dict.fromkeys((r.rows, r.score) for r in rows):
             sel = [r for r in rows if (r.rows, r.score) == (name, score)]
-            n = len(sel)
-            mean = [sum(getattr(r, f) for r in sel) / n for f in _FIELDS]
+            mean = [sum(getattr(r, f) for r in sel) / len(sel) for f in _FIELDS]
             cells = " | ".join(_pct(x) for x in mean)
             lines.append(f"| {label} | {name} | {score} | {cells} |")
     return "\n".join(lines)
