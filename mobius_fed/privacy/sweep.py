@@ -212,12 +212,11 @@ def plot(rows: Sequence[tuple[str, AuditReport]], path: Path) -> Path | None:
 
 def report_from_dict(d: dict[str, Any]) -> AuditReport:
     """Rebuild an :class:`AuditReport` from a row of sweep.json."""
-    d = dict(d)
-    target = {k: v for k, v in d.pop("target").items() if k not in DERIVED}
-    inv = d.pop("inversion")
-    known = {f.name for f in fields(AuditReport)}
+    known = {f.name for f in fields(AuditReport)} - {"target", "inversion"}
+    target = {k: v for k, v in d["target"].items() if k not in DERIVED}
+    inv = d["inversion"]
     return AuditReport(
-        **{k: v for k, v in d.items() if k in known and k not in ("target", "inversion")},
+        **{k: v for k, v in d.items() if k in known},
         target=TargetAttack(**target),
         inversion=InputAttack(**inv) if inv else None,
     )
