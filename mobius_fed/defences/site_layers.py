@@ -45,8 +45,10 @@ def build_site_replica(cfg: TrainConfig, origin: int, engine: Engine = "referenc
     replica = build_replica(cfg.model(), cfg.seed, pc.home_layer)
     if replica.home is not None:
         replica.reset_home(_keyed_generator(cfg, origin, engine, f"home-layer:{pc.home_layer}"))
-        replica.home.requires_grad_(pc.home_layer_trained)
+        if not pc.home_layer_trained:
+            replica.home.requires_grad_(False)
     if replica.home_input is not None:
         replica.reset_input(_keyed_generator(cfg, origin, engine, f"home-input:{pc.home_input}"))
-        replica.home_input.requires_grad_(pc.home_input_trained)
+        if not pc.home_input_trained:
+            replica.home_input.requires_grad_(False)
     return replica
