@@ -48,11 +48,6 @@ def _accountant_class(kind: str) -> type:
     return {"rdp": RDPAccountant, "prv": PRVAccountant}[kind]
 
 
-def effective_multiplier(pc: PrivacyConfig) -> float:
-    """σ for replace-one adjacency of one target (sensitivity 2C, noise σC)."""
-    return pc.label_noise / 2.0
-
-
 def _epsilon(pc: PrivacyConfig, sigma: float, q: float, count: int) -> float:
     """ε after ``count`` Gaussian releases of multiplier ``sigma`` at rate ``q``, at
     ``pc.delta`` (none: 0; no noise: infinity)."""
@@ -66,8 +61,9 @@ def _epsilon(pc: PrivacyConfig, sigma: float, q: float, count: int) -> float:
 
 
 def epsilon_spent(pc: PrivacyConfig, steps: int) -> float:
-    """ε of the label defence after ``steps`` steps (0 steps: 0; no noise: infinity)."""
-    return _epsilon(pc, effective_multiplier(pc), pc.sample_rate, steps)
+    """ε of the label defence after ``steps`` steps (0 steps: 0; no noise: infinity), with
+    σ/2 for replace-one adjacency of one target (sensitivity 2C, noise σC)."""
+    return _epsilon(pc, pc.label_noise / 2.0, pc.sample_rate, steps)
 
 
 def input_epsilon_spent(pc: PrivacyConfig, steps: int, seq_len: int) -> dict[str, float]:

@@ -63,14 +63,11 @@ class ErPrivacy:
                     {k: Array(np.asarray(v)) for k, v in zip(record.keys(), arrays, strict=True)}
                 )
 
-    def generator(self, rnd: int) -> np.random.Generator:
-        seed = keyed_digest(self.key, f"{self.seed}:er-dp:{rnd}")
-        return np.random.Generator(np.random.PCG64(seed))
-
     def add_noise(self, arrays: ArrayRecord, rnd: int) -> ArrayRecord:
         """``arrays`` plus round ``rnd``'s noise, std z·C/P, in each array's own dtype."""
         std = compute_stdv(self.noise, self.clip, self.P)
-        gen = self.generator(rnd)
+        seed = keyed_digest(self.key, f"{self.seed}:er-dp:{rnd}")
+        gen = np.random.Generator(np.random.PCG64(seed))
         out = {}
         for name, a in zip(arrays.keys(), arrays.to_numpy_ndarrays(), strict=True):
             z = gen.standard_normal(a.shape, dtype=np.float32) * np.float32(std)

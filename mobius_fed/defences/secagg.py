@@ -97,7 +97,7 @@ class Quantiser:
         if self.bits < 64:
             high = total >= np.uint64(1 << (self.bits - 1))
             signed[high] -= np.int64(1) << np.int64(self.bits)
-        return signed.astype(np.float64) * (self.bound / self.levels) / self.P
+        return signed.astype(np.float64) * self.step / self.P
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> Quantiser:

@@ -18,12 +18,11 @@ module sits below both engines: it builds replicas, never an engine.
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING
 
 import torch
 
-from mobius_fed.defences.stages import NoiseKeys
+from mobius_fed.defences.stages import NoiseKeys, keyed_digest
 from mobius_fed.model import Replica, build_replica
 
 if TYPE_CHECKING:
@@ -32,20 +31,10 @@ if TYPE_CHECKING:
 
 
 def _keyed_generator(cfg: TrainConfig, origin: int, engine: Engine, label: str) -> torch.Generator:
+    """The generator of site ``origin``'s private layer ``label``, keyed by that site's secret."""
     keys = NoiseKeys(cfg, engine, origin if engine == "ring" else None)
-    text = f"{cfg.seed}:{label}:{origin}".encode()
-    digest = hashlib.blake2b(text, key=keys.key(origin)[:64], digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-
-
-def home_generator(cfg: TrainConfig, origin: int, engine: Engine = "reference") -> torch.Generator:
-    """The generator of site ``origin``'s home layer, keyed by that site's secret."""
-    return _keyed_generator(cfg, origin, engine, f"home-layer:{cfg.privacy.home_layer}")
-
-
-def input_generator(cfg: TrainConfig, origin: int, engine: Engine = "reference") -> torch.Generator:
-    """The generator of site ``origin``'s input layer, keyed by that site's secret."""
-    return _keyed_generator(cfg, origin, engine, f"home-input:{cfg.privacy.home_input}")
+    seed = keyed_digest(keys.key(origin), f"{cfg.seed}:{label}:{origin}") >> 1
+    return torch.Generator().manual_seed(seed)
 
 
 def build_site_replica(cfg: TrainConfig, origin: int, engine: Engine = "reference") -> Replica:
@@ -55,13 +44,11 @@ def build_site_replica(cfg: TrainConfig, origin: int, engine: Engine = "referenc
     pc = cfg.privacy
     replica = build_replica(cfg.model(), cfg.seed, pc.home_layer)
     if replica.home is not None:
-        replica.reset_home(home_generator(cfg, origin, engine))
+        replica.reset_home(_keyed_generator(cfg, origin, engine, f"home-layer:{pc.home_layer}"))
         if not pc.home_layer_trained:
-            for p in replica.home_parameters():
-                p.requires_grad_(False)
+            replica.home.requires_grad_(False)
     if replica.home_input is not None:
-        replica.reset_input(input_generator(cfg, origin, engine))
+        replica.reset_input(_keyed_generator(cfg, origin, engine, f"home-input:{pc.home_input}"))
         if not pc.home_input_trained:
-            for p in replica.input_parameters():
-                p.requires_grad_(False)
+            replica.home_input.requires_grad_(False)
     return replica

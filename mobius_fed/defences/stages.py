@@ -44,13 +44,10 @@ def write_site_keys(directory: str | Path, sites: int) -> list[Path]:
     import secrets
 
     Path(directory).mkdir(parents=True, exist_ok=True)
-    paths = []
-    for path in [key_path(directory, s) for s in range(sites)] + [
-        Path(directory) / COORDINATOR_KEY
-    ]:
+    paths = [key_path(directory, s) for s in range(sites)] + [Path(directory) / COORDINATOR_KEY]
+    for path in paths:
         path.write_bytes(secrets.token_bytes(KEY_BYTES))
         path.chmod(0o600)
-        paths.append(path)
     return paths
 
 
@@ -150,11 +147,8 @@ class LabelNoise:
 
 
 class InputNoise:
-    """Gaussian noise on a stream's first remote hop.
-
-    Without ``input_clip`` the std is σ × each token's RMS (no bound, no accounting). With
-    it, each position's hidden state is first clipped to L2 norm C and the std is σ·C: a
-    Gaussian mechanism per position (``accounting.input_epsilon_spent``)."""
+    """Gaussian noise on a stream's first remote hop: std σ × each token's RMS, or with
+    ``input_clip`` C each position clipped to C and std σ·C (``accounting``'s mechanism)."""
 
     def __init__(self, cfg: TrainConfig, keys: NoiseKeys) -> None:
         self.keys, self.sigma = keys, cfg.privacy.input_noise

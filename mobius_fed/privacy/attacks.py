@@ -42,15 +42,11 @@ def candidate_gradients(h: Tensor, head: Replica) -> tuple[Tensor, Tensor]:
     z = cap * torch.tanh(z0 / cap)
     p = torch.softmax(z, -1)
     c = 1 - torch.tanh(z0 / cap).square()  # dz/dz0
-
-    def jt(v: Tensor) -> Tensor:  # J_rms^T v for v [..., N?, d]
-        return (v - u.unsqueeze(-2) * (u.unsqueeze(-2) * v).sum(-1, keepdim=True) / d) / r[
-            ..., None
-        ]
-
-    base = ((c * p) @ W) / 1.0  # [N, d]: W^T (c ⊙ p)
+    base = (c * p) @ W  # [N, d]: W^T (c ⊙ p)
     cols = c.unsqueeze(-1) * W.unsqueeze(0)  # [N, V, d]: c_y W[y]
-    grads = jt(base.unsqueeze(-2) - cols)  # [N, V, d]
+    v = base.unsqueeze(-2) - cols  # [N, V, d]
+    u1 = u.unsqueeze(-2)
+    grads = (v - u1 * (u1 * v).sum(-1, keepdim=True) / d) / r[..., None]  # J_rms^T v
     return p, grads
 
 

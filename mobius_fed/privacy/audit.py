@@ -62,6 +62,10 @@ class TargetAttack:
     cluster_pure: int | None = None  # tokens grouped with others of their own target
     cluster_pure_chance: int | None = None  # the same groups, targets shuffled
 
+    def _share(self, count: int | None) -> float | None:
+        """``count`` as a share of the tokens attacked (None for an attack not run)."""
+        return None if count is None else count / max(1, self.tokens)
+
     @property
     def accuracy(self) -> float:
         return self.correct / max(1, self.tokens)
@@ -72,35 +76,27 @@ class TargetAttack:
 
     @property
     def linear_accuracy(self) -> float | None:
-        return None if self.linear_correct is None else self.linear_correct / max(1, self.tokens)
+        return self._share(self.linear_correct)
 
     @property
     def surrogate_accuracy(self) -> float | None:
-        if self.surrogate_correct is None:
-            return None
-        return self.surrogate_correct / max(1, self.tokens)
+        return self._share(self.surrogate_correct)
 
     @property
     def matching_accuracy(self) -> float | None:
-        if self.matching_correct is None:
-            return None
-        return self.matching_correct / max(1, self.tokens)
+        return self._share(self.matching_correct)
 
     @property
     def cluster_accuracy(self) -> float | None:
-        if self.cluster_correct is None:
-            return None
-        return self.cluster_correct / max(1, self.tokens)
+        return self._share(self.cluster_correct)
 
     @property
     def cluster_purity(self) -> float | None:
-        return None if self.cluster_pure is None else self.cluster_pure / max(1, self.tokens)
+        return self._share(self.cluster_pure)
 
     @property
     def cluster_purity_chance(self) -> float | None:
-        if self.cluster_pure_chance is None:
-            return None
-        return self.cluster_pure_chance / max(1, self.tokens)
+        return self._share(self.cluster_pure_chance)
 
     @property
     def best_accuracy(self) -> float:
@@ -150,17 +146,8 @@ class AuditReport:
         return out
 
 
-DERIVED = (
-    "accuracy",
-    "model_accuracy",
-    "linear_accuracy",
-    "surrogate_accuracy",
-    "matching_accuracy",
-    "cluster_accuracy",
-    "cluster_purity",
-    "cluster_purity_chance",
-    "best_accuracy",
-)
+# TargetAttack's properties, in order: as_dict writes them, sweep.report_from_dict drops them.
+DERIVED = tuple(name for name, v in vars(TargetAttack).items() if isinstance(v, property))
 
 
 def check_victim(cfg: TrainConfig, victim: int) -> None:
@@ -169,6 +156,16 @@ def check_victim(cfg: TrainConfig, victim: int) -> None:
         raise ValueError("the audit needs P >= 2 workers: with one, nothing leaves a site")
     if not 0 <= victim < cfg.P:
         raise ValueError(f"victim {victim} is not an origin of P={cfg.P} workers")
+
+
+def own_text(cfg: TrainConfig, site: SiteData, batches: int) -> Tensor:
+    """An attacker's own training text (its public text): [S, T] token ids."""
+    return torch.cat(
+        [
+            site.batch("train", seed=cfg.seed + 7919, step=k, batch_size=cfg.batch_size)[0]
+            for k in range(batches)
+        ]
+    )
 
 
 def last_hop_attacker(cfg: TrainConfig, s: int) -> int:
@@ -205,9 +202,8 @@ class Audit:
         self.engine = ReferenceEngine(cfg, self.sites)
         ensure_home_layers(self.engine)
         self.keys = NoiseKeys(cfg, "reference", None)
-        K = cfg.K
-        self.target = TargetAttack(victim, last_hop_attacker(cfg, victim))
-        self.target.home_layer = cfg.privacy.home_layer
+        attacker = last_hop_attacker(cfg, victim)
+        self.target = TargetAttack(victim, attacker, home_layer=cfg.privacy.home_layer)
         self._surrogate: nn.Module | None = None
         if cfg.privacy.home_layer != "off":
             self.target.linear_correct = self.target.cluster_correct = 0
@@ -222,12 +218,12 @@ class Audit:
             self.target.surrogate_correct = 0
         self._step_hits: dict[int, list[int]] = {}
         self.last_hop = Observer(
-            rank=self.target.attacker,
-            backward_slots={victim: K},
+            rank=attacker,
+            backward_slots={victim: cfg.K},
             phases=("train",),
             on_backward=self._attack_targets,
+            sent_forward={victim: cfg.K},
         )
-        self.last_hop.sent_forward = {victim: K}
         self.last_hop.attach(self.engine.hops)
         first = first_hop_attacker(cfg, victim)
         self.first_hop: Observer | None = None
@@ -276,9 +272,9 @@ class Audit:
             finally:
                 head.home = own
         hits = int((guess == y).sum())
-        self.target.tokens += y.numel()
-        self.target.correct += hits
-        self.target.model_correct += int((model == y).sum())
+        t.tokens += y.numel()
+        t.correct += hits
+        t.model_correct += int((model == y).sum())
         tally = self._step_hits.setdefault(ctx.step, [0, 0])
         tally[0] += hits
         tally[1] += y.numel()
@@ -287,13 +283,8 @@ class Audit:
     @torch.no_grad()
     def _attacker_features(self, slot: int, attacker: int) -> tuple[Tensor, Tensor]:
         """(hidden states, tokens) of the attacker's own text through what it holds."""
-        cfg, eng = self.cfg, self.engine
-        site = self.sites[attacker]
-        xs = [
-            site.batch("train", seed=cfg.seed + 7919, step=k, batch_size=cfg.batch_size)[0]
-            for k in range(self.attacker_batches)
-        ]
-        x = torch.cat(xs)
+        eng = self.engine
+        x = own_text(self.cfg, self.sites[attacker], self.attacker_batches)
         e = eng.replicas[attacker].embed(x)
         if slot == 0:
             return e, x

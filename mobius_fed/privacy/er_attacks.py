@@ -3,7 +3,7 @@
 At a barrier the coordinator receives each site's embedding/head θ_s and knows the
 average θ̄ it sent out, so it holds the update Δ_s = θ_s − θ̄, one row per token. E/R step
 with AdamW (``model/training.py``), so a row's update is −lr·m̂/(√v̂ + ε): a row that got no
-gradient this round moves only by its decaying momentum, predictably. Three scores, one
+gradient this round moves only by its decaying momentum, predictably. Four scores, one
 per row (higher = "this token was in the site's batch"):
 
 * ``norm``: ‖Δ_s[v]‖ (rows that did not move at all score 0);

@@ -29,7 +29,7 @@ from mobius_fed.engine.reference import ReferenceEngine
 from mobius_fed.model.training import average_parameters
 from mobius_fed.privacy import er_attacks, input_attacks
 from mobius_fed.privacy.attacks import train_inverter
-from mobius_fed.privacy.audit import check_victim, ensure_home_layers
+from mobius_fed.privacy.audit import check_victim, ensure_home_layers, own_text
 from mobius_fed.privacy.input_attacks import TOP, recovery
 from mobius_fed.privacy.leakage_report import HopRow, LeakageReport, UpdateRow
 from mobius_fed.privacy.observer import Observer
@@ -39,11 +39,11 @@ def remote_hops(cfg: TrainConfig, s: int) -> list[tuple[int, int]]:
     """(slot, receiving worker) of every forward hop of stream s that another worker
     receives (the final hop home is the origin's own)."""
     path = schedule.path(cfg.order, s, cfg.P, cfg.loops)
-    out = []
-    for slot in range(cfg.K):
-        if schedule.producer(path, s, slot) != path[slot] and path[slot] != s:
-            out.append((slot, path[slot]))
-    return out
+    return [
+        (slot, path[slot])
+        for slot in range(cfg.K)
+        if schedule.producer(path, s, slot) != path[slot] and path[slot] != s
+    ]
 
 
 class LeakageAudit:
@@ -76,8 +76,7 @@ class LeakageAudit:
         self.hops = remote_hops(cfg, victim)[: 1 if first_hop_only else None]
         self.observers = []
         for slot, worker in self.hops:
-            obs = Observer(rank=worker, forward_slots={victim: slot}, phases=("train", "eval"))
-            obs.train_steps = frozenset({0})
+            obs = Observer(rank=worker, forward_slots={victim: slot}, train_steps=frozenset({0}))
             obs.attach(self.engine.hops)
             self.observers.append(obs)
         self.start_wte = {
@@ -98,12 +97,10 @@ class LeakageAudit:
         }
 
     def _bags(self, steps: range, site: int | None = None) -> dict[str, Tensor]:
-        xs, ys = [], []
-        for n in steps:
-            for x, y in self.engine._micro("train", self.victim if site is None else site, n):
-                xs.append(x.reshape(-1))
-                ys.append(y.reshape(-1))
-        x, y = torch.cat(xs), torch.cat(ys)
+        site = self.victim if site is None else site
+        micro = [mb for n in steps for mb in self.engine._micro("train", site, n)]
+        x = torch.cat([x.reshape(-1) for x, _ in micro])
+        y = torch.cat([y.reshape(-1) for _, y in micro])
         return {
             "E (tied: inputs and targets)": torch.cat([x, y]),
             "E (inputs)": x,
@@ -172,14 +169,7 @@ class LeakageAudit:
 
     # ----------------------------------------------------------------- input
     def _own_text(self, attacker: int) -> Tensor:
-        """The attacker's own training text (its public text): [S, T] token ids."""
-        cfg, site = self.cfg, self.sites[attacker]
-        return torch.cat(
-            [
-                site.batch("train", seed=cfg.seed + 7919, step=k, batch_size=cfg.batch_size)[0]
-                for k in range(self.attacker_batches)
-            ]
-        )
+        return own_text(self.cfg, self.sites[attacker], self.attacker_batches)
 
     @torch.no_grad()
     def _own_stream(self, slot: int, attacker: int) -> tuple[Tensor, Tensor]:
@@ -225,24 +215,18 @@ class LeakageAudit:
         self, slot: int, attacker: int, stage: str, h: Tensor, x: Tensor
     ) -> list[HopRow]:
         cfg, vocab = self.cfg, self.cfg.model().vocab_size
-        wte = (
-            self.start_wte[attacker]
-            if stage == "step 0"
-            else self.engine.replicas[attacker].wte.weight.detach()
-        )
+        if stage == "step 0":
+            wte = self.start_wte[attacker]
+        else:
+            wte = self.engine.replicas[attacker].wte.weight.detach()
         public = self._own_text(attacker)
+        floor = input_attacks.frequency_floor(public, x.numel(), vocab)
+        nearest = input_attacks.nearest_row(h, self._rows(wte))
+        clusters = input_attacks.cluster_frequency(h, public, vocab, seed=cfg.seed)
         found: list[tuple[str, Tensor, Tensor]] = [
-            (
-                "floor: most frequent tokens",
-                input_attacks.frequency_floor(public, x.numel(), vocab),
-                x,
-            ),
-            ("nearest row of E", input_attacks.nearest_row(h, self._rows(wte)), x),
-            (
-                "clusters + public frequencies",
-                input_attacks.cluster_frequency(h, public, vocab, seed=cfg.seed),
-                x,
-            ),
+            ("floor: most frequent tokens", floor, x),
+            ("nearest row of E", nearest, x),
+            ("clusters + public frequencies", clusters, x),
         ]
         for f in self.known:
             mask = input_attacks.known_mask(x.numel(), f, cfg.seed)

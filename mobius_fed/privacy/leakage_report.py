@@ -66,10 +66,7 @@ def hop_table(report: LeakageReport) -> str:
     attackers = {r.slot: r.attacker for r in report.hops}
     head = "| stage | attack | " + " | ".join(f"slot {s} (worker {attackers[s]})" for s in slots)
     lines = [head + " |", "|---|---|" + "---|" * len(slots)]
-    keys: list[tuple[str, str]] = []
-    for r in report.hops:
-        if (r.stage, r.attack) not in keys:
-            keys.append((r.stage, r.attack))
+    keys = dict.fromkeys((r.stage, r.attack) for r in report.hops)
     cell = {(r.stage, r.attack, r.slot): r for r in report.hops}
     for stage, attack in keys:
         parts = []
@@ -78,11 +75,8 @@ def hop_table(report: LeakageReport) -> str:
             parts.append("—" if r is None else f"{_pct(r.exact)} / {_pct(r.top5)}")
         lines.append(f"| {stage} | {attack} | " + " | ".join(parts) + " |")
     exact, top5 = report.chance
-    lines.append(
-        "| | chance (1/V, 5/V) | "
-        + " | ".join([f"{_pct(exact)} / {_pct(top5)}"] * len(slots))
-        + " |"
-    )
+    chance = f"{_pct(exact)} / {_pct(top5)}"
+    lines.append("| | chance (1/V, 5/V) | " + " | ".join([chance] * len(slots)) + " |")
     return "\n".join(lines)
 
 
@@ -98,14 +92,9 @@ def update_table(report: LeakageReport) -> str:
         first, last = late[0].round, late[-1].round
         groups.append((f"rounds {first}–{last} (mean)", late))
     for label, rows in groups:
-        keys: list[tuple[str, str]] = []
-        for r in rows:
-            if (r.rows, r.score) not in keys:
-                keys.append((r.rows, r.score))
-        for name, score in keys:
+        for name, score in dict.fromkeys((r.rows, r.score) for r in rows):
             sel = [r for r in rows if (r.rows, r.score) == (name, score)]
-            n = len(sel)
-            mean = [sum(getattr(r, f) for r in sel) / n for f in _FIELDS]
+            mean = [sum(getattr(r, f) for r in sel) / len(sel) for f in _FIELDS]
             cells = " | ".join(_pct(x) for x in mean)
             lines.append(f"| {label} | {name} | {score} | {cells} |")
     return "\n".join(lines)

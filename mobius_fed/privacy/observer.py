@@ -1,9 +1,9 @@
-"""What one worker legitimately sees on the ring, recorded as hop stages.
+"""What one worker legitimately sees on the ring, recorded as a hop stage.
 
 The reference engine hands on exactly the tensors a ring exchanges (the exactness
-contract), so taps added to its :class:`~mobius_fed.hop.Hops` record what worker
-``rank`` receives: both taps run after every other stage (a hop's stages run in the same
-order in both directions), so they see the tensor and the gradient as they arrive.
+contract), so an observer added to its :class:`~mobius_fed.hop.Hops` records what worker
+``rank`` receives: it runs after every other stage (a hop's stages run in the same order
+in both directions), so it sees the tensor and the gradient as they arrive.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Observer:
     ``forward_slots``/``backward_slots`` map a stream s to the slot recorded for it;
     ``on_backward`` (if given) is called with each recorded gradient's context, so that an
     attack can run while the attacker's replica is as it was at that step. ``train_steps``
-    (if given) limits the forward taps' training phase to those steps (evaluation is kept).
+    (if given) limits the forward records of the training phase to those steps (evaluation is kept).
     """
 
     rank: int
@@ -43,43 +43,24 @@ class Observer:
         return (ctx.phase, ctx.step, ctx.s, ctx.slot, ctx.m)
 
     def attach(self, hops: Hops) -> None:
-        """Install the taps after every stage (defences and codecs run first)."""
-        hops.stages.append(_BackwardTap(self))
-        hops.stages.append(_ForwardTap(self))
-
-
-class _ForwardTap:
-    def __init__(self, obs: Observer) -> None:
-        self.obs = obs
+        """Install the observer as the last stage (defences and codecs run first)."""
+        hops.stages.append(self)
 
     def forward(self, h: Tensor, ctx: HopContext) -> Tensor:
-        obs = self.obs
-        skipped = ctx.phase == "train" and obs.train_steps is not None
-        if skipped and ctx.step not in obs.train_steps:
+        skipped = ctx.phase == "train" and self.train_steps is not None
+        if skipped and ctx.step not in self.train_steps:
             return h
-        if ctx.phase in obs.phases and ctx.remote:
-            if ctx.consumer == obs.rank and obs.forward_slots.get(ctx.s) == ctx.slot:
-                obs.received[obs.key(ctx)] = h.detach().clone()
-            if ctx.producer == obs.rank and obs.sent_forward.get(ctx.s) == ctx.slot:
-                obs.sent[obs.key(ctx)] = h.detach().clone()
+        if ctx.phase in self.phases and ctx.remote:
+            if ctx.consumer == self.rank and self.forward_slots.get(ctx.s) == ctx.slot:
+                self.received[self.key(ctx)] = h.detach().clone()
+            if ctx.producer == self.rank and self.sent_forward.get(ctx.s) == ctx.slot:
+                self.sent[self.key(ctx)] = h.detach().clone()
         return h
 
     def backward(self, g: Tensor, ctx: HopContext) -> Tensor:
-        return g
-
-
-class _BackwardTap:
-    def __init__(self, obs: Observer) -> None:
-        self.obs = obs
-
-    def forward(self, h: Tensor, ctx: HopContext) -> Tensor:
-        return h
-
-    def backward(self, g: Tensor, ctx: HopContext) -> Tensor:
-        obs = self.obs
-        if ctx.remote and ctx.producer == obs.rank and obs.backward_slots.get(ctx.s) == ctx.slot:
-            if obs.on_backward is not None:
-                obs.on_backward(ctx, g.detach())
+        if ctx.remote and ctx.producer == self.rank and self.backward_slots.get(ctx.s) == ctx.slot:
+            if self.on_backward is not None:
+                self.on_backward(ctx, g.detach())
             else:
-                obs.received[("grad", ctx.step, ctx.s, ctx.slot, ctx.m)] = g.detach().clone()
+                self.received[("grad", ctx.step, ctx.s, ctx.slot, ctx.m)] = g.detach().clone()
         return g

@@ -99,10 +99,8 @@ def markdown_table(rows: Sequence[tuple[str, AuditReport]]) -> str:
     base = {r.order: r.eval_loss for label, r in rows if not _defended(r)}
     lines = [
         "| defence | order | Eq. 8 val loss | Δ vs none | target recovery | attacks: R on h / "
-        "linear map / stand-in per token / stand-in matching / clusters | model alone "
-        "| chance | first-hop exact "
-        "| first-hop top-5 "
-        "| most frequent token | ε, q=1 | ε, q=batch/site |",
+        "linear map / stand-in per token / stand-in matching / clusters | model alone | chance "
+        "| first-hop exact | first-hop top-5 | most frequent token | ε, q=1 | ε, q=batch/site |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, r in rows:
@@ -214,12 +212,11 @@ def plot(rows: Sequence[tuple[str, AuditReport]], path: Path) -> Path | None:
 
 def report_from_dict(d: dict[str, Any]) -> AuditReport:
     """Rebuild an :class:`AuditReport` from a row of sweep.json."""
-    d = dict(d)
-    target = {k: v for k, v in d.pop("target").items() if k not in DERIVED}
-    inv = d.pop("inversion")
-    known = {f.name for f in fields(AuditReport)}
+    known = {f.name for f in fields(AuditReport)} - {"target", "inversion"}
+    target = {k: v for k, v in d["target"].items() if k not in DERIVED}
+    inv = d["inversion"]
     return AuditReport(
-        **{k: v for k, v in d.items() if k in known and k not in ("target", "inversion")},
+        **{k: v for k, v in d.items() if k in known},
         target=TargetAttack(**target),
         inversion=InputAttack(**inv) if inv else None,
     )
