@@ -137,7 +137,6 @@ def _batches(site: SiteData, cfg: TrainConfig, n: int) -> list[tuple[Tensor, Ten
     return [site.batch("val", seed=cfg.seed, step=b, batch_size=cfg.batch_size) for b in range(n)]
 
 
-@torch.no_grad()
 def refuse_subspace(model: Model) -> None:
     """Analysis reads full-width hidden states along a path: not defined with a subspace."""
     if model.cfg.subspace.on:
@@ -148,6 +147,7 @@ def refuse_subspace(model: Model) -> None:
         )
 
 
+@torch.no_grad()
 def analyze_model(model: Model, sites: Sequence[SiteData], batches: int = 2) -> Analysis:
     """Measure ``model`` on ``batches`` validation batches per origin (see module doc)."""
     cfg, P, K = model.cfg, model.cfg.P, model.cfg.K
