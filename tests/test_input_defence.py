@@ -4,6 +4,7 @@ ring == reference exact with it on; the first hop no longer carries E(x) at step
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -92,9 +93,15 @@ def test_rotation_is_orthogonal_and_each_site_draws_its_own_from_its_key(keys: s
         assert _same(_layer(build_site_replica(cfg, s, "ring")), _layer(build_site_replica(cfg, s)))
 
 
-def test_the_first_hop_at_step_0_no_longer_reads_as_E(sites, keys: str):
+def test_the_first_hop_at_step_0_no_longer_reads_as_E(sites, tmp_path: Path):
     """Without the layer the nearest row of E reads every token of the first remote hop
-    at step 0 (groups start as the identity); with a keyed layer it reads almost none."""
+    at step 0 (groups start as the identity); with a keyed layer it reads almost none.
+
+    The keys are fixed: what the attack reads depends on the keyed draw (at most 7.8 % in
+    297 of 300 random key sets, 12.5 % in 3), and a test must not fail by that luck."""
+    keys = str(tmp_path)
+    for path in write_site_keys(keys, P):
+        path.write_bytes(hashlib.sha256(path.name.encode()).digest())
     got = {}
     for layer in ("off", *LAYERS):
         eng = ReferenceEngine(_cfg(layer, keys), sites)
