@@ -54,11 +54,11 @@ class HomeBlock(nn.Module):
         return self.mlp(self.block(rms_norm(h)))
 
 
-def home_layer_kind(kind: str | None) -> str:
-    """A checked home layer name (None = "off")."""
+def checked_kind(option: str, kind: str | None, kinds: tuple[str, ...]) -> str:
+    """``kind`` (None = "off") if it is one of ``kinds``, else an error naming ``option``."""
     kind = kind or "off"
-    if kind not in HOME_LAYERS:
-        raise ValueError(f"home_layer {kind!r} is not one of {', '.join(HOME_LAYERS)}")
+    if kind not in kinds:
+        raise ValueError(f"{option} {kind!r} is not one of {', '.join(kinds)}")
     return kind
 
 
@@ -76,10 +76,7 @@ class InputRotation(nn.Module):
 
 def input_layer_kind(kind: str | None) -> str:
     """A checked input layer name (None = "off")."""
-    kind = kind or "off"
-    if kind not in INPUT_LAYERS:
-        raise ValueError(f"home_input {kind!r} is not one of {', '.join(INPUT_LAYERS)}")
-    return kind
+    return checked_kind("home_input", kind, INPUT_LAYERS)
 
 
 def make_layer(cfg: ModelConfig, kind: str) -> nn.Module | None:

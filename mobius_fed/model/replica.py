@@ -17,7 +17,8 @@ from mobius_fed.model.config import ModelConfig
 from mobius_fed.model.layers import rms_norm
 from mobius_fed.model.memory import chunked_cross_entropy
 from mobius_fed.model.private_layers import (
-    home_layer_kind,
+    HOME_LAYERS,
+    checked_kind,
     input_layer_kind,
     make_layer,
     reset_layer,
@@ -41,7 +42,7 @@ class Replica(nn.Module):
             if self.lm_head is not None:
                 self.lm_head.weight.normal_(0.0, 0.02)
         # Built last, so E and R draw the same initial values with or without it.
-        self.home = make_layer(cfg, home_layer_kind(home_layer))
+        self.home = make_layer(cfg, checked_kind("home_layer", home_layer, HOME_LAYERS))
         # Last of all, so E, R and the home layer draw the same values with or without it.
         self.home_input = make_layer(cfg, input_layer_kind(cfg.home_input))
 
