@@ -41,10 +41,12 @@ class Replica(nn.Module):
             self.wte.weight.normal_(0.0, 0.02)
             if self.lm_head is not None:
                 self.lm_head.weight.normal_(0.0, 0.02)
+        self.home_layer = checked_kind("home_layer", home_layer, HOME_LAYERS)
         # Built last, so E and R draw the same initial values with or without it.
-        self.home = make_layer(cfg, checked_kind("home_layer", home_layer, HOME_LAYERS))
+        self.home = make_layer(cfg, self.home_layer)
         # Last of all, so E, R and the home layer draw the same values with or without it.
-        self.home_input = make_layer(cfg, input_layer_kind(cfg.home_input))
+        self.input_kind = input_layer_kind(cfg.home_input)
+        self.home_input = make_layer(cfg, self.input_kind)
 
     def embed(self, idx: Tensor) -> Tensor:
         """E, then the private input layer if any: token ids [B, T] → hidden states
