@@ -1,6 +1,5 @@
 """The single-process reference engine (the oracle for the distributed ring)."""
 
-from mobius_fed.checkpoint import load_checkpoint, save_checkpoint
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
 
-__all__ = ["EvalResult", "ReferenceEngine", "StepResult", "load_checkpoint", "save_checkpoint"]
+__all__ = ["EvalResult", "ReferenceEngine", "StepResult"]

@@ -12,7 +12,7 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine
 from mobius_fed.engine.trainer import train
-from mobius_fed.plotting import save_figure
+from mobius_fed.plotting import pyplot, save_figure
 from mobius_fed.schedule import Order
 from mobius_fed.stats import ci95, mean, std
 
@@ -135,8 +135,7 @@ def title_of(cfg: TrainConfig) -> str:
         f"{cfg.steps} steps × {cfg.batch_size}×{mc.seq_len} tokens/origin",
         f"{cfg.optimizer} (adjust {cfg.muon_adjust_lr}), sync every {cfg.sync_every}",
     ]
-    knobs = cfg.knobs.active()
-    if knobs:
+    if knobs := cfg.knobs.active():
         parts.append("knobs: " + ", ".join(f"{k}={v}" for k, v in knobs.items()))
     return "; ".join(parts)
 
@@ -147,12 +146,8 @@ def plot_curves(arms: Sequence[Arm], path: Path, cfg: TrainConfig | None = None)
     One colour per L, solid = Möbius, dashed = ordered-loop; with several seeds the line is
     the mean and the band ± one standard deviation.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -59,10 +59,9 @@ class EngineGrid(RunGrid):
         messages = sorted(messages, key=lambda m: m.metadata.dst_node_id)
         if not messages:
             return []
-        starts = [msg.content["arrays"] for msg in messages]
-        for msg in messages:
+        ranks = [rank_of_node(msg.metadata.dst_node_id) for msg in messages]
+        for msg, rank in zip(messages, ranks):
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-            rank = rank_of_node(msg.metadata.dst_node_id)
             state = msg.content["arrays"].to_torch_state_dict()
             self.engine.replicas[rank].load_shared_state_dict(state)
         kind = messages[0].metadata.message_type
@@ -73,8 +72,7 @@ class EngineGrid(RunGrid):
             assert self.engine.step == start, (self.engine.step, start)
             results = [self.engine.train_step() for _ in range(start, end)]
             self.steps.extend(results)
-            for msg, start_arrays in zip(messages, starts, strict=True):
-                rank = rank_of_node(msg.metadata.dst_node_id)
+            for msg, rank in zip(messages, ranks):
                 losses = [r.origin_losses[rank] for r in results]
                 metrics = MetricRecord(
                     {
@@ -83,13 +81,12 @@ class EngineGrid(RunGrid):
                         "losses": losses,
                     }
                 )
-                update = self._update(rank, start_arrays, conf)
+                update = self._update(rank, msg.content["arrays"], conf)
                 replies.append(self._reply(msg, RecordDict({**update, "metrics": metrics})))
         else:
             ev = self.engine.evaluate()
             self.evals.append(ev)
-            for msg in messages:
-                rank = rank_of_node(msg.metadata.dst_node_id)
+            for msg, rank in zip(messages, ranks):
                 metrics = MetricRecord({"num-examples": 1, "eval-loss": ev.origin_losses[rank]})
                 replies.append(self._reply(msg, RecordDict({"metrics": metrics})))
         set_task_identity(COORDINATOR_NODE_ID)

@@ -1,10 +1,7 @@
-"""The hop stages of one engine, put together where the pieces meet.
-
-The contract a stage keeps is :mod:`mobius_fed.hop`; the stages themselves come from
-:mod:`mobius_fed.defences.stages` (defences on hidden states and gradients) and
-:mod:`mobius_fed.transport.wire_stages` (lossy wire codecs). Both engines build theirs
-here, so they apply the same stages in the same order.
-"""
+"""The hop stages of one engine (contract: :mod:`mobius_fed.hop`): the defences of
+:mod:`mobius_fed.defences.stages`, then the wire codecs of
+:mod:`mobius_fed.transport.wire_stages`. Both engines build theirs here, so they apply
+the same stages in the same order."""
 
 from __future__ import annotations
 

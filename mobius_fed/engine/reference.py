@@ -118,10 +118,8 @@ class ReferenceEngine:
         for opts in self.group_opts + self.replica_opts:
             step_optimizers(opts, cfg, self.step)
         self.step += 1
-        barrier = (
-            self.step % cfg.sync_every == 0 or self.step == cfg.steps if cfg.sync_every else False
-        )
-        if self.average_replicas and barrier:
+        sync = cfg.sync_every  # a barrier every sync steps and at the end; 0: none
+        if self.average_replicas and sync and (self.step % sync == 0 or self.step == cfg.steps):
             average_parameters(self.replicas)
         return StepResult(
             step=self.step - 1,

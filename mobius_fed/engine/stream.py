@@ -86,7 +86,3 @@ class StreamMaps:
         if self.basis is None:
             return x
         return self.basis.expand(x, entry.base)
-
-    def width(self, d_model: int) -> int:
-        """The last dimension a slot carries: k when on, d otherwise."""
-        return d_model if self.basis is None else self.basis.U.size(1)

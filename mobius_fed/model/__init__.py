@@ -7,26 +7,22 @@ from __future__ import annotations
 
 import importlib
 
-from mobius_fed.model.config import PRESETS, ModelConfig, make_model_config, pad_vocab
+from mobius_fed.model.config import PRESETS, ModelConfig, make_model_config
 
-_FROM_GROUPS = frozenset(
-    {
-        "HOME_LAYERS",
-        "BlockGroup",
-        "HomeLayer",
-        "Replica",
-        "build_group",
-        "build_replica",
-        "count_parameters",
-        "derive_seed",
-        "is_private",
-    }
-)
-__all__ = ["PRESETS", "ModelConfig", "make_model_config", "pad_vocab", *sorted(_FROM_GROUPS)]
+# name → the module (importing torch) that defines it
+_LAZY = {
+    "BlockGroup": "group",
+    "Replica": "replica",
+    "is_private": "replica",
+    "build_group": "groups",
+    "build_replica": "groups",
+    "count_parameters": "groups",
+}
+__all__ = ["PRESETS", "ModelConfig", "make_model_config", *sorted(_LAZY)]
 
 
 def __getattr__(name: str):
-    """The names of :mod:`mobius_fed.model.groups`, imported (with torch) on first use."""
-    if name in _FROM_GROUPS:
-        return getattr(importlib.import_module("mobius_fed.model.groups"), name)
+    """The torch-backed names of the package, imported on first use."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"mobius_fed.model.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,9 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mobius_fed.model.knobs import LoopKnobs, ResidualScale
 
 Precision = Literal["bf16", "fp32"]
+"""Block arithmetic on CUDA: bf16 autocast (residual stream fp32) or fp32 throughout."""
 HomeInput = Literal["off", "rotation", "mlp", "block"]
 """The private input layer each origin applies to E(x) (``privacy.home_input``)."""
-"""Block arithmetic on CUDA: bf16 autocast (residual stream fp32) or fp32 throughout."""
 SubspaceMode = Literal["stream", "home"]
 SubspaceWrites = Literal["basis", "full"]
 

@@ -9,21 +9,8 @@ from torch import Tensor
 
 from mobius_fed.model.config import ModelConfig
 from mobius_fed.model.group import BlockGroup
-from mobius_fed.model.replica import HOME_LAYERS, HomeLayer, Replica, is_private
+from mobius_fed.model.replica import Replica
 from mobius_fed.model.subspace import subspace_basis
-
-__all__ = [
-    "HOME_LAYERS",
-    "BlockGroup",
-    "HomeLayer",
-    "Replica",
-    "build_basis",
-    "build_group",
-    "build_replica",
-    "count_parameters",
-    "derive_seed",
-    "is_private",
-]
 
 
 def derive_seed(seed: int, *tags: object) -> int:
@@ -48,13 +35,10 @@ def build_group(cfg: ModelConfig, index: int, seed: int) -> BlockGroup:
 
 
 def build_replica(cfg: ModelConfig, seed: int, home_layer: str | None = None) -> Replica:
-    """The shared initial E/R; every origin starts from the same replica.
-
-    ``home_layer`` ("off" by default, "mlp", "block") adds a private home layer drawn from
-    the public seed, as does ``cfg.home_input`` (the input layer);
-    :func:`mobius_fed.defences.site_layers.build_site_replica` redraws both from the site's secret
-    key, which is what keeps them private.
-    """
+    """The shared initial E/R, the same for every origin. The private layers
+    (``home_layer``: "off" by default, "mlp", "block"; ``cfg.home_input``) are drawn here from
+    the public seed; :func:`mobius_fed.defences.site_layers.build_site_replica` redraws them
+    from the site's secret key, which is what keeps them private."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(seed, "replica"))
         return Replica(cfg, home_layer)

@@ -13,7 +13,7 @@ Both are drawn from a generator keyed by the site's secret
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +22,7 @@ from torch import Tensor, nn
 from mobius_fed.model.config import HomeInput, ModelConfig
 from mobius_fed.model.layers import Block, rms_norm
 
-HomeLayer = Literal["off", "mlp", "block"]
-HOME_LAYERS: tuple[str, ...] = get_args(HomeLayer)
+HOME_LAYERS = ("off", "mlp", "block")
 INPUT_LAYERS: tuple[str, ...] = get_args(HomeInput)
 
 
@@ -55,33 +54,12 @@ class HomeBlock(nn.Module):
         return self.mlp(self.block(rms_norm(h)))
 
 
-def home_layer_kind(kind: str | None) -> str:
-    """A checked home layer name (None = "off")."""
+def checked_kind(option: str, kind: str | None, kinds: tuple[str, ...]) -> str:
+    """``kind`` (None = "off") if it is one of ``kinds``, else an error naming ``option``."""
     kind = kind or "off"
-    if kind not in HOME_LAYERS:
-        raise ValueError(f"home_layer {kind!r} is not one of {', '.join(HOME_LAYERS)}")
+    if kind not in kinds:
+        raise ValueError(f"{option} {kind!r} is not one of {', '.join(kinds)}")
     return kind
-
-
-def make_home_layer(cfg: ModelConfig, kind: str) -> nn.Module | None:
-    """mlp: :class:`HomeMLP`; block: one transformer block (attention mixes tokens)."""
-    if kind == "mlp":
-        return HomeMLP(cfg)
-    if kind == "block":
-        return HomeBlock(cfg)
-    return None
-
-
-@torch.no_grad()
-def reset_home_layer(home: nn.Module, generator: torch.Generator | None = None) -> None:
-    """Draw every weight matrix of a home layer uniformly with std 0.5/sqrt(fan-in), output
-    projections included (so the layer is not the identity at step 0); norms start at 1."""
-    for module in home.modules():
-        if isinstance(module, nn.Linear):
-            bound = 3**0.5 * 0.5 * module.weight.size(1) ** -0.5
-            module.weight.uniform_(-bound, bound, generator=generator)
-        elif isinstance(module, nn.RMSNorm) and module.weight is not None:
-            module.weight.fill_(1.0)
 
 
 class InputRotation(nn.Module):
@@ -98,25 +76,33 @@ class InputRotation(nn.Module):
 
 def input_layer_kind(kind: str | None) -> str:
     """A checked input layer name (None = "off")."""
-    kind = kind or "off"
-    if kind not in INPUT_LAYERS:
-        raise ValueError(f"home_input {kind!r} is not one of {', '.join(INPUT_LAYERS)}")
-    return kind
+    return checked_kind("home_input", kind, INPUT_LAYERS)
 
 
-def make_input_layer(cfg: ModelConfig, kind: str) -> nn.Module | None:
-    """rotation: :class:`InputRotation`; mlp: :class:`HomeMLP`; block: :class:`HomeBlock`."""
-    if kind == "rotation":
-        return InputRotation(cfg)
-    return make_home_layer(cfg, kind)
+def make_layer(cfg: ModelConfig, kind: str) -> nn.Module | None:
+    """A freshly drawn private layer of a checked ``kind`` (None for "off"): rotation =
+    :class:`InputRotation`, mlp = :class:`HomeMLP`, block = :class:`HomeBlock`."""
+    cls = {"rotation": InputRotation, "mlp": HomeMLP, "block": HomeBlock}.get(kind)
+    if cls is None:
+        return None
+    layer = cls(cfg)
+    reset_layer(layer)
+    return layer
 
 
 @torch.no_grad()
-def reset_input_layer(layer: nn.Module, generator: torch.Generator | None = None) -> None:
-    """A rotation draws Q orthogonal; the other kinds as :func:`reset_home_layer`."""
+def reset_layer(layer: nn.Module, generator: torch.Generator | None = None) -> None:
+    """Redraw a private layer: a rotation's Q orthogonal (Haar); otherwise every weight
+    matrix uniformly with std 0.5/sqrt(fan-in), output projections included (so the layer
+    is not the identity at step 0), and norms at 1."""
     if isinstance(layer, InputRotation):
         d = layer.proj.weight.size(0)
         q, r = torch.linalg.qr(torch.randn(d, d, generator=generator))
-        layer.proj.weight.copy_(q * torch.sign(torch.diagonal(r)))  # Haar-distributed
+        layer.proj.weight.copy_(q * torch.sign(torch.diagonal(r)))
         return
-    reset_home_layer(layer, generator)
+    for module in layer.modules():
+        if isinstance(module, nn.Linear):
+            bound = 3**0.5 * 0.5 * module.weight.size(1) ** -0.5
+            module.weight.uniform_(-bound, bound, generator=generator)
+        elif isinstance(module, nn.RMSNorm) and module.weight is not None:
+            module.weight.fill_(1.0)

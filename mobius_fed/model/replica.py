@@ -1,13 +1,9 @@
 """(E, R): one origin's embedding and head replica, averaged across origins at barriers.
 
-A replica can also carry a private *home layer* (a deviation from the paper, off by
-default): a small layer the home applies to the final hidden state before the head R.
-It is trained on the home's own loss (or kept as drawn), never averaged and never sent, so the
+It may also carry the site's private layers (:mod:`mobius_fed.model.private_layers`, off
+by default), never averaged and never sent: the *home layer* before the head R, so the
 gradient the home returns for the final hidden state is taken through a function the
-worker before the home does not hold.
-
-Its twin on the input side, the private *input layer* (``ModelConfig.home_input``, off by
-default), is applied by :meth:`Replica.embed` to E(x): what the origin's stream carries
+worker before it does not hold, and the *input layer* on E(x), so what the stream carries
 from its first block group on is a function of x the other workers do not hold.
 """
 
@@ -22,18 +18,13 @@ from mobius_fed.model.layers import rms_norm
 from mobius_fed.model.memory import chunked_cross_entropy
 from mobius_fed.model.private_layers import (
     HOME_LAYERS,
-    HomeLayer,
-    home_layer_kind,
+    checked_kind,
     input_layer_kind,
-    make_home_layer,
-    make_input_layer,
-    reset_home_layer,
-    reset_input_layer,
+    make_layer,
+    reset_layer,
 )
 
-__all__ = ["HOME_LAYERS", "HomeLayer", "Replica", "is_private"]
-HOME_PREFIX, INPUT_PREFIX = "home.", "home_input."  # state-dict names of the private layers
-PRIVATE_PREFIXES = (HOME_PREFIX, INPUT_PREFIX)
+PRIVATE_PREFIXES = ("home.", "home_input.")  # state-dict names of the private layers
 
 
 class Replica(nn.Module):
@@ -50,16 +41,12 @@ class Replica(nn.Module):
             self.wte.weight.normal_(0.0, 0.02)
             if self.lm_head is not None:
                 self.lm_head.weight.normal_(0.0, 0.02)
-        self.home_layer = home_layer_kind(home_layer)
+        self.home_layer = checked_kind("home_layer", home_layer, HOME_LAYERS)
         # Built last, so E and R draw the same initial values with or without it.
-        self.home = make_home_layer(cfg, self.home_layer)
-        if self.home is not None:
-            reset_home_layer(self.home)
+        self.home = make_layer(cfg, self.home_layer)
         # Last of all, so E, R and the home layer draw the same values with or without it.
         self.input_kind = input_layer_kind(cfg.home_input)
-        self.home_input = make_input_layer(cfg, self.input_kind)
-        if self.home_input is not None:
-            reset_input_layer(self.home_input)
+        self.home_input = make_layer(cfg, self.input_kind)
 
     def embed(self, idx: Tensor) -> Tensor:
         """E, then the private input layer if any: token ids [B, T] → hidden states
@@ -67,16 +54,16 @@ class Replica(nn.Module):
         e = rms_norm(self.wte(idx))
         return e if self.home_input is None else rms_norm(self.home_input(e))
 
-    def logits(self, h: Tensor) -> Tensor:
-        """The home layer (if any), then R: hidden states → soft-capped logits."""
+    def _head_input(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """What R multiplies: rms_norm(home(h)), and R's weight (E's when tied)."""
         if self.home is not None:
             h = self.home(h)
-        return self.head_logits(h)
+        return rms_norm(h), (self.wte.weight if self.lm_head is None else self.lm_head.weight)
 
-    def head_logits(self, h: Tensor) -> Tensor:
-        """R alone (the shared head), without the private home layer."""
-        weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(rms_norm(h), weight).float()
+    def logits(self, h: Tensor) -> Tensor:
+        """The home layer (if any), then R: hidden states → soft-capped logits."""
+        hn, weight = self._head_input(h)
+        logits = F.linear(hn, weight).float()
         cap = self.cfg.logit_cap
         return cap * torch.tanh(logits / cap)
 
@@ -84,11 +71,9 @@ class Replica(nn.Module):
         """Mean token cross-entropy of R(home(h)) against targets (in chunks of
         ``ModelConfig.loss_chunk`` tokens when set: no B×T×V logits)."""
         if self.cfg.loss_chunk:
-            if self.home is not None:
-                h = self.home(h)
-            weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
-            hn = rms_norm(h).reshape(-1, h.size(-1))
+            hn, weight = self._head_input(h)
             cap, chunk = self.cfg.logit_cap, self.cfg.loss_chunk
+            hn = hn.reshape(-1, hn.size(-1))
             return chunked_cross_entropy(hn, weight, targets.reshape(-1), cap, chunk)
         logits = self.logits(h)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
@@ -101,24 +86,21 @@ class Replica(nn.Module):
         """Redraw the home layer from ``generator`` (a site's secret: see
         :func:`mobius_fed.defences.site_layers.build_site_replica`)."""
         if self.home is not None:
-            reset_home_layer(self.home, generator)
+            reset_layer(self.home, generator)
 
     def reset_input(self, generator: torch.Generator) -> None:
         """Redraw the input layer from ``generator`` (a site's secret)."""
         if self.home_input is not None:
-            reset_input_layer(self.home_input, generator)
-
-    def home_parameters(self) -> list[nn.Parameter]:
-        """The home layer's parameters."""
-        return [] if self.home is None else list(self.home.parameters())
+            reset_layer(self.home_input, generator)
 
     def input_parameters(self) -> list[nn.Parameter]:
         """The input layer's parameters."""
         return [] if self.home_input is None else list(self.home_input.parameters())
 
     def private_parameters(self) -> list[nn.Parameter]:
-        """The private layers' parameters (home and input): they stay on the site."""
-        return self.home_parameters() + self.input_parameters()
+        """The private layers' parameters (home, then input): they stay on the site."""
+        layers = [m for m in (self.home, self.home_input) if m is not None]
+        return [p for m in layers for p in m.parameters()]
 
     def shared_state_dict(self) -> dict[str, Tensor]:
         """The state that leaves the site (Flower arrays, the coordinator's checkpoints)."""

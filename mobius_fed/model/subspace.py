@@ -28,14 +28,8 @@ below are the same either way: one application is Uᵀ(F_i(U·c + b) − b).
 Because the map is a pure function of (c, b, U), the reference engine and a ring of
 workers compute the same tensors bit for bit, and any wire codec quantises c.
 
-Builds on Pluralis' Protocol Models (Ramasinghe et al., arXiv 2506.01260: the residual
-stream constrained to a shared subspace so activations and their gradients compress ~100×)
-and residual bottleneck modules (ResBM, arXiv 2604.11947). Möbius differs in two ways:
-every group serves every depth (so one fixed U serves every sender–receiver pair, where
-a learned per-stage encoder would not), and the receiver never has the origin's tokens
-(Protocol Models recompute the token embedding at every stage; ``home`` mode keeps it at
-the origin instead). MAPL / MDCP-PP (arXiv 2606.05484) reports that fixed projections
-degrade quality: the benchmark in ``benchmarks/compression.py`` measures how much here.
+Builds on Pluralis' Protocol Models (arXiv 2506.01260) and ResBM (arXiv 2604.11947); how
+Möbius differs, and what the fixed U costs, is in docs/wan.md §7.
 """
 
 from __future__ import annotations
@@ -75,9 +69,6 @@ class StreamBasis:
     def __init__(self, basis: Tensor, mode: SubspaceMode) -> None:
         self.U, self.mode = basis, mode
 
-    def to(self, device: torch.device) -> StreamBasis:
-        return StreamBasis(self.U.to(device), self.mode)
-
     def coords(self, h: Tensor, b: Tensor | None = None) -> Tensor:
         """c = Uᵀ(h − b): [B, T, d] → [B, T, k]."""
         return (h if b is None else h - b) @ self.U
@@ -96,7 +87,3 @@ class StreamBasis:
     def apply(self, group: nn.Module, c: Tensor, t: int, b: Tensor | None) -> Tensor:
         """One application in coordinates: Uᵀ(F_i(U·c + b, t) − b)."""
         return self.coords(group(self.expand(c, b), t), b)
-
-    def base(self, e: Tensor, worker: int, origin: int) -> Tensor | None:
-        """b of stream ``origin`` at ``worker``: E(x_s) at the origin in home mode, else None."""
-        return e if self.mode == "home" and worker == origin else None

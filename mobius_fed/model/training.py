@@ -32,13 +32,12 @@ def make_optimizers(
     "match_rms_adamw" by 0.2·sqrt(max(rows, cols)) (Moonshot's, to match AdamW's update RMS).
     """
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
     matrices = [
         p
         for n, p in named
         if blocks and p.ndim == 2 and cfg.optimizer == "muon" and n not in LOOP_PARAMETERS
     ]
-    rest = [p for p in params if not any(p is q for q in matrices)]
+    rest = [p for _, p in named if not any(p is q for q in matrices)]
     opts: list[torch.optim.Optimizer] = []
     if matrices:
         opts.append(
