@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from rich.console import Console
 from rich.markup import escape
@@ -257,7 +257,7 @@ class CliError(Exception):
     """An error to print (without a traceback) before exiting with status 2."""
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     sys.exit(2)
 
@@ -273,7 +273,6 @@ def run_guarded(fn, *args, **kwargs) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")
         return 130
-    return 0
 
 
 # ----------------------------------------------------------------------- stop signals
@@ -333,12 +332,10 @@ class GracefulStop:
         threading.Thread(target=self._watch, args=(rsock,), daemon=True, name="stop").start()
         return self
 
-    def _note(self, signum: int) -> bool:
+    def _note(self, signum: int) -> None:
         with self._lock:
-            if self.signum is not None:
-                return False
-            self.signum, self.received_at = signum, time.monotonic()
-            return True
+            if self.signum is None:  # the first stop signal counts
+                self.signum, self.received_at = signum, time.monotonic()
 
     def _handler(self, signum: int, frame) -> None:
         if self._unwinding.is_set():
