@@ -206,7 +206,7 @@ def add_threads_flag(parser: argparse.ArgumentParser, default_help: str = "all c
 
 def threads_from(args: argparse.Namespace | None = None, processes: int = 1) -> int:
     """``--threads``, else ``MOBIUS_THREADS``, else :func:`default_threads` (processes)."""
-    n = getattr(args, "threads", None) if args is not None else None
+    n = getattr(args, "threads", None)
     if n is None and os.environ.get("MOBIUS_THREADS", "").strip():
         text = os.environ["MOBIUS_THREADS"]
         try:
@@ -471,9 +471,9 @@ def resolve_sites(cfg: TrainConfig, data: Sequence[Path] | None, out: Path) -> l
         dirs = site_dirs(given, cfg.P)
     else:
         dirs = split_sites(data, out / "sites", cfg.P, cfg.encoding)
-    seq_len = cfg.model().seq_len
-    sites = [SiteData(d, seq_len, cfg.encoding) for d in dirs]
-    vocab = cfg.model().vocab_size
+    model = cfg.model()
+    sites = [SiteData(d, model.seq_len, cfg.encoding) for d in dirs]
+    vocab = model.vocab_size
     for site in sites:
         if site.max_token() >= vocab:
             raise CliError(f"{site.directory}: token id {site.max_token()} ≥ vocab {vocab}")

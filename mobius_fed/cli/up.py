@@ -118,8 +118,7 @@ class LocalFederation:
         self.sites = self.root / "sites"
         self.logs = self.root / "logs"
         ports = free_ports(self.train.P + 3)
-        self.coord_port, self.rest_port, self.metrics_port = ports[:3]
-        self.worker_ports = ports[3:]
+        self.coord_port, self.rest_port, self.metrics_port, *self.worker_ports = ports
         self._cmds: dict[str, list[str]] = {}
         self._env: dict[str, str] = {}
         self._settled: set[str] = set()  # exited, and will not be restarted
