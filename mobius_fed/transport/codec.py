@@ -247,7 +247,7 @@ most a few: its step executor and its relays)."""
 def _varint(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
+        out.append((n & 0x7F) | 0x80)
         n >>= 7
     out.append(n)
     return bytes(out)
@@ -400,9 +400,9 @@ def parse_frame(raw: bytes) -> tuple[ring_pb2.Frame, memoryview | None]:
 
 
 def _piece_start(part, msg, k: int, n: int, total: int, nbytes: int, size: int, what: str) -> int:
-    """The first element of piece ``k`` of ``n`` of a ``total``-element tensor of ``size``-byte
-    elements: where the last ended. Its ``nbytes`` leave every later piece at least one
-    element; the last piece ends at ``total``."""
+    """Where piece ``k`` of ``n`` of a ``total``-element tensor of ``size``-byte elements
+    starts (in elements): where the last ended. Its ``nbytes`` are whole elements, at least
+    one, and leave every later piece one or more; the last piece ends at ``total``."""
     start = part.next_offset if part is not None else 0
     if msg.offset != start:
         raise FrameError(

@@ -409,8 +409,8 @@ def _check_role(identity: str, role: str | None, tls: NodeTLS) -> None:
 def check_node_secrets(
     tls: NodeTLS, *, role: str | None = None, now: dt.datetime | None = None
 ) -> str:
-    """The node's identity; :class:`SecretsError`, naming the file and why, for secrets
-    that are not this node's own:
+    """Return the node's identity, or raise :class:`SecretsError` (naming the file and why)
+    for secrets that are not this node's own:
 
     * a certificate without exactly one ``mobius://`` URI, or (with ``role``) whose
       identity is not that role's (a worker's certificate on the coordinator);
