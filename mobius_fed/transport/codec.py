@@ -179,13 +179,8 @@ def validate_frame(
     direction: int,
 ) -> None:
     """Check a frame's header; :class:`FrameError` names the first wrong field."""
-    for field, want in (
-        ("run_id", run_id),
-        ("step", step),
-        ("origin", origin),
-        ("tick", tick),
-        ("micro", micro),
-    ):
+    expected = dict(run_id=run_id, step=step, origin=origin, tick=tick, micro=micro)
+    for field, want in expected.items():
         got = getattr(frame, field)
         if got != want:
             raise FrameError(f"frame rejected: {field} {got!r} (expected {want!r})")
