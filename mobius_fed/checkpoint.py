@@ -151,10 +151,8 @@ class _Encoder:
         if _is_torch(v, "Tensor"):
             return self.tensor(v, where)
         if isinstance(v, bytes | bytearray):
-            return {
-                "T": "bytes",
-                "key": self._put(np.frombuffer(bytes(v), np.uint8), None, [], where),
-            }
+            key = self._put(np.frombuffer(bytes(v), np.uint8), None, [], where)
+            return {"T": "bytes", "key": key}
         if type(v).__name__ == "ArrayRecord" and type(v).__module__.startswith("flwr."):
             return self.array_record(v, where)
         if isinstance(v, dict):
@@ -279,14 +277,11 @@ def save_checkpoint(path: Path, state: dict, durable: bool = True) -> Path:
     but not necessarily the host (a power cut), for snapshots that are cheap to lose.
     """
     path = Path(path)
-    try:
-        enc = encode(state)
-    except TypeError as exc:
-        raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
     # safetensors writes into a temporary file of its own, next to the one it is given:
     # a private directory keeps both, and prune_checkpoints clears it if the writer dies.
     tmp_dir = _tmp_name(path)
     try:
+        enc = encode(state)  # TypeError naming a bad value's key path
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp_dir.mkdir()
         tmp = tmp_dir / path.name

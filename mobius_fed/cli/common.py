@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from rich.console import Console
 from rich.markup import escape
@@ -206,7 +206,7 @@ def add_threads_flag(parser: argparse.ArgumentParser, default_help: str = "all c
 
 def threads_from(args: argparse.Namespace | None = None, processes: int = 1) -> int:
     """``--threads``, else ``MOBIUS_THREADS``, else :func:`default_threads` (processes)."""
-    n = getattr(args, "threads", None) if args is not None else None
+    n = getattr(args, "threads", None)
     if n is None and os.environ.get("MOBIUS_THREADS", "").strip():
         text = os.environ["MOBIUS_THREADS"]
         try:
@@ -257,7 +257,7 @@ class CliError(Exception):
     """An error to print (without a traceback) before exiting with status 2."""
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     sys.exit(2)
 
@@ -273,7 +273,6 @@ def run_guarded(fn, *args, **kwargs) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")
         return 130
-    return 0
 
 
 # ----------------------------------------------------------------------- stop signals
@@ -333,12 +332,10 @@ class GracefulStop:
         threading.Thread(target=self._watch, args=(rsock,), daemon=True, name="stop").start()
         return self
 
-    def _note(self, signum: int) -> bool:
+    def _note(self, signum: int) -> None:
         with self._lock:
-            if self.signum is not None:
-                return False
-            self.signum, self.received_at = signum, time.monotonic()
-            return True
+            if self.signum is None:  # the first stop signal counts
+                self.signum, self.received_at = signum, time.monotonic()
 
     def _handler(self, signum: int, frame) -> None:
         if self._unwinding.is_set():
@@ -474,9 +471,9 @@ def resolve_sites(cfg: TrainConfig, data: Sequence[Path] | None, out: Path) -> l
         dirs = site_dirs(given, cfg.P)
     else:
         dirs = split_sites(data, out / "sites", cfg.P, cfg.encoding)
-    seq_len = cfg.model().seq_len
-    sites = [SiteData(d, seq_len, cfg.encoding) for d in dirs]
-    vocab = cfg.model().vocab_size
+    model = cfg.model()
+    sites = [SiteData(d, model.seq_len, cfg.encoding) for d in dirs]
+    vocab = model.vocab_size
     for site in sites:
         if site.max_token() >= vocab:
             raise CliError(f"{site.directory}: token id {site.max_token()} ≥ vocab {vocab}")

@@ -50,8 +50,6 @@ from mobius_fed.transport.tls import NodeTLS
 if TYPE_CHECKING:  # torch loads only when up runs, not when `mobius-fed` builds its parser
     from mobius_fed.config import TrainConfig
 
-BUNDLE_FILES = ("ca.crt", "tls.crt", "tls.key")
-
 
 def _guarded(cmd: list[str]) -> list[str]:
     """``cmd`` started through :mod:`mobius_fed.cli.parent_guard`: it dies with this
@@ -120,8 +118,7 @@ class LocalFederation:
         self.sites = self.root / "sites"
         self.logs = self.root / "logs"
         ports = free_ports(self.train.P + 3)
-        self.coord_port, self.rest_port, self.metrics_port = ports[:3]
-        self.worker_ports = ports[3:]
+        self.coord_port, self.rest_port, self.metrics_port, *self.worker_ports = ports
         self._cmds: dict[str, list[str]] = {}
         self._env: dict[str, str] = {}
         self._settled: set[str] = set()  # exited, and will not be restarted
@@ -138,10 +135,8 @@ class LocalFederation:
         return NodeTLS(d / "ca.crt", d / "tls.crt", d / "tls.key")
 
     def _certs_complete(self) -> bool:
-        c = self.certs
-        top = [c / "ca.crt", c / "operator.crt", c / "operator.key"]
-        bundles = [self.certs / "nodes" / n / f for n in self.nodes() for f in BUNDLE_FILES]
-        return all(p.is_file() for p in top + bundles)
+        every = [self.operator_tls(), *(self.bundle(n) for n in self.nodes())]
+        return all(p.is_file() for tls in every for p in (tls.ca, tls.cert, tls.key))
 
     def prepare(self) -> LocalFederation:
         from mobius_fed.transport.certs import init_certs
@@ -216,7 +211,6 @@ class LocalFederation:
 
     def worker_cmd(self, i: int) -> list[str]:
         tls = self.bundle(f"worker-{i}")
-        threads = self.threads or default_threads(self.train.P)
         flags = {
             "--coordinator": f"127.0.0.1:{self.coord_port}",
             "--listen": f"127.0.0.1:{self.worker_ports[i]}",
@@ -225,7 +219,7 @@ class LocalFederation:
             "--ca": tls.ca,
             "--cert": tls.cert,
             "--key": tls.key,
-            "--threads": threads,
+            "--threads": self.threads or default_threads(self.train.P),
         }
         return [sys.executable, "-m", "mobius_fed.cli.worker", *flag_args(flags)]
 
@@ -318,10 +312,7 @@ class LocalFederation:
                 self._settled.add(name)
                 self._say(f"{name} exited with {rc}; not restarting ({n}/{self.max_restarts} used)")
                 if name == "coordinator":
-                    raise CliError(
-                        f"the coordinator exited ({rc}) after {n} restarts; see "
-                        f"{self.logs / 'coordinator.log'}:\n{self.tail('coordinator')}"
-                    )
+                    raise self._coordinator_gone(f"({rc}) after {n} restarts")
                 continue
             self.restarts[name] = n + 1
             self._say(f"{name} exited with {rc}; restarting ({n + 1}/{self.max_restarts})")
@@ -379,16 +370,17 @@ class LocalFederation:
                 if "coordinator" in self._settled and self._last:  # gone after the end
                     return self._last
             elif coord.poll() is not None:
-                raise CliError(
-                    f"the coordinator exited ({coord.returncode}); see "
-                    f"{self.logs / 'coordinator.log'}:\n{self.tail('coordinator')}"
-                )
+                raise self._coordinator_gone(f"({coord.returncode})")
             time.sleep(0.5)
         raise CliError(f"run did not finish within {timeout:.0f}s (last status: {last})")
 
     def tail(self, name: str, n: int = 15) -> str:
         lines = (self.logs / f"{name}.log").read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
+
+    def _coordinator_gone(self, how: str) -> CliError:
+        log = self.logs / "coordinator.log"
+        return CliError(f"the coordinator exited {how}; see {log}:\n{self.tail('coordinator')}")
 
     def stop(self, grace: float = 10.0, sig: int = signal.SIGTERM) -> dict[str, int]:
         """Send ``sig`` to every process this federation started, wait up to ``grace``

@@ -340,13 +340,6 @@ class RestServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{scheme}://{host}:{self.port}"
 
-    def _bind(self) -> socket.socket:
-        host = "127.0.0.1" if self.host == "localhost" else self.host
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.create_server((host, self.port), family=family, backlog=128)
-        sock.setblocking(False)
-        return sock
-
     def start(self, timeout: float = 10.0) -> RestServer:
         """Bind, start serving, and return once the server accepts connections."""
         if self._thread is not None:
@@ -354,7 +347,11 @@ class RestServer:
         if self.tls is not None:
             self.tls.load()  # FileNotFoundError naming the missing file, in the caller
         config = self._config()
-        self._sock = self._bind()  # bind here: errors raise in the caller, port 0 resolved
+        # bind here: errors raise in the caller, port 0 resolved
+        host = "127.0.0.1" if self.host == "localhost" else self.host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, self.port), family=family, backlog=128)
+        self._sock.setblocking(False)
         self.port = self._sock.getsockname()[1]
         self._server = _ThreadServer(config)
         errors: list[BaseException] = []

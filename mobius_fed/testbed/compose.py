@@ -354,9 +354,7 @@ def load_compose(
     doc = {k: v for k, v in doc.items() if not str(k).startswith("x-")}
     doc = _interpolate_tree(doc, os.environ if environ is None else environ)
     notes: list[str] = []
-    services: dict[str, Service] = {}
-    for name, raw in doc["services"].items():
-        services[str(name)] = _service(str(name), raw or {}, notes)
+    services = {str(n): _service(str(n), raw or {}, notes) for n, raw in doc["services"].items()}
     networks = {str(k): dict(v or {}) for k, v in (doc.get("networks") or {}).items()}
     volumes = {str(k): dict(v or {}) for k, v in (doc.get("volumes") or {}).items()}
     _check_references(services, networks, volumes)

@@ -179,13 +179,8 @@ def validate_frame(
     direction: int,
 ) -> None:
     """Check a frame's header; :class:`FrameError` names the first wrong field."""
-    for field, want in (
-        ("run_id", run_id),
-        ("step", step),
-        ("origin", origin),
-        ("tick", tick),
-        ("micro", micro),
-    ):
+    expected = dict(run_id=run_id, step=step, origin=origin, tick=tick, micro=micro)
+    for field, want in expected.items():
         got = getattr(frame, field)
         if got != want:
             raise FrameError(f"frame rejected: {field} {got!r} (expected {want!r})")
@@ -246,13 +241,11 @@ most a few: its step executor and its relays)."""
 
 def _varint(n: int) -> bytes:
     out = bytearray()
-    while True:
-        b = n & 0x7F
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
         n >>= 7
-        if not n:
-            out.append(b)
-            return bytes(out)
-        out.append(b | 0x80)
+    out.append(n)
+    return bytes(out)
 
 
 _TENSOR_FIELD = b"\x3a"  # Frame.tensor: field 7, length-delimited
@@ -401,10 +394,10 @@ def parse_frame(raw: bytes) -> tuple[ring_pb2.Frame, memoryview | None]:
     return frame, (view[dspan[0] : dspan[1]] if dspan else view[0:0])
 
 
-def _piece_span(part, msg, k: int, n: int, total: int, nbytes: int, size: int, what: str):
-    """(start, count) in elements of piece ``k`` of ``n`` of a ``total``-element tensor of
-    ``size``-byte elements: it starts where the last ended, and leaves every later piece at
-    least one element; the last piece ends at ``total``."""
+def _piece_start(part, msg, k: int, n: int, total: int, nbytes: int, size: int, what: str) -> int:
+    """Where piece ``k`` of ``n`` of a ``total``-element tensor of ``size``-byte elements
+    starts (in elements): where the last ended. Its ``nbytes`` are whole elements, at least
+    one, and leave every later piece one or more; the last piece ends at ``total``."""
     start = part.next_offset if part is not None else 0
     if msg.offset != start:
         raise FrameError(
@@ -424,7 +417,7 @@ def _piece_span(part, msg, k: int, n: int, total: int, nbytes: int, size: int, w
         raise FrameError(
             f"tensor rejected: {nbytes} data bytes in chunk {k} of {n} for {what} (expected {want})"
         )
-    return start, count
+    return start
 
 
 @dataclass
@@ -544,7 +537,7 @@ class TensorAssembler:
         size = dtype.itemsize
         if data is None:
             data = msg.data  # one fresh copy (upb): read once
-        start, _ = _piece_span(part, msg, k, n, numel, len(data), size, what)
+        start = _piece_start(part, msg, k, n, numel, len(data), size, what)
         _check_crc(data, msg)
         piece = _from_wire(data, dtype)
         _check_finite(piece)
@@ -572,9 +565,8 @@ class TensorAssembler:
                 f"frame rejected: {what} would be the {len(self._pending) + 1}th partially "
                 f"received tensor on this stream (at most {self.max_pending})"
             )
-        part = self._pending[key] = _Partial(chunks=chunks)
-        if keep:
-            part.out = torch.empty(numel, dtype=dtype)
+        out = torch.empty(numel, dtype=dtype) if keep else None
+        part = self._pending[key] = _Partial(chunks=chunks, out=out)
         return part
 
     def _add_packed(self, key, part: _Partial | None, frame: ring_pb2.Frame, keep, what, data):
@@ -596,7 +588,7 @@ class TensorAssembler:
             raise FrameError(f"frame rejected: chunks {n} for {what} (a {total}-byte payload)")
         if data is None:
             data = msg.data
-        start, _ = _piece_span(part, msg, k, n, total, len(data), 1, what)
+        start = _piece_start(part, msg, k, n, total, len(data), 1, what)
         _check_crc(data, msg)
         if part is None:
             part = self._new_partial(key, what, n, keep, total, torch.uint8)

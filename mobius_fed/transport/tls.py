@@ -12,9 +12,8 @@ TLS 1.3 only. gRPC Python has no minimum-version setting (its core keeps
 * the handshake: gRPC's core reads ``GRPC_SSL_CIPHER_SUITES`` once, when ``grpc`` is
   first imported. :data:`GRPC_TLS13_CIPHER_SUITES` lists the TLS 1.3 suites plus one
   TLS 1.2 PSK suite that never negotiates (no PSK is configured), so a TLS 1.2 peer
-  finds no shared cipher. It works only if set before the first ``import grpc`` of the
-  process: :func:`restrict_grpc_to_tls13` is called here before this module imports
-  ``grpc``, and ``mobius_fed/__init__`` should call it too;
+  finds no shared cipher. ``mobius_fed/__init__`` sets it, which works only before the
+  process's first ``import grpc`` (:func:`tls13_handshakes_enforced` says whether it did);
 * every RPC: the negotiated version is in the auth context (``ssl_tls_version``), and
   :func:`peer_identity_or_reason` gives no identity to anything but ``TLSv1.3``.
 
@@ -26,36 +25,20 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
-import os
 import re
-import sys
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import grpc  # the package's __init__, imported first, set GRPC_SSL_CIPHER_SUITES
+
+from mobius_fed import TLS13_HANDSHAKES as _HANDSHAKE_TLS13
+
 GRPC_TLS13_CIPHER_SUITES = (
     "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256:PSK-AES128-CBC-SHA"
 )
 """Value of ``GRPC_SSL_CIPHER_SUITES`` that leaves a TLS 1.2 peer no usable cipher."""
-
-
-def restrict_grpc_to_tls13() -> bool:
-    """Set ``GRPC_SSL_CIPHER_SUITES`` for TLS 1.3-only handshakes; True if it takes effect.
-
-    It takes effect only when gRPC's core was not loaded yet in this process (or the
-    variable already had this value when it was). Child processes inherit it.
-    """
-    before = os.environ.get("GRPC_SSL_CIPHER_SUITES")
-    os.environ["GRPC_SSL_CIPHER_SUITES"] = GRPC_TLS13_CIPHER_SUITES
-    return "grpc._cython.cygrpc" not in sys.modules or before == GRPC_TLS13_CIPHER_SUITES
-
-
-from mobius_fed import TLS13_HANDSHAKES as _HANDSHAKE_TLS13  # noqa: E402
-
-restrict_grpc_to_tls13()  # already done by the package's __init__, which knows if it took
-
-import grpc  # noqa: E402  (after the environment above: gRPC reads it at import)
 
 log = logging.getLogger(__name__)
 
@@ -426,23 +409,20 @@ def _check_role(identity: str, role: str | None, tls: NodeTLS) -> None:
 def check_node_secrets(
     tls: NodeTLS, *, role: str | None = None, now: dt.datetime | None = None
 ) -> str:
-    """Refuse to run with secrets that are not this node's own (:class:`SecretsError`).
-
-    Returns the node's identity. Refuses:
+    """Return the node's identity, or raise :class:`SecretsError` (naming the file and why)
+    for secrets that are not this node's own:
 
     * a certificate without exactly one ``mobius://`` URI, or (with ``role``) whose
       identity is not that role's (a worker's certificate on the coordinator);
     * a certificate or CA certificate that expired or is not valid yet, and a certificate
       that the CA file's certificates did not sign;
-    * the CA key: a file named ``ca.key``, or any private key whose public key is a CA
-      certificate's;
-    * any other node's key: a private key whose public key is not this node's
-      certificate's, or a key file (``*.key``, PEM ``PRIVATE KEY``) that cannot be read
-      to tell whose it is (encrypted, unknown format);
+    * the CA key: a file named ``ca.key``, or any private key of a CA certificate;
+    * any other node's key: a private key not of this node's certificate, or a key file
+      (``*.key``, PEM ``PRIVATE KEY``) that cannot be read to tell whose it is;
     * a private key that does not belong to the certificate.
 
     Looks at the files directly inside each directory that holds the node's certificate,
-    key or CA certificate (not at subdirectories). The message names the file and says why.
+    key or CA certificate (not at subdirectories).
     """
     b = tls.load()
     (cert, *_) = _certificates(b.cert, "certificate", Path(tls.cert))
