@@ -197,7 +197,3 @@ class TrainConfig(BaseModel):
 
 # (sub-config, field) → default of the settings added after manifests were first written.
 LATER_SETTINGS: dict[tuple[str, str], Any] = {("subspace", "writes"): "basis"}
-
-
-# MOBIUS_<NAME> → TrainConfig setting key, for every field (nested ones with ``__``).
-TRAIN_ENV_KEYS = {s.env.removeprefix(ENV_PREFIX): s.key for s in settings_of(TrainConfig)}

@@ -129,11 +129,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
     report = Audit(
         cfg, sites, victim=args.victim, inverter_steps=args.inverter_steps, log=console.print
     ).run()
-    (out / "audit.json").write_text(json.dumps(report.as_dict(), indent=2) + "\n")
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=2))
-    else:
-        print(describe(report))
+    doc = json.dumps(report.as_dict(), indent=2)
+    (out / "audit.json").write_text(doc + "\n")
+    print(doc if args.json else describe(report))
     return 0
 
 
@@ -147,10 +145,10 @@ def leakage(
     report = LeakageAudit(
         cfg, sites, victim=args.victim, inverter_steps=args.inverter_steps, log=console.print
     ).run()
-    (out / "leakage.json").write_text(json.dumps(report.as_dict(), indent=2) + "\n")
-    text = describe_leakage(report)
+    doc, text = json.dumps(report.as_dict(), indent=2), describe_leakage(report)
+    (out / "leakage.json").write_text(doc + "\n")
     (out / "leakage.md").write_text(text + "\n")
-    print(json.dumps(report.as_dict(), indent=2) if args.json else text)
+    print(doc if args.json else text)
     return 0
 
 

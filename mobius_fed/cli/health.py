@@ -102,12 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m mobius_fed.cli.health``: the probe alone (a healthcheck's command)."""
     import sys
 
-    from mobius_fed.cli.common import run_guarded
+    from mobius_fed.cli.main import main as fed_main
 
-    parser = argparse.ArgumentParser(prog="mobius-fed")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["health", *(sys.argv[1:] if argv is None else argv)])
-    return run_guarded(args.func, args)
+    return fed_main(["health", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

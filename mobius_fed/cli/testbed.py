@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mobius_fed.cli.common import CliError, console, run_guarded
+from mobius_fed.cli.common import CliError, console
 
 DEFAULT_COMPOSE = "docker/compose.yaml"
 
@@ -186,10 +186,9 @@ def register(subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mobius-fed")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["testbed", *(sys.argv[1:] if argv is None else argv)])
-    return run_guarded(args.func, args)
+    from mobius_fed.cli.main import main as fed_main
+
+    return fed_main(["testbed", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

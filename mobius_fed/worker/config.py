@@ -18,6 +18,14 @@ from mobius_fed.transport.link_tuning import LinkConfig, LinkTuningError, refuse
 from mobius_fed.transport.tls import NodeTLS
 
 
+def dialable(bind: str, wildcard: str = "127.0.0.1", port: int | None = None) -> str:
+    """Bind address ``bind`` (host:port) as a peer dials it: a wildcard host (0.0.0.0, [::],
+    none) becomes ``wildcard``; ``port``, when given, is the one actually bound."""
+    host, bound = bind.rsplit(":", 1)
+    host = wildcard if host in ("0.0.0.0", "[::]", "") else host
+    return f"{host}:{bound if port is None else port}"
+
+
 class WorkerConfig(BaseModel):
     """One ring worker: its rank, where the ring is, its data and its identity."""
 
@@ -126,20 +134,14 @@ class WorkerConfig(BaseModel):
 
     @property
     def advertise_address(self) -> str:
-        if self.advertise:
-            return self.advertise
-        host, port = self.listen_address.rsplit(":", 1)
-        return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{port}"
+        return self.advertise or dialable(self.listen_address)
 
     @property
     def rendezvous_address(self) -> str:
         """Where an outbound-only successor opens its tunnels ('' when none)."""
         if self.tunnel_advertise or not self.tunnel_listen:
             return self.tunnel_advertise or ""
-        host, port = self.tunnel_listen.rsplit(":", 1)
-        if host in ("0.0.0.0", "[::]", ""):
-            host = self.advertise_address.rsplit(":", 1)[0]
-        return f"{host}:{port}"
+        return dialable(self.tunnel_listen, self.advertise_address.rsplit(":", 1)[0])
 
     def tunnel_keys(self, run_key: bytes = b"") -> TunnelKeys:
         """Keys for tunnelled edges: the run's (from the coordinator; a static ring uses the

@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2
 from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.codec import FrameError
 from mobius_fed.transport.tls import add_port, peer_identity, worker_identity
+from mobius_fed.worker.config import dialable
 from mobius_fed.worker.frames import FORWARD
 from mobius_fed.worker.link_session import (
     IDLE_CONNECTION_MS,
@@ -100,9 +101,7 @@ class PredecessorServer:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("worker-%d listening on %s", self.rank, self.listen)
         if self.tunnels is not None:  # an in-edge the predecessor cannot dial: tunnels
-            host = self.listen.rpartition(":")[0]
-            local = "127.0.0.1" if host in ("0.0.0.0", "[::]", "") else host
-            self.tunnels.start_keeper(f"{local}:{port}")
+            self.tunnels.start_keeper(dialable(self.listen, port=port))
         return port
 
     def Ping(self, request: ring_pb2.PingRequest, context: grpc.ServicerContext):
