@@ -103,7 +103,8 @@ class Setting:
         extra = self.info.json_schema_extra
         if isinstance(extra, dict) and isinstance(extra.get("choices"), list | tuple):
             return tuple(str(v) for v in extra["choices"])
-        values = literal_values(self.annotation)
+        literals = [m for m in _members(self.annotation) if typing.get_origin(m) is Literal]
+        values = [v for m in literals for v in typing.get_args(m)]
         if not values or has_type(self.annotation, bool):
             return None
         return tuple(str(v) for v in values)
@@ -115,11 +116,6 @@ def _members(annotation: Any) -> tuple[Any, ...]:
     if origin in (Union, types.UnionType):
         return tuple(a for a in typing.get_args(annotation) if a is not type(None))
     return (annotation,)
-
-
-def literal_values(annotation: Any) -> tuple[Any, ...]:
-    literals = [m for m in _members(annotation) if typing.get_origin(m) is Literal]
-    return tuple(v for m in literals for v in typing.get_args(m))
 
 
 def has_type(annotation: Any, kind: type) -> bool:

@@ -303,8 +303,7 @@ class RunState:
             return self._metrics
 
     def snapshot(self) -> tuple[StatusModel, dict[str, float]]:
-        """The status model and the run's counters, in one consistent snapshot: what
-        ``/metrics`` renders."""
+        """The status model and the run's counters, one consistent snapshot (``/metrics``)."""
         with self._lock:
             return StatusModel.model_validate(self.status_doc()), dict(self.totals)
 
