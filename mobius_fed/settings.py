@@ -41,14 +41,12 @@ PROCESS_ENV = {
     "MOBIUS_IMAGE": "docker compose only: the image every service runs",
     "MOBIUS_TRACKER": "also log metrics to tensorboard, mlflow or wandb (--tracker; an "
     "optional extra each); default none",
-    # Former ring-link variables: a worker with one set refuses to start, naming the new one.
-    "MOBIUS_LINK_RATE": "removed (a worker refuses to start): use MOBIUS_LINK__RATE",
-    "MOBIUS_LINK_RTT": "removed (a worker refuses to start): use MOBIUS_LINK__RTT",
-    "MOBIUS_LINK_WINDOW": "removed (a worker refuses to start): use MOBIUS_LINK__WINDOW",
-    "MOBIUS_LINK_CHUNK": "removed (a worker refuses to start): use MOBIUS_LINK__CHUNK",
-    "MOBIUS_LINK_SOCKET_BUFFER": "removed (a worker refuses to start): use "
-    "MOBIUS_LINK__SOCKET_BUFFER",
-    "MOBIUS_LINK_BDP_PROBE": "removed (a worker refuses to start): use MOBIUS_LINK__BDP_PROBE",
+    # Former ring-link variables: a worker with one set refuses to start, naming the new one
+    # (transport/link_tuning.py refuses them).
+    **{
+        f"MOBIUS_LINK_{x}": f"removed (a worker refuses to start): use MOBIUS_LINK__{x}"
+        for x in ("RATE", "RTT", "WINDOW", "CHUNK", "SOCKET_BUFFER", "BDP_PROBE")
+    },
 }
 
 
