@@ -131,9 +131,8 @@ def submodel(annotation: Any) -> type[BaseModel] | None:
 def settings_of(
     model: type[BaseModel], *, flatten: Iterable[str] = (), _path: tuple = (), _name: tuple = ()
 ) -> list[Setting]:
-    """Every leaf field of ``model`` (nested models included) as a :class:`Setting`.
-
-    Fields named in ``flatten`` are sub-models whose fields keep their own names."""
+    """Every leaf field of ``model`` (nested models included) as a :class:`Setting`; fields
+    named in ``flatten`` are sub-models whose fields keep their own names."""
     flatten = tuple(flatten)
     out: list[Setting] = []
     for field, info in model.model_fields.items():

@@ -115,9 +115,8 @@ class RunState:
         steps: int = 0,
         tokens: float = 0.0,
     ) -> None:
-        """A training round ended; ``workers``: rank → figures it reported for the round
-        (``train_s``, and where it reports them ``wait_s``, ``compute_s``, ``bytes_sent``,
-        ``frames_sent``)."""
+        """A training round ended; ``workers``: rank → its figures for the round (``train_s``,
+        and where reported ``wait_s``, ``compute_s``, ``bytes_sent``, ``frames_sent``)."""
         workers = workers or {}
         with self._lock:
             self.rounds.append(

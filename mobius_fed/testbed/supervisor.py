@@ -34,8 +34,7 @@ def _in_wrapper(pid: int) -> bool:
 
 
 def service_env(svc: Service, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment a service's processes get: a minimal base, its compose environment,
-    then ``extra``."""
+    """A service's environment: a minimal base, its compose environment, then ``extra``."""
     bindir = os.path.dirname(sys.executable)
     path = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
     base = {
