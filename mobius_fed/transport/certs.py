@@ -67,6 +67,10 @@ class CertLayout:
         d = self.root / "nodes" / name
         return NodeTLS(ca=d / "ca.crt", cert=d / "tls.crt", key=d / "tls.key")
 
+    def worker(self, index: int) -> NodeTLS:
+        """TLS paths of worker ``index``."""
+        return self.node(f"worker-{index}")
+
 
 def identity_of(name: str) -> str:
     """Identity URI of node ``name`` (``worker-3`` -> ``mobius://worker/3``)."""
