@@ -110,11 +110,8 @@ class TrainReport(_Wire):
 
     def figures(self) -> dict[str, float]:
         """``train_s`` and every optional figure reported, by the coordinator's names."""
-        out = {"train_s": self.train_s}
-        out.update(
-            {n: getattr(self, n) for n in OPTIONAL_FIGURES.values() if getattr(self, n) is not None}
-        )
-        return out
+        optional = {n: getattr(self, n) for n in OPTIONAL_FIGURES.values()}
+        return {"train_s": self.train_s, **{n: v for n, v in optional.items() if v is not None}}
 
 
 @dataclass(frozen=True)

@@ -41,14 +41,12 @@ PROCESS_ENV = {
     "MOBIUS_IMAGE": "docker compose only: the image every service runs",
     "MOBIUS_TRACKER": "also log metrics to tensorboard, mlflow or wandb (--tracker; an "
     "optional extra each); default none",
-    # Former ring-link variables: a worker with one set refuses to start, naming the new one.
-    "MOBIUS_LINK_RATE": "removed (a worker refuses to start): use MOBIUS_LINK__RATE",
-    "MOBIUS_LINK_RTT": "removed (a worker refuses to start): use MOBIUS_LINK__RTT",
-    "MOBIUS_LINK_WINDOW": "removed (a worker refuses to start): use MOBIUS_LINK__WINDOW",
-    "MOBIUS_LINK_CHUNK": "removed (a worker refuses to start): use MOBIUS_LINK__CHUNK",
-    "MOBIUS_LINK_SOCKET_BUFFER": "removed (a worker refuses to start): use "
-    "MOBIUS_LINK__SOCKET_BUFFER",
-    "MOBIUS_LINK_BDP_PROBE": "removed (a worker refuses to start): use MOBIUS_LINK__BDP_PROBE",
+    # Former ring-link variables: a worker with one set refuses to start, naming the new one
+    # (transport/link_tuning.py refuses them).
+    **{
+        f"MOBIUS_LINK_{x}": f"removed (a worker refuses to start): use MOBIUS_LINK__{x}"
+        for x in ("RATE", "RTT", "WINDOW", "CHUNK", "SOCKET_BUFFER", "BDP_PROBE")
+    },
 }
 
 
@@ -103,7 +101,8 @@ class Setting:
         extra = self.info.json_schema_extra
         if isinstance(extra, dict) and isinstance(extra.get("choices"), list | tuple):
             return tuple(str(v) for v in extra["choices"])
-        values = literal_values(self.annotation)
+        literals = [m for m in _members(self.annotation) if typing.get_origin(m) is Literal]
+        values = [v for m in literals for v in typing.get_args(m)]
         if not values or has_type(self.annotation, bool):
             return None
         return tuple(str(v) for v in values)
@@ -115,11 +114,6 @@ def _members(annotation: Any) -> tuple[Any, ...]:
     if origin in (Union, types.UnionType):
         return tuple(a for a in typing.get_args(annotation) if a is not type(None))
     return (annotation,)
-
-
-def literal_values(annotation: Any) -> tuple[Any, ...]:
-    literals = [m for m in _members(annotation) if typing.get_origin(m) is Literal]
-    return tuple(v for m in literals for v in typing.get_args(m))
 
 
 def has_type(annotation: Any, kind: type) -> bool:
@@ -137,9 +131,8 @@ def submodel(annotation: Any) -> type[BaseModel] | None:
 def settings_of(
     model: type[BaseModel], *, flatten: Iterable[str] = (), _path: tuple = (), _name: tuple = ()
 ) -> list[Setting]:
-    """Every leaf field of ``model`` (nested models included) as a :class:`Setting`.
-
-    Fields named in ``flatten`` are sub-models whose fields keep their own names."""
+    """Every leaf field of ``model`` (nested models included) as a :class:`Setting`; fields
+    named in ``flatten`` are sub-models whose fields keep their own names."""
     flatten = tuple(flatten)
     out: list[Setting] = []
     for field, info in model.model_fields.items():

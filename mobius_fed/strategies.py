@@ -204,13 +204,8 @@ def make_strategy(
         raise TypeError(f"make_strategy: unknown barrier setting(s) {', '.join(sorted(unknown))}")
     base = STRATEGIES[key]
     cls = type(f"Barrier{base.__name__}", (BarrierRounds, base), {})
-    kwargs = dict(
-        fraction_train=1.0,
-        fraction_evaluate=1.0,
-        min_train_nodes=P,
-        min_evaluate_nodes=P,
-        min_available_nodes=P,
-    )
+    kwargs: dict[str, Any] = {"fraction_train": 1.0, "fraction_evaluate": 1.0}
+    kwargs |= dict.fromkeys(("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"), P)
     if key == "fedprox":
         kwargs["proximal_mu"] = 0.0
     try:

@@ -253,8 +253,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 return
             raised = IncidentRaised("worker lost", reason, rank, last_seen=w.last_heartbeat)
             running = self.state.phase in _RUNNING  # before the session goes: a round sees it
+            training = self.state.phase == Phase.TRAINING  # recovering: no round in flight
+            in_flight = self.state.round + 1 if training else 0
             raised.opened = self.state.lose_worker(
-                rank, raised.fields(self.P, self._round_in_flight()) if running else None
+                rank, raised.fields(self.P, in_flight) if running else None
             )
         log.error(reason)
         if running:
@@ -262,10 +264,6 @@ class ControlService(control_pb2_grpc.ControlServicer):
         box = self.grid.close_session(rank)
         if box is not None:
             box.put(_END)
-
-    def _round_in_flight(self) -> int:
-        """The round a training run has in flight (0 while recovering: none)."""
-        return self.state.round + 1 if self.state.phase == Phase.TRAINING else 0
 
     def expire_silent(self, timeout: float) -> None:
         """Count lost every worker whose last heartbeat is older than ``timeout`` seconds."""

@@ -16,7 +16,7 @@ steps redone after a rollback (``mobius_steps_redone_total`` says how many).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -32,15 +32,8 @@ from prometheus_client.registry import Collector
 from mobius_fed.coordinator.status_model import StatusModel, WorkerModel
 from mobius_fed.machines import EdgeState, IncidentState, Phase, WorkerState
 
-
-class StatusSource(Protocol):
-    """What the metrics read from :class:`~mobius_fed.coordinator.state.RunState` (which
-    owns them): its id and one consistent snapshot. A protocol, so this module does not
-    import the state it renders."""
-
-    run_id: str
-
-    def snapshot(self) -> tuple[StatusModel, dict[str, float]]: ...
+if TYPE_CHECKING:  # the run state owns its metrics: no import of it at run time
+    from mobius_fed.coordinator.state import RunState
 
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -102,7 +95,7 @@ _WORKER_FIGURES: tuple[tuple[str, str, Callable[[WorkerModel], float | None], st
 class RunStateCollector(Collector):
     """Gauges and counters rendered from the run's :class:`StatusModel` at scrape time."""
 
-    def __init__(self, state: StatusSource) -> None:
+    def __init__(self, state: RunState) -> None:
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
@@ -181,7 +174,7 @@ class RunStateCollector(Collector):
 class CoordinatorMetrics:
     """The registry a coordinator serves on ``/metrics``, and its histograms."""
 
-    def __init__(self, state: StatusSource) -> None:
+    def __init__(self, state: RunState) -> None:
         self.state = state
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)

@@ -101,17 +101,12 @@ class RoundStore:
     def _set_aside_earlier_run(self) -> None:
         """A fresh run: an earlier run's files (here and on the workers) are moved aside,
         never reused, never pruned as this run's own."""
-        ckpts = checkpoint_dir(self.cfg.out_dir)
-        if ckpts.is_dir() and any(ckpts.iterdir()):
-            aside = ckpts.with_name(f"{ckpts.name}.{int(time.time())}")
-            ckpts.rename(aside)
-            log.warning("an earlier run's checkpoints moved to %s", aside)
-        for name in (METRICS_FILE, HISTORY_FILE):
-            old = Path(self.cfg.out_dir) / name
-            if old.is_file():
-                aside = old.with_name(f"{name}.{int(time.time())}")
+        out = Path(self.cfg.out_dir)
+        for old in (checkpoint_dir(out), out / METRICS_FILE, out / HISTORY_FILE):
+            if old.is_file() or (old.is_dir() and any(old.iterdir())):
+                aside = old.with_name(f"{old.name}.{int(time.time())}")
                 old.rename(aside)
-                log.warning("an earlier run's %s moved to %s", name, aside)
+                log.warning("an earlier run's %s moved to %s", old.name, aside)
 
     def seed_state(self) -> RoundState:
         """Round 0: E/R from the seed, a strategy with no server state yet."""

@@ -115,9 +115,8 @@ class RunState:
         steps: int = 0,
         tokens: float = 0.0,
     ) -> None:
-        """A training round ended; ``workers``: rank → figures it reported for the round
-        (``train_s``, and where it reports them ``wait_s``, ``compute_s``, ``bytes_sent``,
-        ``frames_sent``)."""
+        """A training round ended; ``workers``: rank → its figures for the round (``train_s``,
+        and where reported ``wait_s``, ``compute_s``, ``bytes_sent``, ``frames_sent``)."""
         workers = workers or {}
         with self._lock:
             self.rounds.append(
@@ -303,8 +302,7 @@ class RunState:
             return self._metrics
 
     def snapshot(self) -> tuple[StatusModel, dict[str, float]]:
-        """The status model and the run's counters, in one consistent snapshot: what
-        ``/metrics`` renders."""
+        """The status model and the run's counters, one consistent snapshot (``/metrics``)."""
         with self._lock:
             return StatusModel.model_validate(self.status_doc()), dict(self.totals)
 

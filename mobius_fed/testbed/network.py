@@ -198,8 +198,7 @@ class TestbedNetwork:
         kill_netns_processes([ns for ns in self.created if ns in set(list_netns())], grace=5.0)
 
     def remove(self) -> None:
-        """Stop the delay lines; delete namespaces (and with them veths and bridges) and
-        /etc/netns entries."""
+        """Stop the delay lines; delete namespaces (with veths and bridges) and /etc/netns."""
         kill_process_groups(self._relays)
         for ns in reversed(self.created):
             ip("netns", "del", ns, check=False)

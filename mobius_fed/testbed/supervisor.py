@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from mobius_fed.testbed.compose import ComposeProject, Healthcheck, Service
 from mobius_fed.testbed.filesystem import EXEC_LINE
@@ -34,8 +34,7 @@ def _in_wrapper(pid: int) -> bool:
 
 
 def service_env(svc: Service, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment a service's processes get: a minimal base, its compose environment,
-    then ``extra``."""
+    """A service's environment: a minimal base, its compose environment, then ``extra``."""
     bindir = os.path.dirname(sys.executable)
     path = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
     base = {
@@ -151,18 +150,23 @@ class Supervisor:
                 st.log_file = open(self.log_path(svc.name), "ab")  # noqa: SIM115
             st.log_file.write(f"--- testbed: starting {shlex.join(svc.argv)}\n".encode())
             st.log_file.flush()
-            st.popen = subprocess.Popen(
-                self._host_argv(svc, svc.argv),
-                env=service_env(svc),
-                stdin=subprocess.DEVNULL,
-                stdout=st.log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd="/",
-            )
+            st.popen = self._popen(svc, svc.argv, stdout=st.log_file, stderr=subprocess.STDOUT)
             st.started_at = time.monotonic()
             st.returncode, st.final, st.healthy = None, False, False
             self._say(f"started {svc.name} (pid {st.popen.pid}): {shlex.join(svc.argv)}")
+
+    def _popen(
+        self, svc: Service, argv: Sequence[str], env: Mapping[str, str] | None = None, **io: Any
+    ) -> subprocess.Popen:
+        """``argv`` on ``svc``'s host, in a process group of its own."""
+        return subprocess.Popen(
+            self._host_argv(svc, list(argv)),
+            env=service_env(svc, env),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd="/",
+            **io,
+        )
 
     def _will_restart(self, svc: Service, st: _Proc, rc: int) -> bool:
         if self._stopping.is_set():
@@ -273,16 +277,7 @@ class Supervisor:
         svc = lookup_service(self.project, service)
         if not self._is_up():
             raise TestbedError("the testbed is not up")
-        p = subprocess.Popen(
-            self._host_argv(svc, list(argv)),
-            env=service_env(svc, env),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            cwd="/",
-        )
+        p = self._popen(svc, argv, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

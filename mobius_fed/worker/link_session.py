@@ -121,8 +121,7 @@ class Inbox:
             self._cond.notify_all()
 
     def drop(self, owner: object) -> int:
-        """Forget the unconsumed entries and the FINs ``owner`` delivered; return how many
-        entries."""
+        """Forget the unconsumed entries and FINs ``owner`` delivered; return how many entries."""
         with self._cond:
             keys = [k for k, (_, o) in self._items.items() if o is owner]
             for k in keys:
