@@ -186,7 +186,7 @@ class TunnelKeeper:
             sock.sendall(make_header(self.key, self.run, self.edge, ACCEPT))
             await_paired(sock, f"rendezvous {self.meet}")
             local = dial(self.local)
-        except OSError:
+        except BaseException:
             close_quietly(sock)
             raise
         finally:

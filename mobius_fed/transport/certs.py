@@ -322,8 +322,9 @@ def renew_node(root: Path, name: str, hosts: Sequence[str] = (), *, days: int = 
     layout = load_layout(root)
     old = layout.node(name).cert  # KeyError for an unknown node
     ca_key, ca_cert = load_ca(layout.ca_cert, layout.ca_key)
+    sans = node_sans(name, hosts)  # a bad host is refused before the old certificate is read
     previous = _san_list(old)
-    sans = previous + [n for n in node_sans(name, hosts) if n not in previous]
+    sans = previous + [n for n in sans if n not in previous]
     uris = [n.value for n in sans if isinstance(n, x509.UniformResourceIdentifier)]
     if uris != [identity_of(name)]:
         raise ValueError(f"{old} carries URIs {uris}, not {identity_of(name)}")

@@ -356,13 +356,15 @@ def _split_field(buf: bytes, lo: int, hi: int, field: int, what: str):
             pos += 4
         elif kind == 2:
             size, pos = _read_varint(buf, pos)
-            pos += size
             if tag >> 3 == field:
                 if span is not None:
                     raise FrameError(f"frame rejected: {what} appears twice")
-                span = (pos - size, pos)
-                if pos <= hi:
-                    continue  # kept out of the other fields' bytes
+                span = (pos, pos + size)
+                pos += size
+                if pos > hi:
+                    break
+                continue  # kept out of the other fields' bytes
+            pos += size
         else:
             raise FrameError(f"frame rejected: not a Frame message (wire type {kind})")
         if pos > hi:

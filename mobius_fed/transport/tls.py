@@ -162,7 +162,7 @@ def channel_options(target_name: str | None = None) -> Options:
     return opts
 
 
-def _plaintext(insecure: bool, what: str) -> None:
+def _refuse_or_warn_plaintext(insecure: bool, what: str) -> None:
     """Refuse plaintext unless ``insecure``; shout when it is used."""
     if not insecure:
         raise ValueError("no TLS material given; plaintext needs an explicit insecure=True")
@@ -185,7 +185,7 @@ def add_port(
                 address,
             )
         return server.add_secure_port(address, server_credentials(tls))
-    _plaintext(insecure, f"serving on {address}")
+    _refuse_or_warn_plaintext(insecure, f"serving on {address}")
     return server.add_insecure_port(address)
 
 
@@ -195,7 +195,7 @@ def open_channel(
     """Open an mTLS channel, or plaintext only if ``tls`` is None and ``insecure``."""
     if tls is not None:
         return grpc.secure_channel(target, channel_credentials(tls), channel_options(target_name))
-    _plaintext(insecure, f"connecting to {target}")
+    _refuse_or_warn_plaintext(insecure, f"connecting to {target}")
     return grpc.insecure_channel(target, channel_options(None))
 
 
@@ -325,13 +325,15 @@ def _private_keys(data: bytes, path: Path) -> list[Any] | None:
 
     if b"PRIVATE KEY-----" in data:
         blocks = [m.group(0) for m in _PEM_PRIVATE_KEY.finditer(data)]
+        if not blocks:  # claims a key, holds none readable
+            return None
         load = serialization.load_pem_private_key
     elif path.suffix.lower() in (".key", ".der"):
         blocks, load = [data], serialization.load_der_private_key
     else:
         return []
     try:
-        return [load(block, password=None) for block in blocks] or None  # no block: None
+        return [load(block, password=None) for block in blocks]
     except (ValueError, TypeError, UnsupportedAlgorithm):
         return None
 

@@ -237,9 +237,9 @@ class WorkerHandlers:
         return TrainReport(
             losses=[r.loss for r in steps],
             num_examples=self.tokens_per_step * (end - start),
-            train_s=sum(r.seconds for r in steps),
-            wait_s=sum(r.wait_s for r in steps),
-            compute_s=sum(r.compute_s for r in steps),
+            train_s=sum((r.seconds for r in steps), 0.0),
+            wait_s=sum((r.wait_s for r in steps), 0.0),
+            compute_s=sum((r.compute_s for r in steps), 0.0),
             bytes_sent=max(0, sent),
         )
 

@@ -328,19 +328,24 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
             in_state, in_down = EdgeState.DOWN, 0.0
         o = self._out
         out_down = now - o.down_since if o.down_since is not None else 0.0
-        edges = {}
-        for side, peer, edge, state, reconnects, down in (
-            ("in", self.pred, self.edge_in, in_state, self._in_reconnects, in_down),
-            ("out", self.succ, self.edge_out, self._out_state, self._out_reconnects, out_down),
-        ):
-            edges[side] = {
-                "peer": f"worker-{peer}",
-                "edge": edge,
-                "state": state,
-                "reconnects": reconnects,
-                "down_s": round(down, 3),
-                **(self.tunnels.describe(side) if self.tunnels else {"path": DIRECT}),
-            }
+        edges = {
+            "in": {
+                "peer": f"worker-{self.pred}",
+                "edge": self.edge_in,
+                "state": in_state,
+                "reconnects": self._in_reconnects,
+                "down_s": round(in_down, 3),
+            },
+            "out": {
+                "peer": f"worker-{self.succ}",
+                "edge": self.edge_out,
+                "state": self._out_state,
+                "reconnects": self._out_reconnects,
+                "down_s": round(out_down, 3),
+            },
+        }
+        for side in ("in", "out"):
+            edges[side].update(self.tunnels.describe(side) if self.tunnels else {"path": DIRECT})
         return edges
 
     def _describe_edges(self) -> str:
