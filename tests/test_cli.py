@@ -227,3 +227,19 @@ def test_daemons_print_the_layered_config(tmp_path) -> None:
     cfg = json.loads(proc.stdout)
     assert cfg["strategy"] == "fedadam"  # file
     assert (cfg["train"]["steps"], cfg["train"]["seed"]) == (6, 3)  # env > file, flag > env
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_bindable():
+    """`up` and the ring tests pick their daemons' ports here. A port from bind(0) is an
+    ephemeral one that an outgoing connection may take before the daemon binds it."""
+    import socket
+
+    from mobius_fed.cli.up import free_ports
+
+    top = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    assert all(10_000 <= p < top for p in ports), (ports, top)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -57,14 +58,25 @@ def _guarded(cmd: list[str]) -> list[str]:
     return [sys.executable, "-m", "mobius_fed.cli.parent_guard", str(os.getpid()), *cmd]
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+def free_ports(n: int, lowest: int = 10_000) -> list[int]:
+    """``n`` loopback ports free now, drawn below the kernel's ephemeral range.
+
+    A port that ``bind(0)`` handed out and released is an ephemeral port, which the kernel
+    may give to any outgoing connection before the daemon meant to listen there binds it
+    ("Address already in use"); ports below that range are never handed out that way."""
+    try:
+        top = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        top = 32_768  # Linux's default start of the range
+    span = range(lowest, top) if top - lowest > 100 * n else range(1024, 65_536)  # no room
+    ports: list[int] = []
+    for port in random.SystemRandom().sample(span, len(span)):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise RuntimeError(f"no {n} free loopback ports between {span.start} and {span.stop}")
 
 
 def flag_args(flags: dict[str, Any]) -> list[str]:
