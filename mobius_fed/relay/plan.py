@@ -1,17 +1,10 @@
-"""Which way each ring edge connects, from what every worker declared at registration.
+"""Which way each ring edge connects (``direct``, ``reversed``, ``relayed``), from what every
+worker declared at registration (the paths: docs/reachability.md, first table).
 
-A worker's *ring entry* is the address its predecessor dials plus, when it matters, its
-reachability, its rendezvous port and its relay. It travels in the ring order's peer list as
-one string: a reachable worker with nothing else to say is plain ``host:port`` (as before);
-otherwise ``host:port;reachable=no;rendezvous=host:port;relay=host:port``.
-
-Edge pred → succ:
-
-- ``direct``: succ accepts connections; pred dials it (as before).
-- ``reversed``: succ only dials out, pred accepts: succ keeps tunnels open to pred's
-  rendezvous port and pred's gRPC channel runs through them.
-- ``relayed``: neither accepts (or pred opens no rendezvous port): both dial a relay
-  (succ's, else pred's), which splices them.
+A worker's *ring entry* travels in the ring order's peer list as one string: plain
+``host:port`` for a reachable worker with nothing else to say (as before), otherwise
+``host:port;reachable=no;rendezvous=host:port;relay=host:port``. A ``relayed`` edge uses the
+successor's relay, else the predecessor's.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""A tunnel's introduction (authenticated header) and the byte pump between two sockets.
+"""A tunnel's introduction (authenticated header) and the byte pump between two sockets
+(docs/reachability.md "How a tunnelled edge works", "Threat model").
 
-A tunnel is a plain TCP connection that opens with::
-
-    b"MBT1" | u16 length | JSON {run, edge, role, ts, nonce} | HMAC-SHA256(key, JSON)
-
-``role`` is ``accept`` (the tunnel ends at its opener's gRPC server: the edge's successor)
-or ``dial`` (it carries its opener's gRPC client connection: the predecessor, at a relay).
-The rendezvous answers an ``accept`` tunnel with one byte, :data:`PAIRED`, when it hands it a
-peer; after that both sides only move bytes. The bytes are the workers' own TLS records: the
-splice never sees a key, a certificate's secret or a frame.
+Header: ``b"MBT1" | u16 length | JSON {run, edge, role, ts, nonce} | HMAC-SHA256(key, JSON)``.
+``role`` is ``accept`` (ends at its opener's gRPC server: the successor) or ``dial`` (carries
+its opener's gRPC client connection: the predecessor, at a relay). After :data:`PAIRED` both
+sides only move the workers' TLS records: the splice never sees a key or a frame.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""A worker's two ends of a tunnelled ring edge.
+"""A worker's two ends of a tunnelled ring edge (docs/reachability.md "How a tunnelled edge
+works").
 
-:class:`Forwarder` (the edge's predecessor, the gRPC client) listens on 127.0.0.1; the gRPC
-channel to the successor targets it (TLS name: the successor's identity) and every TCP
-connection it makes is paired with a tunnel: a parked one at this worker's own rendezvous
-(``reversed``) or a ``dial`` tunnel to the relay (``relayed``).
-
-:class:`TunnelKeeper` (the successor, the gRPC server that cannot be dialled) keeps a couple
-of ``accept`` tunnels open to the rendezvous point; once one is paired it connects it to
-its own local gRPC server port, pipes bytes, and opens a fresh one. When the rendezvous
-point is gone (a relay restarting) it retries with backoff until it is back.
+:class:`Forwarder` (predecessor): a 127.0.0.1 listener the gRPC channel targets, pairing each
+connection with a tunnel. :class:`TunnelKeeper` (successor): keeps ``accept`` tunnels parked,
+re-parking with backoff while the rendezvous point is gone.
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
-"""Run a Compose project without a container engine: one Linux network namespace per service.
+"""Run a Compose project without a container engine: one Linux network namespace per service
+(docs/deployment.md "Network-namespace testbed").
 
-Layout (everything lives in namespaces this module creates; the root namespace gets no
-interface, address or route):
-
-- ``<prefix>-switch`` holds one Linux bridge per compose network;
-- ``<prefix>-<service>`` holds the service: ``lo`` plus one veth per attached network
-  (``eth0``, ``eth1``, ... in the service's order), whose peer is a port of that network's
-  bridge in the switch namespace. Network *k* is ``10.213.<k+1>.0/24``; no namespace has a
-  default route, so every network is as closed as a compose ``internal: true`` one.
-- ``/etc/netns/<prefix>-<service>/hosts`` maps every service name reachable on a shared
-  network to its address there (``ip netns exec`` bind-mounts it over ``/etc/hosts``), and
-  an empty ``resolv.conf`` keeps lookups of other names from waiting for a DNS server.
-- each process runs as ``ip netns exec NS unshare --mount --propagation private -- sh -c
-  SCRIPT sh ARGV...``: the script mounts a private tmpfs over each volume target's top-level
-  directory (e.g. ``/srv``; the host's stays untouched), bind-mounts every volume onto its
-  target (read-only ones remounted ``ro``), then ``exec``\\ s the command, so the service's
-  main pid is the command's own pid.
-- named volumes are directories ``<root>/volumes/<name>``; logs go to ``<root>/logs``.
-
-:meth:`Testbed.down` (also run by ``__exit__``) kills every process in the namespaces and
-removes namespaces, veths, bridges and ``/etc/netns`` entries;
-:func:`~.namespaces.cleanup_stale` does the same for the leftovers of a run that was killed.
+What docs/ leaves out: namespaces ``<prefix>-switch`` (one bridge per compose network) and
+``<prefix>-<service>``; ``ip netns exec`` bind-mounts ``/etc/netns/<ns>/hosts`` over
+``/etc/hosts``; network *k* is ``10.213.<k+1>.0/24`` and no namespace has a default
+route (every network is as closed as compose ``internal: true``); a service's veths are
+``eth0``, ``eth1``, ... in its network order; an empty ``resolv.conf`` next to the
+``/etc/netns`` hosts file keeps other lookups from waiting on DNS. Each process runs as ``ip
+netns exec NS unshare --mount --propagation private -- sh -c SCRIPT sh ARGV...``: the script
+mounts a private tmpfs over each volume target's top-level directory (e.g. ``/srv``; the
+host's stays untouched), bind-mounts the volumes (read-only ones remounted ``ro``), then
+``exec``\\ s the command, so the service's main pid is the command's own. Named volumes are
+``<root>/volumes/<name>``, logs ``<root>/logs``. :meth:`Testbed.down` (also ``__exit__``)
+tears everything down; :func:`~.namespaces.cleanup_stale` removes a killed run's leftovers.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
-"""Shaped WAN links for the namespace testbed: bandwidth with ``tc tbf``, delay with a
-userspace delay line (kernel ``netem`` is not available on these machines).
+"""Shaped WAN links for the namespace testbed: rate by ``tc tbf`` on both ends of a site's
+veth, one-way delay by a userspace delay line (kernel ``netem`` is absent on these machines).
+Model, what it is and is not faithful to, and measurements: docs/wan.md §1.
 
-Each site (service namespace) has one access link: its veth. ``rate`` shapes both
-directions of it with a token bucket (``tbf``) — on the site's ``eth*`` (upload) and on
-its bridge port in the switch namespace (download) — so a path between two sites runs at
-the smaller of their rates. ``delay`` is the one-way delay of the bytes a site sends: a
-path A → B is delayed by A's delay, B → A by B's, and the round-trip time is their sum.
-
-The delay is an emulation. Every TCP connection a site opens to a testbed address is
-redirected (``iptables -t nat OUTPUT REDIRECT``) to a relay in the site's own namespace;
-the relay dials the original destination with a socket mark the redirect skips and copies
-bytes both ways, holding each chunk until its due time (``read + delay``): the site's own
-delay on the way out, the peer's on the way back. What this models faithfully: every
-byte and every application-level acknowledgement (HTTP/2 WINDOW_UPDATE, gRPC flow control,
-ring ACK frames) arrives one delay later, and bandwidth × delay bytes are in flight. What
-it does not: TCP's own congestion window sees the short local hop, not the long one (no
-slow-start over the long RTT, no loss recovery across it). The relay holds at most
-``hold_bytes`` per direction (default: twice rate × delay, at least 4 MiB) and then stops
-reading, so a fast sender feels back-pressure as on a real path.
-
-:func:`serve_probe` and :func:`probe` measure what a link delivers (round-trip time of
-small messages and one stream's throughput); ``python -m mobius_fed.testbed.wan`` runs them.
+Path A → B is delayed by A's delay, B → A by B's. The relay holds at most ``hold_bytes`` per
+direction (default 2 × rate × delay, at least 4 MiB), then stops reading. :func:`serve_probe`
+and :func:`probe` measure a link; ``python -m mobius_fed.testbed.wan`` runs them.
 """
 
 from __future__ import annotations

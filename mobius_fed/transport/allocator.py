@@ -1,17 +1,11 @@
-"""Keep a ring link's large buffers on the malloc heap instead of fresh ``mmap`` pages.
+"""Keep a ring link's large buffers on the malloc heap instead of fresh ``mmap`` pages (why,
+gain and cost: docs/link.md "The allocator lever").
 
-glibc serves a block above ``M_MMAP_THRESHOLD`` (128 KiB at start, raised adaptively) with
-a fresh ``mmap`` and unmaps it on free. Every megabyte-sized buffer a link makes per piece
-(the frame bytes, gRPC's copies, the received message, the reassembled tensor) then
-page-faults and is zeroed by the kernel on first touch, and its pages are returned on
-free. On the loopback link benchmark this was a fifth of the link's CPU time per tensor
-(``python benchmarks/link_throughput.py --levers``: 24.9 → 19.8 ms for 16 MiB, sender
-plus receiver).
-
-:func:`tune_allocator` raises the mmap threshold to its maximum (32 MiB on 64-bit glibc)
-and the trim threshold to :data:`TRIM_BYTES`, so freed buffers are reused. It is
-process-wide, cannot be undone, and is a no-op where glibc's ``mallopt`` is absent (musl,
-macOS). The cost: up to :data:`TRIM_BYTES` of freed heap may stay resident.
+:func:`tune_allocator` raises glibc's mmap threshold (128 KiB at start, raised adaptively)
+to its maximum (32 MiB on 64-bit) and the trim threshold to :data:`TRIM_BYTES`, so freed
+buffers are reused: process-wide, cannot be undone, a no-op without ``mallopt`` (musl,
+macOS). Measured with ``python benchmarks/link_throughput.py --levers`` (24.9 → 19.8 ms per
+16 MiB, sender plus receiver).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
-"""Make a private CA and one mTLS certificate per node (``mobius-fed certs``).
+"""Make a private CA and one mTLS certificate per node (``mobius-fed certs``; docs/keys.md
+"Labs: certs init", "Renewing, a leaked key, a new CA"; docs/security.md).
 
-Layout of ``out``: ``ca.crt``/``ca.key``, ``worker-<i>.crt``/``.key`` for i in 0..N-1,
-``coordinator.crt``/``.key`` and ``operator.crt``/``.key``. Keys are EC P-256, PEM PKCS#8,
-written with mode 0600. Every leaf carries its identity as a URI SAN, DNS SANs
-``localhost`` and its service name, IP SAN 127.0.0.1, every ``hosts`` value, and both
-serverAuth and clientAuth extended key usage (a worker is a server and a client).
-``nodes/<name>/{ca.crt,tls.crt,tls.key}`` is each node's bundle: the only files a node's
-host or container should receive.
-
-Rotation: :func:`renew_node` re-issues one node (a leaked or lost key) with the same
-identity; :func:`rotate_ca` replaces the CA and every certificate. There is no
-revocation list: a renewed node's old certificate stays valid until it expires, so only
-a CA rotation cuts a leaked key off at once.
+Layout of ``out``: ``ca.crt``/``ca.key``, ``worker-<i>.crt``/``.key`` (i in 0..N-1),
+``coordinator.*``, ``operator.*``, and each node's bundle ``nodes/<name>/{ca.crt,tls.crt,
+tls.key}``. Keys: EC P-256, PEM PKCS#8, mode 0600. Leaf SANs: the ``mobius://`` URI, DNS
+``localhost`` and the service name, IP 127.0.0.1, every ``hosts`` value; serverAuth and
+clientAuth. :func:`renew_node` keeps the identity; :func:`rotate_ca` replaces everything.
 """
 
 from __future__ import annotations

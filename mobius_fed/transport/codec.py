@@ -1,21 +1,19 @@
-"""Tensor <-> ``ring_pb2.Tensor`` codec and frame validation for ring links.
+"""Tensor <-> ``ring_pb2.Tensor`` codec and frame validation for ring links (the wire format
+and its checks: docs/architecture.md §7).
 
-Encode: :func:`encode_tensor` and :func:`make_frame` cast to the wire dtype on CPU (no
-copy if already so) and copy the raw little-endian bytes once into a ``bytes`` object
-(protobuf copies again). :func:`encode_frames`, what a ring link sends, builds each frame's
-serialized bytes in one ``b"".join`` copy from the tensor's memory (the CRC runs over a
-memoryview of it); a tensor larger than ``chunk_bytes`` becomes several frames, each a
-contiguous 1-D piece (see ring.proto) that parses to what :func:`make_frame` builds for it.
+Encode: :func:`encode_tensor`/:func:`make_frame` cast to the wire dtype on CPU (no copy if
+already so) and copy the raw little-endian bytes once (protobuf copies again).
+:func:`encode_frames`, what a ring link sends, builds each frame's bytes in one ``b"".join``
+from the tensor's memory (CRC over a memoryview); each piece parses to what
+:func:`make_frame` builds for it.
 
-Decode: dtype, shape, byte length and CRC-32 are checked before a tensor exists (finiteness
-right after). :func:`parse_frame` parses frame bytes with protobuf except the tensor data, a
-zero-copy view of the received buffer (a repeated ``tensor`` or ``tensor.data`` is
-refused: protobuf would merge them); :class:`TensorAssembler` also checks each piece's
-header order, total, offset and size, and copies it into one preallocated tensor per key,
-handed out only after the last piece validated. ``msg.data`` on the upb backend returns a
-fresh ``bytes`` copy per access: :func:`decode_tensor` reads it once and wraps it with
-``torch.frombuffer``, so an fp32 result aliases that private object (in-place ops are
-harmless); bf16/fp16 are widened into a new tensor by ``.to(out_dtype)``.
+Decode: everything is checked before a tensor exists (finiteness right after).
+:func:`parse_frame` parses with protobuf except the tensor data, a zero-copy view of the
+received buffer (a repeated ``tensor`` or ``tensor.data`` is refused: protobuf would merge
+them). :class:`TensorAssembler` checks each piece's header order, total, offset and size and
+hands out a key's preallocated tensor only after its last piece validated. On upb
+``msg.data`` is a fresh ``bytes`` per access: :func:`decode_tensor` reads it once and wraps it
+with ``torch.frombuffer`` (fp32 aliases that private copy; bf16/fp16 are widened anew).
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
-"""Lossy wire codecs for hidden states and their gradients (``TrainConfig.wire``).
+"""Lossy wire codecs for hidden states and their gradients (``TrainConfig.wire``); the codec
+table, their sources and the exactness argument: docs/wan.md §2.
 
-A codec turns a float tensor into a flat ``uint8`` payload whose size is a pure function
-of the tensor's shape, and back. The sender encodes, the receiver decodes; the reference
-engine runs :meth:`Codec.roundtrip` (= decode(encode(x))) at the same hop, so both see
-bit-identical tensors. Everything is deterministic (no global RNG; ``lowrank`` draws its
-start vectors from a fixed seed).
-
-Codecs (fp32 = 32 bits per value; ratios are for cpu-small's 96-wide rows, group 64):
-
-* ``int8`` — 8-bit codes with one bf16 scale per group of ``group`` values (3.9×).
-* ``fp8`` / ``fp8e5m2`` — ``torch.float8_e4m3fn`` / ``float8_e5m2`` codes, group-scaled
-  into the format's range (3.9×).
-* ``int6`` / ``int5`` / ``int4`` / ``int3`` / ``int2`` — (optionally with unbiased
-  stochastic rounding; the caller passes a seed) the rows are first rotated by an orthonormal block
-  Hadamard transform (it spreads the residual stream's outlier channels over the
-  block, as in QuaRot / TAH-Quant), then quantised to 2^b uniform mid-rise levels per
-  group, bit-packed (5.1×, 6.1×, 7.5×, 9.8×, 14.2×).
-* ``lowrank`` — a rank-``rank`` factorisation of each (tokens × width) matrix by one
-  subspace (power) iteration from a fixed random start, as in PowerSGD (Vogels et al.,
-  NeurIPS 2019), factors in bf16 (ratio 2·N·d / (r·(N+d)): 18.7× at rank 5 for
-  cpu-small micro-batches of 1024 tokens, 44× at rank 32 for gpt2-small).
+Contract: a codec maps a float tensor to a flat ``uint8`` payload whose size is a pure
+function of the shape, and back; the reference engine runs :meth:`Codec.roundtrip` (=
+decode(encode(x))) at the same hop, so both ends see bit-identical tensors. Nothing uses the
+global RNG (``lowrank`` starts from a fixed seed; stochastic rounding takes the caller's
+seed). ``lowrank`` saves 2·N·d / (r·(N+d)) against fp32 (bf16 factors).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
-"""Keys that never leave their site: certificate signing requests (``mobius-fed certs``).
+"""Keys that never leave their site: certificate signing requests (``mobius-fed certs``; the
+flow and its refusals: docs/keys.md "The walk-through").
 
-The flow, with the CA on an admin machine and each node's key made where the node runs:
-
-* admin, once: :func:`make_ca` writes ``ca.crt``, ``ca.key`` and the operator's
-  ``operator.crt``/``operator.key`` (the admin's own client for ``status``);
-* site: :func:`request_node` writes the node's key (``tls.key``, mode 0600) and a request
-  ``<node>.csr`` that carries exactly one URI, the node's ``mobius://`` identity. A site may
-  bring a key made by its own PKI instead (``key=``); the request is then made for it;
-* admin: :func:`sign_request` checks the request (:func:`check_request`) and writes
-  ``<out>/<node>/{tls.crt,ca.crt}``: public files only, the admin never sees the key;
-* site: puts ``tls.crt`` and ``ca.crt`` next to ``tls.key`` and runs :func:`check_bundle`,
-  the checks the daemons run at startup (``tls.check_node_secrets``) plus the node's name.
-
-Every refusal names the file and the problem: a request for another node, for a CA, with
-extra URIs or another name type, a bad signature, the CA's key, another node's key.
+Admin :func:`make_ca` (CA plus the operator's client) → site :func:`request_node` (``tls.key``
+mode 0600, or the site's own ``key=``, and ``<node>.csr`` with exactly one URI, its
+``mobius://`` identity) → admin :func:`sign_request` (:func:`check_request`, then public
+``<out>/<node>/{tls.crt,ca.crt}``) → site :func:`check_bundle` (``tls.check_node_secrets``
+plus the node's name). Every refusal names the file and the problem.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
-"""Flow control of ring links on long fat pipes: HTTP/2 windows, piece size, socket buffers.
+"""Flow control of ring links on long fat pipes: HTTP/2 windows, piece size, socket buffers
+(settings and defaults: docs/link.md "Settings"; why: docs/wan.md §3).
 
-A ring link must keep bandwidth × round-trip bytes in flight. gRPC's HTTP/2 transport
-grows each stream's window by BDP probing (on by default), up to what the peer allows;
-with probing off, a stream is capped at one window per round trip (64 KiB at 50 ms is
-10 Mbit/s). :class:`LinkTuning` sizes everything from a path hint (``rate`` bits/s and
-``rtt`` seconds) or takes explicit values:
-
-* ``window``: the initial HTTP/2 stream window (``grpc.http2.lookahead_bytes``) — default
-  2 × BDP when a path hint is given, else gRPC's own; BDP probing stays on unless
-  ``bdp_probe`` is false;
-* ``chunk``: the largest piece of a tensor per message (default 1 MiB, at most 4 MiB),
-  so a window holds several pieces and each is validated and handed on while the next
-  travels;
-* ``socket_buffer``: fixed kernel socket buffers (``grpc.experimental.tcp_*_buffer_size``;
-  default: kernel autotuning, which stops at ``tcp_rmem``'s maximum, 6 MiB by default —
-  raise it with sysctl, or set this, on paths whose BDP is larger);
-* ``allocator``: keep the link's megabyte-sized buffers on the malloc heap
-  (:mod:`mobius_fed.transport.allocator`; on by default).
-
-A worker takes them from its ``link`` settings (:class:`LinkConfig`): ``[worker.link]`` in
-TOML, ``MOBIUS_LINK__<FIELD>`` (e.g. ``MOBIUS_LINK__RATE=1gbit``, ``MOBIUS_LINK__RTT=50ms``)
-or the matching ``--link-*`` flags. They change no math: frames and their order are the
-same whatever the tuning.
+:class:`LinkTuning` sizes them from a path hint (``rate`` bits/s, ``rtt`` seconds) or takes
+explicit values. ``socket_buffer`` sets ``grpc.experimental.tcp_*_buffer_size``; without it
+kernel autotuning stops at ``tcp_rmem``'s maximum (6 MiB by default): raise that by sysctl, or
+set this, on paths whose BDP is larger. Tuning changes no math.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
-"""Decode Flower arrays from the wire without trusting them.
+"""Decode Flower arrays from the wire without trusting them (docs/security.md "Nothing read
+from disk or the wire runs code").
 
-A Flower :class:`~flwr.app.Array` carries ``dtype``, ``shape``, ``stype`` and ``data``;
-for ``stype == "numpy.ndarray"`` the data is an ``.npy`` file. Flower decodes it with
-``np.load(BytesIO(data), allow_pickle=False)``: no pickle, but ``np.load`` also opens
-zip (``.npz``) archives, allocates the array from the header's shape before reading a
-byte of it, and nobody compares the declared ``dtype``/``shape`` with the ``.npy``
-header. Then ``param.copy_(tensor)`` silently broadcasts a ``(1,)`` tensor over a whole
-matrix and casts float64 to float32.
+Why Flower's decode is not enough: ``np.load(BytesIO(data), allow_pickle=False)`` still opens
+``.npz`` archives and allocates from the header's shape before reading a byte, nobody compares
+the Array's declared ``dtype``/``shape`` with the ``.npy`` header, and ``param.copy_`` then
+silently broadcasts a ``(1,)`` tensor over a matrix and casts float64 to float32.
 
-This module parses the ``.npy`` header itself (``ast.literal_eval`` of a dict with
-exactly ``descr``, ``fortran_order`` and ``shape``), allows only plain numeric dtypes,
-requires the payload to be exactly ``prod(shape) * itemsize`` bytes, requires the
-header to agree with the Array's declared dtype and shape, and (when given) with the
-names, shapes and dtypes the receiver expects. The values are then read with
-``np.frombuffer``: nothing is executed and nothing is allocated beyond the bytes that
-actually arrived.
+Here the header is parsed by hand (``ast.literal_eval`` of a dict with exactly ``descr``,
+``fortran_order``, ``shape``); only plain numeric dtypes; the payload must be exactly
+``prod(shape) * itemsize`` bytes and agree with the declared dtype and shape (and, when
+given, the receiver's expected names, shapes, dtypes); values come from ``np.frombuffer``.
 """
 
 from __future__ import annotations

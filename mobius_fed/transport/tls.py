@@ -1,23 +1,12 @@
-"""Mutual TLS for every gRPC link: node identities, credentials, channel/server options.
+"""Mutual TLS for every gRPC link: node identities, credentials, channel/server options
+(docs/security.md "One identity per certificate", "TLS 1.3 only").
 
-A node's identity is the one ``mobius://`` URI SAN in its certificate:
-``mobius://worker/<i>``, ``mobius://coordinator`` or ``mobius://operator``. TLS only
-proves "signed by our CA"; who is calling is read from the peer certificate with
-:func:`peer_identity_or_reason` and authorized with :func:`require_peer`. A certificate
-with no or several ``mobius://`` URIs, or a connection below TLS 1.3, has no identity.
-
-TLS 1.3 only. gRPC Python has no minimum-version setting (its core keeps
-``set_min_tls_version`` internal), so two layers enforce it:
-
-* the handshake: gRPC's core reads ``GRPC_SSL_CIPHER_SUITES`` once, when ``grpc`` is
-  first imported. :data:`GRPC_TLS13_CIPHER_SUITES` lists the TLS 1.3 suites plus one
-  TLS 1.2 PSK suite that never negotiates (no PSK is configured), so a TLS 1.2 peer
-  finds no shared cipher. ``mobius_fed/__init__`` sets it, which works only before the
-  process's first ``import grpc`` (:func:`tls13_handshakes_enforced` says whether it did);
-* every RPC: the negotiated version is in the auth context (``ssl_tls_version``), and
-  :func:`peer_identity_or_reason` gives no identity to anything but ``TLSv1.3``.
-
-A node holds only its own secrets: :func:`check_node_secrets`.
+Identity: the one ``mobius://`` URI SAN, read by :func:`peer_identity_or_reason` and
+authorized by :func:`require_peer`. TLS 1.3 is enforced twice (gRPC Python keeps
+``set_min_tls_version`` internal): at the handshake by :data:`GRPC_TLS13_CIPHER_SUITES`,
+which gRPC's core reads only at the process's first ``import grpc`` (``mobius_fed/__init__``
+sets it; :func:`tls13_handshakes_enforced` says whether in time), and on every RPC from the
+auth context's ``ssl_tls_version``. A node's own secrets only: :func:`check_node_secrets`.
 """
 
 from __future__ import annotations
@@ -411,20 +400,10 @@ def _check_role(identity: str, role: str | None, tls: NodeTLS) -> None:
 def check_node_secrets(
     tls: NodeTLS, *, role: str | None = None, now: dt.datetime | None = None
 ) -> str:
-    """Return the node's identity, or raise :class:`SecretsError` (naming the file and why)
-    for secrets that are not this node's own:
-
-    * a certificate without exactly one ``mobius://`` URI, or (with ``role``) whose
-      identity is not that role's (a worker's certificate on the coordinator);
-    * a certificate or CA certificate that expired or is not valid yet, and a certificate
-      that the CA file's certificates did not sign;
-    * the CA key: a file named ``ca.key``, or any private key of a CA certificate;
-    * any other node's key: a private key not of this node's certificate, or a key file
-      (``*.key``, PEM ``PRIVATE KEY``) that cannot be read to tell whose it is;
-    * a private key that does not belong to the certificate.
-
-    Looks at the files directly inside each directory that holds the node's certificate,
-    key or CA certificate (not at subdirectories).
+    """Return the node's identity, or raise :class:`SecretsError` naming the file and why
+    (the refusals: docs/keys.md "What a node refuses at startup"; with ``role``, also a
+    certificate of another role). A key file is ``*.key`` or PEM ``PRIVATE KEY``. Only files
+    directly in the directories of the certificate, key and CA certificate are looked at.
     """
     b = tls.load()
     (cert, *_) = _certificates(b.cert, "certificate", Path(tls.cert))

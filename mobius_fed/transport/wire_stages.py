@@ -1,11 +1,9 @@
-"""Lossy wire codecs as hop stages (see :mod:`mobius_fed.hop`).
+"""Lossy wire codecs as hop stages (see :mod:`mobius_fed.hop`; docs/architecture.md §6.1,
+docs/wan.md §2 "Exactness").
 
-:class:`CodecStage` applies ``TrainConfig.wire``'s codec of each direction to every hop
-that leaves a machine (``ctx.remote``): the receiver gets ``decode(encode(x))``. In the
-reference engine that is all. On a ring worker the stage also keeps the payload it
-encoded, keyed by the hop, so the step executor ships exactly those bytes
-(:meth:`CodecStage.take_payload`) and the receiver's decode reproduces the stage's output
-bit for bit.
+:class:`CodecStage` applies ``decode(encode(x))`` on every remote hop (``ctx.remote``); on a
+ring worker it also keeps the encoded payload by hop, so the executor ships exactly those
+bytes (:meth:`CodecStage.take_payload`).
 """
 
 from __future__ import annotations
