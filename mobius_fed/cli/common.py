@@ -290,19 +290,12 @@ class Terminated(SystemExit):
 class GracefulStop:
     """SIGTERM, SIGINT and SIGHUP for a daemon: unwind, then exit within ``deadline`` seconds.
 
-    The first stop signal raises :class:`Terminated` in the main thread, out of whatever it
-    waits in (a Condition, a queue, ``time.sleep``, a blocking gRPC call), so the ``finally``
-    blocks on the way out stop the gRPC servers and ring links. Further signals are ignored.
-
-    A watcher thread learns of the signal through the wakeup fd, whichever thread the kernel
-    delivered it to. It re-sends the signal to the main thread if the handler has not run
-    within 0.3 s, and ends the process ``deadline`` seconds after the signal if the main
-    thread is still not done (a gRPC server's grace period, a long torch op). A hard exit
-    cannot tear a checkpoint: every checkpoint file and manifest is written to a temporary
-    name and then renamed, so a manifest either exists complete or not at all.
-
-    Exit status: 0 when ``finished()`` says the run had completed, else 128 + the signal
-    (143 for SIGTERM, 130 for SIGINT, 129 for SIGHUP).
+    The first signal raises :class:`Terminated` in the main thread, out of whatever it waits in,
+    so the ``finally`` blocks stop the servers and links; further signals are ignored. A
+    watcher thread (woken by the wakeup fd, whichever thread got the signal) re-sends it to the
+    main thread if the handler has not run within 0.3 s, and ends the process ``deadline``
+    seconds after the signal. Exit status (0 if ``finished()``, else 128 + signal) and why a
+    hard exit cannot tear a checkpoint: docs/deployment.md "Stopping, restarting and healing".
     """
 
     def __init__(self, prog: str, deadline: float = 1.5) -> None:

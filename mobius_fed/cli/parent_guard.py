@@ -1,13 +1,9 @@
 """Run a command that dies with its parent: ``python -m mobius_fed.cli.parent_guard PID CMD…``.
 
-``mobius-fed up`` starts its daemons through this guard. It asks Linux to SIGTERM the
-process when PID (``up``) dies, even by SIGKILL (``PR_SET_PDEATHSIG``, which survives
-``exec``), then replaces itself with CMD, so the daemon keeps the guard's process id.
-
-The guard exists so that ``up`` forks with no Python code in the child (no
-``preexec_fn``): a fork from a process with threads runs every ``pthread_atfork`` handler,
-and gRPC's can block forever when ``up`` restarts a daemon while its own status calls are
-in flight.
+Sets ``PR_SET_PDEATHSIG`` (SIGTERM when PID dies, even by SIGKILL; survives ``exec``), then
+execs CMD, which keeps the guard's pid. It lets ``up`` fork with no Python code in the child
+(no ``preexec_fn``, whose ``pthread_atfork`` run could hang in gRPC's handler); see
+docs/deployment.md "Stopping, restarting and healing".
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """``mobius-fed up``: a whole federation on this machine, as separate processes on loopback.
 
 Makes certificates, splits the embedded corpus into per-site data, starts
-``mobius-coordinator`` and P ``mobius-worker`` processes (each with its own certificate
-bundle), shows progress from the coordinator's status, prints the final losses and where
-the checkpoint is.
-
-It supervises its children like a restart policy would: a worker that dies before the run
-is over is started again with the same command (it re-registers with the same identity),
-and a coordinator that dies is started again with ``--resume auto``, each at most
-``max_restarts`` times. SIGTERM, SIGHUP or Ctrl-C are forwarded to every child; whatever
-has not exited 5 s later is killed. The last complete checkpoint stays intact.
+``mobius-coordinator`` and P ``mobius-worker`` processes (each with its own bundle), shows
+progress and prints the final losses and checkpoint. It supervises its children (restarts
+up to ``max_restarts``, the coordinator with ``--resume auto``; signals forwarded, SIGKILL
+after 5 s): docs/deployment.md "Stopping, restarting and healing".
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Where a running coordinator can be reached: ``<run dir>/endpoints.json``.
 
-``mobius-fed up`` writes it when its coordinator is up; ``mobius-fed status``, ``health``
-and ``dashboard`` read it from ``--run DIR`` (default ``./runs/up``) so that nobody has to
-know the random ports. Torch-free: the health probe imports it.
-
-Schema (version 1; paths absolute)::
-
-    {"schema": 1, "run_id": "local-up", "pid": 1234, "written_at": 1.7e9,
-     "grpc": "127.0.0.1:41000",                  # control + status + grpc.health.v1 (mTLS)
-     "rest": "https://127.0.0.1:41001",          # REST status, dashboard at / (mTLS)
-     "rest_mode": "tls",                         # tls | local | off
-     "server_name": "coordinator",               # name in the coordinator's certificate
-     "metrics": "http://127.0.0.1:41002/metrics" | null,   # the opt-in plain listener
-     "dashboard": "https://127.0.0.1:41001/",    # via `mobius-fed dashboard` (operator cert)
-     "certs": {"dir": ".../certs", "ca": ".../ca.crt",
-               "cert": ".../operator.crt", "key": ".../operator.key"},
-     "out_dir": ".../coordinator",               # checkpoints, metrics.jsonl, history.json
-     "logs": ".../logs"}
+Written by ``mobius-fed up``; read by ``status``, ``health`` and ``dashboard`` from ``--run
+DIR``. Schema (version 1, paths absolute): docs/operations.md §3. Torch-free: the health
+probe imports it.
 """
 
 from __future__ import annotations

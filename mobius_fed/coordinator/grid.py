@@ -1,11 +1,9 @@
 """A ``flwr.serverapp.Grid`` whose messages travel over the coordinator's mTLS sessions.
 
-Each worker keeps one ``Control.Session`` stream open; instructions go out on its
-response side, replies come back on its request side. A lost worker (or a ring edge a
-worker reports down) raises :class:`IncidentRaised` in the waiting round at once, naming
-it: Flower's ``Strategy.start`` has no retry, so the exception leaves ``start`` and the
-coordinator rolls the ring back and starts the strategy again. Replies to the messages of
-an abandoned round are dropped when they arrive late.
+Instructions go out on each worker's ``Control.Session`` response side, replies come back
+on its request side. A lost worker or a ring edge reported down raises
+:class:`IncidentRaised` in the waiting round at once, since ``Strategy.start`` has no
+retry; late replies of an abandoned round are dropped (docs/architecture.md §11).
 """
 
 from __future__ import annotations

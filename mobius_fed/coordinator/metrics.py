@@ -1,16 +1,9 @@
-"""Prometheus metrics of a coordinator, with ``prometheus_client``.
+"""Prometheus metrics of a coordinator, with ``prometheus_client`` (docs/operations.md §5).
 
-One :class:`CollectorRegistry` per coordinator (tests run several in one process):
-
-* process and platform metrics (``process_*``, ``python_*``) from the library's collectors;
-* :class:`RunStateCollector`: gauges and ``*_total`` counters rendered from the run's
-  :class:`StatusModel` (the model REST, gRPC and the dashboard render) at scrape time:
-  phase, step, workers, ring edges, incidents, figures workers report;
-* histograms observed as rounds end: ``mobius_step_seconds`` (per worker),
-  ``mobius_round_seconds`` and ``mobius_frame_bytes`` (mean frame size a worker reports).
-
-Every sample carries ``run_id``. Counters never go down: they count work done, including
-steps redone after a rollback (``mobius_steps_redone_total`` says how many).
+One :class:`CollectorRegistry` per coordinator (tests run several in one process).
+:class:`RunStateCollector` renders gauges and ``*_total`` counters from the run's
+:class:`StatusModel` at scrape time; histograms are observed as rounds end. Counters never
+go down: redone steps count too (``mobius_steps_redone_total``).
 """
 
 from __future__ import annotations

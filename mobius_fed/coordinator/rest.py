@@ -1,23 +1,10 @@
 """The coordinator's REST status API (FastAPI + uvicorn): JSON, OpenAPI, metrics, health.
 
-Routes (all GET): ``/`` (the dashboard, assets under ``/static``), ``/v1/status``,
-``/v1/history``, ``/metrics`` (Prometheus, by ``prometheus_client``), ``/healthz``,
-``/readyz``, ``/docs`` (Swagger UI), ``/redoc`` and ``/openapi.json``. Every asset ships in
-the package (``static/``); nothing is loaded from a CDN.
-
-:class:`RestServer` serves them from a background thread in one of three modes:
-
-* **TLS** (the normal one): mutual TLS 1.3 only, with the coordinator's certificate; the
-  handshake requires a client certificate signed by our CA, and the caller's one
-  ``mobius://`` identity (URI SAN; a certificate with several has none) must then pass
-  ``allowed(identity)``, else 403. :class:`_PeerCertH11Protocol` hands the peer
-  certificate, which uvicorn does not expose, to :class:`_AccessMiddleware`.
-* **local**: plain HTTP bound to a loopback address only, read-only, unauthenticated,
-  with a warning in the log. For debugging on the coordinator's own machine.
-* **metrics** (``metrics_listen``, explicit opt-in): plain HTTP on any address for
-  Prometheus scrapers and Kubernetes httpGet probes: ``/metrics``, ``/healthz``,
-  ``/readyz`` and the read-only dashboard (``/``, ``/static``, ``/v1/status``,
-  ``/v1/history``). No docs, nothing else.
+Routes, the three modes (``tls``, ``local``, the opt-in plain ``metrics_listen``) and what
+each serves: docs/operations.md §1 and §5; every asset ships in ``static/`` (no CDN).
+In TLS mode uvicorn does not expose the peer certificate, so :class:`_PeerCertH11Protocol`
+hands it to :class:`_AccessMiddleware`, which takes its one ``mobius://`` identity and
+answers 403 unless ``allowed(identity)``.
 """
 
 from __future__ import annotations

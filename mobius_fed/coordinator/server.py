@@ -1,14 +1,10 @@
 """``mobius-coordinator``: Flower's Strategy.start over our mTLS Grid, plus status.
 
-One Flower round is one step barrier: the strategy sends the averaged E/R arrays and the
-round's step range to every worker, each worker trains those steps on the ring and answers
-with its E/R arrays, and the strategy aggregates them (FedAvg by default).
-
-This is the daemon shell: it owns the servers and the run's start and end, and hands off
-to its rooms: :class:`~mobius_fed.coordinator.recovery.Recovery` (restore the ring, the
-recovery driver), :class:`~mobius_fed.coordinator.rounds.RoundStore` (snapshots,
-checkpoints, manifests) and :class:`~mobius_fed.coordinator.recorder.RunRecorder`
-(status figures, metrics.jsonl, history.json).
+One Flower round is one step barrier (docs/architecture.md §6.2, §9). This is the daemon
+shell: it owns the servers and the run's start and end, and hands off to
+:class:`~mobius_fed.coordinator.recovery.Recovery` (the recovery driver),
+:class:`~mobius_fed.coordinator.rounds.RoundStore` (snapshots, checkpoints, manifests) and
+:class:`~mobius_fed.coordinator.recorder.RunRecorder` (status, metrics.jsonl, history.json).
 """
 
 from __future__ import annotations

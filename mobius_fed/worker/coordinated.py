@@ -1,14 +1,9 @@
 """``mobius-worker --coordinator ADDR``: register, serve Flower messages, survive incidents.
 
-The worker's rank comes from its certificate. It registers, opens one ``Control.Session``
-stream and runs its Flower ClientApp in-process for every message. The ring is not opened
-at registration: a ``query.restore`` message names the round to start from (0: the seed)
-and the ring's incarnation and addresses, and the worker loads that state and joins.
-
-An incident (another worker lost, a ring edge down) arrives as an ``abort`` note: the
-round in flight is abandoned and a restore follows. When this worker loses its session
-(the coordinator restarted, a network cut, or it was counted lost while frozen) it keeps
-its process and its snapshots, registers again and is restored like any other worker.
+The rank comes from the certificate. The ring is not opened at registration but by
+``query.restore`` (the round, 0: the seed) and ``query.ring``; an ``abort`` note abandons the
+round in flight; a worker that loses its session keeps its process and snapshots and
+registers again (docs/architecture.md §9, §11).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The worker's Flower ClientApp, run in-process by the daemon for each message.
 
-``train``: load the averaged E/R arrays, train the round's step range on the ring, keep an
-in-memory snapshot of the state at the barrier, write a checkpoint when asked (and send a
-copy of it when asked), and reply with this worker's E/R arrays and metrics (with
-``privacy.er_secagg``, only its masked E/R update: :mod:`mobius_fed.defences.secagg`).
-``evaluate``: load the averaged E/R arrays and compute this origin's Eq. 8 term.
-``query.state``: the rounds this worker can restore.
-``query.restore``: roll back to a round; ``query.ring``: join a fresh ring incarnation.
+Message kinds (``train``, ``evaluate``, ``query.state``, ``query.restore``, ``query.ring``)
+and their answers: docs/architecture.md §9. With ``privacy.er_secagg`` a ``train`` reply
+carries only this worker's masked E/R update (:mod:`mobius_fed.defences.secagg`).
 """
 
 from __future__ import annotations
@@ -89,13 +85,10 @@ def barrier_path(directory: Path, rnd: int) -> Path:
 class Snapshots:
     """This worker's state at recent barriers.
 
-    In memory: the two newest barriers and the last checkpointed round. Two, because a
-    worker can finish a round whose last frames never reached its neighbours (it froze, or
-    its link dropped): its newest barrier is then one its peers never reached. A frozen or
-    cut-off worker and every survivor of an incident roll back from memory. On disk: every
-    checkpoint file, plus the two newest barriers (``barrier-<round>.ckpt``, which carries
-    its payload's sha256), written in the background without an fsync, so that a process
-    that crashed comes back at one of the last two barriers too.
+    In memory: the two newest barriers and the last checkpointed round; on disk: every
+    checkpoint plus the two newest barriers (``barrier-<round>.ckpt``, with its payload's
+    sha256), written in the background without an fsync. Why two: docs/recovery.md "What is
+    kept, and what is redone".
     """
 
     KEEP_BARRIERS = 2

@@ -1,17 +1,9 @@
 """What a worker accepts on its ring links: frame keys, routes and header rules.
 
-Slot τ of stream s is the hidden state entering application τ (τ = K: entering the head
-at home). A FORWARD frame (s, τ) carries slot τ from its producer to its consumer; a
-BACKWARD frame (s, τ) carries the gradient of slot τ back from the consumer to the
-producer (τ = 0: the embedding at home).
-
-Every frame has exactly one legitimate producer and one route on the physical ring, both
-computed from the schedule: FORWARD frames move i → i+1 from the producer to the
-consumer, BACKWARD frames move i+1 → i along the same edges in reverse, FIN frames of
-origin o move forward from o to o-1. A worker accepts a frame only when the edge it
-arrived on lies on that route; it delivers it when the route ends here and relays it
-when this worker is an intermediate (only ordered mode relays; a cyclic route is always
-one edge long).
+Slot τ of stream s is the hidden state entering application τ (τ = 0: the embedding's
+output; τ = K: entering the head at home; docs/architecture.md §2). A FORWARD frame (s, τ)
+carries slot τ from producer to consumer; a BACKWARD frame (s, τ) carries its gradient
+back. Routes and the deliver / relay / refuse decision: docs/architecture.md §6.4.
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
 """A worker's two ring links: one long-lived bidirectional gRPC stream per ring edge.
 
-Worker i serves ``RingLink.Stream`` for its predecessor i-1 (FORWARD frames arrive on the
-request side, BACKWARD frames leave on the response side) and calls ``Stream`` on its
-successor i+1 (FORWARD frames leave, BACKWARD frames arrive). Frames for other workers are
-relayed in the same direction; frames for this worker are validated, decoded and put in
-the inbox the step executor reads.
+Worker i serves ``RingLink.Stream`` for i-1 (FORWARD in on the request side, BACKWARD out on
+the response side) and calls it on i+1; frames for others are relayed, frames for this
+worker go to the executor's inbox. Trust, sessions, resume and keepalive: docs/ring.md
+"Ring trust model and link faults"; docs/architecture.md §7 (wire), §8 (trust), §11.
 
-Trust (docs/architecture.md §7, §8). Every frame has one producer and one route, computed from the
-schedule (:meth:`FrameRules.arrival`): a frame is accepted only when the authenticated
-neighbour it came from is the hop before this worker on that route, at every hop. A
-server keeps one *session* for its predecessor and at most one live stream in it; a
-second stream from that identity is refused with ``ALREADY_EXISTS``. Every frame belongs
-to the session that carried it: when a session ends, its half-received tensors, the
-relayed tensors it had not completed and its delivered-but-unconsumed frames are dropped.
-Each frame key is consumed (or relayed) once; a replay is refused. Relays forward a tensor
-only once all of its pieces validated, so nothing partial leaves a dead session.
-
-Transient faults (docs/architecture.md §11). A session survives its stream: each side keeps the
-frames it sent until the other side acknowledges them (ACK frames, every few frames), and
-counts the frames it received. When a stream breaks, the client re-dials with backoff for
-up to ``link_grace`` seconds and presents the session's secret token and its count; the
-server answers with its own count and both resend the rest, in order. The step then
-completes with unchanged math. Past the grace the inbox fails with an error naming the
-ring edge. Both ends ping (:class:`LinkTimers`): a dead connection is noticed in seconds.
-
-Bytes on the wire: both sides of the stream carry pre-serialized ``Frame`` bytes (the
-Stream method is registered with no (de)serializers on either end). A tensor is encoded
-once, straight from its memory into the frame bytes (:func:`codec.encode_frames`), split
-into frames of at most ``chunk_bytes``; a relay validates each frame and re-sends the very
-bytes it received. ``bytes_sent`` and the capture file count every tensor and FIN frame
-handed to gRPC, resends included; link-control ACK frames (a few bytes) are not counted.
+The Stream method is registered with no (de)serializers on either end: both sides carry
+pre-serialized ``Frame`` bytes, and a relay re-sends the very bytes it received.
+``bytes_sent`` and the capture file count every tensor and FIN frame handed to gRPC,
+resends included; link-control ACK frames are not counted.
 """
 
 from __future__ import annotations
