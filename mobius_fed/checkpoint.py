@@ -23,11 +23,10 @@ bytes (``U8``); the tree's dtype and shape rebuild it. ``data_sha256`` is the SH
 tensors' bytes in the order of their names. Files of format 1 (a JSON header, then the
 payloads at the byte ranges ``"at": [begin, end]`` of the tree) are still read.
 
-Reading parses JSON and copies bytes into tensors: no code runs, whatever the file holds. It
-is our own one-pass reader, because the library cannot hash while it reads: the header's byte
-ranges are checked as ``safetensors`` checks them, each tensor is read straight into a buffer of
-its own (the only copy), and the sha256 (the payload's, or the whole file's against a manifest)
-is verified before any value is built. Every problem (missing file, hash mismatch, truncation,
+Reading parses JSON and copies bytes into tensors: no code runs, whatever the file holds. Our
+own one-pass reader (the library cannot hash while it reads) checks the header's byte ranges as
+``safetensors`` does and verifies the sha256 before any value is built (docs/export.md,
+"Checkpoints are safetensors files"). Every problem (missing file, hash mismatch, truncation,
 corruption, a pickle, a value we cannot store, a failed write) raises :class:`CheckpointError`
 naming the file.
 """

@@ -1,25 +1,11 @@
 """What happens to a tensor on its way from one block group to the next (one *hop*).
 
-Both engines route every hidden state they hand on and every gradient they hand back
-through one :class:`Hops` object, at exactly the same points:
-
-* forward: the embedding's output (slot 0), each application's output (slot t+1) and the
-  final hidden state on its way home (slot K);
-* backward: the gradient of slot K computed at home and the gradient of each
-  application's input (slot t), on its way back to the slot's producer.
-
-A stage sees the tensor and a :class:`HopContext` and returns the tensor the receiver
-gets. Stages must be pure functions of (tensor, context, config) — noise is drawn from a
-generator seeded by the context, never from the global RNG — or keep state keyed by
-the context, so the reference engine and a ring of workers (which visit hops in other
-orders) produce identical tensors. The transform is not differentiated through: the
-gradient of the received tensor is handed back unchanged (straight-through), which is
-what a ring does when the sender ships bytes.
-
-Stages come from two places, each owned by its own module, and are put together by
-:func:`mobius_fed.engine.hops.build_hops`:
-:func:`mobius_fed.defences.stages.build_stages` (defences on hidden states and gradients)
-and :func:`mobius_fed.transport.wire_stages.build_stages` (lossy wire codecs).
+Both engines route every hidden state and gradient through one :class:`Hops` object at the
+same slots. A stage is a pure function of (tensor, context, config) (noise from a generator
+seeded by the context, never the global RNG) or keeps state keyed by the context, and is
+straight-through for gradients, so reference and ring produce identical tensors. Slots,
+rules and the two stage owners (composed by :func:`mobius_fed.engine.hops.build_hops`):
+docs/architecture.md §6.1.
 """
 
 from __future__ import annotations

@@ -1,36 +1,9 @@
-"""The run's four state machines: run phase, worker state, incident state, ring-edge state
-(docs/architecture.md §10).
+"""The run's four state machines: run phase, worker state, incident state, ring-edge state.
 
-Each state is a ``StrEnum`` (it serialises as its string: status JSON, gRPC and metrics
-carry the same words as before), and each machine is one table of allowed edges. A
-transition goes through :meth:`Machine.step`: an edge not in the table is a bug, logged
-and refused (the state stays). Staying in the same state is not a transition.
-
-Run phase::
-
-    waiting ──► training ◄──► recovering
-       │           │              │
-       └───────────┴──────────────┴──► done | failed | stopped   (ended: no way out)
-
-Worker state (the coordinator's view of one rank)::
-
-    expected ─register─► registered ─session─► ready ◄─heartbeat─► training | evaluating
-                                                 (a heartbeat never says registered)
-                                                 │                  restoring (reported)
-                           any live state ─mark_lost─► lost ─register─► rejoining
-                           lost | rejoining ─restore─► restoring ─ring resumed─► recovered
-                           recovered ─heartbeat─► a reported state
-                           any live state ─run ended─► finished (done) | stopped
-
-Incident::  open ──► recovered | failed
-
-Ring edge (a worker's link to its successor)::
-
-    down ─connect─► up ─stream broke─► reconnecting ─resumed─► up
-                    up | reconnecting ─grace spent / closed─► down
-
-``unknown`` (not reported yet) and ``closed`` (the run ended) are the coordinator's words
-for an edge it has no live report of; no link moves into them.
+Each state is a ``StrEnum`` (it serialises as its string: status JSON, gRPC and metrics carry
+the same words), and each machine is one table of allowed edges; :meth:`Machine.step` logs and
+refuses an edge not in the table (the state stays). Staying put is not a transition. The
+diagrams and the why of each move: docs/architecture.md §10.1–10.4.
 """
 
 from __future__ import annotations

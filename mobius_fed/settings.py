@@ -1,17 +1,10 @@
 """One settings system for every command: TOML file, then ``MOBIUS_*`` environment, then flags.
 
-Every field of a pydantic config model is a *setting* with one public name, derived from
-the model and nothing else:
-
-* key ``privacy.label_noise`` (TOML: ``label_noise`` in ``[train.privacy]``),
-* environment variable ``MOBIUS_PRIVACY__LABEL_NOISE`` (``__`` separates nesting levels),
-* flag ``--privacy-label-noise`` (made by :mod:`mobius_fed.cli.flags`).
-
-A daemon's ``train`` sub-model is *flattened*: its fields keep their own names
-(``MOBIUS_STEPS``, ``--steps``), the same as in ``mobius-fed local``. An unknown TOML key
-is an error that names it; so is an unknown ``MOBIUS_*`` variable, checked by the
-commands (:mod:`mobius_fed.cli.variables`) against every model's names, which this generic
-module does not import.
+Every field of a pydantic config model is a setting with one name derived from the model
+(``privacy.label_noise`` / ``MOBIUS_PRIVACY__LABEL_NOISE`` / ``--privacy-label-noise``;
+docs/configuration.md, "Settings: one name, three places"). A daemon's ``train`` sub-model is
+flattened (``--steps``). Unknown TOML keys are errors here; unknown ``MOBIUS_*`` variables are
+checked by :mod:`mobius_fed.cli.variables`, which this generic module does not import.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Experiment trackers: the records of ``metrics.jsonl`` sent to TensorBoard, MLflow or W&B.
 
-``--tracker tensorboard|mlflow|wandb`` picks one (:func:`add_tracker_flag`); each writes
-through its own library, an optional extra (``pip install 'mobius-fed[tensorboard]'``…).
-A record (a line of ``metrics.jsonl`` of ``local`` or of the coordinator) becomes scalars
-at its ``step``: ``loss`` (Eq. 8 on the training batches), ``eval/loss`` (Eq. 8 on
-validation), ``origin/<s>/loss`` and ``eval/origin/<s>/loss``, the step or round time,
-each worker's ``worker/<r>/…`` figures with its ``wait_share``, bytes, incidents and the
-privacy ε where a record holds them.
-
-A tracker that fails (a full disk, a server gone) is logged once and then left alone: it
-never ends a run. :func:`start_tracking` follows a ``metrics.jsonl`` as it grows, so any
-command that writes one is tracked by two calls (start, then ``close`` at the end).
+``--tracker`` picks one (:func:`add_tracker_flag`); the scalars and extras are listed in
+docs/export.md, "Trackers". A failing tracker is logged once and left alone: it never ends a
+run. :func:`start_tracking` follows a ``metrics.jsonl`` as it grows (start, then ``close``).
 """
 
 from __future__ import annotations

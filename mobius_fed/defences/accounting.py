@@ -1,21 +1,9 @@
 """(ε, δ) of the noise defences, from Opacus' accountants (optional extra ``privacy``).
 
-Label defence: one step releases every target of the home's batch once, through a
-Gaussian mechanism: each token's gradient of its own loss is clipped to L2 norm C and
-noise N(0, σ²C²) is added. Changing one target moves that token's clipped gradient by at
-most 2C, so under replace-one adjacency the effective noise multiplier is σ/2 (we account
-with it). Steps compose; ``sample_rate`` < 1 claims amplification by Poisson sampling.
-
-Input defence with ``input_clip`` C: one step releases each position's hidden state at the
-first remote hop once, clipped to C, plus N(0, σ²C²) per coordinate. Two units:
-
-* **position** — replacing what one position carries moves it by at most 2C: multiplier
-  σ/2. Where the first send is the embedding itself (ordered order, origin s ≠ 0) a
-  position is a token, so this is the per-token guarantee;
-* **sequence** — after a block group (the cyclic first send, F_s's output) attention
-  spreads one token over every later position, so changing one token can move all T
-  positions: sensitivity 2C·√T, multiplier σ/(2√T). This is the guarantee for a token, or
-  a whole sequence, wherever the first send has passed a group.
+Label defence: per-token clip C, noise σC, replace-one adjacency, so the effective multiplier
+is σ/2, composed over steps (``sample_rate`` < 1 claims Poisson amplification). Input defence
+(``input_clip`` C) in two units: **position** (multiplier σ/2) and **sequence** (attention
+spreads one token over T positions: multiplier σ/(2√T)). Derivations: docs/privacy.md §3.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""DP-FedAvg for the shared E/R: central differential privacy with server-side fixed
-clipping (McMahan et al., "Learning Differentially Private Recurrent Language Models",
-ICLR 2018; Andrew et al., arXiv 1710.06963), with Flower's own clipping and noise-scale
-primitives.
+"""DP-FedAvg for the shared E/R (McMahan et al., ICLR 2018; Andrew et al., arXiv 1710.06963),
+with Flower's clipping and noise-scale primitives; what it does: docs/privacy.md §3, §4c.
 
-At every barrier each site's E/R update Δ_s = θ_s − θ (θ: the arrays the round started
-from) is clipped to L2 norm C over all E/R arrays together, the strategy aggregates the
-clipped replicas as usual, and Gaussian noise N(0, (z·C/P)²) is added to every aggregated
-array. The noise comes from a generator keyed by the coordinator's secret
-(``<noise_key_dir>/coordinator.key``; without it the public seed, which any party can
-regenerate) and the round: never the global RNG, so the reference engine and a ring
-draw the same noise, and a redone round draws it again.
-
-Accounting: one round releases every site's clipped update once. Replacing one site's
-data moves the mean by at most 2C/P, so under replace-one adjacency of a whole site the
-effective noise multiplier is z/2 (as for the label defence); rounds compose with q = 1.
+Noise is keyed by the coordinator's secret (or the public seed) and the round, never the global
+RNG, so both engines draw the same noise and a redone round draws it again. Accounting: a
+site's replacement moves the mean by at most 2C/P, so the effective multiplier is z/2
+(replace-one adjacency of a whole site), rounds composed with q = 1.
 """
 
 from __future__ import annotations

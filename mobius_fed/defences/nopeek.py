@@ -1,16 +1,9 @@
 """NoPeek (Vepakomma et al., 2020): a distance-correlation penalty at the origin.
 
-Origin s adds ``decorrelation`` × DCor(tokens, hidden state) to its own loss, where the
-hidden state is the one its stream's first remote hop carries (cyclic: F_s's output, slot
-1; ordered: the embedding, slot 0 for s ≠ 0) and DCor is the distance correlation of
-Székely et al. between the one-hot tokens and the hidden states of a sequence's positions,
-averaged over the sequences of the micro-batch. Training pushes the hidden state that
-leaves the site to carry less of *which token* sits at each position.
-
-The home computes the penalty's gradient for the hidden state it produces and adds it to
-the gradient that comes back for that slot before back-propagating through its own group
-and embedding: the same two lines in both engines, on the same tensors, so the ring stays
-equal to the reference. The reported losses (and Eq. 8) are the cross-entropy alone.
+Origin s adds ``decorrelation`` × DCor(one-hot tokens, hidden state of its first remote hop)
+to its own loss (docs/privacy.md §3). The home adds the penalty's gradient to the gradient
+that comes back for that slot before back-propagating: the same two lines in both engines, so
+ring == reference. Reported losses (and Eq. 8) are the cross-entropy alone.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
-"""Secure Aggregation of the shared E/R with pairwise masks (Bonawitz et al., "Practical
-Secure Aggregation for Privacy-Preserving Machine Learning", CCS 2017). With P ≤ a few dozen
-sites every pair of sites is a neighbour, so SecAgg+ reduces to this.
+"""Secure Aggregation of the shared E/R with pairwise masks (Bonawitz et al., CCS 2017).
 
-At each barrier site s quantises its E/R update Δ_s = θ_s − θ (θ: the arrays the round
-started from) into the ring Z_{2^b} by round-to-nearest (deterministic: no RNG, so both
-engines quantise alike), adds
-
-    Σ_{j>s} PRG(k_sj, round, attempt) − Σ_{j<s} PRG(k_sj, round, attempt)   (mod 2^b)
-
-and sends only that vector. k_sj is the X25519 agreement of s's secret key with j's public
-key (HKDF-SHA256), PRG is the ChaCha20 keystream (``cryptography``) under a key derived from
-(k_sj, round, attempt). The attempt is the ring incarnation the round runs on: a round
-redone after an incident never reuses its masks. The coordinator sums the P vectors mod 2^b
-(the masks cancel), reads the sum as a signed integer and divides by P: it learns Σ_s Δ_s
-and nothing about a single Δ_s beyond what the sum and its own view imply.
-
-Each worker process draws a fresh X25519 key pair; the coordinator relays the public keys
-(honest-but-curious: a coordinator that swaps keys reads every update, as in the paper's
-semi-honest model). The reference engine draws its own P pairs: the masks cancel exactly in
-Z_{2^b}, so the aggregate does not depend on the keys and ring == reference stays exact.
-Flower's ``pseudo_rand_gen`` is not used: it seeds NumPy's MT19937 with 32 bits of the
-shared key, which an observer can search; nor its ``quantize``, which draws from the global
-RNG.
+Site s sends only round-to-nearest(Δ_s) + Σ_{j>s} PRG(k_sj, round, attempt) − Σ_{j<s} PRG(…)
+(mod 2^b); the coordinator sums the P vectors and learns only Σ_s Δ_s. The attempt is the ring
+incarnation, so a redone round never reuses its masks. The reference engine draws its own P
+key pairs: the masks cancel exactly, so ring == reference stays exact. Protocol, keys and why
+Flower's ``pseudo_rand_gen``/``quantize`` are not used: docs/privacy.md §4g.
 """
 
 from __future__ import annotations

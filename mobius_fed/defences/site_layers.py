@@ -1,19 +1,11 @@
-"""The private layers of each site: the home layer (``TrainConfig.privacy.home_layer``)
-and its twin on the input side, the input layer (``privacy.home_input``).
+"""The private layers of each site: the home layer (``privacy.home_layer``, before the shared
+head R) and the input layer (``privacy.home_input``, applied by the replica's ``embed`` to
+E(x)); drawn from the site's key, trained on its own loss, never averaged or sent
+(docs/privacy.md §3, §4b, §4f).
 
-Site s's replica carries a layer applied to the final hidden state before the shared
-head R. It is drawn from a generator keyed by the site's secret (``noise_key_dir``; the
-public seed without one, which any worker can recompute) and origin s, trained on s's own
-loss, and neither averaged nor sent: the worker before the home receives the gradient
-through a function it does not know.
-
-The input layer is drawn the same way (its own label) and applied by the replica's
-``embed`` to E(x) before the origin's first block group, so the first hidden state that
-leaves home, and every later one, is a function of x through a layer no other worker holds.
-
-Both engines build their replicas with :func:`build_site_replica` (the reference engine
-reads every site's key, a ring worker only its own), so they hold identical layers. The
-module sits below both engines: it builds replicas, never an engine.
+Both engines build replicas with :func:`build_site_replica` (the reference reads every site's
+key, a worker only its own), so they hold identical layers. This module sits below both
+engines: it builds replicas, never an engine.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""Privacy defences applied at ring hops (see :mod:`mobius_fed.hop`).
-
-* :class:`LabelNoise` — the home clips each token's gradient of its own loss and adds
-  Gaussian noise to the gradient it returns for the final hidden state (slot K), so the
-  worker before the home cannot read the targets back from it.
-* :class:`InputNoise` — the origin adds Gaussian noise to the hidden state of its stream's
-  first remote hop (cyclic: slot 1, the output of F_s; ordered: slot 0, the embedding),
-  relative to each token's RMS, or, with ``input_clip`` C, after clipping each position to
-  C, with std σ·C (a Gaussian mechanism with an (ε, δ)).
-
-Both are applied by the sending site, which is the stream's origin s in both cases, with
-noise drawn from a generator seeded by (site key, seed, phase, step, s, slot, m,
-direction): never the global RNG, so the reference engine and a ring draw the same noise.
-The site key is the secret in ``<noise_key_dir>/site-<s>.key``; without it the key is the
-public seed, and any worker can regenerate the noise (the audit shows that it strips it).
+"""Privacy defences applied at ring hops (see :mod:`mobius_fed.hop`): :class:`LabelNoise` on
+the gradient the home returns for slot K, :class:`InputNoise` on the origin's first remote hop
+(docs/privacy.md §3). Both run at the sending site, with noise seeded by (site key, seed, phase,
+step, s, slot, m, direction), never the global RNG, so both engines draw the same noise;
+without ``<noise_key_dir>/site-<s>.key`` the key is the public seed and any worker can
+regenerate (and strip) the noise.
 """
 
 from __future__ import annotations

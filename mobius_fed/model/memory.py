@@ -1,16 +1,11 @@
-"""Memory options that let a small GPU hold its share (``TrainConfig.memory``); all off
-by default, and both exact: the same function, computed with less memory.
+"""Memory options that let a small GPU hold its share (``TrainConfig.memory``); all off by
+default, and both exact (docs/wan.md §8).
 
-* ``recompute``: each group application keeps only its input (one per stream, depth and
-  micro-batch); its blocks' activations are recomputed in backward
-  (``torch.utils.checkpoint``, non-reentrant). The recomputed forward runs the same
-  kernels on the same inputs, so losses and gradients are bit-identical.
-* ``loss_chunk``: the head's cross-entropy runs over chunks of that many tokens and never
-  materialises the B×T×V logits. As in Liger Kernel's fused linear cross-entropy (Hsu et
-  al., arXiv 2410.10989), each chunk's gradients for the normalised hidden state and the
-  head weight are computed right away in the forward pass, so backward only scales them;
-  the logit soft-cap (``ModelConfig.logit_cap``, 30) is folded into that gradient. Equal
-  to the full loss up to the order of float summation (a ~1e-7 relative difference).
+* ``recompute``: blocks' activations recomputed in backward (``torch.utils.checkpoint``,
+  non-reentrant): the same kernels on the same inputs, so bit-identical.
+* ``loss_chunk``: chunked cross-entropy that never materialises B×T×V logits; as in Liger
+  Kernel (arXiv 2410.10989) each chunk's gradients are computed in forward, with the logit
+  soft-cap folded in. Equal to the full loss up to float summation order (~1e-7 relative).
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """A shared residual subspace: the model-level compression of the ring's traffic.
 
-With ``TrainConfig.subspace.rank`` = k > 0, a fixed orthonormal basis U ∈ R^{d×k} (drawn
-from the run seed, a buffer identical on every worker, never trained) constrains the
-residual stream wherever it leaves a machine:
-
-* every block's output projections write through U (W_out = U·W′, W′ ∈ R^{k×inner}
-  trained), so a group's update lies in span(U);
-* between two applications the stream travels as its coordinates c = Uᵀ(h − b): B·T·k
-  values instead of B·T·d, and the receiver rebuilds h = U·c + b. Its gradient travels as
-  ∂L/∂c = Uᵀ ∂L/∂h (k values), the exact chain rule of that map.
-
-``b`` is what a worker adds from its own knowledge (``mode``):
-
-* ``stream``: b = 0 everywhere, the embedding is projected (c₀ = Uᵀ E(x_s)); the whole
-  stream lives in span(U).
-* ``home``: b = E(x_s) at the origin's own worker and 0 elsewhere; c₀ = 0. The token
-  embedding never leaves its origin: remote groups see only what the groups wrote into
-  the subspace, and the head reads E(x_s) + U·c_K. Cyclic order only: in the ordered order
-  the stream would pass the groups before its origin's with no input at all.
-
-``writes`` says where the constraint applies: ``basis`` (above) makes every block write
-through U; ``full`` keeps the blocks unconstrained (``nn.Linear`` output projections) and
-projects only the hops, so inside a group the residual stream is d wide and only what
-leaves the machine lies in span(U), as with ResBM's bottleneck between stages. The maps
-below are the same either way: one application is Uᵀ(F_i(U·c + b) − b).
-
-Because the map is a pure function of (c, b, U), the reference engine and a ring of
-workers compute the same tensors bit for bit, and any wire codec quantises c.
-
-Builds on Pluralis' Protocol Models (arXiv 2506.01260) and ResBM (arXiv 2604.11947); how
-Möbius differs, and what the fixed U costs, is in docs/wan.md §7.
+With ``TrainConfig.subspace.rank`` = k > 0, a fixed orthonormal basis U ∈ R^{d×k} (run seed,
+a buffer, never trained) constrains the stream wherever it leaves a machine: it travels as
+c = Uᵀ(h − b) and is rebuilt as h = U·c + b; its gradient as ∂L/∂c = Uᵀ ∂L/∂h. ``mode``
+(``stream``: b = 0; ``home``: b = E(x_s) at the origin, cyclic order only) and ``writes``
+(``basis`` | ``full``) are described in docs/wan.md §7. One application is
+Uᵀ(F_i(U·c + b) − b) either way; as a pure function of (c, b, U) the reference engine and a
+ring compute the same tensors bit for bit, and any wire codec quantises c. Builds on Protocol
+Models (arXiv 2506.01260) and ResBM (arXiv 2604.11947); how Möbius differs: docs/wan.md §7.
 """
 
 from __future__ import annotations

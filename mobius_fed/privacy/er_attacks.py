@@ -1,27 +1,11 @@
 """What the coordinator learns from one site's E/R update: which tokens were in its batch.
 
-At a barrier the coordinator receives each site's embedding/head θ_s and knows the
-average θ̄ it sent out, so it holds the update Δ_s = θ_s − θ̄, one row per token. E/R step
-with AdamW (``model/training.py``), so a row's update is −lr·m̂/(√v̂ + ε): a row that got no
-gradient this round moves only by its decaying momentum, predictably. Four scores, one
-per row (higher = "this token was in the site's batch"):
-
-* ``norm``: ‖Δ_s[v]‖ (rows that did not move at all score 0);
-* ``sign``: the fraction of coordinates whose sign differs from the majority sign of all
-  rows in that coordinate. At step 1 Adam moves every coordinate by ±lr, so norms carry
-  nothing when every row has a gradient (tied head); the rows of absent tokens share one
-  gradient direction (Σ p_v·u over the batch), the present ones do not;
-* ``residual``: ‖Δ_s^t[v] − c_t·Δ_s^{t−1}[v]‖, where c_t is the factor by which AdamW
-  shrinks a zero-gradient row's step from one round to the next (public: β₁, β₂, the lr
-  schedule). Needs the site's previous update;
-* ``residual sign``: the ``sign`` score of that residual. For a row whose gradient is
-  small against its history the residual points along the gradient, and the gradients of
-  absent tokens share one direction (tied head).
-
-:func:`presence` turns scores into precision and recall, two ways: the top-k rows with
-k = the size of the true bag (precision = recall there), and a threshold the coordinator
-can set without knowing the bag (the split of the scores into two groups with the least
-within-group spread, as Otsu's method).
+The coordinator holds Δ_s = θ_s − θ̄, one row per token; E/R step with AdamW
+(``model/training.py``), so a row with no gradient moves only by its decaying momentum,
+predictably. Four per-row scores (higher = "in the batch"): ``norm``, ``sign``, ``residual``
+(‖Δ_s^t[v] − c_t·Δ_s^{t−1}[v]‖, c_t: AdamW's public shrink of a zero-gradient row's step;
+needs the previous update) and ``residual sign``. :func:`presence` reads them as top-k
+(k = true bag size) and by an Otsu threshold. Why each score works: docs/privacy.md §4e.
 """
 
 from __future__ import annotations

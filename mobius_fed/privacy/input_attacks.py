@@ -1,22 +1,11 @@
 """Attacks on a stream's input tokens from a hidden state a worker receives at some hop.
 
-Each attack returns ``guesses`` [N, 5]: its five best token ids per position, best first,
-so that :func:`recovery` gives exact and top-5 recovery the same way for all of them.
-
-* :func:`nearest_row` — no training: the row of the attacker's own copy of the shared
-  embedding E (as the model embeds it, rms-normalised) nearest to the received vector,
-  by cosine or by L2. At step 0 the output projections are zero, so every hop carries E(x).
-* :func:`cluster_frequency` — no paired data: k-means over the received vectors, and the
-  clusters, by size, are given the tokens of public text by frequency (as one breaks a
-  substitution cipher).
-* :func:`known_plaintext` — the attacker knows a few (position, token) pairs of the
-  victim's stream: it fits a linear map from the received vectors at those positions to
-  their rows of E (ridge least squares), then takes the nearest row for every other one.
-* :func:`known_codebook` — the same known pairs used as a codebook: each other position
-  takes the tokens of the known positions nearest to it (no map is fitted, so it breaks
-  any token-by-token transform of E(x), linear or not: a substitution cipher).
-* :func:`frequency_floor` — what the attacker predicts with no received vector at all:
-  the most frequent tokens of its own text (the floor under every attack above).
+Each attack returns ``guesses`` [N, 5] (five best token ids per position, best first) for
+:func:`recovery`. :func:`nearest_row`, :func:`cluster_frequency`, :func:`known_plaintext` and
+:func:`frequency_floor` are described in docs/privacy.md §4d. :func:`known_codebook` uses the
+known (position, token) pairs as a codebook: each other position takes the tokens of the
+known positions nearest to it; no map is fitted, so it breaks any token-by-token transform of
+E(x), linear or not (a substitution cipher).
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Depth roles inside the block groups: does one group serve shallow and deep roles at once?
 
-For every group i and depth t (the application index on a stream's path, so that
-t mod P = d(s, i), the source-relative depth) the analysis measures, on validation data:
-
-* the logit-lens loss of the hidden state after that application, read through the
-  trained final norm + head R_s of the path's origin s;
-* the residual-stream norm (mean per-token L2 norm) and the relative update size
-  mean ‖F_i(h) − h‖ / ‖h‖;
-* how alike the group behaves at different depths: linear CKA between its outputs at
-  depths t and t', and the mean cosine of its update directions F_i(h) − h;
-* each origin's validation loss on its own data (paper Eq. 8's terms).
-
-All but the last use the same probe tokens for every path (every origin's path runs on
-the pooled validation batches of all origins), so two depths differ only in where the
-group runs, not in what text it reads. Ordered runs average the P origins' paths (the
-first origin's states for the similarities).
-
-Hidden states skip the hop stages (privacy defences, lossy wire codecs): this looks at the
-model itself. Models come from reference-engine checkpoints (``local``, ``experiment``,
-``sweep`` runs).
+Per group i and depth t (t mod P = d(s, i)): logit-lens loss through origin s's R_s, residual
+norm, relative update size, linear CKA and update cosine across depths, and each origin's own
+validation loss (Eq. 8's terms); all but the last on shared probe tokens (docs/research.md,
+"mobius-fed analyze"). Ordered runs average the P origins' paths (the first origin's states
+for the similarities). Hidden states skip the hop stages (defences, wire codecs): this looks at
+the model itself.
 """
 
 from __future__ import annotations

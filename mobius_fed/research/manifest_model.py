@@ -1,12 +1,7 @@
-"""The model of a coordinated run, assembled from one of the coordinator's checkpoint
-manifests: every worker's group F_i from its checkpoint file, and for every origin s the
-averaged E/R the manifest holds (what the run evaluates and continues from) with the site's
-own private home layer, if it has one.
-
-A worker's file is read from the copy next to the manifest (``--state-copy coordinator``),
-or else from the path the worker reported, or else from ``<root>/worker-<i>/checkpoints/``
-when the manifest lies in ``<root>/coordinator/`` (the layout of ``mobius-fed up``). Every
-file is checked against the sha256 in the manifest.
+"""The model of a coordinated run, assembled from one coordinator checkpoint manifest: every
+worker's group F_i from its (sha256-checked) file, and for every origin s the manifest's
+averaged E/R with the site's own home layer. Where a worker's file is looked for:
+docs/research.md, "mobius-fed analyze".
 """
 
 from __future__ import annotations
