@@ -1,9 +1,24 @@
-"""The recovery driver: from a lost worker or ring edge back to training, with no restart.
+"""The recovery driver: from a lost worker or ring edge back to training, with no restart
+(docs/architecture.md §11).
 
-Detect → abort → wait for sessions → choose round → restore → new ring → resume: the loop
-and its diagram are in docs/architecture.md §11. Any step may raise ``RunFailed`` instead
-(past ``--max-incidents`` or ``--rejoin-timeout``, or no round every worker can restore).
-Phase, worker and incident states move only along the tables of :mod:`mobius_fed.machines`.
+::
+
+         ┌──────────────────────────────── training ◄──────────────────────────────┐
+         │ IncidentRaised (a session closed, a heartbeat expired, a worker        │
+         ▼ reported its ring edge down)                                           │
+      detect ──► abort ──► wait for sessions ──► choose round ──► restore ──► new ring ──► resume
+      (open an  (every     (each lost rank        (the newest     (each       (a fresh ring
+      incident,  worker    registers again;       round every     worker      id: workers
+      phase      drops the more incidents on      worker and this loads it;   dial their
+      recovering) round)   the way join this one) coordinator     a refusal   successor
+                                                  can restore)    tries an    again)
+                                                                  earlier one)
+
+Every step may fail the run instead (``RunFailed``): more incidents than
+``--max-incidents``, a rank that does not rejoin within ``--rejoin-timeout``, or no round
+that every worker can restore. On resume the open incidents close as ``recovered`` with
+the round rolled back to and the steps redone. The phase, worker and incident states move
+only along the tables of :mod:`mobius_fed.machines`.
 """
 
 from __future__ import annotations
