@@ -38,12 +38,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mobius_fed.cli.up import LocalFederation
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.federated import train_with_strategy
 from mobius_fed.engine.reference import ReferenceEngine
 from mobius_fed.machines import ENDED_PHASES, IncidentState, Phase
+from mobius_fed.ops.federation import LocalFederation
 from mobius_fed.strategies import RoundPlan, make_strategy
 from mobius_fed.testbed.proxy import CuttableProxy
 

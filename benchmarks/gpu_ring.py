@@ -31,8 +31,8 @@ import torch
 from ring_benchmark import RingRun, run_reference
 
 from mobius_fed.cli.common import add_train_flags, train_config_from_args
-from mobius_fed.cli.up import toml_table
 from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+from mobius_fed.ops.federation import toml_table
 from mobius_fed.transport.certs import init_certs
 
 

@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mobius_fed.cli.up import LocalFederation
 from mobius_fed.config import TrainConfig
+from mobius_fed.ops.federation import LocalFederation
 from mobius_fed.testbed.proxy import CuttableProxy
 
 

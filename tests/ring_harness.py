@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mobius_fed.cli.up import free_ports
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 from mobius_fed.engine import ReferenceEngine
+from mobius_fed.ops.federation import free_ports
 from mobius_fed.transport.certs import init_certs
 
 WORKER = [sys.executable, "-m", "mobius_fed.cli.worker"]

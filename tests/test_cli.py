@@ -234,7 +234,7 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_bindable():
     ephemeral one that an outgoing connection may take before the daemon binds it."""
     import socket
 
-    from mobius_fed.cli.up import free_ports
+    from mobius_fed.ops.federation import free_ports
 
     top = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     ports = free_ports(8)

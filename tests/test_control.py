@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mobius_fed.cli.up import LocalFederation
 from mobius_fed.config import TrainConfig
+from mobius_fed.ops.federation import LocalFederation
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.transport.tls import open_channel
 

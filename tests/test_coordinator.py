@@ -16,13 +16,13 @@ import grpc
 import pytest
 
 from mobius_fed.checkpoint import load_checkpoint, sha256_of
-from mobius_fed.cli.up import LocalFederation
 from mobius_fed.config import TrainConfig
 from mobius_fed.coordinator.manifests import latest_manifest
 from mobius_fed.data import SiteData
 from mobius_fed.defences.er_dp import ErPrivacy
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.federated import train_with_strategy
+from mobius_fed.ops.federation import LocalFederation
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.strategies import RoundPlan, make_strategy
 from mobius_fed.transport.certs import init_certs

@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from mobius_fed.cli.dashboard import DashboardProxy
-from mobius_fed.cli.up import LocalFederation
 from mobius_fed.config import TrainConfig
 from mobius_fed.coordinator.endpoints import read_endpoints
+from mobius_fed.ops.federation import LocalFederation
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]

@@ -10,13 +10,13 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 
-from mobius_fed.cli.up import LocalFederation
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.defences.er_dp import COORDINATOR_KEY, ErPrivacy
 from mobius_fed.defences.report import status_block
 from mobius_fed.defences.stages import write_site_keys
 from mobius_fed.engine import ReferenceEngine
+from mobius_fed.ops.federation import LocalFederation
 from mobius_fed.transport.flower_wire import COORDINATOR_NODE_ID, set_task_identity
 from tests.test_coordinator import max_diff, reference, ring_history, run
 

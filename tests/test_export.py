@@ -233,7 +233,7 @@ def test_coordinated_run_export_equals_the_rings_evaluation(tmp_path: Path) -> N
     """A real coordinated run (coordinator + 2 worker processes over mTLS) with private
     home layers: each origin's export equals the ring's own evaluation at that round, and a
     worker file that fails its manifest's sha256 stops the export, named."""
-    from mobius_fed.cli.up import LocalFederation
+    from mobius_fed.ops.federation import LocalFederation
     from mobius_fed.research import analyze
 
     train = _cfg(sync_every=1, eval_every=4, privacy={"home_layer": "mlp"})

@@ -234,8 +234,8 @@ def test_coordinated_run_keeps_home_layers_on_their_sites(tmp_path: Path):
     layer (the workers' own checkpoints do)."""
     import json
 
-    from mobius_fed.cli.up import LocalFederation
     from mobius_fed.coordinator.manifests import latest_manifest
+    from mobius_fed.ops.federation import LocalFederation
     from tests.test_coordinator import reference, ring_history, run
 
     train = TrainConfig(

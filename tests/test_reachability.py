@@ -17,9 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mobius_fed.cli.up import LocalFederation, free_ports
 from mobius_fed.config import TrainConfig
 from mobius_fed.coordinator.control import heartbeat_problem
+from mobius_fed.ops.federation import LocalFederation, free_ports
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.relay.daemon import Relay
 from mobius_fed.relay.keys import RelayKeyError, read_relay_key, write_relay_key

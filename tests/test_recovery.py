@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from mobius_fed.checkpoint import load_checkpoint
-from mobius_fed.cli.up import LocalFederation
 from mobius_fed.config import TrainConfig
 from mobius_fed.coordinator.manifests import complete_manifests
+from mobius_fed.ops.federation import LocalFederation
 from tests.test_coordinator import BASE, max_diff, reference, ring_history
 
 pytestmark = pytest.mark.slow

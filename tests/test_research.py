@@ -196,7 +196,7 @@ def test_analyze_a_coordinated_run_from_its_manifest(tmp_path: Path, home_layer:
     """A real coordinated run (coordinator + 2 worker processes over mTLS) is assembled from
     its newest manifest: the workers' groups, the averaged E/R and each site's home layer.
     Its Eq. 8 terms equal the ones the ring itself evaluated at that round."""
-    from mobius_fed.cli.up import LocalFederation
+    from mobius_fed.ops.federation import LocalFederation
 
     train = _cfg(steps=4, sync_every=1, eval_every=4, privacy={"home_layer": home_layer})
     fed = LocalFederation(tmp_path / "up", train, checkpoint_every=2, threads=1)

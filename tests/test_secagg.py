@@ -14,7 +14,6 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from mobius_fed.cli.up import LocalFederation
 from mobius_fed.config import TrainConfig
 from mobius_fed.coordinator.grid import RunFailed
 from mobius_fed.coordinator.manifests import latest_manifest
@@ -34,6 +33,7 @@ from mobius_fed.defences.secagg import (
 from mobius_fed.defences.stages import write_site_keys
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.federated import train_with_strategy
+from mobius_fed.ops.federation import LocalFederation
 from mobius_fed.strategies import RoundPlan, make_strategy
 from mobius_fed.transport.flower_wire import (
     COORDINATOR_NODE_ID,

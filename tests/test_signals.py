@@ -20,9 +20,9 @@ from mobius_fed.cli import coordinator as coordinator_cli
 from mobius_fed.cli import main as main_cli
 from mobius_fed.cli import worker as worker_cli
 from mobius_fed.cli.common import flag_values
-from mobius_fed.cli.up import LocalFederation
 from mobius_fed.config import TrainConfig
 from mobius_fed.coordinator.manifests import latest_manifest
+from mobius_fed.ops.federation import LocalFederation
 
 # Two workers, the smallest model, one torch thread each: the 2 cores are shared.
 TINY = dict(workers=2, preset="cpu-tiny", batch_size=2, optimizer="adamw", eval_every=0)
@@ -344,7 +344,7 @@ def test_a_guarded_daemon_dies_with_its_parent_even_by_sigkill(tmp_path: Path) -
     the daemon keeps the guard's pid, and SIGKILL of the parent takes it down."""
     parent_code = (
         "import subprocess, sys, time\n"
-        "from mobius_fed.cli.up import _guarded\n"
+        "from mobius_fed.ops.federation import _guarded\n"
         "child = subprocess.Popen(_guarded([sys.executable, '-c', "
         "'import time; time.sleep(120)']), start_new_session=True)\n"
         "print(child.pid, flush=True)\n"

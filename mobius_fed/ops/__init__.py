@@ -1,0 +1,1 @@
+"""Operations: running federations and daemons as supervised processes."""
