@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, NoReturn
 from rich.console import Console
 from rich.markup import escape
 
+from mobius_fed.ops import OpsError
+from mobius_fed.ops.local import default_threads, prepared_dir, site_dirs, split_sites
+
 if TYPE_CHECKING:  # torch-free at import: `mobius-fed health` runs as a frequent healthcheck
     from mobius_fed.config import TrainConfig
     from mobius_fed.data import SiteData
@@ -173,16 +176,6 @@ def step_progress(*fields: str, out: Console = console):
 
 
 # ------------------------------------------------------------------------- threads
-def default_threads(processes: int = 1) -> int:
-    """Threads for one of ``processes`` training processes on this machine: the cores this
-    process may run on (its affinity mask, else the machine's count) // processes, at least 1."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, processes))
-
-
 def threads_value(text: str) -> int:
     try:
         n = int(text)
@@ -253,7 +246,7 @@ def add_resume_flag(parser: argparse.ArgumentParser, help_: str) -> None:
     )
 
 
-class CliError(Exception):
+class CliError(OpsError):
     """An error to print (without a traceback) before exiting with status 2."""
 
 
@@ -266,7 +259,7 @@ def run_guarded(fn, *args, **kwargs) -> int:
     """Run a command, turning expected errors into one clear line and exit status 2."""
     try:
         return fn(*args, **kwargs) or 0
-    except (CliError, ValueError, FileNotFoundError, FileExistsError) as exc:
+    except (OpsError, ValueError, FileNotFoundError, FileExistsError) as exc:
         fail(str(exc))
     except RuntimeError as exc:  # PeerError and other run-time failures: one clear line
         fail(f"{type(exc).__name__}: {exc}")
@@ -425,34 +418,6 @@ def daemon_main(prog: str, parser: argparse.ArgumentParser, run, argv: list[str]
         # signal in that window would find the default handlers back (exit -15, not 0).
         stop.exit_now(rc)
     return rc
-
-
-def site_dirs(root: Path, P: int) -> list[Path]:
-    """The P directories ``root/site-<i>``; a clear error when any is missing."""
-    root = Path(root)
-    if not root.is_dir():
-        raise CliError(f"data directory not found: {root}")
-    dirs = [root / f"site-{i}" for i in range(P)]
-    missing = [str(d) for d in dirs if not d.is_dir()]
-    if missing:
-        raise CliError(f"data directory {root} lacks {', '.join(missing)} (P={P})")
-    return dirs
-
-
-def prepared_dir(data: Sequence[Path] | None) -> Path | None:
-    """``--data DIR``: the one directory of prepared site-<i>/ folders, else None."""
-    return Path(data[0]) if data and len(data) == 1 and Path(data[0]).is_dir() else None
-
-
-def split_sites(data: Sequence[Path] | None, root: Path, P: int, encoding: str) -> list[Path]:
-    """Split the text files ``data`` (none: the embedded corpus) into ``root/site-<i>``."""
-    from mobius_fed.data import embedded_corpus, prepare_sites
-
-    for f in data or ():
-        if not Path(f).exists():
-            raise CliError(f"data path not found: {f}")
-    text = None if data else embedded_corpus()
-    return prepare_sites(data, root, P, encoding, text=text, overwrite=True)
 
 
 def resolve_sites(cfg: TrainConfig, data: Sequence[Path] | None, out: Path) -> list[SiteData]:

@@ -14,12 +14,10 @@ from mobius_fed.cli.common import (
     add_train_flags,
     apply_threads,
     console,
-    prepared_dir,
     resolve_sites,
-    site_dirs,
-    split_sites,
     train_config_from_args,
 )
+from mobius_fed.ops.local import prepared_dir, site_dirs, split_sites
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mobius_fed.cli.common import CliError, add_run_flag, run_endpoints
-from mobius_fed.coordinator.rest_client import COORDINATOR_NAME
+from mobius_fed.coordinator.rest_client import COORDINATOR_NAME, get_status
 from mobius_fed.machines import EdgeState as E
 from mobius_fed.machines import IncidentState, Phase
 from mobius_fed.machines import WorkerState as W
@@ -111,20 +111,6 @@ def operator_tls(certs: Path) -> NodeTLS:
             "(pass --certs DIR; make them with: mobius-fed certs init)"
         )
     return tls
-
-
-def get_status(addr: str, tls: NodeTLS, timeout: float) -> str:
-    """The status document (JSON text) from ``GetStatus`` over mTLS gRPC; grpc.RpcError when
-    the call fails."""
-    from mobius_fed.proto import control_pb2, control_pb2_grpc
-    from mobius_fed.transport.tls import open_channel
-
-    channel = open_channel(addr, tls, target_name=COORDINATOR_NAME)
-    try:
-        stub = control_pb2_grpc.ControlStub(channel)
-        return stub.GetStatus(control_pb2.StatusRequest(), timeout=timeout).json
-    finally:
-        channel.close()
 
 
 def fetch_grpc_status(addr: str, certs: Path, timeout: float) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import ssl
 from typing import Any
 from urllib.parse import urlsplit
 
-from mobius_fed.transport.tls import NodeTLS
+from mobius_fed.transport.tls import NodeTLS, open_channel
 
 COORDINATOR_NAME = "coordinator"
 """Name checked against the coordinator certificate's DNS SANs (gRPC and REST alike)."""
@@ -81,3 +81,16 @@ def rest_get(url: str, path: str, tls: NodeTLS | None, timeout: float = 5.0) -> 
     if resp.headers.get("content-type", "").startswith("application/json"):
         return resp.json()
     return resp.text
+
+
+def get_status(addr: str, tls: NodeTLS, timeout: float) -> str:
+    """The status document (JSON text) from ``GetStatus`` over mTLS gRPC; grpc.RpcError when
+    the call fails."""
+    from mobius_fed.proto import control_pb2, control_pb2_grpc
+
+    channel = open_channel(addr, tls, target_name=COORDINATOR_NAME)
+    try:
+        stub = control_pb2_grpc.ControlStub(channel)
+        return stub.GetStatus(control_pb2.StatusRequest(), timeout=timeout).json
+    finally:
+        channel.close()

@@ -1,1 +1,5 @@
-"""Operations: running federations and daemons as supervised processes."""
+"""Operations: federations and daemons run as supervised processes (docs/architecture.md §1)."""
+
+
+class OpsError(Exception):
+    """A failure to report to the operator as one line (the CLI exits with status 2)."""

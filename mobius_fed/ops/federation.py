@@ -21,16 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mobius_fed.cli.common import (
-    CliError,
-    console,
-    default_threads,
-    prepared_dir,
-    site_dirs,
-    split_sites,
-)
+import grpc
+
 from mobius_fed.coordinator.endpoints import write_endpoints
+from mobius_fed.coordinator.rest_client import get_status, rest_get
 from mobius_fed.machines import ENDED_PHASES as ENDED
+from mobius_fed.ops import OpsError
+from mobius_fed.ops.local import default_threads, prepared_dir, site_dirs, split_sites
 from mobius_fed.transport.tls import NodeTLS
 
 if TYPE_CHECKING:  # torch loads only when a federation is made, not at import
@@ -143,12 +140,12 @@ class LocalFederation:
             init_certs(self.certs, P, overwrite=True)
         given = prepared_dir(self.data)
         if given is not None:
-            site_dirs(given, P)  # CliError naming a missing site-<i>
+            site_dirs(given, P)  # OpsError naming a missing site-<i>
             self.sites = given.resolve()
         elif self.data:
             missing = [str(f) for f in self.data if not Path(f).exists()]
             if missing:
-                raise CliError(f"--data: not found: {', '.join(missing)}")
+                raise OpsError(f"--data: not found: {', '.join(missing)}")
             split_sites(self.data, self.sites, P, self.train.encoding)
         elif (
             not all((self.sites / f"site-{i}").is_dir() for i in range(P))
@@ -239,8 +236,6 @@ class LocalFederation:
 
     def rest(self, path: str) -> Any:
         """GET a REST endpoint of the coordinator as the operator (JSON or text)."""
-        from mobius_fed.coordinator.rest_client import rest_get
-
         tls = None if self.rest_mode == "local" else self.operator_tls()
         return rest_get(self.rest_url, path, tls)
 
@@ -282,13 +277,13 @@ class LocalFederation:
 
     # ---------------------------------------------------------- supervision
     def _say(self, message: str) -> None:
-        (self.on_event or (lambda m: console.print(m, highlight=False)))(message)
+        (self.on_event or (lambda m: print(m, file=sys.stderr, flush=True)))(message)
 
     def supervise(self) -> None:
         """Restart children that died before the run ended (see the module docstring).
 
         A worker that exits 0 has finished and stays stopped. Nothing is restarted once the
-        coordinator's status says the run ended. Raises CliError when the coordinator is
+        coordinator's status says the run ended. Raises OpsError when the coordinator is
         gone for good."""
         now = time.monotonic()
         for name, proc in list(self.procs.items()):
@@ -338,10 +333,6 @@ class LocalFederation:
 
     def status(self, timeout: float = 3.0) -> dict[str, Any] | None:
         """The coordinator's status over gRPC with the operator's certificate."""
-        import grpc
-
-        from mobius_fed.cli.status import get_status
-
         addr = f"127.0.0.1:{self.coord_port}"
         try:
             return json.loads(get_status(addr, self.operator_tls(), timeout))
@@ -369,15 +360,15 @@ class LocalFederation:
             elif coord.poll() is not None:
                 raise self._coordinator_gone(f"({coord.returncode})")
             time.sleep(0.5)
-        raise CliError(f"run did not finish within {timeout:.0f}s (last status: {last})")
+        raise OpsError(f"run did not finish within {timeout:.0f}s (last status: {last})")
 
     def tail(self, name: str, n: int = 15) -> str:
         lines = (self.logs / f"{name}.log").read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
 
-    def _coordinator_gone(self, how: str) -> CliError:
+    def _coordinator_gone(self, how: str) -> OpsError:
         log = self.logs / "coordinator.log"
-        return CliError(f"the coordinator exited {how}; see {log}:\n{self.tail('coordinator')}")
+        return OpsError(f"the coordinator exited {how}; see {log}:\n{self.tail('coordinator')}")
 
     def stop(self, grace: float = 10.0, sig: int = signal.SIGTERM) -> dict[str, int]:
         """Send ``sig`` to every process this federation started, wait up to ``grace``
