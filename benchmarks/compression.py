@@ -1,7 +1,7 @@
 """Wire compression: bytes on ring hops vs fp32 and the price in validation loss (Eq. 8).
 
 Each arm trains the reference engine (which applies every codec exactly as a ring does,
-see mobius_fed/transport/wire_stages.py) for ``--steps`` steps on cpu-small, P = 4, from
+see mobius_fed/engine/wire_stages.py) for ``--steps`` steps on cpu-small, P = 4, from
 the same seed and data, and evaluates Eq. 8 at the end. Δ is the arm's Eq. 8 minus the
 fp32 arm's with the same order and L, from the same run of this script. Bytes are the
 payloads of one training step's remote hops (forward + backward) against fp32.
@@ -47,7 +47,7 @@ def hop_bytes(cfg) -> tuple[int, int]:
     """(forward, backward) bytes of one remote hop of one micro-batch: the codec's payload
     (``wire_dtype`` where a direction has none) of what a slot carries (k-wide coordinates
     with the subspace on)."""
-    from mobius_fed.transport.wire_stages import codecs
+    from mobius_fed.engine.wire_stages import codecs
 
     mc = cfg.model()
     shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, mc.subspace_rank or mc.d_model)

@@ -9,7 +9,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from mobius_fed.defences.config import PrivacyConfig
 from mobius_fed.model.config import (
     PRESETS,
     MemoryConfig,
@@ -19,6 +18,7 @@ from mobius_fed.model.config import (
     make_model_config,
 )
 from mobius_fed.model.knobs import LoopKnobs
+from mobius_fed.privacy_config import PrivacyConfig
 from mobius_fed.schedule import ORDERS, Order
 from mobius_fed.settings import (  # noqa: F401 - re-exported: the config API lives here
     ENV_PREFIX,

@@ -571,7 +571,7 @@ def test_metrics_listener_is_plain_read_only_and_limited() -> None:
 def test_status_carries_the_privacy_block() -> None:
     from mobius_fed.config import TrainConfig
     from mobius_fed.coordinator.server import privacy_source
-    from mobius_fed.defences.config import PrivacyConfig
+    from mobius_fed.privacy_config import PrivacyConfig
 
     st = make_state()
     assert st.status_doc()["privacy"] is None

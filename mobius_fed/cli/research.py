@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,12 +18,14 @@ from mobius_fed.cli.common import (
     apply_threads,
     console,
     resolve_sites,
+    step_progress,
     train_config_from_args,
 )
 from mobius_fed.ops.local import prepared_dir, site_dirs, split_sites
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig
+    from mobius_fed.engine.experiment import StepHooks
     from mobius_fed.research.sweep import Cell
 
 GRID_FIELDS = ("workers", "loops", "order", "seed")
@@ -117,6 +122,20 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------------- experiment
+@contextlib.contextmanager
+def _arm_bar(cfg: TrainConfig) -> Iterator[StepHooks]:
+    """One experiment run's progress bar: step n/N, its loss and its last validation loss."""
+    from mobius_fed.engine.experiment import StepHooks, arm_name
+
+    fields = ("loss {task.fields[loss]:.4f}", "val {task.fields[val]}")
+    with step_progress(*fields, out=console) as bar:
+        task = bar.add_task(arm_name(cfg), total=cfg.steps, loss=math.nan, val="—")
+        yield StepHooks(
+            on_step=lambda r: bar.update(task, completed=r.step + 1, loss=r.loss),
+            on_eval=lambda e: bar.update(task, val=f"{e.loss:.4f}"),
+        )
+
+
 def cmd_experiment(args: argparse.Namespace) -> int:
     from mobius_fed.engine.experiment import markdown_table, plot_curves, run_experiment
     from mobius_fed.schedule import ORDERS
@@ -134,7 +153,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     out = Path(args.out)
     sites = resolve_sites(cfg, args.data, out)
     arms = run_experiment(
-        cfg, sites, args.grid_loops, args.grid_orders, out, seeds=args.seeds, progress=console
+        cfg, sites, args.grid_loops, args.grid_orders, out, seeds=args.seeds, progress=_arm_bar
     )
     table = markdown_table(arms, cfg.P)
     (out / "table.md").write_text(table)

@@ -9,7 +9,7 @@ go down: redone steps count too (``mobius_steps_redone_total``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,8 +25,12 @@ from prometheus_client.registry import Collector
 from mobius_fed.coordinator.status_model import StatusModel, WorkerModel
 from mobius_fed.machines import EdgeState, IncidentState, Phase, WorkerState
 
-if TYPE_CHECKING:  # the run state owns its metrics: no import of it at run time
-    from mobius_fed.coordinator.state import RunState
+
+class Snapshots(Protocol):
+    """What the metrics read of a run (the coordinator's ``RunState`` is one): the status
+    and the counters, one consistent snapshot."""
+
+    def snapshot(self) -> tuple[StatusModel, dict[str, float]]: ...
 
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -88,7 +92,7 @@ _WORKER_FIGURES: tuple[tuple[str, str, Callable[[WorkerModel], float | None], st
 class RunStateCollector(Collector):
     """Gauges and counters rendered from the run's :class:`StatusModel` at scrape time."""
 
-    def __init__(self, state: RunState) -> None:
+    def __init__(self, state: Snapshots) -> None:
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
@@ -167,7 +171,7 @@ class RunStateCollector(Collector):
 class CoordinatorMetrics:
     """The registry a coordinator serves on ``/metrics``, and its histograms."""
 
-    def __init__(self, state: RunState) -> None:
+    def __init__(self, state: Snapshots) -> None:
         self.state = state
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)

@@ -12,7 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mobius_fed.defences.config import PrivacyConfig
+    from mobius_fed.privacy_config import PrivacyConfig
 
 EXTRA_HINT = (
     "the label defence's (epsilon, delta) needs Opacus' accountants: "

@@ -15,7 +15,7 @@ from mobius_fed.defences.accounting import (
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig
-    from mobius_fed.defences.config import PrivacyConfig
+    from mobius_fed.privacy_config import PrivacyConfig
 
 
 _LAST_HOP = "gradient returned by the home for the final hidden state"

@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
-from mobius_fed.engine.reference import EvalResult, ReferenceEngine
+from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
 from mobius_fed.engine.trainer import train
 from mobius_fed.plotting import pyplot, save_figure
 from mobius_fed.schedule import Order
 from mobius_fed.stats import ci95, mean, std
 
-if TYPE_CHECKING:
-    from rich.console import Console
+
+@dataclass
+class StepHooks:
+    """What training calls after each step and each evaluation of one run."""
+
+    on_step: Callable[[StepResult], None]
+    on_eval: Callable[[EvalResult], None]
+
+
+ArmProgress = Callable[[TrainConfig], AbstractContextManager[StepHooks]]
+"""Opens a display for one run (its config) and gives the hooks that update it."""
 
 
 @dataclass
@@ -41,12 +49,12 @@ def run_experiment(
     on_arm: Callable[[TrainConfig], None] | None = None,
     *,
     seeds: int = 1,
-    progress: Console | None = None,
+    progress: ArmProgress | None = None,
 ) -> list[Arm]:
     """Train one run per (L, order, seed) from the same data; return their eval curves.
 
     Seeds are ``base.seed, base.seed + 1, …``; both orders of a seed share initialisation
-    and batches. ``progress`` shows a per-step bar (loss, step) for each run.
+    and batches. ``progress`` opens a display per run (the CLI's bar of loss and step).
     """
     if seeds < 1:
         raise ValueError(f"seeds must be ≥ 1, got {seeds}")
@@ -66,24 +74,20 @@ def run_experiment(
 
 
 def _train_arm(
-    cfg: TrainConfig, sites: Sequence[SiteData], run_dir: Path, console: Console | None
+    cfg: TrainConfig, sites: Sequence[SiteData], run_dir: Path, progress: ArmProgress | None
 ) -> list[EvalResult]:
     engine = ReferenceEngine(cfg, sites)
-    if console is None:
+    if progress is None:
         return train(engine, run_dir, checkpoint_every=0)
-    from mobius_fed.cli.common import step_progress
-
-    name = f"L={cfg.loops} {_order_name(cfg.order)} seed {cfg.seed}"
-    fields = ("loss {task.fields[loss]:.4f}", "val {task.fields[val]}")
-    with step_progress(*fields, out=console) as bar:
-        task = bar.add_task(name, total=cfg.steps, loss=math.nan, val="—")
+    with progress(cfg) as hooks:
         return train(
-            engine,
-            run_dir,
-            checkpoint_every=0,
-            on_step=lambda r: bar.update(task, completed=r.step + 1, loss=r.loss),
-            on_eval=lambda e: bar.update(task, val=f"{e.loss:.4f}"),
+            engine, run_dir, checkpoint_every=0, on_step=hooks.on_step, on_eval=hooks.on_eval
         )
+
+
+def arm_name(cfg: TrainConfig) -> str:
+    """One run of an experiment: ``L=2 Möbius seed 0``."""
+    return f"L={cfg.loops} {_order_name(cfg.order)} seed {cfg.seed}"
 
 
 def _order_name(order: str) -> str:

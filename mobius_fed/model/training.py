@@ -7,21 +7,35 @@ update is computed by the same code on one machine or many.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from mobius_fed.model.group import LOOP_PARAMETERS
 
-if TYPE_CHECKING:
-    from mobius_fed.config import TrainConfig
-
 ADAM_BETAS = (0.9, 0.95)
 
 
+class OptimizerSettings(Protocol):
+    """The optimizer's part of a run's settings (``TrainConfig`` has it): this layer reads
+    no more of the run configuration than these."""
+
+    @property
+    def optimizer(self) -> Literal["muon", "adamw"]: ...
+    @property
+    def lr_adam(self) -> float: ...
+    @property
+    def lr_muon(self) -> float: ...
+    @property
+    def weight_decay(self) -> float: ...
+    @property
+    def muon_adjust_lr(self) -> Literal["original", "match_rms_adamw"]: ...
+    def lr_multiplier(self, step: int) -> float: ...
+
+
 def make_optimizers(
-    module: nn.Module, cfg: TrainConfig, *, blocks: bool
+    module: nn.Module, cfg: OptimizerSettings, *, blocks: bool
 ) -> list[torch.optim.Optimizer]:
     """Muon for the 2-D weight matrices of block groups, AdamW for everything else
     (embedding, head, gains and the loop knobs' depth vectors).
@@ -61,7 +75,9 @@ def make_optimizers(
     return opts
 
 
-def step_optimizers(opts: Sequence[torch.optim.Optimizer], cfg: TrainConfig, step: int) -> None:
+def step_optimizers(
+    opts: Sequence[torch.optim.Optimizer], cfg: OptimizerSettings, step: int
+) -> None:
     """Apply the warmup/stable/cooldown multiplier for ``step``, step, and clear gradients."""
     mult = cfg.lr_multiplier(step)
     for opt in opts:

@@ -1,4 +1,4 @@
-"""Operations: federations and daemons run as supervised processes (docs/architecture.md §1)."""
+"""Operations: federations and daemons run as supervised processes (docs/architecture.md §3)."""
 
 
 class OpsError(Exception):

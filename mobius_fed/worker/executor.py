@@ -23,11 +23,11 @@ from mobius_fed.defences.nopeek import build_nopeek
 from mobius_fed.defences.site_layers import build_site_replica
 from mobius_fed.engine.hops import build_hops
 from mobius_fed.engine.stream import StreamMaps
+from mobius_fed.engine.wire_stages import CodecStage, codecs
 from mobius_fed.hop import HopContext
 from mobius_fed.model import build_group
 from mobius_fed.model.layers import resolve_device
 from mobius_fed.model.training import make_optimizers, mean_loss, scale_grads, step_optimizers
-from mobius_fed.transport.wire_stages import CodecStage, codecs
 from mobius_fed.worker.frames import BACKWARD, EVAL, FORWARD, TRAIN, FrameKey, FrameRules
 from mobius_fed.worker.link import RingLinks
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mobius_fed.engine.wire_stages import codecs
 from mobius_fed.machines import EDGE, EdgeState
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
 from mobius_fed.relay.edges import EdgeTunnels
@@ -37,7 +38,6 @@ from mobius_fed.transport.codec import (
 from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.link_tuning import LinkTuning, refuse_renamed_variables
 from mobius_fed.transport.tls import NodeTLS, worker_identity
-from mobius_fed.transport.wire_stages import codecs
 from mobius_fed.worker.frames import (
     ACK,
     BACKWARD,
