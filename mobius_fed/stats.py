@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 # Two-sided 97.5 % quantiles of Student's t for 1..30 degrees of freedom.
+# fmt: skip below keeps ten quantiles a row, so a degree of freedom is found by its row.
 _T975 = (
     12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
     2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,

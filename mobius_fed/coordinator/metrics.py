@@ -67,6 +67,7 @@ _RUN_COUNTERS = (
     ("mobius_tokens", "Tokens trained on, all origins (redone steps included).", "tokens"),
     ("mobius_heartbeats", "Heartbeats accepted from workers.", "heartbeats"),
 )
+# fmt: skip below keeps the table one metric to a row group: name, help, figure, kind.
 _WORKER_FIGURES: tuple[tuple[str, str, Callable[[WorkerModel], float | None], str], ...] = (
     ("mobius_worker_up", "Worker alive (1) or lost / not registered (0).",
      lambda w: int(w.state not in NOT_UP), "g"),

@@ -244,8 +244,10 @@ class Recovery:
             self.cfg.restore_timeout,
             "load the rollback state",
         )
-        answers = {rank_of_node(r.metadata.src_node_id): RestoreReply.of(r.content[CONFIG])
-                   for r in replies}  # fmt: skip
+        answers = {
+            rank_of_node(r.metadata.src_node_id): RestoreReply.of(r.content[CONFIG])
+            for r in replies
+        }
         return {rank: a.reason for rank, a in answers.items() if not a.ok}
 
     def _restore_order(self, rank: int, rnd: int, has_it: bool) -> RestoreOrder:

@@ -192,8 +192,11 @@ class Coordinator:
             return self._fail(str(exc))
         if start.round >= self.plan.num_rounds:  # resumed a finished run: nothing to train
             self.state.finish(Phase.DONE)
-            log.info("run %s was already complete (round %d); serving its status",
-                     self.cfg.run_id, start.round)  # fmt: skip
+            log.info(
+                "run %s was already complete (round %d); serving its status",
+                self.cfg.run_id,
+                start.round,
+            )
             self.grid.broadcast("stop", "done")
             return 0
         missing = self.grid.wait_for_sessions(self.cfg.registration_timeout)
@@ -216,8 +219,12 @@ class Coordinator:
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.grid.broadcast("stop", "done")
         self._await_workers_leaving(timeout=30)
-        log.info("run %s done: %d steps, checkpoint %s",
-                 self.cfg.run_id, self.state.step, self.state.checkpoint)  # fmt: skip
+        log.info(
+            "run %s done: %d steps, checkpoint %s",
+            self.cfg.run_id,
+            self.state.step,
+            self.state.checkpoint,
+        )
         return 0
 
     def _make_strategy(self, rnd: int) -> Any:
@@ -226,8 +233,10 @@ class Coordinator:
             keys = self.recovery.public_keys
             missing = [r for r in range(self.train.P) if r not in keys]
             if missing:
-                raise RunFailed(f"{', '.join(f'worker-{r}' for r in missing)} sent no SecAgg "
-                                "public key (privacy.er_secagg is on)")  # fmt: skip
+                raise RunFailed(
+                    f"{', '.join(f'worker-{r}' for r in missing)} sent no SecAgg "
+                    "public key (privacy.er_secagg is on)"
+                )
             self.secagg.relay([keys[r] for r in range(self.train.P)], self.recovery.ring_id)
         return make_strategy(
             self.cfg.strategy,
@@ -261,8 +270,9 @@ class Coordinator:
             )
         if rnd >= self.plan.num_rounds:
             return
-        log.info("training rounds %d..%d with %s",
-                 rnd + 1, self.plan.num_rounds, type(strategy).__name__)  # fmt: skip
+        log.info(
+            "training rounds %d..%d with %s", rnd + 1, self.plan.num_rounds, type(strategy).__name__
+        )
         self.recorder.restart_clock()
         strategy.start(
             grid=self.grid,

@@ -15,6 +15,7 @@ from mobius_fed.testbed.namespaces import TestbedError
 
 EXEC_LINE = 'exec "$@"'  # the mount script's last line
 # Top-level directories never covered by a private tmpfs (the system lives there).
+# fmt: skip below keeps the names a table, not one a line.
 _SYSTEM_TOPS = frozenset({
     "bin", "boot", "dev", "etc", "home", "lib", "lib32", "lib64", "libx32", "proc", "root",
     "run", "sbin", "sys", "tmp", "usr", "var",
@@ -107,6 +108,7 @@ class ServiceFilesystem:
     def host_argv(self, namespace: str, svc: Service, argv: Sequence[str]) -> list[str]:
         """``argv`` run in ``namespace`` inside a private mount namespace with svc's view."""
         unshare = shutil.which("unshare") or "unshare"
+        # fmt: skip below keeps one command a line: ip netns exec, unshare, the mount script.
         return [
             shutil.which("ip") or "ip", "netns", "exec", namespace,
             unshare, "--mount", "--propagation", "private", "--",

@@ -121,8 +121,14 @@ def wan_tools_missing(shapes: Iterable[WanShape]) -> str | None:
     """None when the tools these shapes need are installed, else which are missing and how
     to install them (a rate needs ``tc``, a delay ``iptables`` for the delay-line redirect)."""
     shapes = list(shapes)
-    need = [t for t, used in (("tc", any(s.rate for s in shapes)),
-                              ("iptables", any(s.delay > 0 for s in shapes))) if used]  # fmt: skip
+    need = [
+        t
+        for t, used in (
+            ("tc", any(s.rate for s in shapes)),
+            ("iptables", any(s.delay > 0 for s in shapes)),
+        )
+        if used
+    ]
     missing = [t for t in need if shutil.which(t) is None]
     if not missing:
         return None

@@ -121,8 +121,14 @@ def _train_step(cfg: WorkerConfig, executor: RingExecutor, links: RingLinks | No
     }
     f.write(json.dumps(row) + "\n")
     f.flush()
-    log.info("worker-%d step %d loss %.4f (%.2fs, waited %.2fs)",
-             cfg.rank, r.step, r.loss, r.seconds, r.wait_s)  # fmt: skip
+    log.info(
+        "worker-%d step %d loss %.4f (%.2fs, waited %.2fs)",
+        cfg.rank,
+        r.step,
+        r.loss,
+        r.seconds,
+        r.wait_s,
+    )
     last = executor.step == train.steps
     if last or (train.eval_every and executor.step % train.eval_every == 0):
         val = executor.evaluate()

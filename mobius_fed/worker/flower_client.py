@@ -290,8 +290,13 @@ class WorkerHandlers:
             log.error("worker-%d cannot restore round %d: %s", executor.rank, order.round, exc)
             reply = RestoreReply(False, str(exc))
         else:
-            log.info("worker-%d restored round %d (step %d) from %s",
-                     executor.rank, order.round, executor.step, source)  # fmt: skip
+            log.info(
+                "worker-%d restored round %d (step %d) from %s",
+                executor.rank,
+                order.round,
+                executor.step,
+                source,
+            )
             reply = RestoreReply(True, "", source)
         return Message(RecordDict({CONFIG: reply.to_record()}), reply_to=msg)
 
