@@ -417,7 +417,7 @@ class _Decoder:
 
     def payload(self, v: dict, where: str, nbytes: int | None = None) -> _Buffer:
         """A writable buffer of the value's bytes, owned by the value built on it."""
-        data = self.tensors.get(v.get("key"))  # type: ignore[arg-type]
+        data = self.tensors.get(v["key"]) if "key" in v else None
         if data is None:
             raise self.bad(where, f"no tensor named {v.get('key')!r} in the file")
         if nbytes is not None and len(data) != nbytes:
@@ -473,6 +473,7 @@ class _Decoder:
                 raise self.bad(where, f"bad key {k!r}")
             out[k] = self.value(item[1], f"{where}[{k!r}]")
         if "meta" in v:
+            # Ignored: torch keeps a state dict's metadata as an attribute of the OrderedDict.
             out._metadata = self.value(v["meta"], f"{where}._metadata")  # type: ignore[attr-defined]
         return out
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 Engine = Literal["reference", "ring"]
 Direction = Literal["forward", "backward"]
+HopPhase = Literal["train", "eval"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class HopContext:
     machine). Forward hops travel producer → consumer, backward hops the other way.
     """
 
-    phase: Literal["train", "eval"]
+    phase: HopPhase
     direction: Direction
     step: int
     s: int

@@ -17,7 +17,7 @@ message type       coordinator → worker        worker → coordinator
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 from flwr.app import ConfigRecord, MetricRecord
 
@@ -47,7 +47,7 @@ class _Wire:
 
     def items(self) -> dict[str, Any]:
         """``{wire key: value}`` of every field that is not None."""
-        values = {_key(f.name): getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        values = {_key(f.name): getattr(self, f.name) for f in fields(cast(Any, self))}
         return {k: v for k, v in values.items() if v is not None}
 
     def to_record(self) -> Any:
@@ -57,7 +57,7 @@ class _Wire:
     def of(cls: type[_W], conf: Any) -> _W:
         """Read a record: a field without a default must be there (KeyError naming it)."""
         kwargs = {}
-        for f in fields(cls):  # type: ignore[arg-type]
+        for f in fields(cast(Any, cls)):
             key = _key(f.name)
             if key in conf:
                 kwargs[f.name] = _cast(str(f.type), conf[key])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import sys
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -78,7 +79,7 @@ class Setting:
     @property
     def default(self) -> Any:
         if self.info.default_factory is not None:
-            return self.info.default_factory()  # type: ignore[call-arg]
+            return self.info.get_default(call_default_factory=True)
         return self.info.default
 
     @property
@@ -185,10 +186,10 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- sources
 def read_toml(path: Path) -> dict[str, Any]:
     """Read a TOML file, with a clear error for a missing or malformed file."""
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
+    else:
+        import tomli as tomllib
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")

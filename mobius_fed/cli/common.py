@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING, NoReturn
 from rich.console import Console
 from rich.markup import escape
 
+from mobius_fed import __version__
+from mobius_fed.coordinator.endpoints import EndpointsError, find_endpoints
 from mobius_fed.ops import OpsError
 from mobius_fed.ops.local import default_threads, prepared_dir, site_dirs, split_sites
 
@@ -45,8 +48,6 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 def print_config(cfg) -> int:
     """Print a config model as JSON (the resolved settings); exit status 0."""
-    import json
-
     print(json.dumps(cfg.model_dump(mode="json"), indent=2))
     return 0
 
@@ -73,8 +74,6 @@ def add_train_flags(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()
 
 def daemon_parser(prog: str, description: str, tables: str) -> argparse.ArgumentParser:
     """A daemon's parser with ``--version``, ``--config``, ``--log-level``, ``--print-config``."""
-    from mobius_fed import __version__
-
     p = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -347,17 +346,19 @@ class GracefulStop:
                 return
             signum = next((b for b in data if b in self.signals), None)
         self._note(signum)
-        if not self._unwinding.wait(0.3):
+        first = self.signum or signum  # the signal that counts (noted by now)
+        main = threading.main_thread().ident
+        if not self._unwinding.wait(0.3) and main is not None:
             # The kernel gave the signal to another thread and the main thread sleeps in
             # a wait that only a signal of its own interrupts.
             with contextlib.suppress(OSError, ValueError):
-                signal.pthread_kill(threading.main_thread().ident, self.signum)  # type: ignore[arg-type]
+                signal.pthread_kill(main, first)
         left = self.deadline - (time.monotonic() - (self.received_at or time.monotonic()))
         if self._done.wait(max(0.0, left)):
             return
         print(
             f"{self.prog}: still stopping {self.deadline:.1f}s after "
-            f"{signal.Signals(self.signum).name}; exiting now",  # type: ignore[arg-type]
+            f"{signal.Signals(first).name}; exiting now",
             file=sys.stderr,
             flush=True,
         )
@@ -452,8 +453,6 @@ def add_run_flag(parser: argparse.ArgumentParser) -> None:
 
 def run_endpoints(run: Path | None):  # -> Endpoints | None (torch-free import)
     """The endpoints of ``--run DIR`` (or ``./runs/up``); a bad file is a CliError naming it."""
-    from mobius_fed.coordinator.endpoints import EndpointsError, find_endpoints
-
     try:
         return find_endpoints(run)
     except EndpointsError as exc:

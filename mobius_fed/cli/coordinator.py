@@ -6,8 +6,17 @@ import argparse
 import json
 from pathlib import Path
 
-from mobius_fed.cli.common import GracefulStop, add_resume_flag, print_config
-from mobius_fed.tracking import add_tracker_flag
+from mobius_fed.cli.common import (
+    GracefulStop,
+    add_daemon_train_flags,
+    add_resume_flag,
+    config_path,
+    daemon_main,
+    daemon_parser,
+    print_config,
+)
+from mobius_fed.cli.flags import add_settings_flags, daemon_flags, flag_values
+from mobius_fed.tracking import add_tracker_flag, tracked
 
 DESCRIPTION = """\
 Coordinate a Möbius ring with a Flower strategy: register P workers, run one Flower round
@@ -19,7 +28,6 @@ environment variables, then flags; every flag below names its variable."""
 
 def __getattr__(name: str):  # FLAGS, built on first use (it loads the config models)
     if name == "FLAGS":  # {flag: (setting dest, value type)} of the coordinator's own settings
-        from mobius_fed.cli.flags import daemon_flags
         from mobius_fed.coordinator.config import SETTINGS
 
         return daemon_flags(SETTINGS)
@@ -27,8 +35,6 @@ def __getattr__(name: str):  # FLAGS, built on first use (it loads the config mo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mobius_fed.cli.common import add_daemon_train_flags, daemon_parser
-    from mobius_fed.cli.flags import add_settings_flags
     from mobius_fed.coordinator.config import SETTINGS, CoordinatorConfig
 
     p = daemon_parser("mobius-coordinator", DESCRIPTION, "[coordinator] and [train] tables")
@@ -68,13 +74,10 @@ def parse_options(items: list[str]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
-    from mobius_fed.cli.common import config_path
-    from mobius_fed.cli.flags import flag_values
     from mobius_fed.cli.variables import refuse_unknown
     from mobius_fed.coordinator.config import CoordinatorConfig, load_coordinator_config
     from mobius_fed.coordinator.recorder import METRICS_FILE
     from mobius_fed.coordinator.server import Coordinator
-    from mobius_fed.tracking import tracked
 
     refuse_unknown()
     flags = flag_values(args, CoordinatorConfig, flatten=("train",))
@@ -104,8 +107,6 @@ def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """SIGTERM, SIGINT or SIGHUP stop it within 2 s: exit 0 after a finished run (e.g.
     while lingering), 128 + signal otherwise; the newest complete manifest stays intact."""
-    from mobius_fed.cli.common import daemon_main
-
     return daemon_main("mobius-coordinator", build_parser(), run, argv)
 
 

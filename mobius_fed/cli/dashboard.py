@@ -15,7 +15,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from mobius_fed.cli.common import CliError, add_run_flag, console, run_endpoints
+from mobius_fed.cli.common import (
+    CliError,
+    GracefulStop,
+    Terminated,
+    add_run_flag,
+    console,
+    run_endpoints,
+)
+from mobius_fed.cli.status import operator_tls
+from mobius_fed.coordinator.rest_client import RestClientError, base_url, client_options, rest_get
 
 LOCAL_NAMES = ("127.0.0.1", "localhost", "[::1]")
 HOP_HEADERS = ("content-type", "cache-control", "etag", "last-modified")
@@ -26,8 +35,6 @@ class DashboardProxy:
 
     def __init__(self, upstream: str, tls: Any, port: int = 0, timeout: float = 10.0) -> None:
         import httpx
-
-        from mobius_fed.coordinator.rest_client import base_url, client_options
 
         verify, self.extensions = client_options(upstream, tls)
         self.upstream = base_url(upstream)[2]
@@ -102,8 +109,6 @@ class DashboardProxy:
 
 def resolve_upstream(args: argparse.Namespace) -> tuple[str, Any]:
     """``(REST URL, operator NodeTLS | None)`` from --url/--certs, else from --run."""
-    from mobius_fed.cli.status import operator_tls
-
     url, certs = args.url, args.certs
     ep = None
     if args.run is not None or url is None:
@@ -124,9 +129,6 @@ def resolve_upstream(args: argparse.Namespace) -> tuple[str, Any]:
 
 
 def dashboard_main(args: argparse.Namespace) -> int:
-    from mobius_fed.cli.common import GracefulStop, Terminated
-    from mobius_fed.coordinator.rest_client import RestClientError, rest_get
-
     url, tls = resolve_upstream(args)
     try:
         rest_get(url, "/healthz", tls, timeout=args.timeout)  # fail now, not in the browser

@@ -30,7 +30,13 @@ class BoolFlag(argparse.Action):
         names += [f"--no-{o[2:]}" for o in option_strings if o.startswith("--")]
         super().__init__(names, dest, nargs=0, **kwargs)
 
-    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[override]
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, not str(option_string).startswith("--no-"))
 
     def format_usage(self) -> str:

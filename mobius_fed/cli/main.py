@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +29,7 @@ from mobius_fed.cli.common import (
     step_progress,
     train_config_from_args,
 )
-from mobius_fed.tracking import add_tracker_flag
+from mobius_fed.tracking import add_tracker_flag, tracked
 
 EPILOG = """\
 settings: every training setting is a flag (--steps), a MOBIUS_* variable (MOBIUS_STEPS,
@@ -58,7 +60,6 @@ PLUGINS: dict[str, tuple[str, ...]] = {
 def cmd_local(args: argparse.Namespace) -> int:
     from mobius_fed.engine import ReferenceEngine
     from mobius_fed.engine.trainer import CHECKPOINT, train
-    from mobius_fed.tracking import tracked
 
     cfg = train_config_from_args(args)
     threads = apply_threads(args)
@@ -189,8 +190,6 @@ def _add_prepare_parser(sub) -> None:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    import json
-
     cfg = train_config_from_args(args)
     print(json.dumps({"train": cfg.model_dump(mode="json")}, indent=2))
     return 0
@@ -257,8 +256,6 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     return run_guarded(args.func, args)

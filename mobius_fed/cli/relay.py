@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import threading
 from pathlib import Path
+
+from mobius_fed.cli.common import CliError, run_guarded
 
 DESCRIPTION = """\
 Run a relay for ring edges where neither worker accepts connections (both --reachable no).
@@ -53,7 +56,6 @@ def register(sub) -> None:
 
 
 def relay_main(args: argparse.Namespace) -> int:
-    from mobius_fed.cli.common import CliError
     from mobius_fed.relay.daemon import Relay
     from mobius_fed.relay.keys import RelayKeyError, read_relay_key, write_relay_key
 
@@ -88,9 +90,6 @@ def relay_main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     import signal
-    import sys
-
-    from mobius_fed.cli.common import run_guarded
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     p = argparse.ArgumentParser(prog="mobius-relay", description=DESCRIPTION)

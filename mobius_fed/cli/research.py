@@ -18,6 +18,7 @@ from mobius_fed.cli.common import (
     apply_threads,
     console,
     resolve_sites,
+    run_guarded,
     step_progress,
     train_config_from_args,
 )
@@ -250,8 +251,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m mobius_fed.cli.research …``: these commands without the rest of the CLI."""
-    from mobius_fed.cli.common import run_guarded
-
     parser = argparse.ArgumentParser(prog="mobius-fed")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

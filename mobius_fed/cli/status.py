@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from rich.console import Console
+from rich.console import Console, OverflowMethod
 from rich.table import Table
 
 from mobius_fed.cli.common import CliError, add_run_flag, run_endpoints
@@ -268,10 +268,10 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         console.print(_privacy_table(doc["privacy"]))
 
 
-def _table(title: str, columns: tuple[str, ...], overflow: str = "fold") -> Table:
+def _table(title: str, columns: tuple[str, ...], overflow: OverflowMethod = "fold") -> Table:
     table = Table(title=title, show_header=True, header_style="bold")
     for col in columns:
-        table.add_column(col, overflow=overflow)  # type: ignore[arg-type]
+        table.add_column(col, overflow=overflow)
     return table
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mobius_fed.cli.common import CliError, console
+from mobius_fed.cli.status import render_status
 
 DEFAULT_COMPOSE = "docker/compose.yaml"
 
@@ -44,7 +45,6 @@ def _raise_interrupt(signum: int, _frame: Any) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from mobius_fed.cli.status import render_status
     from mobius_fed.testbed import Testbed, netns_available, wait_for_run
 
     reason = netns_available()

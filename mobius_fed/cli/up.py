@@ -27,7 +27,7 @@ from mobius_fed.cli.common import (
 )
 from mobius_fed.machines import IncidentState
 from mobius_fed.ops.federation import LocalFederation
-from mobius_fed.tracking import add_tracker_flag
+from mobius_fed.tracking import add_tracker_flag, tracked
 
 if TYPE_CHECKING:  # torch loads only when up runs, not when `mobius-fed` builds its parser
     from mobius_fed.config import TrainConfig
@@ -97,7 +97,6 @@ def cmd_up(args, train: TrainConfig) -> int:
 def _tracked(fed: LocalFederation, tracker: str | None):
     """The run's tracker, in ``up`` itself: one tracker across coordinator restarts."""
     from mobius_fed.coordinator.recorder import METRICS_FILE
-    from mobius_fed.tracking import tracked
 
     config = fed.train.model_dump(mode="json")
     return tracked(tracker, fed.coordinator_out / METRICS_FILE, run_name="up", config=config)
@@ -234,6 +233,7 @@ class _LazyTrainFlagsParser(argparse.ArgumentParser):
             self.populated = True
             common.add_train_flags(self)
 
+    # Ignored: one untyped override stands for typeshed's two overloads, forwarded unchanged.
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         self._populate()
         return super().parse_known_args(args, namespace)

@@ -30,7 +30,7 @@ def known_env_names() -> dict[str, str]:
 
 def env_reference() -> list[tuple[str, str, str, str]]:
     """(variable, commands, default, description) for every ``MOBIUS_*`` name."""
-    rows: dict[str, list] = {}
+    rows: dict[str, list[str]] = {}
     models = (
         ("local, up, experiment, coordinator, worker", TrainConfig, ()),
         ("worker", WorkerConfig, ("train",)),
@@ -47,7 +47,7 @@ def env_reference() -> list[tuple[str, str, str, str]]:
                 rows[s.env] = [s.env, where, default, s.description]
     for name, text in PROCESS_ENV.items():
         rows.setdefault(name, [name, "process", "", text])
-    return [tuple(r) for r in rows.values()]  # type: ignore[misc]
+    return [(v, c, d, t) for v, c, d, t in rows.values()]
 
 
 def _text(value: Any) -> str:

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 
-from mobius_fed.cli.common import GracefulStop, print_config
+from mobius_fed.cli.common import (
+    GracefulStop,
+    add_daemon_train_flags,
+    apply_threads,
+    config_path,
+    daemon_main,
+    daemon_parser,
+    print_config,
+)
+from mobius_fed.cli.flags import add_settings_flags, daemon_flags, flag_values
 
 DESCRIPTION = """\
 Run one Möbius ring worker: its private data, one block group, a ring link to each
@@ -18,7 +27,6 @@ environment variables, then flags; every flag below names its variable."""
 
 def __getattr__(name: str):  # FLAGS, built on first use (it loads the config models)
     if name == "FLAGS":  # {flag: (setting dest, value type)} of the worker's own settings
-        from mobius_fed.cli.flags import daemon_flags
         from mobius_fed.worker.config import SETTINGS
 
         return daemon_flags(SETTINGS)
@@ -26,8 +34,6 @@ def __getattr__(name: str):  # FLAGS, built on first use (it loads the config mo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mobius_fed.cli.common import add_daemon_train_flags, daemon_parser
-    from mobius_fed.cli.flags import add_settings_flags
     from mobius_fed.worker.config import SETTINGS, WorkerConfig
 
     p = daemon_parser("mobius-worker", DESCRIPTION, "[worker] and [train] tables")
@@ -50,8 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
-    from mobius_fed.cli.common import apply_threads, config_path
-    from mobius_fed.cli.flags import flag_values
     from mobius_fed.cli.variables import refuse_unknown
     from mobius_fed.worker.config import WorkerConfig, load_worker_config
     from mobius_fed.worker.coordinated import run_with_coordinator
@@ -78,8 +82,6 @@ def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """SIGTERM, SIGINT or SIGHUP stop it within 2 s: exit 0 once its run has finished,
     128 + signal otherwise (143 for SIGTERM); ring links close on the way out."""
-    from mobius_fed.cli.common import daemon_main
-
     return daemon_main("mobius-worker", build_parser(), run, argv)
 
 

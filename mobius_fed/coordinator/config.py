@@ -115,7 +115,9 @@ class CoordinatorConfig(BaseModel):
         return every // sync
 
     def tls(self) -> NodeTLS:
-        return NodeTLS(self.ca, self.cert, self.key)  # type: ignore[arg-type]
+        if self.ca is None or self.cert is None or self.key is None:  # the validator's case
+            raise ValueError("the coordinator needs ca, cert and key")
+        return NodeTLS(self.ca, self.cert, self.key)
 
 
 SETTINGS = settings_of(CoordinatorConfig, flatten=("train",))

@@ -72,13 +72,14 @@ class ControlService(control_pb2_grpc.ControlServicer):
             role, index = parse_identity(who or "")
         except ValueError:
             role, index = "", None
-        if role != "worker" or index is None or index >= self.P:
-            msg = f"identity {who or '<none>'} is not an enrolled worker of this run (P={self.P})"
-            if who is None:
-                msg += f" ({why})"
-            log.warning("refused: %s", msg)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)
-        return index  # type: ignore[return-value]
+        if role == "worker" and index is not None and index < self.P:
+            return index
+        msg = f"identity {who or '<none>'} is not an enrolled worker of this run (P={self.P})"
+        if who is None:
+            msg += f" ({why})"
+        log.warning("refused: %s", msg)
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)
+        raise AssertionError("context.abort raises")  # grpc is untyped: no NoReturn for it
 
     # ------------------------------------------------------------- register
     def Register(self, request, context):

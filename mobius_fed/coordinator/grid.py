@@ -150,7 +150,7 @@ class ControlGrid(RunGrid):
                     missing = [i for i in ids if i not in self._replies]
                     ranks = sorted(self._pending.get(i, -1) for i in missing)
                     self._abandoned |= set(missing)
-                    raise GridTimeout(ranks, timeout)  # type: ignore[arg-type]
+                    raise GridTimeout(ranks, timeout or 0.0)  # a deadline: timeout given
                 self._cond.wait(left if left is not None else 1.0)
             # Node order, not arrival or sampling order: aggregation sums in reply order,
             # and a fixed order makes the float sums reproducible.

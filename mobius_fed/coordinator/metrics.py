@@ -27,8 +27,10 @@ from mobius_fed.machines import EdgeState, IncidentState, Phase, WorkerState
 
 
 class Snapshots(Protocol):
-    """What the metrics read of a run (the coordinator's ``RunState`` is one): the status
-    and the counters, one consistent snapshot."""
+    """What the metrics read of a run (the coordinator's ``RunState`` is one): its id, and
+    the status and the counters in one consistent snapshot."""
+
+    run_id: str
 
     def snapshot(self) -> tuple[StatusModel, dict[str, float]]: ...
 

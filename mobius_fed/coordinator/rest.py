@@ -343,9 +343,11 @@ class RestServer:
         self._server = _ThreadServer(config)
         errors: list[BaseException] = []
 
+        server, sock = self._server, self._sock
+
         def run() -> None:
             try:
-                self._server.run(sockets=[self._sock])  # type: ignore[union-attr,list-item]
+                server.run(sockets=[sock])
             except BaseException as exc:  # SystemExit from uvicorn included
                 errors.append(exc)
                 log.exception("REST status server stopped with an error")

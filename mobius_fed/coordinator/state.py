@@ -281,7 +281,8 @@ class RunState:
             for n in sorted(self.losses):
                 per = self.losses[n]
                 origin = [per.get(s) for s in range(self.P)]
-                mean = sum(origin) / self.P if None not in origin else None  # type: ignore[arg-type]
+                known = [x for x in origin if x is not None]
+                mean = sum(known) / self.P if len(known) == self.P else None
                 steps.append({"step": n, "loss": mean, "origin_losses": origin})
             return {
                 "run_id": self.run_id,

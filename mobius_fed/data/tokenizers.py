@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from typing import cast
 
 import tiktoken
 
@@ -48,9 +49,9 @@ def _gpt2_encoding() -> tiktoken.Encoding:
     worker.start()
     worker.join(_GPT2_TIMEOUT_S)
     if "enc" in result:
-        return result["enc"]  # type: ignore[return-value]
+        return cast(tiktoken.Encoding, result["enc"])
     if "err" in result:
-        raise DataError(f"{hint}: {result['err']}") from result["err"]  # type: ignore[misc]
+        raise DataError(f"{hint}: {result['err']}") from cast(Exception, result["err"])
     raise DataError(f"{hint}: timed out after {_GPT2_TIMEOUT_S:.0f} s")
 
 

@@ -23,7 +23,7 @@ from mobius_fed.defences.nopeek import build_nopeek
 from mobius_fed.defences.site_layers import build_site_replica
 from mobius_fed.engine.hops import build_hops
 from mobius_fed.engine.stream import Entry, StreamMaps
-from mobius_fed.hop import HopContext
+from mobius_fed.hop import Direction, HopContext, HopPhase
 from mobius_fed.model import BlockGroup, Replica, build_group
 from mobius_fed.model.layers import resolve_device
 from mobius_fed.model.training import (
@@ -76,11 +76,13 @@ class ReferenceEngine:
         self.nopeek = build_nopeek(cfg)
         self.maps = StreamMaps(cfg, self.device)
 
-    def _hop(self, phase: str, direction: str, step: int, s: int, slot: int, m: int) -> HopContext:
+    def _hop(
+        self, phase: HopPhase, direction: Direction, step: int, s: int, slot: int, m: int
+    ) -> HopContext:
         """Slot ``slot`` of stream s: written by the previous group (or home), read by the next."""
         path = self._paths[s]
         producer, consumer = schedule.producer(path, s, slot), schedule.consumer(path, s, slot)
-        return HopContext(phase, direction, step, s, slot, m, producer, consumer)  # type: ignore[arg-type]
+        return HopContext(phase, direction, step, s, slot, m, producer, consumer)
 
     def _forward_hop(self, h: Tensor, phase: str, step: int, s: int, slot: int, m: int) -> Tensor:
         if not self.hops:

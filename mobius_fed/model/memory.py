@@ -27,6 +27,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     """mean CE(cap·tanh(hn·Wᵀ / cap), y), chunk by chunk, gradients computed in forward."""
 
     @staticmethod
+    # Ignored (here and in backward): torch's Function declares forward(ctx, *args, **kwargs).
     def forward(ctx, hn: Tensor, weight: Tensor, y: Tensor, cap: float, chunk: int) -> Tensor:  # type: ignore[override]
         n = hn.size(0)
         total = hn.new_zeros((), dtype=torch.float32)

@@ -90,8 +90,8 @@ class Rendezvous:
             return
         if intro.role == ACCEPT:
             self._park(intro, conn)
-        else:
-            self.on_dial(intro, conn)  # type: ignore[misc]
+        elif self.on_dial is not None:  # else refused above
+            self.on_dial(intro, conn)
 
     def _park(self, intro: Intro, conn: socket.socket) -> None:
         with self._cond:

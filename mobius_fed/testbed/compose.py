@@ -154,11 +154,11 @@ def interpolate(value: str, environ: Mapping[str, str]) -> str:
         unset_or_empty = val is None or (op.startswith(":") and val == "")
         kind = op[-1]
         if kind == "-":
-            return interpolate(arg, environ) if unset_or_empty else val  # type: ignore[return-value]
+            return interpolate(arg, environ) if unset_or_empty else val or ""
         if kind == "?":
             if unset_or_empty:
                 raise ComposeError(f"required variable {name} is missing: {arg or 'unset'}")
-            return val  # type: ignore[return-value]
+            return val or ""
         return "" if unset_or_empty else interpolate(arg, environ)  # "+"
 
     return _VAR.sub(sub, value)

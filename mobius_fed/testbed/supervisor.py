@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from mobius_fed.testbed.compose import ComposeProject, Healthcheck, Service
+from mobius_fed.testbed.compose import ComposeProject, Service
 from mobius_fed.testbed.filesystem import EXEC_LINE
 from mobius_fed.testbed.namespaces import TestbedError, lookup_service
 
@@ -220,7 +220,9 @@ class Supervisor:
 
     def _await_healthy(self, name: str, what: str, deadline: float) -> None:
         st = self._procs[name]
-        hc: Healthcheck = self.project.services[name].healthcheck  # type: ignore[assignment]
+        hc = self.project.services[name].healthcheck
+        if hc is None:
+            raise TestbedError(f"{what} has no healthcheck to wait for")
         failures, last = 0, ""
         next_probe = st.started_at + (hc.start_interval if hc.start_period else hc.interval)
         while not st.healthy:

@@ -14,6 +14,7 @@ import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
@@ -23,6 +24,7 @@ from cryptography.x509.oid import NameOID
 
 from mobius_fed.transport.certs import (
     PrivateKey,
+    PublicKey,
     identity_of,
     key_pem,
     leaf_certificate,
@@ -100,7 +102,7 @@ def _usable_key(data: bytes, path: Path) -> PrivateKey:
     except (ValueError, UnsupportedAlgorithm) as exc:
         raise EnrollError(f"{path} is not a PEM private key ({exc})") from None
     _check_key_type(key.public_key(), str(path))
-    return key  # type: ignore[return-value]
+    return cast(PrivateKey, key)  # _check_key_type refused any other kind
 
 
 def _check_key_type(public_key: object, where: str) -> None:
@@ -295,7 +297,7 @@ def sign_request(
         raise EnrollError(f"the CA certificate {ca_dir / CA_FILE} expired: make a new CA")
     not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
     cert = leaf_certificate(
-        csr.public_key(),  # type: ignore[arg-type]
+        cast(PublicKey, csr.public_key()),  # check_request refused any other kind
         node,
         node_sans(node, hosts),
         ca_key,

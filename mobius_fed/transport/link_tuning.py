@@ -88,13 +88,13 @@ class LinkTuning:
 
     def grpc_options(self) -> list[tuple[str, int]]:
         """Channel/server arguments (both ends of a link use the same)."""
-        opts = [("grpc.http2.bdp_probe", int(self.bdp_probe))]
+        opts: list[tuple[str, int]] = [("grpc.http2.bdp_probe", int(self.bdp_probe))]
         if self.window is not None:
             opts.append(("grpc.http2.lookahead_bytes", self.window))
         if self.socket_buffer is not None:
             opts += [
                 ("grpc.experimental.tcp_receive_buffer_size", self.socket_buffer),
-                ("grpc.experimental.tcp_send_buffer_size", self.socket_buffer),  # type: ignore[list-item]
+                ("grpc.experimental.tcp_send_buffer_size", self.socket_buffer),
             ]
         return opts
 

@@ -151,12 +151,24 @@ class WorkerConfig(BaseModel):
 
     @property
     def successor(self) -> str:
-        return self.peers[(self.rank + 1) % len(self.peers)]  # type: ignore[operator]
+        if self.rank is None:  # a coordinated worker learns its ring from the coordinator
+            raise ValueError("a static ring's successor needs --rank and --peers")
+        return self.peers[(self.rank + 1) % len(self.peers)]
+
+    @property
+    def coordinator_address(self) -> str:
+        if self.coordinator is None:
+            raise ValueError("a coordinated worker needs --coordinator")
+        return self.coordinator
 
     def tls(self) -> NodeTLS | None:
-        if self.insecure:
-            return None
-        return NodeTLS(ca=self.ca, cert=self.cert, key=self.key)  # type: ignore[arg-type]
+        return None if self.insecure else self.node_tls()
+
+    def node_tls(self) -> NodeTLS:
+        """This worker's bundle (required unless insecure: the validator says so first)."""
+        if self.ca is None or self.cert is None or self.key is None:
+            raise ValueError("ca, cert and key are required (or --insecure for local debugging)")
+        return NodeTLS(ca=self.ca, cert=self.cert, key=self.key)
 
 
 SETTINGS = settings_of(WorkerConfig, flatten=("train",))

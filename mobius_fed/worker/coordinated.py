@@ -102,9 +102,9 @@ class WorkerNode:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         if not cfg.insecure:
-            check_node_secrets(cfg.tls(), role="worker")  # type: ignore[arg-type]
+            check_node_secrets(cfg.node_tls(), role="worker")
         self.channel = open_channel(
-            cfg.coordinator,  # type: ignore[arg-type]
+            cfg.coordinator_address,
             cfg.tls(),
             insecure=cfg.insecure,
             target_name="coordinator",

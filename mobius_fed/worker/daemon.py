@@ -53,7 +53,7 @@ def run_static_ring(cfg: WorkerConfig) -> Path:
     """Train ``cfg.train.steps`` steps on a static ring; return the metrics file."""
     train = cfg.train
     if not cfg.insecure:
-        check_node_secrets(cfg.tls(), role="worker")  # type: ignore[arg-type]
+        check_node_secrets(cfg.node_tls(), role="worker")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     site = SiteData(cfg.data_dir, train.model().seq_len, train.encoding)

@@ -278,8 +278,9 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
                     f"ring stream (edge {self.edge_in})"
                 )
             s = self._in
-            s.carrying = True  # type: ignore[union-attr]
-            return s.end  # type: ignore[union-attr]
+            assert s is not None  # ready: the predecessor's stream is open
+            s.carrying = True
+            return s.end
 
     # ---------------------------------------------------------------- status
     def _move_out(self, new: EdgeState) -> None:
