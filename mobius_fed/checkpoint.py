@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import math
 import os
@@ -46,7 +47,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from safetensors import SafetensorError, TensorSpec, serialize_file
@@ -218,7 +219,7 @@ class _Encoder:
         """SHA-256 of every stored array's bytes, in the order of their names."""
         h = hashlib.sha256()
         for name in sorted(self.arrays):
-            h.update(memoryview(self.arrays[name]).cast("B"))
+            h.update(self.arrays[name].data.cast("B"))
         return h.hexdigest()
 
 
@@ -375,14 +376,16 @@ class _Source:
     """A checkpoint read front to back, each piece straight into a buffer of its own (the
     only copy the bytes get); with ``whole_sha256`` the file's SHA-256 is taken on the way."""
 
-    def __init__(self, f: BinaryIO, size: int, path: Path, whole_sha256: bool) -> None:
+    def __init__(
+        self, f: io.BufferedIOBase | io.RawIOBase, size: int, path: Path, whole_sha256: bool
+    ) -> None:
         self.f, self.size, self.path = f, size, path
         self.sha256 = hashlib.sha256() if whole_sha256 else None
 
     def read(self, n: int) -> np.ndarray:
         """The next ``n`` bytes (the caller has checked that the file holds them)."""
         buf = np.empty(n, np.uint8)  # uninitialised: readinto fills it
-        view, got = memoryview(buf), 0
+        view, got = buf.data, 0
         while got < n:
             k = self.f.readinto(view[got:])
             if not k:
@@ -584,7 +587,7 @@ def _check_manifest(path: Path, actual: str, expected: str) -> None:
 
 
 def _format1(src: _Source, hlen: int, header: dict, verify: bool) -> _Decoder:
-    payload = memoryview(src.read(src.size - 8 - hlen))
+    payload = src.read(src.size - 8 - hlen).data
     src.at_end()
     want = header.get("data_len")
     if type(want) is not int or payload.nbytes != want:
@@ -647,7 +650,7 @@ def _format2(src: _Source, hlen: int, header: dict, verify: bool) -> tuple[_Deco
     if verify:
         h = hashlib.sha256()
         for name in sorted(tensors):
-            h.update(tensors[name])
+            h.update(tensors[name].data)
         _check_digest(path, h.hexdigest(), meta)
     try:
         root = json.loads(meta.get("root", ""))

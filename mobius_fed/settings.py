@@ -93,8 +93,9 @@ class Setting:
     def choices(self) -> tuple[str, ...] | None:
         """The allowed values: a Literal's, or ``json_schema_extra={"choices": [...]}``."""
         extra = self.info.json_schema_extra
-        if isinstance(extra, dict) and isinstance(extra.get("choices"), list | tuple):
-            return tuple(str(v) for v in extra["choices"])
+        choices = extra.get("choices") if isinstance(extra, dict) else None
+        if isinstance(choices, list | tuple):
+            return tuple(str(v) for v in choices)
         literals = [m for m in _members(self.annotation) if typing.get_origin(m) is Literal]
         values = [v for m in literals for v in typing.get_args(m)]
         if not values or has_type(self.annotation, bool):
@@ -255,9 +256,10 @@ def layered_config(
     for dest, value in (flags or {}).items():
         if value is None:
             continue
-        s = by_dest.get(dest)
-        if s is None:
+        found = by_dest.get(dest)
+        if found is None:
             raise ConfigError(f"no setting named {dest!r}")
+        s = found
         if isinstance(value, str):
             value = _parsed(s, value, f"{s.flag} {value!r}")
         if isinstance(value, dict) and isinstance(_get(data, s.path), dict):

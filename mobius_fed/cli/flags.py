@@ -132,8 +132,8 @@ def _add_compact_flags(parser, model: type[BaseModel], *, flatten: tuple, skip: 
             continue
         if field in flatten:
             _add_compact_flags(parser, sub, flatten=(), skip=skip)
-        elif callable(getattr(sub, "parse_flag", None)):
-            doc = " ".join((getattr(sub.parse_flag, "__doc__", None) or "").split())
+        elif callable(parse_flag := getattr(sub, "parse_flag", None)):
+            doc = " ".join((parse_flag.__doc__ or "").split())
             doc = doc.replace("``", "") or sub.__name__
             parser.add_argument(
                 f"--{field.replace('_', '-')}",

@@ -14,6 +14,7 @@ import json
 import math
 import ssl
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -230,7 +231,7 @@ _INCIDENT_STYLE = {
 }
 
 
-def _styled(text: str, styles: dict[str, str]) -> str:
+def _styled(text: str, styles: Mapping[Any, str]) -> str:  # keys: a state enum's members
     style = styles.get(text)
     return f"[{style}]{text}[/]" if style else text
 

@@ -165,7 +165,7 @@ class ControlGrid(RunGrid):
                     self.fail(f"worker-{rank} failed: {err.reason}")
                     self._raise_if_failed()
                 kind = "ring edge down" if err.code == ERROR_RING else "worker error"
-                edges = ", ".join(dict.fromkeys(_EDGE.findall(err.reason))) or None
+                edges = ", ".join(dict.fromkeys(_EDGE.findall(err.reason or ""))) or None
                 self.raise_incident(
                     IncidentRaised(kind, f"worker-{rank} reports: {err.reason}", rank, edges)
                 )

@@ -7,7 +7,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from flwr.app import Message
 
@@ -62,7 +62,9 @@ class RunRecorder:
 
     def record_eval(self, rnd: int, replies: list[Message]) -> None:
         per = {
-            rank_of_node(r.metadata.src_node_id): float(r.content["metrics"]["eval-loss"])
+            rank_of_node(r.metadata.src_node_id): float(
+                cast(float, r.content.metric_records["metrics"]["eval-loss"])
+            )
             for r in replies
         }
         self.state.record_eval(rnd, self.plan.steps_of(rnd)[1], per)

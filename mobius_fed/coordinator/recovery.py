@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 from flwr.app import ConfigRecord, Message, RecordDict
 
@@ -141,7 +142,8 @@ class Recovery:
             if inc.state != IncidentState.OPEN:
                 continue
             in_flight_end = self.plan.steps_of(inc.round)[1] if inc.round else end
-            back = getattr(self.state.workers.get(inc.rank), "registered_at", None)
+            lost = None if inc.rank is None else self.state.workers.get(inc.rank)
+            back = getattr(lost, "registered_at", None)
             self.state.update_incident(
                 inc,
                 state=IncidentState.RECOVERED,
@@ -194,7 +196,9 @@ class Recovery:
             "report the rounds it can restore",
         )
         self.public_keys = {  # a restarted worker comes back with a new SecAgg key pair
-            rank_of_node(r.metadata.src_node_id): bytes(r.content[CONFIG][PUBLIC_KEY])
+            rank_of_node(r.metadata.src_node_id): bytes(
+                cast(bytes, r.content.config_records[CONFIG][PUBLIC_KEY])
+            )
             for r in replies
             if PUBLIC_KEY in r.content[CONFIG]
         }

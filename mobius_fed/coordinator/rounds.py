@@ -216,7 +216,11 @@ class RoundStore:
             if "checkpoint" not in reply.content:
                 raise RunFailed(f"worker-{rank} did not confirm its round-{rnd} checkpoint")
             ck = Checkpoint.of(reply.content["checkpoint"])
-            entry = {"identity": worker_identity(rank), "path": ck.path, "sha256": ck.sha256}
+            entry: dict[str, Any] = {
+                "identity": worker_identity(rank),
+                "path": ck.path,
+                "sha256": ck.sha256,
+            }
             if ck.copy is not None:
                 digest = hashlib.sha256(ck.copy).hexdigest()
                 if digest != ck.sha256:

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from flwr.app import ArrayRecord, ConfigRecord, Message
@@ -39,6 +39,9 @@ from mobius_fed.strategies import RoundPlan, make_strategy, restore_server_state
 from mobius_fed.transport.flower_wire import COORDINATOR_NODE_ID, set_task_identity
 from mobius_fed.transport.safe_arrays import spec_of
 from mobius_fed.transport.tls import GRPC_OPTIONS, add_port, check_node_secrets
+
+if TYPE_CHECKING:  # loaded when REST starts (FastAPI, uvicorn)
+    from mobius_fed.coordinator.rest import RestServer
 
 log = logging.getLogger("mobius.coordinator")
 
@@ -81,8 +84,8 @@ class Coordinator:
         self.strategy: Any = None
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
-        self.rest = None
-        self.metrics_server = None
+        self.rest: RestServer | None = None
+        self.metrics_server: RestServer | None = None
 
     # -------------------------------------------------------------- servers
     def start(self) -> None:
@@ -114,7 +117,7 @@ class Coordinator:
 
         host, port = self.cfg.rest_listen.rsplit(":", 1)
         local = self.cfg.rest_mode == "local"
-        self.rest = RestServer(
+        self.rest = rest = RestServer(
             self.state,
             host,
             int(port),
@@ -123,7 +126,7 @@ class Coordinator:
             local=local,
         ).start()
         scheme = "http" if local else "https"
-        log.info("REST status on %s://%s:%s/v1/status", scheme, host, self.rest.port)
+        log.info("REST status on %s://%s:%s/v1/status", scheme, host, rest.port)
 
     def _start_metrics_listener(self, listen: str) -> None:
         """The opt-in plain listener: /metrics, /healthz, /readyz, read-only dashboard."""
@@ -131,10 +134,10 @@ class Coordinator:
 
         host, port = listen.rsplit(":", 1)
         host = host.strip("[]")
-        self.metrics_server = RestServer(
+        self.metrics_server = server = RestServer(
             self.state, host, int(port), tls=None, allowed=None, metrics=True
         ).start()
-        log.info("metrics on http://%s:%s/metrics", host, self.metrics_server.port)
+        log.info("metrics on http://%s:%s/metrics", host, server.port)
 
     def _set_health(self, status: int) -> None:
         for name in ("", "mobius_fed.control.v1.Control"):

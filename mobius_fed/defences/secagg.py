@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes
@@ -232,7 +232,7 @@ class SecAgg:
         """start + (Σ_s Δ_s)/P from the masked replies of ``sites`` (all P, once each)."""
         if sorted(sites) != list(range(self.q.P)):
             raise SecAggError(f"SecAgg needs every site's reply once, got sites {sorted(sites)}")
-        weights = {float(r.content["metrics"]["num-examples"]) for r in replies}
+        weights = {float(cast(float, r.content["metrics"]["num-examples"])) for r in replies}
         if len(weights) != 1:
             raise SecAggError(f"SecAgg averages with equal weights; num-examples were {weights}")
         base = start.to_numpy_ndarrays()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
+from typing import cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import Strategy
@@ -62,13 +63,13 @@ class EngineGrid(RunGrid):
         ranks = [rank_of_node(msg.metadata.dst_node_id) for msg in messages]
         for msg, rank in zip(messages, ranks):
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-            state = msg.content["arrays"].to_torch_state_dict()
+            state = msg.content.array_records["arrays"].to_torch_state_dict()
             self.engine.replicas[rank].load_shared_state_dict(state)
         kind = messages[0].metadata.message_type
-        conf = messages[0].content["config"]
+        conf = messages[0].content.config_records["config"]
         replies = []
         if kind == "train":
-            start, end = int(conf[STEP_START]), int(conf[STEP_END])
+            start, end = int(cast(int, conf[STEP_START])), int(cast(int, conf[STEP_END]))
             assert self.engine.step == start, (self.engine.step, start)
             results = [self.engine.train_step() for _ in range(start, end)]
             self.steps.extend(results)
@@ -81,7 +82,7 @@ class EngineGrid(RunGrid):
                         "losses": losses,
                     }
                 )
-                update = self._update(rank, msg.content["arrays"], conf)
+                update = self._update(rank, msg.content.array_records["arrays"], conf)
                 replies.append(self._reply(msg, RecordDict({**update, "metrics": metrics})))
         else:
             ev = self.engine.evaluate()
@@ -124,7 +125,8 @@ def train_with_strategy(engine: ReferenceEngine, strategy: Strategy) -> EngineGr
         )
     set_task_identity(COORDINATOR_NODE_ID)
     grid = EngineGrid(engine)
-    if grid.maskers is not None:  # the coordinator's relay; one attempt, no incidents here
+    # The coordinator's relay; one attempt, no incidents here.
+    if grid.maskers is not None and secagg is not None:
         secagg.relay([m.keys.public for m in grid.maskers], "reference")
     strategy.start(
         grid=grid,

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -19,6 +20,7 @@ from mobius_fed import schedule
 from mobius_fed.checkpoint import load_checkpoint, save_checkpoint
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.data import SiteData
+from mobius_fed.data.loader import Split
 from mobius_fed.defences.nopeek import build_nopeek
 from mobius_fed.defences.site_layers import build_site_replica
 from mobius_fed.engine.hops import build_hops
@@ -95,7 +97,7 @@ class ReferenceEngine:
         return self.hops.backward(g, self._hop("train", "backward", step, s, slot, m))
 
     # ------------------------------------------------------------------ data
-    def _micro(self, split: str, s: int, step: int) -> list[tuple[Tensor, Tensor]]:
+    def _micro(self, split: Split, s: int, step: int) -> list[tuple[Tensor, Tensor]]:
         x, y = self.sites[s].batch(
             split, seed=self.cfg.seed, step=step, batch_size=self.cfg.batch_size
         )
@@ -169,13 +171,13 @@ class ReferenceEngine:
                 h = hidden[s, m].requires_grad_()
                 loss = self.replicas[s].loss(maps.head(h, embedded[s, m]), y)
                 loss.backward()
-                grads[s, m] = self._backward_hop(h.grad, n, s, K, m)
+                grads[s, m] = self._backward_hop(cast(Tensor, h.grad), n, s, K, m)
                 losses.append(loss)
             origin_losses.append(mean_loss(losses))
         for t, s, m, inp, out in reversed(applications):
             extra = penalty.pop((s, t + 1, m), None)
             out.backward(grads[s, m] if extra is None else grads[s, m] + extra)
-            grads[s, m] = self._backward_hop(inp.grad, n, s, t, m)
+            grads[s, m] = self._backward_hop(cast(Tensor, inp.grad), n, s, t, m)
         for s in range(P):
             for m in range(M):
                 extra = penalty.pop((s, 0, m), None)

@@ -29,6 +29,9 @@ def rms_norm(x: Tensor) -> Tensor:
 class Rotary(nn.Module):
     """Rotary position embedding over the head dimension."""
 
+    cos: Tensor  # buffers
+    sin: Tensor
+
     def __init__(self, head_dim: int, max_len: int, base: float = 10000.0) -> None:
         super().__init__()
         freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
@@ -102,8 +105,8 @@ class Block(nn.Module):
         bound = 3**0.5 * 0.5 * cfg.d_model**-0.5
         for lin in (self.attn.qkv, self.mlp.fc):
             lin.weight.uniform_(-bound, bound)
-        for lin in (self.attn.proj, self.mlp.proj):  # zero-initialised output projections
-            lin.weight.zero_()
+        for proj in (self.attn.proj, self.mlp.proj):  # zero-initialised output projections
+            proj.weight.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
         # On a GPU the block's matmuls and attention run in bf16 (autocast) unless the

@@ -10,6 +10,8 @@ default, and both exact (docs/wan.md §8).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -27,8 +29,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     """mean CE(cap·tanh(hn·Wᵀ / cap), y), chunk by chunk, gradients computed in forward."""
 
     @staticmethod
-    # Ignored (here and in backward): torch's Function declares forward(ctx, *args, **kwargs).
-    def forward(ctx, hn: Tensor, weight: Tensor, y: Tensor, cap: float, chunk: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx, hn: Tensor, weight: Tensor, y: Tensor, cap: float, chunk: int) -> Tensor:
         n = hn.size(0)
         total = hn.new_zeros((), dtype=torch.float32)
         grad_h = torch.empty_like(hn)
@@ -47,7 +48,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         return total / n
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: Tensor):
         grad_h, grad_w = ctx.saved_tensors
         return grad_h * grad_out, grad_w * grad_out, None, None, None
 
@@ -61,8 +62,11 @@ def chunked_cross_entropy(
         raise ValueError(f"loss_chunk must be ≥ 1 tokens, got {chunk}")
     if torch.is_grad_enabled() and (hn.requires_grad or weight.requires_grad):
         return LinearCrossEntropy.apply(hn, weight, targets, cap, chunk)
-    total = sum(
-        _chunk(hn[i : i + chunk], weight, targets[i : i + chunk], cap)[0]
-        for i in range(0, hn.size(0), chunk)
+    total = cast(
+        Tensor,
+        sum(
+            _chunk(hn[i : i + chunk], weight, targets[i : i + chunk], cap)[0]
+            for i in range(0, hn.size(0), chunk)
+        ),
     )
     return total / hn.size(0)

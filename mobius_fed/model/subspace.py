@@ -32,6 +32,8 @@ def subspace_basis(d: int, k: int, seed: int) -> Tensor:
 class BasisLinear(nn.Module):
     """x ↦ U·(W′x): a linear map whose output lies in span(U); only W′ [k, in] trains."""
 
+    basis: Tensor  # a buffer
+
     def __init__(self, in_features: int, basis: Tensor) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(basis.size(1), in_features))

@@ -48,7 +48,7 @@ class Observer:
 
     def forward(self, h: Tensor, ctx: HopContext) -> Tensor:
         skipped = ctx.phase == "train" and self.train_steps is not None
-        if skipped and ctx.step not in self.train_steps:
+        if skipped and ctx.step not in (self.train_steps or ()):
             return h
         if ctx.phase in self.phases and ctx.remote:
             if ctx.consumer == self.rank and self.forward_slots.get(ctx.s) == ctx.slot:

@@ -205,7 +205,8 @@ def load_ca(ca_cert: Path, ca_key: Path) -> tuple[PrivateKey, x509.Certificate]:
     if not isinstance(key, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey):
         raise ValueError(f"{ca_key} is not an EC or RSA key")
     cert = x509.load_pem_x509_certificate(Path(ca_cert).read_bytes())
-    if key.public_key().public_numbers() != cert.public_key().public_numbers():
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
         raise ValueError(f"{ca_key} is not the key of {ca_cert}")
     return key, cert
 

@@ -286,7 +286,7 @@ def encode_frames(
     numel, itemsize = t.numel(), t.element_size()
     per = max(1, chunk_bytes // itemsize)
     chunks = chunk_count(numel, itemsize, chunk_bytes)
-    mem = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if numel else memoryview(b"")
+    mem = t.reshape(-1).view(torch.uint8).numpy().data if numel else memoryview(b"")
     header = ring_pb2.Frame(
         run_id=run_id,
         step=step,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -141,7 +141,7 @@ class LinkConfig(BaseModel):
     @classmethod
     def _parses(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is not None:
-            {"rate": parse_rate, "rtt": parse_delay}[info.field_name](v)
+            {"rate": parse_rate, "rtt": parse_delay}[str(info.field_name)](v)
         return v
 
     @model_validator(mode="after")
@@ -153,7 +153,7 @@ class LinkConfig(BaseModel):
 
     def tuning(self) -> LinkTuning:
         """The gRPC arguments these settings give."""
-        explicit = {
+        explicit: dict[str, Any] = {
             "window": self.window,
             "chunk": self.chunk,
             "socket_buffer": self.socket_buffer,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -19,6 +20,7 @@ from torch import Tensor
 from mobius_fed import schedule
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
+from mobius_fed.data.loader import Split
 from mobius_fed.defences.nopeek import build_nopeek
 from mobius_fed.defences.site_layers import build_site_replica
 from mobius_fed.engine.hops import build_hops
@@ -121,7 +123,7 @@ class RingExecutor:
         self._emit(key, tensor, ctx.consumer if forward else ctx.producer, ctx)
 
     # ---------------------------------------------------------------- train
-    def _micro(self, split: str, step: int) -> list[tuple[Tensor, Tensor]]:
+    def _micro(self, split: Split, step: int) -> list[tuple[Tensor, Tensor]]:
         x, y = self.site.batch(split, seed=self.cfg.seed, step=step, batch_size=self.cfg.batch_size)
         M = self.cfg.micro_batches
         x, y = x.to(self.device), y.to(self.device)
@@ -156,13 +158,13 @@ class RingExecutor:
             loss = self.replica.loss(self.maps.head(h, embedded[m]), y)
             loss.backward()
             losses.append(loss)
-            self._send(FrameKey(TRAIN, n, BACKWARD, self.rank, K, m), h.grad)
+            self._send(FrameKey(TRAIN, n, BACKWARD, self.rank, K, m), cast(Tensor, h.grad))
         for t, s, m in reversed(self.applications):
             inp, out = saved.pop((t, s, m))
             g = self._take(FrameKey(TRAIN, n, BACKWARD, s, t + 1, m))
             extra = penalty.pop((t + 1, m), None) if s == self.rank else None
             out.backward(g if extra is None else g + extra)
-            self._send(FrameKey(TRAIN, n, BACKWARD, s, t, m), inp.grad)
+            self._send(FrameKey(TRAIN, n, BACKWARD, s, t, m), cast(Tensor, inp.grad))
         for m in range(M):
             g = self._take(FrameKey(TRAIN, n, BACKWARD, self.rank, 0, m))
             extra = penalty.pop((0, m), None)

@@ -194,7 +194,7 @@ class WorkerHandlers:
                 f"worker-{executor.rank} is at step {executor.step}, round asks for {start}..{end}"
             )
         masks = None if self.secagg is None else Round.of(msg.content[CONFIG], executor.cfg.P)
-        load_replica(executor, msg.content[ARRAYS])
+        load_replica(executor, msg.content.array_records[ARRAYS])
         self.on_state(WorkerState.TRAINING)
         report = self._train_steps(start, end)
         t0 = time.perf_counter()  # the barrier snapshot's cost on the critical path
@@ -206,7 +206,9 @@ class WorkerHandlers:
             reply = RecordDict({ARRAYS: replica_arrays(executor), METRICS: report.to_record()})
         else:  # only the masked update leaves: the coordinator can read just the sum
             assert self.secagg is not None  # masks are read only when SecAgg is on
-            masked = self.secagg.masked(replica_arrays(executor), msg.content[ARRAYS], masks)
+            masked = self.secagg.masked(
+                replica_arrays(executor), msg.content.array_records[ARRAYS], masks
+            )
             reply = RecordDict({MASKED: masked, METRICS: report.to_record()})
         if order.checkpoint:
             reply["checkpoint"] = self._checkpoint(order, snap).to_record()
@@ -259,7 +261,7 @@ class WorkerHandlers:
         return ck
 
     def evaluate(self, msg: Message) -> Message:
-        load_replica(self.executor, msg.content[ARRAYS])
+        load_replica(self.executor, msg.content.array_records[ARRAYS])
         self.on_state(WorkerState.EVALUATING)
         t0 = time.perf_counter()
         loss = self.executor.evaluate()
