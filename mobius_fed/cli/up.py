@@ -1,11 +1,5 @@
-"""``mobius-fed up``: a whole federation on this machine, as separate processes on loopback.
-
-Makes certificates, splits the embedded corpus into per-site data, starts
-``mobius-coordinator`` and P ``mobius-worker`` processes (each with its own bundle), shows
-progress and prints the final losses and checkpoint. It supervises its children (restarts
-up to ``max_restarts``, the coordinator with ``--resume auto``; signals forwarded, SIGKILL
-after 5 s): docs/deployment.md "Stopping, restarting and healing".
-"""
+"""``mobius-fed up``: a whole federation on this machine (:mod:`mobius_fed.ops.federation`),
+with a progress bar, the final losses and checkpoint, and signals forwarded to its processes."""
 
 from __future__ import annotations
 

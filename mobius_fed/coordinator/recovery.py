@@ -256,8 +256,8 @@ class Recovery:
 
     def _restore_order(self, rank: int, rnd: int, has_it: bool) -> RestoreOrder:
         order = RestoreOrder(rnd, self.plan.steps_of(rnd)[1], fresh=self.store.fresh)
-        manifest = self.store.manifest_doc(rnd)
-        entry = manifest["workers"].get(str(rank)) if manifest else None
+        manifest = self.store.manifest_doc(rnd) or {"workers": {}}
+        entry = manifest["workers"].get(str(rank))
         if not entry:
             return order
         order = replace(order, sha256=entry["sha256"], file=Path(entry["path"]).name)

@@ -86,7 +86,9 @@ class ReferenceEngine:
         producer, consumer = schedule.producer(path, s, slot), schedule.consumer(path, s, slot)
         return HopContext(phase, direction, step, s, slot, m, producer, consumer)
 
-    def _forward_hop(self, h: Tensor, phase: str, step: int, s: int, slot: int, m: int) -> Tensor:
+    def _forward_hop(
+        self, h: Tensor, phase: HopPhase, step: int, s: int, slot: int, m: int
+    ) -> Tensor:
         if not self.hops:
             return h
         return self.hops.forward(h, self._hop(phase, "forward", step, s, slot, m))

@@ -41,7 +41,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-WIRE_TO_ENUM: dict[str, int] = {
+WIRE_TO_ENUM: dict[str, ring_pb2.DType] = {
     "fp32": ring_pb2.FLOAT32,
     "bf16": ring_pb2.BFLOAT16,
     "fp16": ring_pb2.FLOAT16,
@@ -174,7 +174,7 @@ def validate_frame(
     origin: int,
     tick: int,
     micro: int,
-    direction: int,
+    direction: ring_pb2.Direction,
 ) -> None:
     """Check a frame's header; :class:`FrameError` names the first wrong field."""
     expected = dict(run_id=run_id, step=step, origin=origin, tick=tick, micro=micro)
@@ -198,7 +198,7 @@ def make_frame(
     origin: int,
     tick: int,
     micro: int,
-    direction: int,
+    direction: ring_pb2.Direction,
     tensor: torch.Tensor,
     wire: str = "fp32",
 ) -> ring_pb2.Frame:
@@ -264,8 +264,8 @@ def encode_frames(
     origin: int,
     tick: int,
     micro: int,
-    direction: int,
-    phase: int = ring_pb2.TRAIN,
+    direction: ring_pb2.Direction,
+    phase: ring_pb2.Phase = ring_pb2.TRAIN,
     tensor: torch.Tensor,
     wire: str = "fp32",
     chunk_bytes: int = CHUNK_BYTES,

@@ -57,6 +57,8 @@ def run_static_ring(cfg: WorkerConfig) -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     site = SiteData(cfg.data_dir, train.model().seq_len, train.encoding)
+    if cfg.rank is None:  # the config's validator asks for it first
+        raise ValueError("a static ring needs --rank")
     executor = RingExecutor(train, cfg.rank, site, cfg.run_id, cfg.peer_timeout)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
