@@ -14,7 +14,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +153,7 @@ class WandbTracker(Tracker):
         import wandb
 
         Path(directory).mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
+        self.run: Any = wandb.init(  # a wandb Run; None once closed
             project=os.environ.get("WANDB_PROJECT", "mobius-fed"),
             name=run_name,
             dir=str(directory),
@@ -170,7 +170,7 @@ class WandbTracker(Tracker):
             self.run = None
 
 
-BACKENDS: dict[str, type[Tracker]] = {
+BACKENDS: dict[str, Callable[[Path, str, dict | None], Tracker]] = {
     t.name: t for t in (TensorBoardTracker, MlflowTracker, WandbTracker)
 }
 

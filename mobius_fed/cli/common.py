@@ -232,7 +232,7 @@ def resume_value(text: str) -> bool | str:
     raise argparse.ArgumentTypeError(f"expected auto, true or false, got {text!r}")
 
 
-def add_resume_flag(parser: argparse.ArgumentParser, help_: str) -> None:
+def add_resume_flag(parser: argparse._ActionsContainer, help_: str) -> None:
     """``--resume`` alone means true; ``--resume auto`` / ``--resume false`` also work."""
     parser.add_argument(
         "--resume",

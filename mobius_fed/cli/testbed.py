@@ -62,7 +62,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, _raise_interrupt)
     logging.basicConfig(level=logging.INFO, format="testbed: %(message)s", stream=sys.stderr)
     t0 = time.monotonic()
-    last = [None]
+    last: list[tuple[Any, Any] | None] = [None]
 
     def progress(doc: dict[str, Any]) -> None:
         key = (doc.get("phase"), doc.get("step"))

@@ -227,8 +227,7 @@ class _LazyTrainFlagsParser(argparse.ArgumentParser):
             self.populated = True
             common.add_train_flags(self)
 
-    # Ignored: one untyped override stands for typeshed's two overloads, forwarded unchanged.
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(self, args=None, namespace=None):
         self._populate()
         return super().parse_known_args(args, namespace)
 

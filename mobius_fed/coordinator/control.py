@@ -232,8 +232,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 log.error("worker-%d session: %s", rank, exc)
                 self.mark_lost(rank, f"its session sent something unusable: {exc}")
             finally:
-                if self.grid.close_session(rank, box) is box:
-                    box.put(_END)
+                if (closed := self.grid.close_session(rank, box)) is box and closed is not None:
+                    closed.put(_END)
                     if not self.state.ended:
                         self.mark_lost(rank, "its session closed (process gone or network cut)")
 

@@ -189,6 +189,7 @@ class _PeerCertH11Protocol(H11Protocol):
     certificate to exactly that connection (no lookup by address, nothing to spoof).
     """
 
+    # Ignored: asyncio.Protocol takes any BaseTransport; uvicorn's class narrows it just so.
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         ssl_object = transport.get_extra_info("ssl_object")

@@ -131,6 +131,7 @@ def train_with_strategy(engine: ReferenceEngine, strategy: Strategy) -> EngineGr
     strategy.start(
         grid=grid,
         initial_arrays=_arrays(engine.replicas[0]),
+        # Ignored: `plan` is set on the strategy make_strategy builds, not on Flower's class.
         num_rounds=strategy.plan.num_rounds - getattr(strategy, "round_offset", 0),  # type: ignore[attr-defined]
         train_config=ConfigRecord(),
         evaluate_config=ConfigRecord(),

@@ -233,7 +233,8 @@ class MobiusCore:
         self.home_input = None if entry is None else entry(cfg)
         k = int(cfg.get("subspace_rank", 0))
         if k:  # U [d, k] of the run's shared subspace (from the weights file)
-            self.register_buffer("subspace_basis", torch.zeros(cfg["d_model"], k))
+            # Ignored: a mixin; MobiusLM and the transformers class are the nn.Modules.
+            self.register_buffer("subspace_basis", torch.zeros(cfg["d_model"], k))  # type: ignore[attr-defined]
         else:
             self.subspace_basis = None
 

@@ -46,7 +46,7 @@ class Rotary(nn.Module):
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
 
 
-def output_projection(in_features: int, d: int, basis: Tensor | None) -> nn.Module:
+def output_projection(in_features: int, d: int, basis: Tensor | None) -> nn.Linear | BasisLinear:
     """A block's output projection: unconstrained, or writing through U (see subspace.py).
 
     The unconstrained layer is built either way (its default init draws from the RNG), so

@@ -80,7 +80,9 @@ class EdgeTunnels:
     def _tunnel_opener(self) -> Callable[[], socket.socket | None]:
         if self.out.path == REVERSED:
             rv, run, edge = self.rendezvous, self.ring_id, self.out.name
-            return lambda: rv.take(run, edge, PAIR_TIMEOUT_S)  # type: ignore[union-attr]
+            if rv is None:  # a reversed edge listens: its rendezvous was made first
+                raise RuntimeError(f"edge {edge}: reversed, but no rendezvous is listening")
+            return lambda: rv.take(run, edge, PAIR_TIMEOUT_S)
         return relay_dialer(self.out.meet, self._key(self.out), self.ring_id, self.out.name)
 
     def start_keeper(self, local: str) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -230,7 +230,7 @@ def plot_crossover(table: Table, path: Path, title: str) -> Path | None:
 
 
 def write_crossover(
-    by_length: dict[int, Sequence[dict[str, Any]]], out: Path, *, command: str = ""
+    by_length: Mapping[int, Sequence[dict[str, Any]]], out: Path, *, command: str = ""
 ) -> Path:
     """``out/crossover.md`` (points, fits, the paper's rows) and ``out/crossover.png``."""
     out = Path(out)

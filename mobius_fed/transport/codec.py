@@ -24,6 +24,7 @@ import warnings
 import zlib
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from google.protobuf.message import DecodeError
@@ -174,7 +175,7 @@ def validate_frame(
     origin: int,
     tick: int,
     micro: int,
-    direction: ring_pb2.Direction,
+    direction: int,
 ) -> None:
     """Check a frame's header; :class:`FrameError` names the first wrong field."""
     expected = dict(run_id=run_id, step=step, origin=origin, tick=tick, micro=micro)
@@ -198,7 +199,7 @@ def make_frame(
     origin: int,
     tick: int,
     micro: int,
-    direction: ring_pb2.Direction,
+    direction: int,
     tensor: torch.Tensor,
     wire: str = "fp32",
 ) -> ring_pb2.Frame:
@@ -209,7 +210,7 @@ def make_frame(
         origin=origin,
         tick=tick,
         micro=micro,
-        direction=direction,
+        direction=cast(ring_pb2.Direction, direction),
         chunks=1,
     )
     _fill_tensor(frame.tensor, tensor, wire)
@@ -264,8 +265,8 @@ def encode_frames(
     origin: int,
     tick: int,
     micro: int,
-    direction: ring_pb2.Direction,
-    phase: ring_pb2.Phase = ring_pb2.TRAIN,
+    direction: int,
+    phase: int = ring_pb2.TRAIN,
     tensor: torch.Tensor,
     wire: str = "fp32",
     chunk_bytes: int = CHUNK_BYTES,
@@ -293,8 +294,8 @@ def encode_frames(
         origin=origin,
         tick=tick,
         micro=micro,
-        direction=direction,
-        phase=phase,
+        direction=cast(ring_pb2.Direction, direction),
+        phase=cast(ring_pb2.Phase, phase),
         chunks=chunks,
     )
     if packed is not None:
