@@ -101,7 +101,7 @@ def fit_log(xs: Sequence[float], ys: Sequence[float]) -> Fit:
     return Fit(intercept, slope, t975(n - 2) * math.sqrt(rss / (n - 2) / sxx), n)
 
 
-def points(by_length: dict[int, Sequence[dict[str, Any]]]) -> Table:
+def points(by_length: Mapping[int, Sequence[dict[str, Any]]]) -> Table:
     """Per (P, L): one Point per training length (shortest first), from each length's cells."""
     out: Table = {}
     for steps in sorted(by_length):

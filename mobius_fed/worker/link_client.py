@@ -204,6 +204,7 @@ class SuccessorClient:
         try:
             while True:
                 call, st = self._call, self._out_stream
+                assert st is not None  # dialled before the loop, re-dialled within it
                 err = self._receive_backward(call, st)
                 s.end.end_stream(st)
                 if err is None or self._closing.is_set():
