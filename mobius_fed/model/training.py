@@ -21,16 +21,12 @@ class OptimizerSettings(Protocol):
     """The optimizer's part of a run's settings (``TrainConfig`` has it): this layer reads
     no more of the run configuration than these."""
 
-    @property
-    def optimizer(self) -> Literal["muon", "adamw"]: ...
-    @property
-    def lr_adam(self) -> float: ...
-    @property
-    def lr_muon(self) -> float: ...
-    @property
-    def weight_decay(self) -> float: ...
-    @property
-    def muon_adjust_lr(self) -> Literal["original", "match_rms_adamw"]: ...
+    optimizer: Literal["muon", "adamw"]
+    lr_adam: float
+    lr_muon: float
+    weight_decay: float
+    muon_adjust_lr: Literal["original", "match_rms_adamw"]
+
     def lr_multiplier(self, step: int) -> float: ...
 
 
