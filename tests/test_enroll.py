@@ -108,7 +108,12 @@ def test_request_writes_a_private_key_and_one_identity(tmp_path: Path) -> None:
     csr = read_request(req.csr)
     san = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["mobius://worker/2"]
-    assert san.get_values_for_type(x509.DNSName) == ["localhost", "worker-2", "w2.example.org"]
+    assert san.get_values_for_type(x509.DNSName) == [
+        "worker-2.id.mobius.invalid",  # the reserved identity name (docs/security.md)
+        "localhost",
+        "worker-2",
+        "w2.example.org",
+    ]
     key = serialization.load_pem_private_key(req.key.read_bytes(), None)
     assert csr.public_key() == key.public_key()
     # a second request never replaces the key silently; --key asks again for the same key
@@ -168,6 +173,7 @@ def test_a_site_brings_its_own_pki_key(tmp_path: Path, ca: Path, serve) -> None:
             serialization.NoEncryption(),
         )
     )
+    own.chmod(0o600)
     site = tmp_path / "site-3"
     req = request_node("worker-3", site, key=own)
     assert req.key == own and not (site / "tls.key").exists()

@@ -85,6 +85,7 @@ def cmd_certs_request(args: argparse.Namespace) -> int:
         key=key,
         overwrite=args.overwrite,
         csr_dir=args.csr_dir,
+        readable_key=args.allow_readable_key,
     )
     kept = "the key" if key else "a new key (mode 0600)"
     print(
@@ -105,12 +106,18 @@ def cmd_certs_sign(args: argparse.Namespace) -> int:
             "request, in the same order (the node each one must be for)"
         )
     for csr, node in zip(args.csr, args.node, strict=True):
-        signed = sign_request(Path(csr), node, Path(args.ca), args.out, days=args.days)
-        hosts = ", ".join(signed.hosts) or "none"
-        print(
-            f"signed {node} ({signed.identity}; extra names: {hosts}) until "
-            f"{signed.not_after:%Y-%m-%d}: send {signed.cert} and {signed.ca} to its site"
+        signed = sign_request(
+            Path(csr), node, Path(args.ca), args.out, days=args.days, wildcards=args.allow_wildcard
         )
+        print(
+            f"signed {node} ({signed.identity}) until {signed.not_after:%Y-%m-%d}: send "
+            f"{signed.cert} and {signed.ca} to its site"
+        )
+        # one a line, escaped: a name can never rewrite or hide a line of this terminal
+        names = [h.encode("unicode_escape").decode("ascii") for h in signed.hosts]
+        print(f"  extra names: {names[0] if names else 'none'}")
+        for name in names[1:]:
+            print(f"               {name}")
     return 0
 
 
@@ -124,7 +131,7 @@ def cmd_certs_check(args: argparse.Namespace) -> int:
         Path(args.cert or d / CERT_FILE),
         Path(args.key or d / KEY_FILE),
     )
-    cert = check_bundle(args.node, tls)
+    cert = check_bundle(args.node, tls, readable_key=args.allow_readable_key or None)
     print(
         f"ok: {tls.cert} is {args.node}'s, signed by the CA in {tls.ca}, valid until "
         f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC, with its key {tls.key} and no "
@@ -134,6 +141,7 @@ def cmd_certs_check(args: argparse.Namespace) -> int:
 
 
 NODE_HELP = "worker-<i>, coordinator or operator"
+READABLE_HELP = "only warn about a private key its group or others can read (docs/keys.md)"
 
 
 def _add_lab_parsers(csub) -> None:
@@ -186,6 +194,7 @@ def _add_enroll_parsers(csub) -> None:
     c.add_argument(
         "--if-missing", action="store_true", help="do nothing when the key and request exist"
     )
+    c.add_argument("--allow-readable-key", action="store_true", help=READABLE_HELP)
     c.set_defaults(func=cmd_certs_request)
     c = csub.add_parser("sign", help="admin: check a node's request and issue its certificate")
     c.add_argument("csr", nargs="+", help="NODE.csr from the site (several: one --node each)")
@@ -195,6 +204,11 @@ def _add_enroll_parsers(csub) -> None:
     c.add_argument("--ca", type=Path, required=True, help="the CA directory (certs ca or init)")
     c.add_argument("--out", type=Path, help="writes OUT/NODE/{tls.crt,ca.crt} (default: CA/signed)")
     c.add_argument("--days", type=int, default=365, help="validity (default: 365)")
+    c.add_argument(
+        "--allow-wildcard",
+        action="store_true",
+        help="sign an extra name whose whole first label is * (*.lab.example.org)",
+    )
     c.set_defaults(func=cmd_certs_sign)
     c = csub.add_parser(
         "check", help="at the site: the bundle a daemon will use is this node's and sound"
@@ -204,6 +218,7 @@ def _add_enroll_parsers(csub) -> None:
     c.add_argument("--ca", type=Path, help="CA certificate (default: DIR/ca.crt)")
     c.add_argument("--cert", type=Path, help="certificate (default: DIR/tls.crt)")
     c.add_argument("--key", type=Path, help="private key (default: DIR/tls.key)")
+    c.add_argument("--allow-readable-key", action="store_true", help=READABLE_HELP)
     c.set_defaults(func=cmd_certs_check)
 
 
