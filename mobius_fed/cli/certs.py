@@ -27,15 +27,19 @@ def cmd_certs_init(args: argparse.Namespace) -> int:
 
 def cmd_certs_renew(args: argparse.Namespace) -> int:
     from mobius_fed.transport.certs import identity_of, renew_node
+    from mobius_fed.transport.tls import certificate_serial
 
+    old = Path(args.out) / f"{args.node}.crt"
+    serial = certificate_serial(old.read_bytes()) if old.is_file() else None
     try:
         node = renew_node(Path(args.out), args.node, args.host or (), days=args.days)
     except KeyError as exc:
         raise CliError(str(exc)) from None
     print(
         f"new key and certificate for {args.node} ({identity_of(args.node)}) in "
-        f"{node.cert.parent}: deploy it to that node only. Its old certificate stays valid "
-        "until it expires; `mobius-fed certs rotate` cuts it off now."
+        f"{node.cert.parent}: deploy it to that node only. Its old certificate (serial "
+        f"{serial}) stays valid until it expires; `mobius-fed certs revoke {serial} --ca "
+        f"{args.out}` cuts it off now (docs/security.md \"Revocation\")."
     )
     return 0
 
@@ -140,6 +144,23 @@ def cmd_certs_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certs_revoke(args: argparse.Namespace) -> int:
+    from mobius_fed.transport.revocation import CRL_FILE, RevocationError, revoke
+
+    try:
+        revoked = revoke(Path(args.ca), args.target)
+    except RevocationError as exc:
+        raise CliError(str(exc)) from None
+    for serial, what in sorted(revoked.items()):
+        print(f"revoked {what}: serial {serial}")
+    print(
+        f"signed list in {Path(args.ca) / CRL_FILE} (and every nodes/<node>/ bundle here): "
+        "give it to the coordinator (beside its ca.crt); it hands it to every worker within "
+        "one heartbeat"
+    )
+    return 0
+
+
 NODE_HELP = "worker-<i>, coordinator or operator"
 READABLE_HELP = "only warn about a private key its group or others can read (docs/keys.md)"
 
@@ -220,6 +241,12 @@ def _add_enroll_parsers(csub) -> None:
     c.add_argument("--key", type=Path, help="private key (default: DIR/tls.key)")
     c.add_argument("--allow-readable-key", action="store_true", help=READABLE_HELP)
     c.set_defaults(func=cmd_certs_check)
+    c = csub.add_parser(
+        "revoke", help="admin: revoke a node's certificates (or one serial): a signed list"
+    )
+    c.add_argument("target", nargs="+", help="a node name (all its certificates) or a serial")
+    c.add_argument("--ca", type=Path, required=True, help="the CA directory (certs ca or init)")
+    c.set_defaults(func=cmd_certs_revoke)
 
 
 def register(sub) -> None:
@@ -228,7 +255,8 @@ def register(sub) -> None:
         "certs",
         help="certificate authority, node keys and certificates",
         description="Keys that never leave their site: `ca` at the admin, `request` at each "
-        "site, `sign` at the admin, `check` at the site (docs/keys.md). `init` makes every "
+        "site, `sign` at the admin, `check` at the site, `revoke` at the admin (docs/keys.md). "
+        "`init` makes every "
         "key in one place, for labs and `mobius-fed up`.",
     )
     csub = p.add_subparsers(dest="certs_command", required=True, metavar="ACTION")

@@ -347,6 +347,15 @@ def peer_identity_or_reason(context: grpc.ServicerContext) -> tuple[str | None, 
     return identity_or_reason(uris)
 
 
+def revoked_peer(context: grpc.ServicerContext) -> str | None:
+    """The identity in the caller's certificate when that certificate is revoked, else None
+    (the coordinator counts such a worker lost at once: docs/security.md "Revocation")."""
+    pems = (context.auth_context() or {}).get("x509_pem_cert", ())
+    if len(pems) != 1 or revoked_serial(bytes(pems[0])) is None:
+        return None
+    return identity_or_reason(certificate_uris(bytes(pems[0])))[0]
+
+
 def peer_identity(context: grpc.ServicerContext) -> str | None:
     """The caller's ``mobius://`` identity, or None (see :func:`peer_identity_or_reason`)."""
     return peer_identity_or_reason(context)[0]
