@@ -209,6 +209,7 @@ def test_a_live_ring_refuses_a_revoked_worker_and_heals(tmp_path: Path) -> None:
         while (code := _stream_to(w3, old))[0] != grpc.StatusCode.PERMISSION_DENIED:
             assert code[0] == grpc.StatusCode.UNAVAILABLE, code  # never a session
             assert time.monotonic() < deadline, code
+            fed.supervise()  # restarts worker-2, now with its renewed bundle
             time.sleep(0.2)
         assert "is revoked" in code[1], code
     except BaseException:
