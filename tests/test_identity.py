@@ -298,3 +298,30 @@ def test_a_worker_refuses_an_impostor_predecessor(pki: tuple[CertLayout, Path], 
         assert code == grpc.StatusCode.OK, (code, details)
     finally:
         w1.close()
+
+
+# --------------------------------------------------------------------------- operator → REST
+@pytest.mark.parametrize("holder", ["impostor", "genuine"])
+def test_the_operator_refuses_an_impostor_rest_server(
+    pki: tuple[CertLayout, Path], holder: str
+) -> None:
+    """The real REST server, started with the impostor's certificate: the operator's client
+    (``mobius-fed status --rest``, the dashboard proxy) refuses it at the TLS handshake."""
+    from mobius_fed.coordinator.rest import RestServer
+    from mobius_fed.coordinator.rest_client import RestClientError, rest_get
+    from mobius_fed.coordinator.state import RunState
+
+    layout, forged = pki
+    bundle = forged if holder == "impostor" else _bundle_dir(layout, "coordinator")
+    tls = NodeTLS(bundle / "ca.crt", bundle / "tls.crt", bundle / "tls.key")
+    state = RunState(run_id="r", P=3, steps=4, strategy="fedavg", num_rounds=1)
+    srv = RestServer(state, "127.0.0.1", 0, tls=tls, allowed=lambda who: True).start()
+    try:
+        url = f"https://127.0.0.1:{srv.port}"
+        if holder == "impostor":
+            with pytest.raises(RestClientError, match=r"CERTIFICATE_VERIFY_FAILED|hostname"):
+                rest_get(url, "/v1/status", layout.bundle("operator"))
+        else:
+            assert rest_get(url, "/v1/status", layout.bundle("operator"))["run_id"] == "r"
+    finally:
+        srv.stop()
