@@ -39,7 +39,7 @@ def cmd_certs_renew(args: argparse.Namespace) -> int:
         f"new key and certificate for {args.node} ({identity_of(args.node)}) in "
         f"{node.cert.parent}: deploy it to that node only. Its old certificate (serial "
         f"{serial}) stays valid until it expires; `mobius-fed certs revoke {serial} --ca "
-        f"{args.out}` cuts it off now (docs/security.md \"Revocation\")."
+        f'{args.out}` cuts it off now (docs/security.md "Revocation").'
     )
     return 0
 

@@ -1,12 +1,15 @@
 """Mutual TLS for every gRPC link: node identities, credentials, channel/server options
-(docs/security.md "One identity per certificate", "TLS 1.3 only").
+(docs/security.md "One identity per certificate", "The identity rule", "TLS 1.3 only").
 
 Identity: the one ``mobius://`` URI SAN, read by :func:`peer_identity_or_reason` and
-authorized by :func:`require_peer`. TLS 1.3 is enforced twice (gRPC Python keeps
-``set_min_tls_version`` internal): at the handshake by :data:`GRPC_TLS13_CIPHER_SUITES`,
-which gRPC's core reads only at the process's first ``import grpc`` (``mobius_fed/__init__``
-sets it; :func:`tls13_handshakes_enforced` says whether in time), and on every RPC from the
-auth context's ``ssl_tls_version``. A node's own secrets only: :func:`check_node_secrets`.
+authorized by :func:`require_peer`; a dialler checks the server's reserved identity name
+(:func:`identity_name`) and every incoming call refuses a revoked certificate
+(:func:`set_revoked`, docs/security.md "Revocation"). TLS 1.3 is enforced twice (gRPC
+Python keeps ``set_min_tls_version`` internal): at the handshake by
+:data:`GRPC_TLS13_CIPHER_SUITES`, which gRPC's core reads only at the process's first
+``import grpc`` (``mobius_fed/__init__`` sets it; :func:`tls13_handshakes_enforced` says
+whether in time), and on every RPC from the auth context's ``ssl_tls_version``. A node's
+own secrets only: :func:`check_node_secrets`.
 """
 
 from __future__ import annotations
