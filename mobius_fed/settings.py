@@ -33,6 +33,8 @@ PROCESS_ENV = {
     "MOBIUS_TIKTOKEN_TIMEOUT": "seconds to wait for tiktoken's gpt2 files (default 60)",
     "MOBIUS_LOG_LEVEL": "daemon log verbosity: DEBUG, INFO, WARNING or ERROR (--log-level)",
     "MOBIUS_IMAGE": "docker compose only: the image every service runs",
+    "MOBIUS_ALLOW_READABLE_KEY": "1: only warn about a private key its group or others can "
+    "read (--allow-readable-key); default: refuse to start (docs/keys.md)",
     "MOBIUS_TRACKER": "also log metrics to tensorboard, mlflow or wandb (--tracker; an "
     "optional extra each); default none",
     # Former ring-link variables: a worker with one set refuses to start, naming the new one

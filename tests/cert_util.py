@@ -11,13 +11,21 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from mobius_fed.transport.tls import NodeTLS
+from mobius_fed.transport.tls import NodeTLS, identity_name
 
 
-def sign_leaf(certs: Path, out: Path, uri: str | Sequence[str], name: str) -> NodeTLS:
+def sign_leaf(
+    certs: Path, out: Path, uri: str | Sequence[str], name: str, dns: Sequence[str] = ()
+) -> NodeTLS:
     """A leaf for ``name`` signed by the CA in ``certs``, with URI SAN(s) ``uri`` (forgeries
-    with several or no ``mobius://`` URIs included: pass a list)."""
+    with several or no ``mobius://`` URIs included: pass a list), the reserved identity
+    name of the first URI when it is an identity, and the DNS names ``dns`` (what an
+    older ``sign`` let through, e.g. a borrowed ``coordinator``). Key mode 0600."""
     uris = [uri] if isinstance(uri, str) else list(uri)
+    try:
+        names = [identity_name(uris[0]), *dns]
+    except (ValueError, IndexError):
+        names = list(dns)
     ca_cert = x509.load_pem_x509_certificate((certs / "ca.crt").read_bytes())
     ca_key = serialization.load_pem_private_key((certs / "ca.key").read_bytes(), None)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -33,6 +41,7 @@ def sign_leaf(certs: Path, out: Path, uri: str | Sequence[str], name: str) -> No
         .add_extension(
             x509.SubjectAlternativeName(
                 [x509.UniformResourceIdentifier(u) for u in uris]
+                + [x509.DNSName(n) for n in names]
                 + [x509.DNSName(name), x509.DNSName("localhost")]
             ),
             critical=False,
@@ -54,4 +63,5 @@ def sign_leaf(certs: Path, out: Path, uri: str | Sequence[str], name: str) -> No
             serialization.NoEncryption(),
         )
     )
+    (out / "leaf.key").chmod(0o600)
     return NodeTLS(certs / "ca.crt", out / "leaf.crt", out / "leaf.key")

@@ -108,7 +108,12 @@ def test_request_writes_a_private_key_and_one_identity(tmp_path: Path) -> None:
     csr = read_request(req.csr)
     san = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["mobius://worker/2"]
-    assert san.get_values_for_type(x509.DNSName) == ["localhost", "worker-2", "w2.example.org"]
+    assert san.get_values_for_type(x509.DNSName) == [
+        "worker-2.id.mobius.invalid",  # the reserved identity name (docs/security.md)
+        "localhost",
+        "worker-2",
+        "w2.example.org",
+    ]
     key = serialization.load_pem_private_key(req.key.read_bytes(), None)
     assert csr.public_key() == key.public_key()
     # a second request never replaces the key silently; --key asks again for the same key
@@ -168,6 +173,7 @@ def test_a_site_brings_its_own_pki_key(tmp_path: Path, ca: Path, serve) -> None:
             serialization.NoEncryption(),
         )
     )
+    own.chmod(0o600)
     site = tmp_path / "site-3"
     req = request_node("worker-3", site, key=own)
     assert req.key == own and not (site / "tls.key").exists()
@@ -491,3 +497,173 @@ def test_a_coordinator_started_with_a_workers_certificate_is_refused(
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "not a coordinator's identity" in proc.stderr, proc.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- borrowed names
+BORROWED = [
+    "coordinator",
+    "Coordinator",
+    "COORDINATOR.lab.example.org",
+    "operator",
+    "relay",
+    "relay.example.org",
+    "worker-1",
+    "WORKER-3",
+    "worker-1.lab.example.org",
+    "worker-02",
+]
+NOT_HOST_NAMES = {
+    "an ANSI escape": ("\x1b[2K\rcoordinator", "control characters"),
+    "a NUL": ("worker-1\x00.evil.org", "control characters"),
+    "a newline": ("a.example.org\ncoordinator", "control characters"),
+    "a space": ("gpu a.example.org", "a space"),
+    "a wildcard": ("*.example.org", "a wildcard"),
+    "a wildcard inside a label": ("gpu*.example.org", "a wildcard"),
+    "an empty label": ("gpu..example.org", "not a host name label"),
+    "a leading hyphen": ("-gpu.example.org", "not a host name label"),
+    "an underscore": ("gpu_a.example.org", "not a host name label"),
+    "the identity domain": ("id.mobius.invalid", "reserved identity domain"),
+    "another identity's name": ("worker-1.id.mobius.invalid", "reserved identity domain"),
+    "its own identity name in another case": ("WORKER-2.ID.MOBIUS.INVALID", "reserved"),
+}
+
+
+def _hostile_csr(tmp_path: Path, key, names: list[str]) -> Path:
+    """A request a hostile site writes itself (not with ``certs request``, which refuses)."""
+    sans = [_uri("mobius://worker/2"), *(x509.DNSName(n) for n in names)]
+    path = tmp_path / "hostile.csr"
+    path.write_bytes(_csr(key, sans))
+    return path
+
+
+@pytest.mark.parametrize("name", BORROWED)
+def test_sign_refuses_another_nodes_or_a_roles_name(tmp_path: Path, ca: Path, name: str) -> None:
+    """Issue 33 case 1: worker-2 asking for a role's or another node's name is refused,
+    the error naming the request, the name and the rule; nothing is issued."""
+    csr = _hostile_csr(tmp_path, KEY, ["w2.example.org", name])
+    with pytest.raises(EnrollError) as exc:
+        sign_request(csr, "worker-2", ca)
+    text = str(exc.value)
+    assert str(csr) in text and repr(name) in text, text
+    assert "another node's or a role's name" in text, text
+    assert not (ca / "signed").exists() and not (ca / "issued").exists()
+    with pytest.raises(EnrollError, match="another node's or a role's name"):
+        request_node("worker-2", tmp_path / "site", [name])  # the site's own tool says so too
+
+
+def test_a_nodes_own_name_with_a_domain_is_signed(tmp_path: Path, ca: Path) -> None:
+    signed = sign_request(_hostile_csr(tmp_path, KEY, ["worker-2.lab.example.org"]), "worker-2", ca)
+    assert signed.hosts == ("worker-2.lab.example.org",)
+
+
+@pytest.mark.parametrize("case", sorted(NOT_HOST_NAMES))
+def test_sign_refuses_names_that_are_not_host_names(tmp_path: Path, ca: Path, case: str) -> None:
+    """Issue 33 case 2: control characters, NUL, spaces, wildcards, bad labels, reserved."""
+    name, rule = NOT_HOST_NAMES[case]
+    csr = _hostile_csr(tmp_path, KEY, [name])
+    with pytest.raises(EnrollError) as exc:
+        sign_request(csr, "worker-2", ca)
+    text = str(exc.value)
+    assert str(csr) in text and repr(name) in text and rule in text, text
+    assert "\x1b" not in text and "\x00" not in text  # the message itself is escaped
+    assert not (ca / "issued").exists()
+
+
+def test_non_ascii_names_need_punycode_and_wildcards_a_flag(tmp_path: Path, ca: Path) -> None:
+    with pytest.raises(EnrollError, match="not ASCII: write an international name in punycode"):
+        request_node("worker-2", tmp_path / "s", ["bücher.example.org"])
+    csr = _hostile_csr(tmp_path, KEY, ["xn--bcher-kva.example.org", "*.gpu.example.org"])
+    with pytest.raises(EnrollError, match="a wildcard: refused unless --allow-wildcard"):
+        sign_request(csr, "worker-2", ca)
+    signed = sign_request(csr, "worker-2", ca, wildcards=True)
+    assert signed.hosts == ("xn--bcher-kva.example.org", "*.gpu.example.org")
+
+
+def test_certs_init_and_renew_refuse_borrowed_names(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'coordinator' for every node refused"):
+        init_certs(tmp_path / "c", 2, hosts=["coordinator"])
+    from mobius_fed.transport.certs import renew_node
+
+    layout = init_certs(tmp_path / "d", 2, hosts=["gpu.example.org"])
+    with pytest.raises(ValueError, match="'worker-0' for node worker-1 refused"):
+        renew_node(layout.root, "worker-1", ["worker-0"])
+
+
+def test_the_sign_summary_shows_every_extra_name_on_its_own_line(tmp_path: Path) -> None:
+    assert _cli("ca", "--out", "admin", cwd=tmp_path).returncode == 0
+    hosts = ["a.example.org", "b.example.org", "10.0.0.9"]
+    args = [a for h in hosts for a in ("--host", h)]
+    assert _cli("request", "--node", "worker-0", *args, cwd=tmp_path).returncode == 0
+    done = _cli(
+        "sign", "worker-0/worker-0.csr", "--node", "worker-0", "--ca", "admin", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1:] == [
+        "  extra names: a.example.org",
+        "               b.example.org",
+        "               10.0.0.9",
+    ], done.stdout
+    borrowed = tmp_path / "hostile.csr"
+    borrowed.write_bytes(_csr(KEY, [_uri("mobius://worker/3"), x509.DNSName("\x1b[1Acoordinator")]))
+    refused = _cli("sign", "hostile.csr", "--node", "worker-3", "--ca", "admin", cwd=tmp_path)
+    assert refused.returncode == 2 and "\x1b" not in refused.stderr, refused.stderr
+    assert "hostile.csr" in refused.stderr and "control characters" in refused.stderr
+
+
+# --------------------------------------------------------------------------- recycled keys
+def test_a_renewed_nodes_old_key_is_never_certified_again(tmp_path: Path) -> None:
+    """Issue 33 case 3: after renew, the old key of worker-1 asked for as worker-3."""
+    from mobius_fed.transport.certs import renew_node
+
+    layout = init_certs(tmp_path / "lab", 4)
+    old_key = tmp_path / "old.key"
+    shutil.copy(layout.bundle("worker-1").key, old_key)
+    renew_node(layout.root, "worker-1")
+    reused = request_node("worker-3", tmp_path / "w3", key=old_key)
+    with pytest.raises(EnrollError, match=r"already certified as mobius://worker/1 \(serial"):
+        sign_request(reused.csr, "worker-3", layout.root)
+    # the same through sign alone: worker-2 signed with key A, re-signed with key B, then A
+    ca = make_ca(tmp_path / "admin")
+    first = request_node("worker-2", tmp_path / "w2")
+    sign_request(first.csr, "worker-2", ca)
+    kept = tmp_path / "first.key"
+    shutil.copy(first.key, kept)
+    second = request_node("worker-2", tmp_path / "w2", overwrite=True)
+    sign_request(second.csr, "worker-2", ca)
+    again = request_node("worker-5", tmp_path / "w5", key=kept)
+    with pytest.raises(EnrollError, match="already certified as mobius://worker/2"):
+        sign_request(again.csr, "worker-5", ca)
+    sign_request(request_node("worker-2", tmp_path / "w2b", key=kept).csr, "worker-2", ca)
+
+
+# --------------------------------------------------------------------------- key files
+def test_a_key_others_can_read_is_refused_naming_the_fix(tmp_path: Path, ca: Path) -> None:
+    """Issue 33 case 4: certs check, certs request --key and mobius-worker refuse a 0644 key."""
+    tls = _site(tmp_path, "worker-0", ca)
+    tls.key.chmod(0o644)
+    with pytest.raises(SecretsError, match=rf"mode 0644.*chmod 600 {tls.key}"):
+        check_bundle("worker-0", tls)
+    check_bundle("worker-0", tls, readable_key=True)  # the documented way to only warn
+    d = tls.key.parent
+    cli = _cli("check", "--node", "worker-0", "--dir", str(d), cwd=tmp_path)
+    assert cli.returncode == 2 and f"chmod 600 {tls.key}" in cli.stderr, cli.stderr
+    cli = _cli("check", "--node", "worker-0", "--dir", str(d), "--allow-readable-key", cwd=tmp_path)
+    assert cli.returncode == 0 and "chmod 600" in cli.stderr, cli.stderr
+    req = _cli("request", "--node", "worker-0", "--key", str(tls.key), "--out", "r", cwd=tmp_path)
+    assert req.returncode == 2 and f"chmod 600 {tls.key}" in req.stderr, req.stderr
+    tls.key.chmod(0o640)
+    with pytest.raises(SecretsError, match="its group can read"):
+        check_bundle("worker-0", tls)
+    argv = ["--coordinator", "127.0.0.1:9", "--data-dir", str(tmp_path / "data"), "--threads", "1"]
+    argv += ["--ca", str(tls.ca), "--cert", str(tls.cert), "--key", str(tls.key)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "mobius_fed.cli.worker", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and f"chmod 600 {tls.key}" in proc.stderr, proc.stderr[-2000:]
+    tls.key.chmod(0o600)
+    check_bundle("worker-0", tls)

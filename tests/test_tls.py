@@ -45,6 +45,7 @@ from mobius_fed.transport.tls import (
 from tests.cert_util import sign_leaf
 
 SERVER = worker_identity(2)
+W1_NAME = "worker-1.id.mobius.invalid"  # its reserved identity name (docs/security.md)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -119,7 +120,7 @@ def test_certificate_contents(certs: CertLayout) -> None:
     assert leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "worker-1"
     san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["mobius://worker/1"]
-    assert san.get_values_for_type(x509.DNSName) == ["localhost", "worker-1", "gpu-a"]
+    assert san.get_values_for_type(x509.DNSName) == [W1_NAME, "localhost", "worker-1", "gpu-a"]
     assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1", "10.0.0.7"]
     eku = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert set(eku) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
@@ -415,7 +416,7 @@ def test_renew_one_node_keeps_its_identity(tmp_path: Path) -> None:
     sans = x509.load_pem_x509_certificate(new.cert.read_bytes()).extensions
     san = sans.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["mobius://worker/1"]
-    assert san.get_values_for_type(x509.DNSName) == ["localhost", "worker-1", "gpu-a"]
+    assert san.get_values_for_type(x509.DNSName) == [W1_NAME, "localhost", "worker-1", "gpu-a"]
     check_node_secrets(new)
     with pytest.raises(KeyError):
         renew_node(layout.root, "worker-9")

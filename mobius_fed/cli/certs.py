@@ -27,15 +27,19 @@ def cmd_certs_init(args: argparse.Namespace) -> int:
 
 def cmd_certs_renew(args: argparse.Namespace) -> int:
     from mobius_fed.transport.certs import identity_of, renew_node
+    from mobius_fed.transport.tls import certificate_serial
 
+    old = Path(args.out) / f"{args.node}.crt"
+    serial = certificate_serial(old.read_bytes()) if old.is_file() else None
     try:
         node = renew_node(Path(args.out), args.node, args.host or (), days=args.days)
     except KeyError as exc:
         raise CliError(str(exc)) from None
     print(
         f"new key and certificate for {args.node} ({identity_of(args.node)}) in "
-        f"{node.cert.parent}: deploy it to that node only. Its old certificate stays valid "
-        "until it expires; `mobius-fed certs rotate` cuts it off now."
+        f"{node.cert.parent}: deploy it to that node only. Its old certificate (serial "
+        f"{serial}) stays valid until it expires; `mobius-fed certs revoke {serial} --ca "
+        f'{args.out}` cuts it off now (docs/security.md "Revocation").'
     )
     return 0
 
@@ -85,6 +89,7 @@ def cmd_certs_request(args: argparse.Namespace) -> int:
         key=key,
         overwrite=args.overwrite,
         csr_dir=args.csr_dir,
+        readable_key=args.allow_readable_key,
     )
     kept = "the key" if key else "a new key (mode 0600)"
     print(
@@ -105,12 +110,18 @@ def cmd_certs_sign(args: argparse.Namespace) -> int:
             "request, in the same order (the node each one must be for)"
         )
     for csr, node in zip(args.csr, args.node, strict=True):
-        signed = sign_request(Path(csr), node, Path(args.ca), args.out, days=args.days)
-        hosts = ", ".join(signed.hosts) or "none"
-        print(
-            f"signed {node} ({signed.identity}; extra names: {hosts}) until "
-            f"{signed.not_after:%Y-%m-%d}: send {signed.cert} and {signed.ca} to its site"
+        signed = sign_request(
+            Path(csr), node, Path(args.ca), args.out, days=args.days, wildcards=args.allow_wildcard
         )
+        print(
+            f"signed {node} ({signed.identity}) until {signed.not_after:%Y-%m-%d}: send "
+            f"{signed.cert} and {signed.ca} to its site"
+        )
+        # one a line, escaped: a name can never rewrite or hide a line of this terminal
+        names = [h.encode("unicode_escape").decode("ascii") for h in signed.hosts]
+        print(f"  extra names: {names[0] if names else 'none'}")
+        for name in names[1:]:
+            print(f"               {name}")
     return 0
 
 
@@ -124,7 +135,7 @@ def cmd_certs_check(args: argparse.Namespace) -> int:
         Path(args.cert or d / CERT_FILE),
         Path(args.key or d / KEY_FILE),
     )
-    cert = check_bundle(args.node, tls)
+    cert = check_bundle(args.node, tls, readable_key=args.allow_readable_key or None)
     print(
         f"ok: {tls.cert} is {args.node}'s, signed by the CA in {tls.ca}, valid until "
         f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC, with its key {tls.key} and no "
@@ -133,7 +144,25 @@ def cmd_certs_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certs_revoke(args: argparse.Namespace) -> int:
+    from mobius_fed.transport.revocation import CRL_FILE, RevocationError, revoke
+
+    try:
+        revoked = revoke(Path(args.ca), args.target)
+    except RevocationError as exc:
+        raise CliError(str(exc)) from None
+    for serial, what in sorted(revoked.items()):
+        print(f"revoked {what}: serial {serial}")
+    print(
+        f"signed list in {Path(args.ca) / CRL_FILE} (and every nodes/<node>/ bundle here): "
+        "give it to the coordinator (beside its ca.crt); it hands it to every worker within "
+        "one heartbeat"
+    )
+    return 0
+
+
 NODE_HELP = "worker-<i>, coordinator or operator"
+READABLE_HELP = "only warn about a private key its group or others can read (docs/keys.md)"
 
 
 def _add_lab_parsers(csub) -> None:
@@ -186,6 +215,7 @@ def _add_enroll_parsers(csub) -> None:
     c.add_argument(
         "--if-missing", action="store_true", help="do nothing when the key and request exist"
     )
+    c.add_argument("--allow-readable-key", action="store_true", help=READABLE_HELP)
     c.set_defaults(func=cmd_certs_request)
     c = csub.add_parser("sign", help="admin: check a node's request and issue its certificate")
     c.add_argument("csr", nargs="+", help="NODE.csr from the site (several: one --node each)")
@@ -195,6 +225,11 @@ def _add_enroll_parsers(csub) -> None:
     c.add_argument("--ca", type=Path, required=True, help="the CA directory (certs ca or init)")
     c.add_argument("--out", type=Path, help="writes OUT/NODE/{tls.crt,ca.crt} (default: CA/signed)")
     c.add_argument("--days", type=int, default=365, help="validity (default: 365)")
+    c.add_argument(
+        "--allow-wildcard",
+        action="store_true",
+        help="sign an extra name whose whole first label is * (*.lab.example.org)",
+    )
     c.set_defaults(func=cmd_certs_sign)
     c = csub.add_parser(
         "check", help="at the site: the bundle a daemon will use is this node's and sound"
@@ -204,7 +239,14 @@ def _add_enroll_parsers(csub) -> None:
     c.add_argument("--ca", type=Path, help="CA certificate (default: DIR/ca.crt)")
     c.add_argument("--cert", type=Path, help="certificate (default: DIR/tls.crt)")
     c.add_argument("--key", type=Path, help="private key (default: DIR/tls.key)")
+    c.add_argument("--allow-readable-key", action="store_true", help=READABLE_HELP)
     c.set_defaults(func=cmd_certs_check)
+    c = csub.add_parser(
+        "revoke", help="admin: revoke a node's certificates (or one serial): a signed list"
+    )
+    c.add_argument("target", nargs="+", help="a node name (all its certificates) or a serial")
+    c.add_argument("--ca", type=Path, required=True, help="the CA directory (certs ca or init)")
+    c.set_defaults(func=cmd_certs_revoke)
 
 
 def register(sub) -> None:
@@ -213,7 +255,8 @@ def register(sub) -> None:
         "certs",
         help="certificate authority, node keys and certificates",
         description="Keys that never leave their site: `ca` at the admin, `request` at each "
-        "site, `sign` at the admin, `check` at the site (docs/keys.md). `init` makes every "
+        "site, `sign` at the admin, `check` at the site, `revoke` at the admin (docs/keys.md). "
+        "`init` makes every "
         "key in one place, for labs and `mobius-fed up`.",
     )
     csub = p.add_subparsers(dest="certs_command", required=True, metavar="ACTION")

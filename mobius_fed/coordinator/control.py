@@ -38,6 +38,7 @@ from mobius_fed.transport.tls import (
     parse_identity,
     peer_identity_or_reason,
     require_peer,
+    revoked_peer,
     worker_identity,
 )
 
@@ -55,8 +56,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
         *,
         fingerprint: str,
         run_spec: Callable[[int], control_pb2.RunSpec],
+        crl: Callable[[], bytes] = bytes,
     ) -> None:
         self.state, self.grid, self.fingerprint = state, grid, fingerprint
+        self.crl = crl  # the revocation list every heartbeat reply carries
         self.run_spec, self.P = run_spec, state.P
         self._registered: dict[int, str] = {}
         self._cond = threading.Condition()
@@ -72,6 +75,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
             role, index = parse_identity(who or "")
         except ValueError:
             role, index = "", None
+        if who is None and (gone := revoked_peer(context)):  # revoked: out of the ring now
+            gone_role, gone_rank = parse_identity(gone)
+            if gone_role == "worker" and gone_rank is not None and gone_rank < self.P:
+                self.mark_lost(gone_rank, "its certificate is revoked (mobius-fed certs revoke)")
         if role == "worker" and index is not None and index < self.P:
             return index
         msg = f"identity {who or '<none>'} is not an enrolled worker of this run (P={self.P})"
@@ -175,6 +182,11 @@ class ControlService(control_pb2_grpc.ControlServicer):
 
     # ------------------------------------------------------------ heartbeat
     def Heartbeat(self, request, context):
+        reply = self._heartbeat(request, context)
+        reply.crl = self.crl()
+        return reply
+
+    def _heartbeat(self, request, context) -> control_pb2.HeartbeatReply:
         rank = self._worker_rank(context)
         w = self.state.workers[rank]
         problem = heartbeat_problem(request, self.state.steps)

@@ -11,10 +11,12 @@ import ssl
 from typing import Any
 from urllib.parse import urlsplit
 
-from mobius_fed.transport.tls import NodeTLS, open_channel
+from mobius_fed.transport.tls import COORDINATOR_IDENTITY, NodeTLS, identity_name, open_channel
 
-COORDINATOR_NAME = "coordinator"
-"""Name checked against the coordinator certificate's DNS SANs (gRPC and REST alike)."""
+COORDINATOR_NAME = identity_name(COORDINATOR_IDENTITY)
+"""Name checked against the coordinator certificate's DNS SANs (gRPC and REST alike): its
+reserved identity name, which only the coordinator's certificate carries (docs/security.md
+"The identity rule")."""
 
 
 class RestClientError(Exception):
@@ -61,7 +63,7 @@ def client_options(url: str, tls: NodeTLS | None) -> tuple[Any, dict[str, Any]]:
         return False, {}
     if tls is None:
         raise RestClientError(f"{url}: https needs the operator's certificate files")
-    # Verify the server as "coordinator" whatever name or IP we dialled (as gRPC does).
+    # Verify the server as the coordinator whatever name or IP we dialled (as gRPC does).
     return operator_context(tls), {"sni_hostname": COORDINATOR_NAME}
 
 

@@ -37,6 +37,7 @@ from mobius_fed.model import build_replica
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.strategies import RoundPlan, make_strategy, restore_server_state, server_state
 from mobius_fed.transport.flower_wire import COORDINATOR_NODE_ID, set_task_identity
+from mobius_fed.transport.revocation import CrlSource
 from mobius_fed.transport.safe_arrays import spec_of
 from mobius_fed.transport.tls import GRPC_OPTIONS, add_port, check_node_secrets
 
@@ -52,6 +53,7 @@ class Coordinator:
 
     def __init__(self, cfg: CoordinatorConfig) -> None:
         check_node_secrets(cfg.tls(), role="coordinator")
+        self.crl = CrlSource(cfg.tls()).watch()  # crl.pem beside ca.crt (docs/security.md)
         self.cfg, self.train = cfg, cfg.train
         self.plan = RoundPlan.of(cfg.train, cfg.checkpoint_round_interval())
         self.er_privacy = ErPrivacy.of(cfg.train)  # reads the E/R noise key now: fail early
@@ -79,6 +81,7 @@ class Coordinator:
             self.grid,
             fingerprint=cfg.train.fingerprint(),
             run_spec=self._run_spec,
+            crl=lambda: self.crl.data,
         )
         self.recovery = Recovery(cfg, self.state, self.grid, self.service, self.store)
         self.strategy: Any = None
@@ -158,6 +161,7 @@ class Coordinator:
             train_config_json=self.train.model_dump_json(),
             config_fingerprint=self.train.fingerprint(),
             heartbeat_interval_s=self.cfg.heartbeat_interval,
+            crl=self.crl.data,
         )
 
     def _watch_heartbeats(self) -> None:

@@ -21,7 +21,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, listen_address: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., unreachable: _Optional[bool] = ..., rendezvous: _Optional[str] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("run_id", "rank", "peers", "train_config_json", "config_fingerprint", "resume_round", "resume_checkpoint", "heartbeat_interval_s", "tunnel_key")
+    __slots__ = ("run_id", "rank", "peers", "train_config_json", "config_fingerprint", "resume_round", "resume_checkpoint", "heartbeat_interval_s", "tunnel_key", "crl")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class RunSpec(_message.Message):
     RESUME_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     TUNNEL_KEY_FIELD_NUMBER: _ClassVar[int]
+    CRL_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     peers: _containers.RepeatedScalarFieldContainer[str]
@@ -40,7 +41,8 @@ class RunSpec(_message.Message):
     resume_checkpoint: str
     heartbeat_interval_s: float
     tunnel_key: bytes
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., train_config_json: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., resume_round: _Optional[int] = ..., resume_checkpoint: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., tunnel_key: _Optional[bytes] = ...) -> None: ...
+    crl: bytes
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., train_config_json: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., resume_round: _Optional[int] = ..., resume_checkpoint: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., tunnel_key: _Optional[bytes] = ..., crl: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("state", "step", "last_loss", "tokens_per_s", "links_json")
@@ -57,14 +59,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, state: _Optional[str] = ..., step: _Optional[int] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., links_json: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("stop", "reason", "rejoin")
+    __slots__ = ("stop", "reason", "rejoin", "crl")
     STOP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REJOIN_FIELD_NUMBER: _ClassVar[int]
+    CRL_FIELD_NUMBER: _ClassVar[int]
     stop: bool
     reason: str
     rejoin: bool
-    def __init__(self, stop: _Optional[bool] = ..., reason: _Optional[str] = ..., rejoin: _Optional[bool] = ...) -> None: ...
+    crl: bytes
+    def __init__(self, stop: _Optional[bool] = ..., reason: _Optional[str] = ..., rejoin: _Optional[bool] = ..., crl: _Optional[bytes] = ...) -> None: ...
 
 class Envelope(_message.Message):
     __slots__ = ("flower_message", "note")

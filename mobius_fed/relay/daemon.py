@@ -43,8 +43,8 @@ class Relay:
         self._http: ThreadingHTTPServer | None = None
 
     def _dial(self, intro: Intro, conn: socket.socket) -> None:
-        far = self.rendezvous.take(intro.run, intro.edge, self.pair_timeout)
-        if far is None:
+        paired = self.rendezvous.take(intro.run, intro.edge, self.pair_timeout, intro.nonce)
+        if paired is None:
             log.info(
                 "relay: no tunnel from the successor of %s within %.0fs",
                 intro.edge,
@@ -56,8 +56,9 @@ class Relay:
             stats = self.edges.setdefault((intro.run, intro.edge), EdgeStats())
             stats.connections += 1
         log.info("relay: %s of ring %s spliced", intro.edge, intro.run)
-        try:
-            conn.sendall(PAIRED)  # the dialling side waits for this verdict
+        far = paired.sock
+        try:  # the dialling side waits for this verdict, then both ends confirm
+            conn.sendall(PAIRED + paired.accept_nonce)
         except OSError:
             close_quietly(conn)
             close_quietly(far)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from mobius_fed.relay.plan import DIRECT, RELAYED, REVERSED, EdgePlan, RingPlanError, plan_ring
 from mobius_fed.relay.rendezvous import Rendezvous
-from mobius_fed.relay.splice import ACCEPT, Intro
+from mobius_fed.relay.splice import ACCEPT, DIAL, Intro, close_quietly, confirm_pairing
 from mobius_fed.relay.tunnels import Forwarder, TunnelKeeper, relay_dialer
 
 PAIR_TIMEOUT_S = 5.0  # a gRPC connection waits this long for a parked tunnel
@@ -79,10 +79,22 @@ class EdgeTunnels:
 
     def _tunnel_opener(self) -> Callable[[], socket.socket | None]:
         if self.out.path == REVERSED:
-            rv, run, edge = self.rendezvous, self.ring_id, self.out.name
+            rv, run, edge, key = self.rendezvous, self.ring_id, self.out.name, self._key(self.out)
             if rv is None:  # a reversed edge listens: its rendezvous was made first
                 raise RuntimeError(f"edge {edge}: reversed, but no rendezvous is listening")
-            return lambda: rv.take(run, edge, PAIR_TIMEOUT_S)
+
+            def take() -> socket.socket | None:
+                paired = rv.take(run, edge, PAIR_TIMEOUT_S)
+                if paired is None:
+                    return None
+                try:  # the parked tunnel proves its own fresh introduction, or is closed
+                    confirm_pairing(paired.sock, key, DIAL, paired.accept_nonce, paired.dial_nonce)
+                except OSError:
+                    close_quietly(paired.sock)
+                    raise
+                return paired.sock
+
+            return take
         return relay_dialer(self.out.meet, self._key(self.out), self.ring_id, self.out.name)
 
     def start_keeper(self, local: str) -> None:

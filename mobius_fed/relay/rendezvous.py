@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 from mobius_fed.relay.splice import (
     ACCEPT,
+    NONCE_BYTES,
     PAIRED,
     Intro,
+    ReplayCache,
     TunnelRefused,
     close_quietly,
     read_header,
@@ -31,6 +35,15 @@ log = logging.getLogger("mobius.relay")
 
 MAX_WAITING = 4  # parked tunnels per (run, edge); more are refused
 Check = Callable[[Intro], str | None]  # why an introduction is refused here, or None
+
+
+class Paired(NamedTuple):
+    """A parked tunnel handed out: told :data:`PAIRED` with ``dial_nonce``; both ends
+    confirm over ``accept_nonce`` and ``dial_nonce`` (``splice.confirm_pairing``)."""
+
+    sock: socket.socket
+    accept_nonce: bytes
+    dial_nonce: bytes
 
 
 class Rendezvous:
@@ -57,7 +70,8 @@ class Rendezvous:
             (host.strip("[]") or "0.0.0.0", int(port)), reuse_port=False
         )
         self.port = self._sock.getsockname()[1]
-        self._waiting: dict[tuple[str, str], list[socket.socket]] = {}
+        self._waiting: dict[tuple[str, str], list[tuple[socket.socket, bytes]]] = {}
+        self.replays = ReplayCache()  # every introduction is taken once
         self._cond = threading.Condition()
         self._closed = False
         self.refused = 0  # introductions refused so far
@@ -76,7 +90,7 @@ class Rendezvous:
 
     def _introduce(self, conn: socket.socket, peer: tuple) -> None:
         try:
-            intro = read_header(conn, self.key)
+            intro = read_header(conn, self.key, replays=self.replays)
             why = self.check(intro) if self.check else None
             if why is None and intro.role != ACCEPT and self.on_dial is None:
                 why = f"role {intro.role} is not served here"
@@ -100,33 +114,38 @@ class Rendezvous:
             if len(slot) >= MAX_WAITING or self._closed:
                 refuse(conn, f"refused: {MAX_WAITING} tunnels already wait for {intro.edge}")
                 return
-            slot.append(conn)
+            slot.append((conn, intro.nonce))
             self._cond.notify_all()
 
     def _prune(self) -> None:
         """Forget parked tunnels whose opener closed them (an old ring incarnation's)."""
         for k, slot in list(self._waiting.items()):
-            alive = [s for s in slot if _alive(s)]
+            alive = [s for s in slot if _alive(s[0])]
             for s in slot:
                 if s not in alive:
-                    close_quietly(s)
+                    close_quietly(s[0])
             if alive:
                 self._waiting[k] = alive
             else:
                 del self._waiting[k]
 
-    def take(self, run: str, edge: str, timeout: float) -> socket.socket | None:
-        """A live parked tunnel for (run, edge), told it is paired; None after ``timeout``."""
+    def take(
+        self, run: str, edge: str, timeout: float, dial_nonce: bytes | None = None
+    ) -> Paired | None:
+        """A live parked tunnel for (run, edge), told it is paired with ``dial_nonce`` (the
+        dialling side's introduction's; a fresh one for a local taker); None after
+        ``timeout``."""
+        dial_nonce = dial_nonce or secrets.token_bytes(NONCE_BYTES)
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._closed:
                 slot = self._waiting.get((run, edge), [])
                 while slot:
-                    conn = slot.pop(0)
+                    conn, accept_nonce = slot.pop(0)
                     with contextlib.suppress(OSError):
                         if _alive(conn):
-                            conn.sendall(PAIRED)
-                            return conn
+                            conn.sendall(PAIRED + dial_nonce)
+                            return Paired(conn, accept_nonce, dial_nonce)
                     close_quietly(conn)
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -142,7 +161,7 @@ class Rendezvous:
         with self._cond:
             self._closed = True
             for slot in self._waiting.values():
-                for s in slot:
+                for s, _ in slot:
                     close_quietly(s)
             self._waiting.clear()
             self._cond.notify_all()

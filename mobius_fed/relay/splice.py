@@ -1,10 +1,15 @@
 """A tunnel's introduction (authenticated header) and the byte pump between two sockets
-(docs/reachability.md "How a tunnelled edge works", "Threat model").
+(docs/reachability.md "How a tunnelled edge works", "Threat model"; docs/security.md
+"Introductions are fresh and single-use").
 
-Header: ``b"MBT1" | u16 length | JSON {run, edge, role, ts, nonce} | HMAC-SHA256(key, JSON)``.
+Header: ``b"MBT2" | u16 length | JSON {run, edge, role, ts, nonce} | HMAC-SHA256(key, JSON)``.
 ``role`` is ``accept`` (ends at its opener's gRPC server: the successor) or ``dial`` (carries
-its opener's gRPC client connection: the predecessor, at a relay). After :data:`PAIRED` both
-sides only move the workers' TLS records: the splice never sees a key or a frame.
+its opener's gRPC client connection: the predecessor, at a relay). An introduction is taken
+once: ``ts`` within :data:`MAX_SKEW_S` of the reader's clock and a ``nonce`` the reader's
+:class:`ReplayCache` has not seen. The verdict :data:`PAIRED` carries the other side's
+nonce, and both ends then prove the key over both nonces (:func:`pair_proof`) before any
+byte of the workers' TLS moves: a pairing is bound to both sides' fresh introductions.
+After that the splice only moves the workers' TLS records: it never sees a key or a frame.
 """
 
 from __future__ import annotations
@@ -21,13 +26,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-MAGIC = b"MBT1"
+MAGIC = b"MBT2"
 ACCEPT, DIAL = "accept", "dial"
-PAIRED = b"\x01"
+PAIRED = b"\x01"  # followed by the other side's nonce (NONCE_BYTES)
 REFUSED = b"\x15"  # followed by the reason, then the rendezvous closes the connection
 MAX_BODY = 1024
-MAX_SKEW_S = 300.0  # a header older (or newer) than this is refused
+MAX_SKEW_S = 30.0  # the freshness window: a header older (or newer) than this is refused
 HEADER_TIMEOUT_S = 5.0
+NONCE_BYTES = 16
+REPLAY_CACHE_SIZE = 65536
 _MAC = 32
 
 
@@ -42,15 +49,87 @@ class Intro:
     run: str
     edge: str
     role: str
+    nonce: bytes = b""
+
+
+class ReplayCache:
+    """Nonces of introductions taken within the freshness window: a second use is refused.
+
+    Bounded: an entry is forgotten once its introduction is older than the window (the
+    clock check refuses it then anyway); when ``capacity`` fresh nonces are held, new
+    introductions are refused until some expire (fail closed).
+    """
+
+    def __init__(self, window: float = MAX_SKEW_S, capacity: int = REPLAY_CACHE_SIZE) -> None:
+        self.window, self.capacity = window, capacity
+        self._seen: dict[bytes, float] = {}  # nonce -> when it may be forgotten
+        self._lock = threading.Lock()
+
+    def admit(self, nonce: bytes, ts: float) -> str | None:
+        """Why ``nonce`` is refused (seen before, cache full), or None: taken now."""
+        now = time.time()
+        with self._lock:
+            if len(self._seen) >= self.capacity or len(self._seen) % 256 == 0:
+                self._seen = {n: t for n, t in self._seen.items() if t > now}
+            if nonce in self._seen:
+                return "replayed introduction (its nonce was used already)"
+            if len(self._seen) >= self.capacity:
+                return f"{self.capacity} introductions within {self.window:.0f}s: try again"
+            self._seen[nonce] = max(ts, now) + self.window
+        return None
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+def make_intro(key: bytes, run: str, edge: str, role: str) -> tuple[bytes, bytes]:
+    """The introduction a tunnel opener sends first, and its nonce."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    body = json.dumps(
+        {"run": run, "edge": edge, "role": role, "ts": time.time(), "nonce": nonce.hex()}
+    ).encode()
+    mac = hmac.new(key, body, hashlib.sha256).digest()
+    return MAGIC + struct.pack("!H", len(body)) + body + mac, nonce
 
 
 def make_header(key: bytes, run: str, edge: str, role: str) -> bytes:
-    """The introduction a tunnel opener sends first."""
-    body = json.dumps(
-        {"run": run, "edge": edge, "role": role, "ts": time.time(), "nonce": secrets.token_hex(8)}
-    ).encode()
-    mac = hmac.new(key, body, hashlib.sha256).digest()
-    return MAGIC + struct.pack("!H", len(body)) + body + mac
+    """The introduction a tunnel opener sends first (see :func:`make_intro`)."""
+    return make_intro(key, run, edge, role)[0]
+
+
+def pair_proof(key: bytes, accept_nonce: bytes, dial_nonce: bytes, role: str) -> bytes:
+    """What the ``role`` end of a pairing sends first: only a holder of ``key`` whose
+    introduction carried its nonce can make it, so a replayed tunnel pairs with nothing."""
+    msg = b"MBT2 pair|" + accept_nonce + b"|" + dial_nonce + b"|" + role.encode()
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def confirm_pairing(
+    sock: socket.socket,
+    key: bytes,
+    role: str,
+    accept_nonce: bytes,
+    dial_nonce: bytes,
+    timeout: float = HEADER_TIMEOUT_S,
+) -> None:
+    """Send this end's :func:`pair_proof` and check the other end's; ConnectionError if it
+    is wrong or missing (the tunnel is then closed by the caller)."""
+    other = DIAL if role == ACCEPT else ACCEPT
+    sock.settimeout(timeout)
+    try:
+        sock.sendall(pair_proof(key, accept_nonce, dial_nonce, role))
+        got = _recv_exact(sock, _MAC)
+    except (TunnelRefused, OSError) as exc:
+        raise ConnectionError(
+            f"the other end of the tunnel did not confirm the pairing ({exc})"
+        ) from None
+    finally:
+        sock.settimeout(None)
+    if not hmac.compare_digest(got, pair_proof(key, accept_nonce, dial_nonce, other)):
+        raise ConnectionError(
+            "the other end of the tunnel could not prove its introduction (a replayed or "
+            "stolen tunnel): closed before any TLS byte"
+        )
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -63,8 +142,14 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def read_header(sock: socket.socket, key: bytes, timeout: float = HEADER_TIMEOUT_S) -> Intro:
-    """Read and verify a tunnel introduction; TunnelRefused says what is wrong with it."""
+def read_header(
+    sock: socket.socket,
+    key: bytes,
+    timeout: float = HEADER_TIMEOUT_S,
+    replays: ReplayCache | None = None,
+) -> Intro:
+    """Read and verify a tunnel introduction: signed with ``key``, fresh, and (with
+    ``replays``) never seen before; TunnelRefused says what is wrong with it."""
     sock.settimeout(timeout)
     try:
         head = _recv_exact(sock, len(MAGIC) + 2)
@@ -83,14 +168,23 @@ def read_header(sock: socket.socket, key: bytes, timeout: float = HEADER_TIMEOUT
         raise TunnelRefused("introduction not signed with this rendezvous' key (bad HMAC)")
     try:
         doc = json.loads(body)
-        intro = Intro(str(doc["run"]), str(doc["edge"]), str(doc["role"]))
-        skew = abs(time.time() - float(doc["ts"]))
+        nonce = bytes.fromhex(str(doc["nonce"]))
+        intro = Intro(str(doc["run"]), str(doc["edge"]), str(doc["role"]), nonce)
+        ts = float(doc["ts"])
+        skew = abs(time.time() - ts)
     except (ValueError, KeyError, TypeError) as exc:
         raise TunnelRefused(f"malformed introduction: {exc}") from exc
-    if skew > MAX_SKEW_S:
-        raise TunnelRefused(f"introduction {skew:.0f}s off this host's clock (a replay?)")
+    if len(nonce) != NONCE_BYTES:
+        raise TunnelRefused(f"introduction nonce of {len(nonce)} bytes ({NONCE_BYTES} needed)")
+    if not skew <= MAX_SKEW_S:  # NaN too
+        raise TunnelRefused(
+            f"introduction {skew:.0f}s off this host's clock (fresh means within "
+            f"{MAX_SKEW_S:.0f}s: a replay, or a clock to set right)"
+        )
     if intro.role not in (ACCEPT, DIAL):
         raise TunnelRefused(f"unknown role {intro.role[:20]!r}")
+    if replays is not None and (why := replays.admit(nonce, ts)) is not None:
+        raise TunnelRefused(why)
     return intro
 
 

@@ -17,10 +17,12 @@ from collections.abc import Callable
 from mobius_fed.relay.splice import (
     ACCEPT,
     DIAL,
+    NONCE_BYTES,
     PAIRED,
     REFUSED,
     close_quietly,
-    make_header,
+    confirm_pairing,
+    make_intro,
     splice,
     tune,
 )
@@ -53,12 +55,20 @@ class ByteCounter:
         return (total - b0) / max(now - t0, 1e-6)
 
 
-def await_paired(sock: socket.socket, where: str) -> None:
-    """Wait for the rendezvous' verdict on a tunnel: PAIRED, else ConnectionError (why)."""
+def await_paired(sock: socket.socket, where: str) -> bytes:
+    """Wait for the rendezvous' verdict on a tunnel: PAIRED and the other side's nonce
+    (returned), else ConnectionError (why)."""
     first = sock.recv(1)
     if first != PAIRED:
         why = sock.recv(200).decode(errors="replace").strip() if first == REFUSED else ""
         raise ConnectionError(f"{where}: {why or 'closed the tunnel'}")
+    nonce = b""
+    while len(nonce) < NONCE_BYTES:
+        got = sock.recv(NONCE_BYTES - len(nonce))
+        if not got:
+            raise ConnectionError(f"{where}: closed the tunnel in its verdict")
+        nonce += got
+    return nonce
 
 
 def dial(address: str, timeout: float = CONNECT_TIMEOUT_S) -> socket.socket:
@@ -114,10 +124,12 @@ def relay_dialer(relay: str, key: bytes, run: str, edge: str) -> Callable[[], so
     def open_tunnel() -> socket.socket:
         sock = dial(relay)
         try:
-            sock.sendall(make_header(key, run, edge, DIAL))
+            header, nonce = make_intro(key, run, edge, DIAL)
+            sock.sendall(header)
             sock.settimeout(VERDICT_TIMEOUT_S)
-            await_paired(sock, f"relay {relay}")
+            accept_nonce = await_paired(sock, f"relay {relay}")
             sock.settimeout(None)
+            confirm_pairing(sock, key, DIAL, accept_nonce, nonce)
         except OSError:
             close_quietly(sock)
             raise
@@ -178,8 +190,10 @@ class TunnelKeeper:
             self._open.add(sock)
         try:
             sock.settimeout(None)
-            sock.sendall(make_header(self.key, self.run, self.edge, ACCEPT))
-            await_paired(sock, f"rendezvous {self.meet}")
+            header, nonce = make_intro(self.key, self.run, self.edge, ACCEPT)
+            sock.sendall(header)
+            dial_nonce = await_paired(sock, f"rendezvous {self.meet}")
+            confirm_pairing(sock, self.key, ACCEPT, nonce, dial_nonce)
             local = dial(self.local)
         except BaseException:
             close_quietly(sock)

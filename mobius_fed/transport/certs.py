@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,8 @@ from mobius_fed.transport.tls import (
     COORDINATOR_IDENTITY,
     OPERATOR_IDENTITY,
     NodeTLS,
+    identity_name,
+    is_reserved_name,
     worker_identity,
 )
 
@@ -97,11 +101,69 @@ def key_pem(key: PrivateKey) -> bytes:
     )
 
 
+ROLE_NAMES = ("coordinator", "operator", "relay", "worker")
+_WORKER_NAME = re.compile(r"worker-?[0-9]+")
+_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+
+
+def extra_name_rule(host: str, node: str | None, *, wildcards: bool = False) -> str | None:
+    """The rule an extra name (DNS name or IP) of node ``node`` breaks, or None.
+
+    ``node`` None: a name for every node (``certs init --host``). Refused: names that are
+    not host names (control characters, NUL, spaces, non-ASCII: write punycode, empty or
+    over-long labels, ``*`` unless ``wildcards``), a reserved identity name, and a node's or
+    role's name (``coordinator``, ``operator``, ``relay``, ``worker-<i>``; any case, with or
+    without a domain) other than the node's own.
+    """
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if not host.isascii():
+        return "not ASCII: write an international name in punycode (xn--…)"
+    if not host.isprintable():
+        return "holds control characters (a NUL, an escape, a newline…): not a host name"
+    if " " in host:
+        return "holds a space: not a host name"
+    if len(host) > 253:
+        return "longer than 253 characters: not a host name"
+    lower = host.lower()
+    if is_reserved_name(lower):
+        return "lies in the reserved identity domain: only the CA writes a node's own"
+    labels = lower.split(".")
+    for i, label in enumerate(labels):
+        if label == "*" and i == 0 and len(labels) > 2 and wildcards:
+            continue
+        if label == "*" or "*" in label:
+            return "a wildcard: refused unless --allow-wildcard (and only as a whole first label)"
+        if not _LABEL.fullmatch(label):
+            return (
+                f"label {label!r} is not a host name label (letters, digits, inner hyphens, "
+                "1-63 characters)"
+            )
+    first = labels[0]
+    if (first in ROLE_NAMES or _WORKER_NAME.fullmatch(first)) and first != node:
+        whose = "another node's or a role's name"
+        return f"{whose} ({first}): a certificate names only its own node"
+    return None
+
+
+def check_extra_names(hosts: Sequence[str], node: str | None, *, wildcards: bool = False) -> None:
+    """ValueError naming the first extra name that breaks a rule (:func:`extra_name_rule`)."""
+    for h in hosts:
+        rule = extra_name_rule(h, node, wildcards=wildcards)
+        if rule is not None:
+            who = f"node {node}" if node else "every node"
+            raise ValueError(f"extra name {h!r} for {who} refused: {rule}")
+
+
 def node_sans(name: str, hosts: Sequence[str]) -> list[x509.GeneralName]:
-    """SANs of node ``name``: its identity URI, ``localhost``, its name (not the operator's),
-    127.0.0.1 and every ``hosts`` value (DNS name or IP)."""
+    """SANs of node ``name``: its identity URI, its reserved identity name (what a dialler
+    checks: docs/security.md "The identity rule"), ``localhost``, its name (not the
+    operator's), 127.0.0.1 and every ``hosts`` value (DNS name or IP)."""
     sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity_of(name))]
-    dns: list[str] = ["localhost"]
+    dns: list[str] = [identity_name(identity_of(name)), "localhost"]
     ips: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [ipaddress.ip_address("127.0.0.1")]
     if name != "operator":
         dns.append(name)
@@ -211,6 +273,65 @@ def load_ca(ca_cert: Path, ca_key: Path) -> tuple[PrivateKey, x509.Certificate]:
     return key, cert
 
 
+KEY_REGISTRY = "issued/record.json"
+"""Beside ``ca.key``: the certificates this CA directory issued and later replaced or still
+holds (node, identity, serial, key fingerprint, end), kept from the first ``renew`` or
+``sign`` on; with the certificates on file it is what ``sign`` refuses a key by (once
+certified under another identity) and where ``revoke`` finds a node's serials. No secret
+(mode 0644)."""
+
+
+def key_fingerprint(public_key: PublicKey) -> str:
+    """SHA-256 of the DER SubjectPublicKeyInfo, hex."""
+    der = public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    digest = hashes.Hash(hashes.SHA256())
+    digest.update(der)
+    return digest.finalize().hex()
+
+
+def read_registry(ca_dir: Path) -> list[dict]:
+    """The CA directory's record of issued certificates ([] before the first)."""
+    path = Path(ca_dir) / KEY_REGISTRY
+    if not path.is_file():
+        return []
+    try:
+        doc = json.loads(path.read_text())
+        entries = doc["issued"]
+        if not isinstance(entries, list):
+            raise TypeError("issued is not a list")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not this CA's record of issued certificates ({exc})") from None
+    return entries
+
+
+def record_issued(ca_dir: Path, name: str, cert: x509.Certificate) -> None:
+    """Add ``cert`` (issued to node ``name``) to the CA directory's record (once)."""
+    entries = read_registry(ca_dir)
+    if any(e.get("serial") == str(cert.serial_number) for e in entries):
+        return
+    entries.append(
+        {
+            "node": name,
+            "identity": identity_of(name),
+            "serial": str(cert.serial_number),
+            "key_sha256": key_fingerprint(cert.public_key()),  # type: ignore[arg-type]
+            "not_after": cert.not_valid_after_utc.isoformat(),
+            "ca_sha256": key_fingerprint_of_issuer(ca_dir),
+        }
+    )
+    doc = json.dumps({"issued": entries}, indent=1).encode()
+    (Path(ca_dir) / KEY_REGISTRY).parent.mkdir(exist_ok=True)
+    write_file(Path(ca_dir) / KEY_REGISTRY, doc, 0o644)
+
+
+def key_fingerprint_of_issuer(ca_dir: Path) -> str:
+    """Fingerprint of the CA key of ``ca_dir`` (entries of an earlier CA stay on record)."""
+    ca = x509.load_pem_x509_certificate((Path(ca_dir) / "ca.crt").read_bytes())
+    return key_fingerprint(ca.public_key())  # type: ignore[arg-type]
+
+
 def _issue(
     layout: CertLayout,
     name: str,
@@ -267,6 +388,7 @@ def init_certs(
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    check_extra_names(hosts, None)
     return new_pki(out, workers, hosts, days=days, overwrite=overwrite, what="certificates")
 
 
@@ -317,15 +439,26 @@ def renew_node(root: Path, name: str, hosts: Sequence[str] = (), *, days: int = 
     layout = load_layout(root)
     old = layout.node(name).cert  # KeyError for an unknown node
     ca_key, ca_cert = load_ca(layout.ca_cert, layout.ca_key)
+    check_extra_names(hosts, name)
     sans = node_sans(name, hosts)  # a bad host is refused before the old certificate is read
-    previous = _san_list(old)
+    previous = [  # what an older release signed and the rules now refuse is dropped
+        n
+        for n in _san_list(old)
+        if not isinstance(n, x509.DNSName)
+        or n.value == identity_name(identity_of(name))
+        or extra_name_rule(n.value, name) is None
+    ]
     sans = previous + [n for n in sans if n not in previous]
     uris = [n.value for n in sans if isinstance(n, x509.UniformResourceIdentifier)]
     if uris != [identity_of(name)]:
         raise ValueError(f"{old} carries URIs {uris}, not {identity_of(name)}")
     not_before, not_after = validity(days)
     not_after = min(not_after, ca_cert.not_valid_after_utc)
-    return _issue(layout, name, ca_key, ca_cert, sans, not_before, not_after)
+    if old.is_file():  # its key stays on record: never certified again for another node
+        record_issued(layout.root, name, x509.load_pem_x509_certificate(old.read_bytes()))
+    bundle = _issue(layout, name, ca_key, ca_cert, sans, not_before, not_after)
+    record_issued(layout.root, name, x509.load_pem_x509_certificate(bundle.cert.read_bytes()))
+    return bundle
 
 
 def rotate_ca(root: Path, hosts: Sequence[str] = (), *, days: int = 365) -> CertLayout:
@@ -338,6 +471,8 @@ def rotate_ca(root: Path, hosts: Sequence[str] = (), *, days: int = 365) -> Cert
     for n in _san_list(layout.node("coordinator").cert):  # the hosts given to init
         value = str(n.value)
         default = ("localhost", "coordinator") if isinstance(n, x509.DNSName) else ("127.0.0.1",)
+        if isinstance(n, x509.DNSName) and extra_name_rule(value, None) is not None:
+            continue  # the reserved identity name, or one an older release let through
         if isinstance(n, x509.DNSName | x509.IPAddress) and value not in default:
             kept.append(value)
     hosts = kept + [h for h in hosts if h not in kept]

@@ -23,14 +23,20 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
 from mobius_fed.transport.certs import (
+    KEY_REGISTRY,
     PrivateKey,
     PublicKey,
+    check_extra_names,
+    extra_name_rule,
     identity_of,
+    key_fingerprint,
     key_pem,
     leaf_certificate,
     load_ca,
     new_pki,
     node_sans,
+    read_registry,
+    record_issued,
     write_file,
 )
 from mobius_fed.transport.tls import (
@@ -38,6 +44,8 @@ from mobius_fed.transport.tls import (
     SecretsError,
     certificate_uris,
     check_node_secrets,
+    identity_name,
+    key_file_problem,
     parse_identity,
     spki,
 )
@@ -124,15 +132,22 @@ def request_node(
     key: Path | None = None,
     overwrite: bool = False,
     csr_dir: Path | None = None,
+    readable_key: bool = False,
 ) -> Request:
     """Write ``out/tls.key`` (0600, unless ``key`` brings the site's own) and ``<node>.csr``
     (in ``csr_dir``, default ``out``).
 
     The request carries the node's SANs: its one ``mobius://`` identity, ``localhost``, its
-    name, 127.0.0.1 and ``hosts``. An existing ``tls.key`` is kept (FileExistsError) unless
-    ``overwrite``; ``key=out/tls.key`` asks again for the same key (to renew).
+    name, 127.0.0.1 and ``hosts`` (each must pass ``certs.extra_name_rule``).
+    An existing ``tls.key`` is kept (FileExistsError) unless ``overwrite``; ``key=out/tls.key``
+    asks again for the same key (to renew). A ``key`` others can read is refused unless
+    ``readable_key``.
     """
     node_name(node)
+    try:
+        check_extra_names(hosts, node)
+    except ValueError as exc:
+        raise EnrollError(f"the request for {node}: {exc}") from None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     csr_path = Path(csr_dir if csr_dir is not None else out) / f"{node}.csr"
@@ -142,6 +157,9 @@ def request_node(
         if not key_path.is_file():
             raise FileNotFoundError(f"key {key_path} not found")
         private = _usable_key(key_path.read_bytes(), key_path)
+        problem = key_file_problem(key_path)
+        if problem is not None and not readable_key:
+            raise EnrollError(f"{problem}; or pass --allow-readable-key to go on anyway")
     else:
         key_path = out / KEY_FILE
         if key_path.exists() and not overwrite:
@@ -255,6 +273,14 @@ def _check_key_is_new(csr: x509.CertificateSigningRequest, node: str, ca_dir: Pa
     if pub == spki(ca_cert):
         raise EnrollError(f"{where} is for the CA's own key: the CA key never goes to a node")
     want = identity_of(node)
+    fingerprint = key_fingerprint(csr.public_key())  # type: ignore[arg-type]
+    for entry in read_registry(ca_dir):
+        if entry.get("key_sha256") == fingerprint and entry.get("identity") != want:
+            raise EnrollError(
+                f"{where} is for a key already certified as {entry.get('identity')} (serial "
+                f"{entry.get('serial')}, on record in {ca_dir / KEY_REGISTRY}): a key serves "
+                "one identity for life; the site makes a new key (certs request)"
+            )
     for path in _issued_certificates(ca_dir):
         cert = x509.load_pem_x509_certificate(path.read_bytes())
         if spki(cert) != pub:
@@ -267,17 +293,36 @@ def _check_key_is_new(csr: x509.CertificateSigningRequest, node: str, ca_dir: Pa
             )
 
 
-def check_request(csr: x509.CertificateSigningRequest, node: str, ca_dir: Path) -> list[str]:
-    """Check a verified request for ``node`` against the CA directory; its host names."""
+def default_names(node: str) -> tuple[str, ...]:
+    """The names every certificate of ``node`` carries besides the extra ones."""
+    return (identity_name(identity_of(node)), "localhost", "127.0.0.1", node)
+
+
+def check_request(
+    csr: x509.CertificateSigningRequest, node: str, ca_dir: Path, *, wildcards: bool = False
+) -> list[str]:
+    """Check a verified request for ``node`` against the CA directory; its extra names
+    (the defaults of :func:`default_names` left out)."""
     node_name(node)
     where = f"the request for {node}"
     hosts = _check_identity(_requested_sans(csr, where), node, where)
+    extra = [h for h in hosts if h not in default_names(node)]
+    for h in extra:
+        rule = extra_name_rule(h, node, wildcards=wildcards)
+        if rule is not None:
+            raise EnrollError(f"{where} asks for the extra name {h!r}: refused: {rule}")
     _check_key_is_new(csr, node, Path(ca_dir))
-    return hosts
+    return extra
 
 
 def sign_request(
-    csr_path: Path, node: str, ca_dir: Path, out: Path | None = None, *, days: int = 365
+    csr_path: Path,
+    node: str,
+    ca_dir: Path,
+    out: Path | None = None,
+    *,
+    days: int = 365,
+    wildcards: bool = False,
 ) -> Signed:
     """Check ``csr_path`` for ``node`` and write ``<out>/<node>/{tls.crt,ca.crt}``.
 
@@ -289,7 +334,7 @@ def sign_request(
     ca_key, ca_cert = load_ca(ca_dir / CA_FILE, ca_dir / "ca.key")
     csr = read_request(csr_path)
     try:
-        hosts = check_request(csr, node, ca_dir)
+        hosts = check_request(csr, node, ca_dir, wildcards=wildcards)
     except EnrollError as exc:
         raise EnrollError(f"{csr_path}: {exc}") from None
     now = dt.datetime.now(dt.timezone.utc)
@@ -311,16 +356,19 @@ def sign_request(
     write_file(dest / CERT_FILE, pem, 0o644)
     write_file(dest / CA_FILE, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
     (ca_dir / ISSUED).mkdir(exist_ok=True)
-    write_file(ca_dir / ISSUED / f"{node}.crt", pem, 0o644)
-    named = tuple(h for h in hosts if h not in ("localhost", "127.0.0.1", node))
-    return Signed(dest / CERT_FILE, dest / CA_FILE, identity_of(node), named, not_after)
+    previous = ca_dir / ISSUED / f"{node}.crt"
+    if previous.is_file():  # replaced below: its key stays on record
+        record_issued(ca_dir, node, x509.load_pem_x509_certificate(previous.read_bytes()))
+    write_file(previous, pem, 0o644)
+    record_issued(ca_dir, node, cert)
+    return Signed(dest / CERT_FILE, dest / CA_FILE, identity_of(node), tuple(hosts), not_after)
 
 
 # --------------------------------------------------------------------------- site: check
-def check_bundle(node: str, tls: NodeTLS) -> x509.Certificate:
+def check_bundle(node: str, tls: NodeTLS, *, readable_key: bool | None = None) -> x509.Certificate:
     """The checks a daemon runs at startup, and that the certificate is ``node``'s own."""
     role, _ = parse_identity(identity_of(node_name(node)))
-    identity = check_node_secrets(tls, role=role)
+    identity = check_node_secrets(tls, role=role, readable_key=readable_key)
     if identity != identity_of(node):
         raise SecretsError(
             f"certificate {tls.cert} is {identity}, not {node}'s {identity_of(node)}: "

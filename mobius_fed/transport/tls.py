@@ -1,12 +1,15 @@
 """Mutual TLS for every gRPC link: node identities, credentials, channel/server options
-(docs/security.md "One identity per certificate", "TLS 1.3 only").
+(docs/security.md "One identity per certificate", "The identity rule", "TLS 1.3 only").
 
 Identity: the one ``mobius://`` URI SAN, read by :func:`peer_identity_or_reason` and
-authorized by :func:`require_peer`. TLS 1.3 is enforced twice (gRPC Python keeps
-``set_min_tls_version`` internal): at the handshake by :data:`GRPC_TLS13_CIPHER_SUITES`,
-which gRPC's core reads only at the process's first ``import grpc`` (``mobius_fed/__init__``
-sets it; :func:`tls13_handshakes_enforced` says whether in time), and on every RPC from the
-auth context's ``ssl_tls_version``. A node's own secrets only: :func:`check_node_secrets`.
+authorized by :func:`require_peer`; a dialler checks the server's reserved identity name
+(:func:`identity_name`) and every incoming call refuses a revoked certificate
+(:func:`set_revoked`, docs/security.md "Revocation"). TLS 1.3 is enforced twice (gRPC
+Python keeps ``set_min_tls_version`` internal): at the handshake by
+:data:`GRPC_TLS13_CIPHER_SUITES`, which gRPC's core reads only at the process's first
+``import grpc`` (``mobius_fed/__init__`` sets it; :func:`tls13_handshakes_enforced` says
+whether in time), and on every RPC from the auth context's ``ssl_tls_version``. A node's
+own secrets only: :func:`check_node_secrets`.
 """
 
 from __future__ import annotations
@@ -69,6 +72,48 @@ def worker_identity(index: int) -> str:
     if index < 0:
         raise ValueError(f"worker index must be >= 0, got {index}")
     return f"{SCHEME}worker/{index}"
+
+
+IDENTITY_DOMAIN = "id.mobius.invalid"
+"""The reserved DNS domain of identity names (docs/security.md "The identity rule"): ``.invalid``
+never resolves (RFC 2606), and only ``certs init``/``renew``/``sign`` write a name under it,
+each certificate exactly the one of its own ``mobius://`` identity."""
+
+
+def node_name_of(identity: str) -> str:
+    """The node name of an identity URI (``mobius://worker/3`` -> ``worker-3``)."""
+    role, index = parse_identity(identity)
+    return role if index is None else f"worker-{index}"
+
+
+def identity_name(identity: str) -> str:
+    """The reserved DNS name of an identity (``mobius://worker/3`` ->
+    ``worker-3.id.mobius.invalid``): what a dialler checks the server's certificate for."""
+    return f"{node_name_of(identity)}.{IDENTITY_DOMAIN}"
+
+
+def is_reserved_name(name: str) -> bool:
+    """Whether a DNS name lies in the reserved identity domain (any case, trailing dot)."""
+    n = name.lower().rstrip(".")
+    return n == IDENTITY_DOMAIN or n.endswith("." + IDENTITY_DOMAIN)
+
+
+def identity_of_node_name(name: str) -> str | None:
+    """The identity of a node name (``coordinator``, ``operator``, ``worker-<i>``) or None."""
+    if name in ("coordinator", "operator"):
+        return f"{SCHEME}{name}"
+    index = name.removeprefix("worker-")
+    if index != name and index.isdigit() and str(int(index)) == index:
+        return worker_identity(int(index))
+    return None
+
+
+def tls_target_name(target_name: str) -> str:
+    """The name a dialler checks the server's certificate for: a node name or an identity
+    URI becomes that identity's reserved name (only that identity's certificate carries
+    it); any other host name is checked as it is."""
+    identity = target_name if target_name.startswith(SCHEME) else identity_of_node_name(target_name)
+    return identity_name(identity) if identity else target_name
 
 
 def parse_identity(uri: str) -> tuple[str, int | None]:
@@ -138,7 +183,8 @@ coordinator again although the network was back."""
 
 
 def channel_options(target_name: str | None = None) -> Options:
-    """Channel options; ``target_name`` overrides the name checked against server SANs."""
+    """Channel options; ``target_name`` overrides the name checked against server SANs: a
+    node name or identity URI is checked as its reserved identity name (:func:`tls_target_name`)."""
     initial, lowest, highest = RECONNECT_BACKOFF_MS
     opts = [
         *GRPC_OPTIONS,
@@ -147,7 +193,7 @@ def channel_options(target_name: str | None = None) -> Options:
         ("grpc.max_reconnect_backoff_ms", highest),
     ]
     if target_name:
-        opts.append(("grpc.ssl_target_name_override", target_name))
+        opts.append(("grpc.ssl_target_name_override", tls_target_name(target_name)))
     return opts
 
 
@@ -229,11 +275,38 @@ def certificate_uris(pem: bytes) -> tuple[str, ...]:
     return tuple(san.get_values_for_type(x509.UniformResourceIdentifier))
 
 
+@functools.lru_cache(maxsize=256)
+def certificate_dns_names(pem: bytes) -> tuple[str, ...]:
+    """Every DNS SAN of a PEM certificate (ValueError if it cannot be parsed)."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(pem)
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return ()
+    return tuple(san.get_values_for_type(x509.DNSName))
+
+
+def foreign_identity_names(identity: str, dns: Sequence[str]) -> list[str]:
+    """Reserved identity names in ``dns`` that are not ``identity``'s own (a certificate
+    carrying one is refused everywhere: it could pass as another node when dialled)."""
+    own = identity_name(identity)
+    return [d for d in dns if is_reserved_name(d) and d.lower().rstrip(".") != own]
+
+
 def certificate_identity(pem: bytes) -> str:
-    """The identity of a PEM certificate; ValueError saying why if it has none."""
+    """The identity of a PEM certificate; ValueError saying why if it has none or if it
+    carries another identity's reserved name."""
     who, why = identity_or_reason(certificate_uris(pem))
     if who is None:
         raise ValueError(why)
+    foreign = foreign_identity_names(who, certificate_dns_names(pem))
+    if foreign:
+        raise ValueError(
+            f"certificate of {who} carries the reserved identity name(s) {foreign!r} of "
+            "another identity"
+        )
     return who
 
 
@@ -260,13 +333,30 @@ def peer_identity_or_reason(context: grpc.ServicerContext) -> tuple[str | None, 
     if len(pems) == 1:
         try:
             uris: Sequence[str] = certificate_uris(bytes(pems[0]))
+            dns = certificate_dns_names(bytes(pems[0]))
         except ValueError:
             return None, "peer certificate cannot be parsed"
+        who, why = identity_or_reason(uris)
+        foreign = foreign_identity_names(who, dns) if who else []
+        if foreign:
+            return None, f"certificate of {who} carries another identity's name {foreign[0]!r}"
+        if who is not None and revoked_serial(bytes(pems[0])) is not None:
+            return None, f'certificate of {who} is revoked (docs/security.md "Revocation")'
+        return who, why
     elif "peer_uri" in auth:
         uris = [_text(v) for v in auth["peer_uri"]]
     else:
         return None, "no verified peer certificate"
     return identity_or_reason(uris)
+
+
+def revoked_peer(context: grpc.ServicerContext) -> str | None:
+    """The identity in the caller's certificate when that certificate is revoked, else None
+    (the coordinator counts such a worker lost at once: docs/security.md "Revocation")."""
+    pems = (context.auth_context() or {}).get("x509_pem_cert", ())
+    if len(pems) != 1 or revoked_serial(bytes(pems[0])) is None:
+        return None
+    return identity_or_reason(certificate_uris(bytes(pems[0])))[0]
 
 
 def peer_identity(context: grpc.ServicerContext) -> str | None:
@@ -286,6 +376,43 @@ def require_peer(context: grpc.ServicerContext, allowed: Collection[str] | Seque
         )
     assert who is not None  # context.abort raised otherwise
     return who
+
+
+# --------------------------------------------------------------------------- revocation
+_revoked: frozenset[int] = frozenset()
+"""Serial numbers of revoked certificates this process refuses (docs/security.md
+"Revocation"); replaced as a whole by :func:`set_revoked`."""
+
+
+def set_revoked(serials: Collection[int]) -> None:
+    """Refuse the certificates with these serial numbers from now on (every incoming call
+    and every handshake: :func:`peer_identity_or_reason`)."""
+    global _revoked
+    new = frozenset(int(s) for s in serials)
+    if new != _revoked:
+        log.warning("revocation list: %d certificate(s) revoked", len(new))
+    _revoked = new
+
+
+def revoked_serials() -> frozenset[int]:
+    """The serial numbers this process refuses now."""
+    return _revoked
+
+
+@functools.lru_cache(maxsize=256)
+def certificate_serial(pem: bytes) -> int:
+    """The serial number of a PEM certificate."""
+    from cryptography import x509
+
+    return int(x509.load_pem_x509_certificate(pem).serial_number)
+
+
+def revoked_serial(pem: bytes) -> int | None:
+    """The certificate's serial number if it is revoked, else None."""
+    if not _revoked:
+        return None
+    serial = certificate_serial(pem)
+    return serial if serial in _revoked else None
 
 
 # --------------------------------------------------------------------------- secrets
@@ -398,15 +525,86 @@ def _check_role(identity: str, role: str | None, tls: NodeTLS) -> None:
         )
 
 
+ALLOW_READABLE_KEY_ENV = "MOBIUS_ALLOW_READABLE_KEY"
+"""Set to 1 (or pass ``--allow-readable-key``) to only warn about a key others can read."""
+
+
+def key_file_problem(path: Path) -> str | None:
+    """Why the private key file ``path`` is readable by more than its owner, or None.
+
+    Refused: any permission for others, and group permissions, except a read-only file
+    owned by root read by a non-root process (a Kubernetes secret volume with ``fsGroup``
+    and ``defaultMode: 0440``; the rule PostgreSQL applies to its key). The message names
+    the file and the ``chmod`` that fixes it.
+    """
+    import os
+    import stat
+
+    st = Path(path).stat()
+    mode = stat.S_IMODE(st.st_mode)
+    if not mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return None
+    root_secret = (
+        st.st_uid == 0
+        and os.geteuid() != 0
+        and not mode & (stat.S_IRWXO | stat.S_IWGRP | stat.S_IXGRP)
+    )
+    if root_secret:
+        return None
+    who = "others" if mode & stat.S_IRWXO else "its group"
+    return (
+        f"private key {path} has mode {mode:04o}: {who} can read or change it; a node's key "
+        f"is readable by its owner only (fix: chmod 600 {path})"
+    )
+
+
+def check_key_file(path: Path, *, warn_only: bool | None = None) -> None:
+    """Refuse (SecretsError) or, with ``warn_only`` (default: ``$MOBIUS_ALLOW_READABLE_KEY``
+    set to 1), log a key file others can read (:func:`key_file_problem`)."""
+    import os
+
+    problem = key_file_problem(path)
+    if problem is None:
+        return
+    if warn_only is None:
+        warn_only = os.environ.get(ALLOW_READABLE_KEY_ENV, "") in ("1", "true", "yes")
+    if warn_only:
+        log.warning("%s (allowed by --allow-readable-key / %s=1)", problem, ALLOW_READABLE_KEY_ENV)
+        return
+    raise SecretsError(
+        f"{problem}; to only warn, pass --allow-readable-key or set {ALLOW_READABLE_KEY_ENV}=1"
+    )
+
+
+def _check_identity_name(identity: str, pem: bytes, tls: NodeTLS) -> None:
+    """A node that is dialled (a worker, the coordinator) carries its reserved name."""
+    if parse_identity(identity)[0] == "operator":
+        return
+    want = identity_name(identity)
+    if want not in [d.lower().rstrip(".") for d in certificate_dns_names(pem)]:
+        raise SecretsError(
+            f"certificate {tls.cert} of {identity} lacks its identity name {want}, which "
+            'every node dialling it checks (docs/security.md "The identity rule"): it was '
+            "issued by an older mobius-fed; have it issued again (certs renew, or certs "
+            "request + certs sign)"
+        )
+
+
 def check_node_secrets(
-    tls: NodeTLS, *, role: str | None = None, now: dt.datetime | None = None
+    tls: NodeTLS,
+    *,
+    role: str | None = None,
+    now: dt.datetime | None = None,
+    readable_key: bool | None = None,
 ) -> str:
     """Return the node's identity, or raise :class:`SecretsError` naming the file and why
     (the refusals: docs/keys.md "What a node refuses at startup"; with ``role``, also a
     certificate of another role). A key file is ``*.key`` or PEM ``PRIVATE KEY``. Only files
     directly in the directories of the certificate, key and CA certificate are looked at.
+    ``readable_key``: only warn about a key others can read (:func:`check_key_file`).
     """
     b = tls.load()
+    check_key_file(Path(tls.key), warn_only=readable_key)
     (cert, *_) = _certificates(b.cert, "certificate", Path(tls.cert))
     cas = _certificates(b.ca, "CA certificate", Path(tls.ca))
     own_pub, ca_pubs = spki(cert), {spki(c) for c in cas}
@@ -416,6 +614,7 @@ def check_node_secrets(
     except ValueError as exc:
         raise SecretsError(f"certificate {tls.cert}: {exc}") from None
     _check_role(identity, role, tls)
+    _check_identity_name(identity, b.cert, tls)
     now = now or dt.datetime.now(dt.timezone.utc)
     for ca in cas:
         _check_validity(ca, "CA certificate", Path(tls.ca), now)

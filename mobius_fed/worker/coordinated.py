@@ -35,6 +35,7 @@ from mobius_fed.transport.flower_wire import (
     set_task_identity,
     worker_node_id,
 )
+from mobius_fed.transport.revocation import CrlSource, apply_crl
 from mobius_fed.transport.tls import check_node_secrets, open_channel
 from mobius_fed.worker.config import WorkerConfig
 from mobius_fed.worker.daemon import make_links
@@ -104,6 +105,7 @@ class WorkerNode:
         self.cfg = cfg
         if not cfg.insecure:
             check_node_secrets(cfg.node_tls(), role="worker")
+            CrlSource(cfg.node_tls()).watch()  # docs/security.md "Revocation"
         self.channel = open_channel(
             cfg.coordinator_address,
             cfg.tls(),
@@ -128,6 +130,8 @@ class WorkerNode:
         try:
             while True:
                 spec = register(self.stub, self.cfg, rejoin=rejoin)
+                if spec.crl and not self.cfg.insecure:
+                    apply_crl(spec.crl, self.cfg.tls(), "the coordinator")  # type: ignore[arg-type]
                 self.run_key = spec.tunnel_key  # new with every coordinator process
                 self.generation += 1
                 if self.generation == 1:  # from now on the coordinator expects heartbeats
@@ -187,6 +191,8 @@ class WorkerNode:
     def on_reply(self, reply: control_pb2.HeartbeatReply, generation: int) -> None:
         """A heartbeat's answer: end the session to rejoin, or because the run ended. A
         ``rejoin`` sent before this worker registered again is stale and ignored."""
+        if reply.crl and not self.cfg.insecure:  # the coordinator's revocation list
+            apply_crl(reply.crl, self.cfg.tls(), "the coordinator")  # type: ignore[arg-type]
         end = self._session_end
         if end is None:
             return

@@ -15,6 +15,7 @@ import torch
 from mobius_fed.checkpoint import save_checkpoint
 from mobius_fed.data import SiteData
 from mobius_fed.relay.edges import EdgeTunnels
+from mobius_fed.transport.revocation import CrlSource
 from mobius_fed.transport.tls import check_node_secrets
 from mobius_fed.worker.config import WorkerConfig
 from mobius_fed.worker.executor import RingExecutor
@@ -54,6 +55,7 @@ def run_static_ring(cfg: WorkerConfig) -> Path:
     train = cfg.train
     if not cfg.insecure:
         check_node_secrets(cfg.node_tls(), role="worker")
+        CrlSource(cfg.node_tls()).watch()  # crl.pem beside ca.crt
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     site = SiteData(cfg.data_dir, train.model().seq_len, train.encoding)

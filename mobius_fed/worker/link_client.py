@@ -15,7 +15,7 @@ from mobius_fed.machines import EdgeState
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
 from mobius_fed.relay.plan import DIRECT, REVERSED
 from mobius_fed.transport.codec import FrameError
-from mobius_fed.transport.tls import channel_credentials
+from mobius_fed.transport.tls import channel_credentials, tls_target_name
 from mobius_fed.worker.frames import BACKWARD
 from mobius_fed.worker.link_session import (
     HANDSHAKE_TIMEOUT_S,
@@ -56,7 +56,8 @@ class SuccessorClient:
             ("grpc.max_reconnect_backoff_ms", int(t.max_backoff_s * 1000) or 1),
         ]
         if not self.insecure:
-            opts.append(("grpc.ssl_target_name_override", f"worker-{self.succ}"))
+            # only the successor's own certificate carries this name (docs/security.md)
+            opts.append(("grpc.ssl_target_name_override", tls_target_name(self.successor_identity)))
         return opts
 
     def _open_channel(self) -> grpc.Channel:

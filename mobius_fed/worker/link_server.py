@@ -15,7 +15,12 @@ from grpc_health.v1 import health, health_pb2
 
 from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.codec import FrameError
-from mobius_fed.transport.tls import add_port, peer_identity, worker_identity
+from mobius_fed.transport.tls import (
+    add_port,
+    peer_identity,
+    peer_identity_or_reason,
+    worker_identity,
+)
 from mobius_fed.worker.config import dialable
 from mobius_fed.worker.frames import FORWARD
 from mobius_fed.worker.link_session import (
@@ -110,12 +115,12 @@ class PredecessorServer:
         )
 
     def Stream(self, request_iterator, context: grpc.ServicerContext):
-        who = peer_identity(context)
+        who, why = peer_identity_or_reason(context)
         label = who or "<plaintext peer>"
         if not self.insecure and who != self.predecessor_identity:
             msg = (
                 f"worker-{self.rank} accepts ring frames only from its predecessor "
-                f"{self.predecessor_identity}, not {who or '<no identity>'}"
+                f"{self.predecessor_identity}, not {who or f'<no identity: {why}>'}"
             )
             log.error("refused stream: %s", msg)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)
