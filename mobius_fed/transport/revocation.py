@@ -108,7 +108,7 @@ def revoke(ca_dir: Path, targets: Iterable[str], *, days: int = CRL_DAYS) -> dic
         builder = builder.add_revoked_certificate(
             x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(when).build()
         )
-    crl = builder.sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+    crl = builder.sign(ca_key, hashes.SHA256())
     pem = crl.public_bytes(serialization.Encoding.PEM)
     write_file(path, pem, 0o644)
     nodes = ca_dir / "nodes"
