@@ -109,12 +109,11 @@ class StateCell(Generic[S]):
     def state(self) -> S:
         return self._state
 
-    def move(self, new: S | str) -> S:
+    def move(self, new: S) -> None:
         """→ ``new``; :class:`IllegalTransition` if the table does not allow it."""
         old, self._state = self._state, self.machine.check(self._state, new, self.who)
         if old != self._state:
             log.debug("%s of %s: %s → %s", self.machine.name, self.who, old, self._state)
-        return self._state
 
 
 ENDED_PHASES = frozenset({Phase.DONE, Phase.FAILED, Phase.STOPPED})

@@ -217,7 +217,7 @@ class RoundStore:
             if "checkpoint" not in reply.content:
                 raise RunFailed(f"worker-{rank} did not confirm its round-{rnd} checkpoint")
             ck = Checkpoint.of(reply.content["checkpoint"])
-            entry = {
+            entry: dict[str, Any] = {
                 "identity": worker_identity(rank),
                 "path": ck.path,  # as the worker reported it, on its host
                 "file": stored_path(self.cfg.out_dir, ck.path),  # relative to <out> if beside

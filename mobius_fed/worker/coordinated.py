@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -118,7 +119,7 @@ class WorkerNode:
         self.loss, self.tps = 0.0, 0.0
         self._links_lock = threading.Lock()
         self._aborts = 0  # aborts so far: a ring join that saw one gives up
-        self._session_end = None  # ends the current session: (outcome, reason)
+        self._session_end: Callable[[str, str], None] | None = None  # (outcome, reason)
         self.generation = 0  # registrations so far: a reply to an older one is stale
         self.run_key = b""  # signs tunnel introductions (docs/reachability.md)
 
