@@ -28,7 +28,6 @@ import torch
 
 from mobius_fed.checkpoint import (
     ARRAYS_TAG,
-    CheckpointError,
     load_checkpoint,
     sha256_of,
     verify_file,
@@ -302,26 +301,3 @@ def _er_arrays(file: Path, saved: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(arrays, dict) or set(arrays) != {ARRAYS_TAG}:
         raise RunError(f"{file} holds no E/R arrays")
     return dict(arrays[ARRAYS_TAG])
-
-
-__all__ = [
-    "CHECKPOINT",
-    "ER_FILE",
-    "MANIFEST",
-    "CheckpointError",
-    "Model",
-    "NoCheckpoint",
-    "RunError",
-    "checkpoint_dir",
-    "complete_manifests",
-    "find_manifest",
-    "latest_manifest",
-    "manifest_problem",
-    "out_dir_of",
-    "read_manifest",
-    "read_run",
-    "round_dir",
-    "round_of",
-    "stored_path",
-    "verified_worker_file",
-]
