@@ -59,6 +59,7 @@ FORMAT = "mobius-fed-checkpoint"
 VERSION = 2  # what save_checkpoint writes; load_checkpoint reads 1 and 2
 MAX_HEADER_BYTES = 256 * 1024 * 1024
 TMP_MARKER = ".tmp-"
+ARRAYS_TAG = "__array_record__"  # a Flower ArrayRecord stored as its torch state_dict
 
 # torch dtypes by name; torch is imported on first use (a coordinator never holds a tensor)
 TORCH_DTYPE_NAMES = (
@@ -707,6 +708,20 @@ def load_checkpoint(path: Path, expected_sha256: str | None = None) -> dict:
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a dict")
     return state
+
+
+def verify_file(path: Path, sha256: str, size: int | None = None) -> None:
+    """``path`` matches what a manifest says of it (its sha256, and its size if given);
+    else a :class:`CheckpointError` names it, with both sizes when they differ."""
+    path = Path(path)
+    actual = sha256_of(path)
+    if actual != sha256.lower():
+        have = path.stat().st_size
+        sizes = f" ({have} bytes, expected {size})" if size is not None and have != size else ""
+        raise CheckpointError(
+            f"checkpoint {path} does not match its manifest: sha256 {actual}, expected "
+            f"{sha256}{sizes}"
+        )
 
 
 def sha256_of(path: Path) -> str:

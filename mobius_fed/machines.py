@@ -1,9 +1,14 @@
-"""The run's four state machines: run phase, worker state, incident state, ring-edge state.
+"""The run's state machines: run phase, worker state (the coordinator's view), the worker's
+own state (the worker's view), incident state, ring-edge state.
 
 Each state is a ``StrEnum`` (it serialises as its string: status JSON, gRPC and metrics carry
-the same words), and each machine is one table of allowed edges; :meth:`Machine.step` logs and
-refuses an edge not in the table (the state stays). Staying put is not a transition. The
-diagrams and the why of each move: docs/architecture.md §10.1–10.4.
+the same words), and each machine is one table of allowed edges. On the coordinator, where
+reports race (a heartbeat may arrive after the next session opened), :meth:`Machine.step`
+logs and refuses an edge not in the table (the state stays); a :class:`StateCell` holds one
+thing's state and :meth:`StateCell.move` raises :class:`IllegalTransition` instead (the
+worker's own state: a handler that reports a state it cannot be in is a bug, named to the
+coordinator). Staying put is not a transition. The diagrams and the why of each move:
+docs/architecture.md §10.1–10.4.
 """
 
 from __future__ import annotations
@@ -57,6 +62,10 @@ class EdgeState(StrEnum):
 S = TypeVar("S", bound=StrEnum)
 
 
+class IllegalTransition(ValueError):
+    """A move its machine's table does not allow; the message names machine, thing and edge."""
+
+
 class Machine(Generic[S]):
     """One state machine: its states and the table of allowed edges."""
 
@@ -68,20 +77,43 @@ class Machine(Generic[S]):
         old, new = self.states(old), self.states(new)
         return old == new or new in self.edges[old]
 
+    def refusal(self, old: S, new: S, who: str = "") -> str:
+        allowed = ", ".join(sorted(self.edges[old])) or "none"
+        of = f" of {who}" if who else ""
+        return f"illegal {self.name} transition{of}: {old} → {new} (allowed: {allowed})"
+
     def step(self, old: S | str, new: S | str, who: str = "") -> S:
         """``new`` when the table allows ``old → new``; else log the bug and stay at ``old``."""
         old, new = self.states(old), self.states(new)
         if self.allowed(old, new):
             return new
-        log.error(
-            "illegal %s transition%s: %s → %s (allowed: %s); refused",
-            self.name,
-            f" of {who}" if who else "",
-            old,
-            new,
-            ", ".join(sorted(self.edges[old])) or "none",
-        )
+        log.error("%s; refused", self.refusal(old, new, who))
         return old
+
+    def check(self, old: S | str, new: S | str, who: str = "") -> S:
+        """``new`` when the table allows ``old → new``; else :class:`IllegalTransition`."""
+        old, new = self.states(old), self.states(new)
+        if not self.allowed(old, new):
+            raise IllegalTransition(self.refusal(old, new, who))
+        return new
+
+
+class StateCell(Generic[S]):
+    """One thing's state, changed only through its machine's table."""
+
+    def __init__(self, machine: Machine[S], initial: S, who: str = "") -> None:
+        self.machine, self.who = machine, who
+        self._state = machine.states(initial)
+
+    @property
+    def state(self) -> S:
+        return self._state
+
+    def move(self, new: S) -> None:
+        """→ ``new``; :class:`IllegalTransition` if the table does not allow it."""
+        old, self._state = self._state, self.machine.check(self._state, new, self.who)
+        if old != self._state:
+            log.debug("%s of %s: %s → %s", self.machine.name, self.who, old, self._state)
 
 
 ENDED_PHASES = frozenset({Phase.DONE, Phase.FAILED, Phase.STOPPED})
@@ -123,6 +155,19 @@ WORKER = Machine(
     },
 )
 
+# The worker's own view: registered (no session), ready (session open, idle), and what its
+# handlers are doing; a session may end in any of them. LOST, RECOVERED, … are the
+# coordinator's words about a worker, never the worker's own.
+OWN_WORKER = Machine(
+    "worker's own state",
+    WorkerState,
+    {
+        W.REGISTERED: (W.READY,),
+        W.READY: (W.TRAINING, W.EVALUATING, W.RESTORING, W.REGISTERED),
+        **{s: (W.READY, W.REGISTERED) for s in (W.TRAINING, W.EVALUATING, W.RESTORING)},
+    },
+)
+
 INCIDENT = Machine(
     "incident state",
     IncidentState,
@@ -136,4 +181,4 @@ EDGE = Machine(
     {E.DOWN: (E.UP,), E.UP: (E.RECONNECTING, E.DOWN), E.RECONNECTING: (E.UP, E.DOWN)},
 )
 
-MACHINES = (PHASE, WORKER, INCIDENT, EDGE)
+MACHINES = (PHASE, WORKER, OWN_WORKER, INCIDENT, EDGE)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
@@ -26,6 +26,7 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 
+from mobius_fed.checkpoint import ARRAYS_TAG
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.defences.secagg import MASKED
 from mobius_fed.messages import ARRAYS, STEP_END, STEP_START, TrainOrder  # noqa: F401 - engine reads STEP_START here
@@ -43,6 +44,7 @@ STRATEGIES: dict[str, type[FedAvg]] = {
 }
 # Server-side state a strategy keeps between rounds (saved in checkpoints).
 SERVER_STATE_ATTRS = ("current_arrays", "momentum_vector", "m_t", "v_t")
+W = TypeVar("W", bound="StrategyWrapper")
 
 
 @dataclass(frozen=True)
@@ -94,20 +96,174 @@ BARRIER_SETTINGS = frozenset(
 )
 
 
-class BarrierRounds:
-    """Mixin over a Flower strategy: adds the step range to each round's train config and
-    evaluates only on the plan's evaluation rounds. ``round_offset`` continues the round
-    numbering of a resumed run."""
+class StrategyWrapper(Strategy):
+    """A strategy that wraps another, as Flower's ``DifferentialPrivacy…FixedClipping`` do:
+    every call goes on to ``self.strategy``; a subclass adds its one concern around it."""
 
-    plan: RoundPlan
-    round_offset: int = 0
-    state_copy: bool = False
-    keep_checkpoints: int = 0  # checkpoint files a worker keeps (0: all)
-    barrier_snapshots: bool = False
-    hooks: RoundHooks | None = None
-    er_privacy: Any = None  # ErPrivacy: DP-FedAvg of the E/R (clip replies, noise the mean)
-    secagg: Any = None  # SecAgg: replies carry masked E/R updates; only their sum is unmasked
-    _round_start: ArrayRecord | None = None  # the arrays this round's train messages carry
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        return self.strategy.aggregate_train(server_round, replies)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+    def summary(self) -> None:
+        self.strategy.summary()
+
+
+def unwrapped(strategy: Strategy) -> Strategy:
+    """The Flower strategy inside every wrapper (it holds the server state)."""
+    while isinstance(strategy, StrategyWrapper):
+        strategy = strategy.strategy
+    return strategy
+
+
+def wrapper_of(strategy: Strategy, kind: type[W]) -> W | None:
+    """The ``kind`` wrapper in ``strategy``'s chain, if any."""
+    while isinstance(strategy, StrategyWrapper):
+        if isinstance(strategy, kind):
+            return strategy
+        strategy = strategy.strategy
+    return None
+
+
+class ErAveraging(StrategyWrapper):
+    """The barrier's average of the shared tensors: the Flower strategy inside averages
+    every tensor the round sent (E/R: ``Replica.shared_state_dict``), and each reply must
+    carry back exactly those (so a private home layer never reaches the average). One more
+    shared tensor is averaged by sending it with the round's arrays: nothing here changes."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        super().__init__(strategy)
+        self.sent: frozenset[str] = frozenset()
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self.sent = frozenset(arrays.keys())
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        for reply in replies:
+            got = frozenset(reply.content[ARRAYS].keys()) if ARRAYS in reply.content else None
+            if got is not None and self.sent and got != self.sent:
+                rank = rank_of_node(reply.metadata.src_node_id)
+                odd = sorted(got ^ self.sent)
+                raise ValueError(
+                    f"round {server_round}: worker-{rank} sent back tensors other than the "
+                    f"round's shared ones: {', '.join(odd)}"
+                )
+        return self.strategy.aggregate_train(server_round, replies)
+
+
+class ErDp(StrategyWrapper):
+    """DP-FedAvg of the E/R (:class:`~mobius_fed.defences.er_dp.ErPrivacy`): each reply's
+    update clipped to C (here, unless the sites clip, as under SecAgg), noise added to the
+    aggregate."""
+
+    def __init__(self, strategy: Strategy, er_privacy: Any, clip_here: bool = True) -> None:
+        super().__init__(strategy)
+        self.er_privacy, self.clip_here = er_privacy, clip_here
+        self._start: ArrayRecord | None = None
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self._start = arrays
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        if self.clip_here and self._start is not None:
+            self.er_privacy.clip_replies(replies, self._start)
+        arrays, metrics = self.strategy.aggregate_train(server_round, replies)
+        if arrays is not None:
+            arrays = self.er_privacy.add_noise(arrays, server_round)
+        return arrays, metrics
+
+
+class SecAggRounds(StrategyWrapper):
+    """Secure Aggregation of the E/R (:class:`~mobius_fed.defences.secagg.SecAgg`): the
+    round's orders carry the mask settings; the masked replies are replaced by their
+    unmasked mean, so the strategy inside acts on the aggregate alone."""
+
+    def __init__(self, strategy: Strategy, secagg: Any) -> None:
+        super().__init__(strategy)
+        self.secagg = secagg
+        self._start: ArrayRecord | None = None
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self._start = arrays
+        self.secagg.fill(config, server_round)
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        if self._start is not None:
+            sites = [rank_of_node(r.metadata.src_node_id) for r in replies]
+            mean = self.secagg.unmask(replies, self._start, sites)
+            for reply in replies:
+                del reply.content[MASKED]
+                reply.content[ARRAYS] = mean
+        return self.strategy.aggregate_train(server_round, replies)
+
+
+class BarrierRounds(StrategyWrapper):
+    """The outermost wrapper: one Flower round = one barrier of ``plan``. It numbers rounds
+    on from ``round_offset`` (a resumed run; FedAdam's bias correction depends on it), puts
+    the step range and checkpoint order into each round's train config, evaluates only on
+    the plan's evaluation rounds, and tells ``hooks``."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        plan: RoundPlan,
+        round_offset: int = 0,
+        *,
+        hooks: RoundHooks | None = None,
+        state_copy: bool = False,
+        keep_checkpoints: int = 0,  # checkpoint files a worker keeps (0: all)
+        barrier_snapshots: bool = False,
+    ) -> None:
+        super().__init__(strategy)
+        self.plan, self.round_offset, self.hooks = plan, round_offset, hooks
+        self.state_copy, self.keep_checkpoints = state_copy, keep_checkpoints
+        self.barrier_snapshots = barrier_snapshots
+
+    @property
+    def er_privacy(self) -> Any:
+        dp = wrapper_of(self, ErDp)
+        return None if dp is None else dp.er_privacy
+
+    @property
+    def secagg(self) -> Any:
+        sa = wrapper_of(self, SecAggRounds)
+        return None if sa is None else sa.secagg
 
     def global_round(self, server_round: int) -> int:
         return server_round + self.round_offset
@@ -129,48 +285,17 @@ class BarrierRounds:
         ).fill(config)
         if self.hooks is not None and hasattr(self.hooks, "before_train"):
             self.hooks.before_train(rnd)
-        self._round_start = arrays
-        if self.secagg is not None:
-            self.secagg.fill(config, rnd)
-        # Flower sees the run's round number, not start()'s count since the last (re)start:
-        # FedAdam's bias correction depends on it.
-        return list(super().configure_train(rnd, arrays, config, grid))  # type: ignore[misc]
+        return list(self.strategy.configure_train(rnd, arrays, config, grid))
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
         rnd = self.global_round(server_round)
-        dp = self.er_privacy
-        if self.secagg is not None and self._round_start is not None:
-            self._unmask(replies, self._round_start)  # with DP, the sites clipped already
-        elif dp is not None and self._round_start is not None:
-            dp.clip_replies(replies, self._round_start)
-        arrays, metrics = super().aggregate_train(rnd, replies)  # type: ignore[misc]
-        if dp is not None and arrays is not None:
-            arrays = dp.add_noise(arrays, rnd)
+        arrays, metrics = self.strategy.aggregate_train(rnd, replies)
         if self.hooks is not None:
             self.hooks.after_train(rnd, replies, arrays)
         return arrays, metrics
-
-    def _unmask(self, replies: list[Message], start: ArrayRecord) -> None:
-        """Replace every masked reply by the unmasked mean of all of them (in place), so the
-        strategy's own aggregation and server update act on the aggregate alone."""
-        sites = [rank_of_node(r.metadata.src_node_id) for r in replies]
-        mean = self.secagg.unmask(replies, start, sites)
-        for reply in replies:
-            del reply.content[MASKED]
-            reply.content[ARRAYS] = mean
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        replies = list(replies)
-        rnd = self.global_round(server_round)
-        metrics = super().aggregate_evaluate(rnd, replies)  # type: ignore[misc]
-        if self.hooks is not None and replies:
-            self.hooks.after_evaluate(rnd, replies)
-        return metrics
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -180,7 +305,32 @@ class BarrierRounds:
             return []
         config["round"] = rnd
         config[STEP_END] = self.plan.steps_of(rnd)[1]
-        return list(super().configure_evaluate(rnd, arrays, config, grid))  # type: ignore[misc]
+        return list(self.strategy.configure_evaluate(rnd, arrays, config, grid))
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        replies = list(replies)
+        rnd = self.global_round(server_round)
+        metrics = self.strategy.aggregate_evaluate(rnd, replies)
+        if self.hooks is not None and replies:
+            self.hooks.after_evaluate(rnd, replies)
+        return metrics
+
+
+def flower_strategy(name: str, P: int, options: dict[str, Any] | None = None) -> Strategy:
+    """The Flower strategy ``name`` (fedavg, fedavgm, …) that waits for and trains all P."""
+    key = name.lower()
+    if key not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {name!r} (expected one of {', '.join(STRATEGIES)})")
+    kwargs: dict[str, Any] = {"fraction_train": 1.0, "fraction_evaluate": 1.0}
+    kwargs |= dict.fromkeys(("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"), P)
+    if key == "fedprox":
+        kwargs["proximal_mu"] = 0.0
+    try:
+        return STRATEGIES[key](**kwargs, **(options or {}))
+    except TypeError as exc:
+        raise ConfigError(f"strategy {name}: bad option ({exc})") from exc
 
 
 def make_strategy(
@@ -190,53 +340,41 @@ def make_strategy(
     options: dict[str, Any] | None = None,
     round_offset: int = 0,
     **barrier: Any,
-) -> Strategy:
-    """A Flower strategy by name (fedavg, fedavgm, …) that waits for and trains all P workers.
+) -> BarrierRounds:
+    """The run's strategy: the Flower strategy ``name`` inside one wrapper per feature,
+    ``BarrierRounds(ErDp(SecAggRounds(ErAveraging(flower))))`` (the ones turned on).
 
-    ``barrier``: the :class:`BarrierRounds` settings it is built with (``hooks``,
-    ``er_privacy``, ``secagg``, ``state_copy``, ``keep_checkpoints``, ``barrier_snapshots``).
+    ``barrier``: ``hooks``, ``er_privacy`` (:class:`ErDp`), ``secagg``
+    (:class:`SecAggRounds`), ``state_copy``, ``keep_checkpoints``, ``barrier_snapshots``.
     """
-    key = name.lower()
-    if key not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {name!r} (expected one of {', '.join(STRATEGIES)})")
     unknown = set(barrier) - BARRIER_SETTINGS
     if unknown:
         raise TypeError(f"make_strategy: unknown barrier setting(s) {', '.join(sorted(unknown))}")
-    base = STRATEGIES[key]
-    cls = type(f"Barrier{base.__name__}", (BarrierRounds, base), {})
-    kwargs: dict[str, Any] = {"fraction_train": 1.0, "fraction_evaluate": 1.0}
-    kwargs |= dict.fromkeys(("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"), P)
-    if key == "fedprox":
-        kwargs["proximal_mu"] = 0.0
-    try:
-        strategy = cls(**kwargs, **(options or {}))
-    except TypeError as exc:
-        raise ConfigError(f"strategy {name}: bad option ({exc})") from exc
-    strategy.plan, strategy.round_offset = plan, round_offset
-    for k, v in barrier.items():
-        setattr(strategy, k, v)
-    return strategy
+    er_privacy, secagg = barrier.pop("er_privacy", None), barrier.pop("secagg", None)
+    strategy: Strategy = ErAveraging(flower_strategy(name, P, options))
+    if secagg is not None:
+        strategy = SecAggRounds(strategy, secagg)
+    if er_privacy is not None:  # under SecAgg the sites clip their own updates
+        strategy = ErDp(strategy, er_privacy, clip_here=secagg is None)
+    return BarrierRounds(strategy, plan, round_offset, **barrier)
 
 
 def server_state(strategy: Strategy) -> dict[str, Any]:
     """A copy of the strategy's between-round state (momentum, moments, current arrays)."""
-    return copy.deepcopy(
-        {k: getattr(strategy, k) for k in SERVER_STATE_ATTRS if hasattr(strategy, k)}
-    )
+    inner = unwrapped(strategy)
+    return copy.deepcopy({k: getattr(inner, k) for k in SERVER_STATE_ATTRS if hasattr(inner, k)})
 
 
 def restore_server_state(strategy: Strategy, state: dict[str, Any]) -> None:
+    inner = unwrapped(strategy)
     for k, v in copy.deepcopy(state).items():
-        setattr(strategy, k, v)
-
-
-_ARRAYS_TAG = "__array_record__"
+        setattr(inner, k, v)
 
 
 def to_plain(value: Any) -> Any:
     """``value`` with every Flower ArrayRecord as a tagged dict of tensors (checkpointable)."""
     if isinstance(value, ArrayRecord):
-        return {_ARRAYS_TAG: value.to_torch_state_dict()}
+        return {ARRAYS_TAG: value.to_torch_state_dict()}
     if isinstance(value, dict):
         return {k: to_plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -247,8 +385,8 @@ def to_plain(value: Any) -> Any:
 def from_plain(value: Any) -> Any:
     """The inverse of :func:`to_plain`."""
     if isinstance(value, dict):
-        if set(value) == {_ARRAYS_TAG}:
-            return ArrayRecord(value[_ARRAYS_TAG])
+        if set(value) == {ARRAYS_TAG}:
+            return ArrayRecord(value[ARRAYS_TAG])
         return {k: from_plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [from_plain(v) for v in value]

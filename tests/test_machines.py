@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import re
 import threading
 import time
 
@@ -128,3 +129,50 @@ def test_a_heartbeat_word_never_takes_a_worker_back_to_registered(caplog):
     with caplog.at_level(logging.ERROR, "mobius.machines"):
         assert WORKER.step(WorkerState.READY, WorkerState.REGISTERED) == WorkerState.READY
     assert "ready → registered" in caplog.text
+
+
+# ------------------------------------------------------------- the worker's own machine
+def test_an_illegal_move_of_a_state_cell_raises_and_keeps_the_state():
+    from mobius_fed.machines import OWN_WORKER, IllegalTransition, StateCell
+
+    own = StateCell(OWN_WORKER, WorkerState.REGISTERED, "worker-1")
+    with pytest.raises(IllegalTransition, match=r"of worker-1: registered → training"):
+        own.move(WorkerState.TRAINING)  # no session yet: nothing to train in
+    assert own.state == WorkerState.REGISTERED
+    own.move(WorkerState.READY)
+    own.move(WorkerState.TRAINING)
+    assert own.state == "training"
+    with pytest.raises(IllegalTransition, match=r"training → evaluating \(allowed: ready, "):
+        own.move(WorkerState.EVALUATING)
+    for theirs in (WorkerState.LOST, WorkerState.RECOVERED, WorkerState.FINISHED):
+        with pytest.raises(IllegalTransition):  # the coordinator's words, never the worker's
+            own.move(theirs)
+    assert own.state == WorkerState.TRAINING
+    assert set(OWN_WORKER.edges[WorkerState.READY]) <= set(REPORTED_STATES)
+
+
+@pytest.mark.slow
+def test_the_worker_machine_walks_a_real_runs_states(tmp_path, monkeypatch):
+    """A real coordinated run (coordinator + 2 worker processes over mTLS): each worker's
+    own state moves through its table only, from registration to the end of the run."""
+    from mobius_fed.cli.up import LocalFederation
+    from mobius_fed.config import TrainConfig
+
+    monkeypatch.setenv("MOBIUS_LOG_LEVEL", "DEBUG")  # the workers log each move
+    train = TrainConfig(preset="cpu-tiny", workers=2, steps=2, batch_size=2, eval_every=2)
+    fed = LocalFederation(tmp_path, train, threads=1)
+    fed.prepare().start()
+    try:
+        final = fed.wait(timeout=300)
+        assert final["phase"] == "done", (final, fed.tail("coordinator"))
+    finally:
+        fed.stop()
+    for rank in range(2):
+        log = (tmp_path / "logs" / f"worker-{rank}.log").read_text()
+        assert "illegal" not in log
+        moves = re.findall(rf"worker's own state of worker-{rank}: (\w+) → (\w+)", log)
+        walk = [moves[0][0]] + [new for _, new in moves]
+        assert all(old == prev for (old, _), prev in zip(moves, walk)), moves  # one chain
+        assert walk[:4] == ["registered", "ready", "restoring", "ready"], walk  # ring opened
+        assert walk.count("training") == 2 and "evaluating" in walk, walk  # 2 rounds, 1 eval
+        assert walk[-2:] == ["ready", "registered"], walk  # the session ended with the run

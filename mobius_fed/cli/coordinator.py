@@ -98,7 +98,7 @@ def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
         return print_config(cfg)
     coordinator = Coordinator(cfg)
     if stop is not None:  # a stop signal exits 0 once the run is done (e.g. while lingering)
-        stop.finished = lambda: coordinator.state.phase == "done"
+        stop.finished = lambda: coordinator.state.succeeded
     metrics, config = Path(cfg.out_dir) / METRICS_FILE, cfg.train.model_dump(mode="json")
     with tracked(args.tracker, metrics, run_name=cfg.run_id, config=config):
         rc = coordinator.run()

@@ -19,7 +19,7 @@ from mobius_fed.cli.common import (
     console,
     threads_from,
 )
-from mobius_fed.machines import IncidentState
+from mobius_fed.machines import IncidentState, Phase
 from mobius_fed.ops.federation import LocalFederation
 from mobius_fed.tracking import add_tracker_flag, tracked
 
@@ -64,7 +64,7 @@ def cmd_up(args, train: TrainConfig) -> int:
         if final is not None:  # the run had ended: this only ends the status service
             fed.stop(grace=STOP_GRACE, sig=signum)
             console.print(f"{signal.Signals(signum).name}: coordinator stopped")
-            return 0 if final["phase"] == "done" else 1
+            return 0 if final["phase"] == Phase.DONE else 1
         console.print(
             f"[yellow]{signal.Signals(signum).name}: forwarded to every process; "
             f"SIGKILL for any still running after {STOP_GRACE:.0f}s[/]"
@@ -83,7 +83,7 @@ def cmd_up(args, train: TrainConfig) -> int:
         stop.settle()
     if fed.restarts:
         print("restarts: " + ", ".join(f"{n} {c}" for n, c in sorted(fed.restarts.items())))
-    if final["phase"] != "done":
+    if final["phase"] != Phase.DONE:
         raise CliError(f"run {final['phase']}: {final['error']}")
     return 0
 
@@ -98,7 +98,7 @@ def _tracked(fed: LocalFederation, tracker: str | None):
 
 def _report(final: dict[str, Any]) -> None:
     """The run's result, printed when it ends (before any linger)."""
-    if final["phase"] != "done":
+    if final["phase"] != Phase.DONE:
         console.print(f"[red]run {final['phase']}[/]: {final['error']}")
         return
     per = ", ".join(f"s{s}={v:.4f}" for s, v in enumerate(final["eval_origin_losses"] or []))

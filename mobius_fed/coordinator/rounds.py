@@ -25,18 +25,19 @@ from mobius_fed.checkpoint import (
 )
 from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.grid import RunFailed
-from mobius_fed.coordinator.manifests import (
+from mobius_fed.coordinator.recorder import HISTORY_FILE, METRICS_FILE, RunRecorder
+from mobius_fed.coordinator.state import RunState
+from mobius_fed.messages import Checkpoint
+from mobius_fed.model import build_replica
+from mobius_fed.run_reader import (
     ER_FILE,
     MANIFEST,
     checkpoint_dir,
     complete_manifests,
     round_dir,
     round_of,
+    stored_path,
 )
-from mobius_fed.coordinator.recorder import HISTORY_FILE, METRICS_FILE, RunRecorder
-from mobius_fed.coordinator.state import RunState
-from mobius_fed.messages import Checkpoint
-from mobius_fed.model import build_replica
 from mobius_fed.strategies import RoundPlan, from_plain, to_plain
 from mobius_fed.transport.flower_wire import rank_of_node
 from mobius_fed.transport.tls import worker_identity
@@ -218,7 +219,8 @@ class RoundStore:
             ck = Checkpoint.of(reply.content["checkpoint"])
             entry: dict[str, Any] = {
                 "identity": worker_identity(rank),
-                "path": ck.path,
+                "path": ck.path,  # as the worker reported it, on its host
+                "file": stored_path(self.cfg.out_dir, ck.path),  # relative to <out> if beside
                 "sha256": ck.sha256,
             }
             if ck.copy is not None:

@@ -190,13 +190,18 @@ class RunState:
             final = WorkerState.FINISHED if phase == Phase.DONE else WorkerState.STOPPED
             for w in self.workers.values():
                 if w.state not in (WorkerState.LOST, WorkerState.EXPECTED):
-                    w.state = WORKER.step(w.state, final, f"worker-{w.rank}")
+                    _apply(w, WORKER, f"worker-{w.rank}", {"state": final})
                 elif w.state == WorkerState.EXPECTED and phase != Phase.DONE:
-                    w.state = WorkerState.STOPPED
+                    _apply(w, WORKER, f"worker-{w.rank}", {"state": WorkerState.STOPPED})
 
     @property
     def ended(self) -> bool:
         return self.phase in ENDED_PHASES
+
+    @property
+    def succeeded(self) -> bool:
+        """The run ended done."""
+        return self.phase == Phase.DONE
 
     # ------------------------------------------------------------- reports
     def status_doc(self) -> dict[str, Any]:

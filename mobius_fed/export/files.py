@@ -14,12 +14,14 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import torch
 from safetensors.torch import save_file
 
 from mobius_fed import __version__, schedule
+from mobius_fed.checkpoint import CheckpointError
+from mobius_fed.run_reader import Model, NoCheckpoint, read_run
 
 WEIGHTS, CONFIG, MODELING = "model.safetensors", "config.json", "modeling_mobius.py"
 CARD = "README.md"
@@ -30,13 +32,11 @@ class ExportError(ValueError):
     """A run cannot be exported; the message names the file or the problem."""
 
 
-def origin_config(model: Any, s: int) -> dict:
-    """config.json of origin s of ``model``, a :class:`~mobius_fed.research.trained_model.Model`."""
+def origin_config(model: Model, s: int) -> dict:
+    """config.json of origin s of ``model``, a run as :mod:`mobius_fed.run_reader` reads it."""
     from mobius_fed.model.knobs import residual_epsilon
-    from mobius_fed.research.trained_model import model_config
 
-    cfg = model.cfg
-    mc = model_config(cfg)
+    cfg, mc = model.cfg, model.mc
     route = schedule.path(cfg.order, s, cfg.P, cfg.loops)
     in_path = list(dict.fromkeys(route))  # the groups in the order the path first visits them
     return {
@@ -80,7 +80,7 @@ def origin_config(model: Any, s: int) -> dict:
     }
 
 
-def origin_state(model: Any, conf: dict) -> dict[str, torch.Tensor]:
+def origin_state(model: Model, conf: dict) -> dict[str, torch.Tensor]:
     """The tensors of one origin: E/R and its private layers (``wte.``, ``lm_head.``, ``home.``,
     ``home_input.``), then ``groups.<j>.`` for the j-th group of its path."""
     from mobius_fed.model.subspace import BasisLinear
@@ -92,11 +92,11 @@ def origin_state(model: Any, conf: dict) -> dict[str, torch.Tensor]:
             state[f"groups.{j}.{k}"] = v
         for name, m in model.groups[i].named_modules():  # writes through U: W = U·W′
             if isinstance(m, BasisLinear):
-                state[f"groups.{j}.{name}.weight"] = m.basis @ m.weight
+                state[f"groups.{j}.{name}.weight"] = cast(torch.Tensor, m.basis) @ m.weight
     if conf["subspace_rank"]:  # U, as the engines build it (StreamMaps)
         from mobius_fed.model.groups import build_basis
 
-        state["subspace_basis"] = build_basis(model.cfg.model(), model.cfg.seed)
+        state["subspace_basis"] = build_basis(model.mc, model.cfg.seed)
     return {k: v.detach().to("cpu").float().contiguous().clone() for k, v in state.items()}
 
 
@@ -132,7 +132,7 @@ mobius-fed eval . --data text.txt
 """
 
 
-def write_origin(model: Any, s: int, directory: Path) -> Path:
+def write_origin(model: Model, s: int, directory: Path) -> Path:
     """Write origin s's model into ``directory`` (each file replaced atomically)."""
     conf = origin_config(model, s)
     directory.mkdir(parents=True, exist_ok=True)
@@ -155,13 +155,12 @@ def export_run(run: Path, out: Path, origins: list[int] | None = None) -> list[P
     reference-engine checkpoint / run directory) into ``out/origin-<s>`` (``out`` itself for
     one origin asked for); returns the directories.
 
-    Every worker file a manifest names is checked against its sha256 first.
+    Every copy of every worker file a manifest names is checked against it first.
     """
-    from mobius_fed.checkpoint import CheckpointError
-    from mobius_fed.research.analyze import load_model  # the run, read as ``analyze`` reads it
-
     try:
-        model = load_model(Path(run))
+        model = read_run(Path(run))
+    except NoCheckpoint as exc:
+        raise ExportError(f"export: {exc}") from exc
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         raise ExportError(f"export: cannot read {run}: {exc}") from exc
     P = model.cfg.P

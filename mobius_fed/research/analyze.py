@@ -23,12 +23,8 @@ from torch import Tensor
 from mobius_fed import schedule
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
-from mobius_fed.model import BlockGroup, Replica
-from mobius_fed.model.groups import build_basis
 from mobius_fed.plotting import pyplot, save_figure
-from mobius_fed.research.trained_model import Model, model_config
-
-CHECKPOINT = "checkpoint.pt"
+from mobius_fed.run_reader import Model, RunError, read_run
 
 
 # ------------------------------------------------------------------------- measures
@@ -60,35 +56,12 @@ def relative_update(h_in: Tensor, h_out: Tensor) -> float:
 
 # -------------------------------------------------------------------------- models
 def load_model(path: Path) -> Model:
-    """A reference-engine checkpoint file or a run directory holding ``checkpoint.pt``; or a
-    coordinated run: a manifest, its round directory, a coordinator's output directory or an
-    ``up`` root (see :mod:`mobius_fed.research.manifest_model`)."""
-    from mobius_fed.checkpoint import load_checkpoint
-    from mobius_fed.research.manifest_model import MANIFEST, find_manifest, load_manifest_model
-
-    path = Path(path)
-    file = path / CHECKPOINT if path.is_dir() else path
-    if not file.is_file() or file.name == MANIFEST:
-        manifest = find_manifest(path)
-        if manifest is not None:
-            return load_manifest_model(manifest)
-        raise FileNotFoundError(
-            f"analyze: no checkpoint at {file} (nor a coordinator's checkpoint manifest)"
-        )
-    state = load_checkpoint(file)
-    if not isinstance(state, dict) or "groups" not in state or "replicas" not in state:
-        raise ValueError(
-            f"analyze: {file} is not a reference-engine checkpoint (no groups/replicas)"
-        )
-    cfg = TrainConfig.model_validate(state["config"])
-    mc = model_config(cfg)
-    groups = [BlockGroup(mc, build_basis(mc, cfg.seed)) for _ in range(cfg.P)]
-    replicas = [Replica(mc, cfg.privacy.home_layer) for _ in range(cfg.P)]  # home layers too
-    for module, sd in zip(groups + replicas, state["groups"] + state["replicas"], strict=True):
-        module.load_state_dict(sd)
-        module.eval()
-    name = path.name if path.is_dir() else path.parent.name
-    return Model(cfg, groups, replicas, name=f"{name} ({cfg.order}, L={cfg.loops})")
+    """The model of a finished run (what :func:`mobius_fed.run_reader.read_run` reads); a
+    problem is named as ``analyze``'s."""
+    try:
+        return read_run(Path(path))
+    except RunError as exc:
+        raise type(exc)(f"analyze: {exc}") from None
 
 
 # ------------------------------------------------------------------------ analysis

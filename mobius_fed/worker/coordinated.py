@@ -23,7 +23,7 @@ from flwr.app import Context, Error, Message, RecordDict
 from mobius_fed.checkpoint import CheckpointError
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.data import SiteData
-from mobius_fed.machines import WorkerState
+from mobius_fed.machines import OWN_WORKER, StateCell, WorkerState
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.transport.flower_wire import (
     ERROR_FATAL,
@@ -116,12 +116,19 @@ class WorkerNode:
         self.executor: RingExecutor | None = None
         self.links: RingLinks | None = None
         self.snapshots = Snapshots(Path(cfg.out_dir) / "checkpoints")
-        self.state, self.loss, self.tps = WorkerState.REGISTERED, 0.0, 0.0
+        # its own state, moved through its machine's table (machines.OWN_WORKER)
+        self.own = StateCell(OWN_WORKER, WorkerState.REGISTERED, "this worker")
+        self.loss, self.tps = 0.0, 0.0
         self._links_lock = threading.Lock()
         self._aborts = 0  # aborts so far: a ring join that saw one gives up
         self._session_end: Callable[[str, str], None] | None = None  # (outcome, reason)
         self.generation = 0  # registrations so far: a reply to an older one is stale
         self.run_key = b""  # signs tunnel introductions (docs/reachability.md)
+
+    @property
+    def state(self) -> WorkerState:
+        """What this worker reports of itself in its heartbeats."""
+        return self.own.state
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
@@ -209,6 +216,7 @@ class WorkerNode:
             update={"rank": spec.rank, "train": train, "run_id": spec.run_id}
         )
         log.info("worker-%d joined run %s: P=%d", spec.rank, spec.run_id, train.P)
+        self.own.who = f"worker-{spec.rank}"
         site = SiteData(self.cfg.data_dir, train.model().seq_len, train.encoding)
         self.executor = RingExecutor(train, spec.rank, site, spec.run_id, self.cfg.peer_timeout)
         set_task_identity(worker_node_id(spec.rank))
@@ -270,14 +278,12 @@ class WorkerNode:
                 if outcome == "rejoin":
                     responses.cancel()
 
+        tokens = executor.cfg.batch_size * executor.cfg.model().seq_len  # per step and site
+
         def on_step(r: WorkerStep) -> None:
-            self.loss = r.loss
-            self.tps = executor.cfg.batch_size * executor.cfg.model().seq_len / max(r.seconds, 1e-9)
+            self.loss, self.tps = r.loss, tokens / max(r.seconds, 1e-9)
 
-        def on_state(s: WorkerState) -> None:
-            self.state = s
-
-        worker = WorkerHandlers(executor, self.snapshots, self.rejoin_ring, on_step, on_state)
+        worker = WorkerHandlers(executor, self.snapshots, self.rejoin_ring, on_step, self.own.move)
         app = make_client_app(worker)
         context = Context(
             run_id=FLOWER_RUN_ID,
@@ -286,7 +292,7 @@ class WorkerNode:
             state=RecordDict(),
             run_config={},
         )
-        self.state = WorkerState.READY  # the session is open; the handlers say what is next
+        self.own.move(WorkerState.READY)  # the session is open; the handlers say what is next
         self._session_end = end
         threading.Thread(
             target=self._read_session, args=(responses, instructions, end), daemon=True,
@@ -305,7 +311,7 @@ class WorkerNode:
         if outcome == "done" and self.links is not None:
             self.links.finish(timeout=min(self.cfg.peer_timeout, 30.0))
         self.close_links()
-        self.state = WorkerState.REGISTERED
+        self.own.move(WorkerState.REGISTERED)
         return outcome, reason
 
     def _read_session(self, responses, instructions: queue.Queue, end) -> None:
@@ -343,6 +349,7 @@ class WorkerNode:
         log.error("worker-%d: %s failed: %s", self.cfg.rank, msg.metadata.message_type, text)
         if self.executor is not None:
             self.executor.abandon_step()
+        self.own.move(WorkerState.READY)  # idle again, whatever the handler was doing
         return Message(Error(code=code, reason=text), reply_to=msg)
 
 

@@ -100,6 +100,7 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
         if link_grace < 0:
             raise ValueError(f"link_grace must be ≥ 0, got {link_grace}")
         self.rules, self.rank, self.P = rules, rules.rank, rules.P
+        self.codecs = codecs(rules.cfg)  # (forward, backward), once per link
         self.chunk_bytes = chunk_bytes
         # Sent and received alike: a message larger than one of our pieces is refused
         # (RESOURCE_EXHAUSTED), so every worker of a ring must use the same piece size.
@@ -158,7 +159,7 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
     def _assembler(self, direction: int) -> TensorAssembler:
         """Piece validation/reassembly state for one incoming session: FORWARD (from the
         predecessor) or BACKWARD frames (from the successor), each with its codec."""
-        codec = codecs(self.rules.cfg)[0 if direction == FORWARD else 1]
+        codec = self.codecs[0 if direction == FORWARD else 1]
         return TensorAssembler(self.rules.shape, self.rules.cfg.wire_dtype, codec=codec)
 
     def _new_session(self, who: str, direction: int) -> Session:
@@ -330,7 +331,7 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
 
     def _describe_edges(self) -> str:
         edges = self.edge_states().values()
-        return "; ".join(f"{v['edge']} {v['state']}" for v in edges if v["state"] != "up")
+        return "; ".join(f"{v['edge']} {v['state']}" for v in edges if v["state"] != EdgeState.UP)
 
     # -------------------------------------------------------------- shutdown
     @property
