@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import cast
 
 import torch
 from safetensors.torch import save_file
@@ -92,7 +91,7 @@ def origin_state(model: Model, conf: dict) -> dict[str, torch.Tensor]:
             state[f"groups.{j}.{k}"] = v
         for name, m in model.groups[i].named_modules():  # writes through U: W = U·W′
             if isinstance(m, BasisLinear):
-                state[f"groups.{j}.{name}.weight"] = cast(torch.Tensor, m.basis) @ m.weight
+                state[f"groups.{j}.{name}.weight"] = m.basis @ m.weight
     if conf["subspace_rank"]:  # U, as the engines build it (StreamMaps)
         from mobius_fed.model.groups import build_basis
 
