@@ -13,7 +13,7 @@ _WHERE = {
     "embedded_corpus": "corpus",
     "DataError": "errors",
     "SiteData": "loader",
-    "TokenStream": "loader",
+    "TokenStream": "shards",
     "batch_seed": "loader",
     "prepare_sites": "prepare",
     "prepare_site": "prepare",

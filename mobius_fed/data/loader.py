@@ -7,12 +7,11 @@ import re
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 
 from mobius_fed.data.errors import DataError
 from mobius_fed.data.manifest import read_meta
-from mobius_fed.data.shards import read_shard
+from mobius_fed.data.shards import TokenStream, read_shard
 from mobius_fed.data.vocab import encoding_identity
 
 Split = Literal["train", "val"]
@@ -20,37 +19,6 @@ SPLITS: tuple[Split, ...] = ("train", "val")
 
 
 _SITE_DIR = re.compile(r"site-(\d+)")
-
-
-class TokenStream:
-    """Shards read as one stream, without copying: an index of shard start offsets over
-    their memory maps. A window may cross a shard boundary, exactly as if the shards were
-    concatenated, so batches do not depend on how a split is cut into shards."""
-
-    def __init__(self, arrays: list[np.ndarray]) -> None:
-        self.arrays = [a for a in arrays if len(a)]
-        lengths = np.array([len(a) for a in self.arrays], dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-
-    def __len__(self) -> int:
-        return int(self.starts[-1])
-
-    def max(self) -> int:
-        return max(int(a.max()) for a in self.arrays)
-
-    def windows(self, offsets: np.ndarray, width: int) -> np.ndarray:
-        """int64 ``[len(offsets), width]``: row r is tokens ``[offsets[r], offsets[r]+width)``."""
-        out = np.empty((len(offsets), width), dtype=np.int64)
-        shard = np.searchsorted(self.starts, offsets, side="right") - 1
-        for r, (o, k) in enumerate(zip(offsets.tolist(), shard.tolist(), strict=True)):
-            filled = 0
-            while filled < width:
-                local = o + filled - int(self.starts[k])
-                piece = self.arrays[k][local : local + width - filled]
-                out[r, filled : filled + len(piece)] = piece
-                filled += len(piece)
-                k += 1
-        return out
 
 
 def batch_seed(seed: int, split: str, step: int, site: int | None = None) -> int:

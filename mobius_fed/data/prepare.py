@@ -32,9 +32,8 @@ from typing import Any, TextIO
 import numpy as np
 
 from mobius_fed.data.errors import DataError
-from mobius_fed.data.loader import TokenStream
 from mobius_fed.data.manifest import write_json
-from mobius_fed.data.shards import ShardWriter, read_shard, token_dtype
+from mobius_fed.data.shards import ShardWriter, TokenStream, read_shard, token_dtype
 from mobius_fed.data.sources import BadInput, Skips, Unit, expand_inputs, read_units
 from mobius_fed.data.tokenizers import get_encoding
 from mobius_fed.data.vocab import encoding_identity, encoding_vocab
@@ -94,6 +93,7 @@ class Stream:
 
 
 # --- pass 1: tokenize -------------------------------------------------------------------------
+
 
 def _init_worker(encoding: str) -> None:
     get_encoding(encoding)  # load once per process (cached), before the first task
