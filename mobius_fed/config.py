@@ -59,7 +59,6 @@ class TrainConfig(BaseModel):
         "bytes",
         description="tokenizer: bytes (no download), a tiktoken encoding (gpt2, cl100k_base, "
         "...) or hf:<path to tokenizer.json>",
-        json_schema_extra={"choices": list(ENCODING_VOCAB)},
     )
     optimizer: Literal["muon", "adamw"] = Field(
         "muon", description="muon: Muon for block matrices + AdamW for the rest; adamw: AdamW only"

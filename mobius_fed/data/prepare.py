@@ -301,6 +301,8 @@ def tokenize_stream(
     stream = Stream(work, parts, sources, skips)
     if complete:
         return stream
+    if not parts:
+        _save_progress(work, request, parts, complete=False)
     dtype = token_dtype(encoding_vocab(opts.encoding)).str
     total_bytes = sum(p.stat().st_size for p in files) + (len(text.encode()) if text else 0)
     done_bytes = parts[-1].text_bytes if parts else 0

@@ -174,7 +174,9 @@ class TokenStream:
     concatenated, so batches do not depend on how a split is cut into shards."""
 
     def __init__(self, arrays: list[np.ndarray]) -> None:
-        self.arrays = [a for a in arrays if len(a)]
+        # Plain ndarray views of the maps: slicing an np.memmap costs a Python-level
+        # __array_finalize__ per slice; the view keeps the map alive all the same.
+        self.arrays = [a.view(np.ndarray) for a in arrays if len(a)]
         lengths = np.array([len(a) for a in self.arrays], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
@@ -185,15 +187,22 @@ class TokenStream:
         return max(int(a.max()) for a in self.arrays)
 
     def windows(self, offsets: np.ndarray, width: int) -> np.ndarray:
-        """int64 ``[len(offsets), width]``: row r is tokens ``[offsets[r], offsets[r]+width)``."""
+        """int64 ``[len(offsets), width]``: row r is tokens ``[offsets[r], offsets[r]+width)``.
+
+        One slice copy per row from the shard holding it (two or more for a row that
+        crosses a boundary), so the cost does not grow with the number of shards."""
+        offsets = np.asarray(offsets, dtype=np.int64)
         out = np.empty((len(offsets), width), dtype=np.int64)
         shard = np.searchsorted(self.starts, offsets, side="right") - 1
-        for r, (o, k) in enumerate(zip(offsets.tolist(), shard.tolist(), strict=True)):
-            filled = 0
-            while filled < width:
-                local = o + filled - int(self.starts[k])
-                piece = self.arrays[k][local : local + width - filled]
-                out[r, filled : filled + len(piece)] = piece
-                filled += len(piece)
+        local = offsets - self.starts[shard]
+        arrays = self.arrays
+        for r, (k, lo) in enumerate(zip(shard.tolist(), local.tolist(), strict=True)):
+            row = arrays[k][lo : lo + width]
+            out[r, : len(row)] = row
+            filled = len(row)
+            while filled < width:  # the window runs on into the next shard(s)
                 k += 1
+                row = arrays[k][: width - filled]
+                out[r, filled : filled + len(row)] = row
+                filled += len(row)
         return out
