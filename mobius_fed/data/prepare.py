@@ -260,8 +260,10 @@ def _load_progress(work: Path, request: dict, opts: PrepareOptions) -> tuple[lis
         parts = [Part(**p) for p in state["parts"]]
         for p in parts:  # a part listed must be whole
             read_shard(work / p.file)
-        for stray in work.glob(".*.tmp"):
-            stray.unlink()
+        listed = {p.file for p in parts}
+        for stray in [*work.glob(".*.tmp"), *work.glob("part_*.bin")]:
+            if stray.name not in listed:  # half-written, or whole but not yet recorded
+                stray.unlink()
         return parts, bool(state.get("complete"))
     if work.exists():
         shutil.rmtree(work)
