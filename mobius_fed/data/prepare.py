@@ -33,7 +33,12 @@ import numpy as np
 
 from mobius_fed.data.errors import DataError
 from mobius_fed.data.manifest import write_json
-from mobius_fed.data.shards import ShardWriter, TokenStream, read_shard, token_dtype
+from mobius_fed.data.shards import (
+    HEADER_BYTES,
+    ShardWriter,
+    read_shard,
+    token_dtype,
+)
 from mobius_fed.data.sources import BadInput, Skips, Unit, expand_inputs, read_units
 from mobius_fed.data.tokenizers import get_encoding
 from mobius_fed.data.vocab import encoding_identity, encoding_vocab
@@ -87,9 +92,6 @@ class Stream:
     @property
     def total(self) -> int:
         return sum(p.tokens for p in self.parts)
-
-    def tokens(self) -> TokenStream:
-        return TokenStream([read_shard(self.directory / p.file) for p in self.parts])
 
 
 # --- pass 1: tokenize -------------------------------------------------------------------------
@@ -370,7 +372,6 @@ def tokenize_stream(
 
 def _emit(
     stream: Stream,
-    tokens: TokenStream,
     start: int,
     stop: int,
     prefix: str,
@@ -397,11 +398,26 @@ def _emit(
             shards.append({"file": path.name, "tokens": part.tokens, "sha256": part.sha256})
             continue
         with ShardWriter(path, dtype) as writer:
-            for a in range(lo, hi, COPY_TOKENS):
-                b = min(a + COPY_TOKENS, hi)
-                writer.write(tokens.windows(np.array([a]), b - a)[0].astype(dtype))
+            _copy(stream, lo, hi, writer)
         shards.append({"file": path.name, "tokens": writer.count, "sha256": writer.sha256})
     return shards
+
+
+def _copy(stream: Stream, lo: int, hi: int, writer: ShardWriter) -> None:
+    """Append stream tokens ``[lo, hi)`` to ``writer`` by plain reads of the part files in
+    chunks (no memory map, so the pages read do not count as this process's memory)."""
+    start = 0
+    for part in stream.parts:
+        a, b = max(lo, start), min(hi, start + part.tokens)
+        if a < b:
+            with open(stream.directory / part.file, "rb") as f:
+                width = (f.seek(0, os.SEEK_END) - HEADER_BYTES) // max(part.tokens, 1)
+                dtype = np.dtype("<u2") if width == 2 else np.dtype("<u4")
+                for c in range(a, b, COPY_TOKENS):
+                    n = min(COPY_TOKENS, b - c)
+                    f.seek(HEADER_BYTES + (c - start) * width)
+                    writer.write(np.frombuffer(f.read(n * width), dtype=dtype))
+        start += part.tokens
 
 
 def _split(part: int, val_fraction: float, where: Path, what: str) -> tuple[int, int]:
@@ -417,7 +433,6 @@ def _split(part: int, val_fraction: float, where: Path, what: str) -> tuple[int,
 
 def _write_site(
     stream: Stream,
-    tokens: TokenStream,
     site_dir: Path,
     lo: int,
     n_train: int,
@@ -430,10 +445,9 @@ def _write_site(
     site_dir.mkdir(parents=True)
     vocab = encoding_vocab(opts.encoding)
     dtype = token_dtype(vocab).str
-    train = _emit(stream, tokens, lo, lo + n_train, "train", site_dir, dtype, opts.shard_tokens)
+    train = _emit(stream, lo, lo + n_train, "train", site_dir, dtype, opts.shard_tokens)
     val = _emit(
         stream,
-        tokens,
         lo + n_train,
         lo + n_train + n_val,
         "val",
@@ -502,7 +516,7 @@ def prepare_site(
     stream = tokenize_stream(inputs, text, work, opts, mode=f"site-{site}")
     n_train, n_val = _split(stream.total, opts.val_fraction, out, f"{stream.total} tokens")
     meta = {"site": site, "sites": None, "mode": "site"}
-    _write_site(stream, stream.tokens(), site_dir, 0, n_train, n_val, opts, meta)
+    _write_site(stream, site_dir, 0, n_train, n_val, opts, meta)
     shutil.rmtree(work)
     return site_dir
 
@@ -559,13 +573,9 @@ def prepare_sites(
         for stale in out.glob("site-*"):
             if stale.is_dir() and stale.name[5:].isdigit() and int(stale.name[5:]) >= sites:
                 shutil.rmtree(stale)
-    tokens = stream.tokens()
     dirs = []
     for i in wanted:
         meta = {"site": i, "sites": sites, "mode": "slices"}
-        dirs.append(
-            _write_site(stream, tokens, out / f"site-{i}", i * part, n_train, n_val, opts, meta)
-        )
-    del tokens
+        dirs.append(_write_site(stream, out / f"site-{i}", i * part, n_train, n_val, opts, meta))
     shutil.rmtree(work)
     return dirs
