@@ -458,3 +458,17 @@ def test_parquet_null_row_is_bad(tmp_path: Path) -> None:
         _prepared(tmp_path, [tmp_path / "n.parquet"])
     with pytest.raises(DataError, match="too little text"):
         _prepared(tmp_path, [tmp_path / "n.parquet"], skip_bad=True)
+
+
+def test_worker_processes_give_the_same_tokens(tmp_path: Path) -> None:
+    """--workers 2 (spawned tokenizer processes, tasks in flight) keeps the input order."""
+    texts = [CORPUS[i : i + 5000] for i in range(0, 300_000, 5000)]
+    src = _docs(tmp_path / "d.jsonl", texts)
+    import mobius_fed.data.prepare as prepare
+
+    old, prepare.TASK_BYTES = prepare.TASK_BYTES, 20_000  # many small tasks
+    try:
+        got = _prepared(tmp_path, [src], workers=2, shard_tokens=70_000)
+    finally:
+        prepare.TASK_BYTES = old
+    assert got == _stream_of(texts)
