@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from mobius_fed.data.vocab import BUILTIN_VOCAB, encoding_vocab, hf_path
 from mobius_fed.model.config import (
     PRESETS,
     MemoryConfig,
@@ -30,7 +31,7 @@ from mobius_fed.settings import (  # noqa: F401 - re-exported: the config API li
 )
 from mobius_fed.transport.wire_config import WireConfig
 
-ENCODING_VOCAB = {"bytes": 257, "gpt2": 50257}
+ENCODING_VOCAB = BUILTIN_VOCAB  # plus hf:<tokenizer.json> (data §tokenizers)
 
 
 class TrainConfig(BaseModel):
@@ -56,8 +57,8 @@ class TrainConfig(BaseModel):
     tied: bool = Field(True, description="embedding and head share weights (--no-tied: untied)")
     encoding: str = Field(
         "bytes",
-        description="tokenizer: bytes (no download) or gpt2 (tiktoken's)",
-        json_schema_extra={"choices": list(ENCODING_VOCAB)},
+        description="tokenizer: bytes (no download), a tiktoken encoding (gpt2, cl100k_base, "
+        "...) or hf:<path to tokenizer.json>",
     )
     optimizer: Literal["muon", "adamw"] = Field(
         "muon", description="muon: Muon for block matrices + AdamW for the rest; adamw: AdamW only"
@@ -111,9 +112,10 @@ class TrainConfig(BaseModel):
     @field_validator("encoding")
     @classmethod
     def _known_encoding(cls, v: str) -> str:
-        if v not in ENCODING_VOCAB:
+        if v not in ENCODING_VOCAB and hf_path(v) is None:
             raise ValueError(
-                f"unknown encoding {v!r} (expected one of {', '.join(ENCODING_VOCAB)})"
+                f"unknown encoding {v!r} (expected one of {', '.join(ENCODING_VOCAB)}, "
+                "or hf:<path to tokenizer.json>)"
             )
         return v
 
@@ -142,7 +144,7 @@ class TrainConfig(BaseModel):
         return make_model_config(
             self.preset,
             groups=self.workers,
-            vocab_size=ENCODING_VOCAB[self.encoding],
+            vocab_size=encoding_vocab(self.encoding),
             tied=self.tied,
             seq_len=self.seq_len,
             n_layer=self.n_layer,

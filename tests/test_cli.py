@@ -39,7 +39,7 @@ def _flat(text: str) -> str:
         (["local", *TINY, "--loops", "0"], "loops"),
         (["local", *TINY, "--preset", "gpt5"], "invalid choice: 'gpt5'"),
         (["local", *TINY, "--order", "zigzag"], "invalid choice: 'zigzag'"),
-        (["local", *TINY, "--encoding", "latin1"], "invalid choice: 'latin1'"),
+        (["local", *TINY, "--encoding", "latin1"], "unknown encoding 'latin1'"),
         (["local", *TINY, "--micro-batches", "3"], "not divisible by micro_batches=3"),
         (["local", *TINY, "--data", "no/such/dir"], "data path not found: no/such/dir"),
         (["local", *TINY, "--config", "missing.toml"], "config file not found"),

@@ -104,24 +104,47 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from mobius_fed.data import embedded_corpus, prepare_sites
+    from mobius_fed.data import DataError, embedded_corpus
+    from mobius_fed.data.prepare import PrepareOptions, prepare_site, prepare_sites
 
     out = Path(args.out)
-    wanted = [out / f"site-{i}" for i in (range(args.sites) if args.site is None else [args.site])]
-    if args.if_missing and all((d / "meta.json").is_file() for d in wanted):
+    own_site = args.site is not None and args.sites is None and args.only is None
+    only = args.only if args.only is not None else (None if own_site else args.site)
+    sites = args.sites or 4
+    wanted = [args.site] if own_site else (range(sites) if only is None else [only])
+    if args.if_missing and all((out / f"site-{i}" / "meta.json").is_file() for i in wanted):
         print(f"sites already prepared in {out}; nothing to do")
         return 0
-    text = embedded_corpus() if not args.inputs else None
-    dirs = prepare_sites(
-        args.inputs or None,
-        out,
-        args.sites,
-        args.encoding,
-        args.val_fraction,
-        text=text,
+    if own_site and not args.inputs:
+        raise CliError("--site I prepares site I from its own files: give the files")
+    opts = PrepareOptions(
+        encoding=args.encoding,
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        workers=args.workers,
+        text_field=args.text_field,
+        skip_bad=args.skip_bad,
+        resume=args.resume,
         overwrite=args.overwrite or args.if_missing,
-        only=args.site,
     )
+    text = embedded_corpus() if not args.inputs else None
+    try:
+        if own_site:
+            dirs = [prepare_site(args.inputs, out, args.site, options=opts)]
+        else:
+            if only is not None:
+                print(
+                    f"site {only} of {sites}: cutting one corpus into equal token slices "
+                    "needs its total length, so every input is read and tokenized "
+                    f"(only site-{only} is written)",
+                    file=sys.stderr,
+                )
+            dirs = prepare_sites(
+                args.inputs or None, out, sites, args.encoding, args.val_fraction,
+                text=text, overwrite=opts.overwrite, only=only, options=opts,
+            )  # fmt: skip
+    except DataError as exc:
+        raise CliError(str(exc)) from None
     for d in dirs:
         print(d)
     return 0
@@ -165,15 +188,29 @@ def _wanted(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
 
 
 def _add_prepare_parser(sub) -> None:
-    p = sub.add_parser("prepare", help="split text into per-site shard directories")
-    p.add_argument("inputs", type=Path, nargs="*", help=".txt/.jsonl/.parquet (default: embedded)")
+    p = sub.add_parser(
+        "prepare",
+        help="tokenize text into per-site shard directories",
+        description="--site I FILES…: site I from its own files (each host its own corpus). "
+        "Otherwise one corpus cut into --sites P equal slices (--only I writes slice I). "
+        "Streams in bounded memory; see docs/data.md.",
+    )
+    p.add_argument(
+        "inputs",
+        type=Path,
+        nargs="*",
+        help=".txt/.jsonl (also .gz/.zst), .parquet, .arrow, directories of them, or a "
+        "Hugging Face datasets directory (default: the embedded corpus)",
+    )
     p.add_argument("--out", type=Path, required=True, help="directory for site-<i>/ folders")
-    p.add_argument("--sites", type=int, default=4, help="number of sites (default: %(default)s)")
+    p.add_argument("--site", type=int, help="prepare site I from FILES (with --sites: = --only)")
+    p.add_argument("--sites", type=int, help="cut one corpus into P slices (default: 4)")
+    p.add_argument("--only", type=int, metavar="I", help="with --sites: write only slice I")
     p.add_argument(
         "--encoding",
         default="bytes",
-        choices=("bytes", "gpt2"),
-        help="tokenizer (default: %(default)s)",
+        help="bytes, a tiktoken encoding (gpt2, cl100k_base, o200k_base, …) or "
+        "hf:PATH/tokenizer.json (default: %(default)s)",
     )
     p.add_argument(
         "--val-fraction",
@@ -181,7 +218,24 @@ def _add_prepare_parser(sub) -> None:
         default=0.1,
         help="share of each site held out for validation (default: %(default)s)",
     )
-    p.add_argument("--site", type=int, help="write only site I (same split)")
+    p.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=100_000_000,
+        help="tokens per shard (default: %(default)s)",
+    )
+    p.add_argument(
+        "--workers", type=int, default=1, help="tokenizer processes (default: %(default)s)"
+    )
+    p.add_argument(
+        "--text-field", default="text", help="JSON/Parquet/Arrow field (default: %(default)s)"
+    )
+    p.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="skip and count bad documents/files instead of stopping at the first",
+    )
+    p.add_argument("--resume", action="store_true", help="continue after the last complete part")
     p.add_argument(
         "--if-missing", action="store_true", help="do nothing when the site(s) exist already"
     )

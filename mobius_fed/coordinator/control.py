@@ -62,6 +62,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         self.crl = crl  # the revocation list every heartbeat reply carries
         self.run_spec, self.P = run_spec, state.P
         self._registered: dict[int, str] = {}
+        self._data: dict[int, tuple[str, int]] = {}  # rank -> its data's (tokenizer, vocab)
         self._cond = threading.Condition()
         self.enrolled = {worker_identity(i) for i in range(self.P)}
         self.enrolled |= {COORDINATOR_IDENTITY, OPERATOR_IDENTITY}
@@ -89,6 +90,22 @@ class ControlService(control_pb2_grpc.ControlServicer):
         raise AssertionError("context.abort raises")  # grpc is untyped: no NoReturn for it
 
     # ------------------------------------------------------------- register
+    def _check_data(self, rank: int, request, context) -> None:
+        """Refuse a site whose data's tokenizer/vocabulary differs from another site's
+        (docs/data.md#sites-must-agree); a site that does not say is not checked."""
+        mine = (request.data_tokenizer, request.data_vocab)
+        for other, theirs in sorted(self._data.items()):
+            if other != rank and mine[0] and theirs != mine:
+                msg = (
+                    f"data mismatch: worker-{rank}'s site uses tokenizer {mine[0]} "
+                    f"(vocab {mine[1]}), worker-{other}'s uses {theirs[0]} (vocab {theirs[1]}); "
+                    "all sites must prepare their data with the same tokenizer"
+                )
+                log.error("refused: %s", msg)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+        if mine[0]:
+            self._data[rank] = mine
+
     def Register(self, request, context):
         """Enrol the caller's rank (again, after it was lost) and answer the run spec at once.
 
@@ -118,6 +135,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             )
         entry = self._ring_entry(rank, request, context)
         with self._cond:
+            self._check_data(rank, request, context)
             w = self.state.workers[rank]
             if rank in self._registered and w.state not in _UNJOINED:
                 msg = (

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 
 from mobius_fed.data.errors import DataError
-from mobius_fed.data.shards import read_shard
+from mobius_fed.data.manifest import read_meta
+from mobius_fed.data.shards import TokenStream, read_shard
+from mobius_fed.data.vocab import encoding_identity
 
 Split = Literal["train", "val"]
 SPLITS: tuple[Split, ...] = ("train", "val")
@@ -56,26 +56,28 @@ class SiteData:
         if not self.directory.is_dir():
             raise DataError(f"{self.directory}: data directory not found")
         self.meta: dict[str, object] = self._read_meta()
-        if encoding is not None and "encoding" in self.meta and self.meta["encoding"] != encoding:
+        if encoding is not None and not self._same_encoding(encoding):
             raise DataError(
                 f"{self.directory}: encoding mismatch: meta.json says "
                 f"{self.meta['encoding']!r}, expected {encoding!r}"
             )
         self.site: int | None = self._site_index() if site is None else int(site)
-        self._tokens: dict[str, np.ndarray] = {s: self._load(s) for s in SPLITS}
-        self._window = np.arange(self.seq_len + 1, dtype=np.int64)
+        self._tokens: dict[str, TokenStream] = {s: self._load(s) for s in SPLITS}
+
+    def _same_encoding(self, encoding: str) -> bool:
+        """meta.json's encoding is ``encoding``, or the same tokenizer file elsewhere."""
+        have = self.meta.get("encoding")
+        if have is None or have == encoding:
+            return True
+        if "tokenizer" not in self.meta:
+            return False
+        try:
+            return encoding_identity(encoding) == self.meta["tokenizer"]
+        except DataError:
+            return False
 
     def _read_meta(self) -> dict[str, object]:
-        path = self.directory / "meta.json"
-        if not path.is_file():
-            return {}
-        try:
-            meta = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise DataError(f"{path}: unreadable meta.json: {exc}") from exc
-        if not isinstance(meta, dict):
-            raise DataError(f"{path}: meta.json must hold a JSON object")
-        return meta
+        return read_meta(self.directory)
 
     def _site_index(self) -> int | None:
         value = self.meta.get("site")
@@ -89,12 +91,11 @@ class SiteData:
         match = _SITE_DIR.fullmatch(self.directory.resolve().name)
         return int(match.group(1)) if match else None
 
-    def _load(self, split: str) -> np.ndarray:
+    def _load(self, split: str) -> TokenStream:
         files = sorted(self.directory.glob(f"{split}_*.bin"))
         if not files:
             raise DataError(f"{self.directory}: no {split}_*.bin shards")
-        arrays = [read_shard(f) for f in files]
-        tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        tokens = TokenStream([read_shard(f) for f in files])
         if len(tokens) < self.seq_len + 1:
             raise DataError(
                 f"{self.directory}: {split} split has {len(tokens)} tokens, "
@@ -108,9 +109,9 @@ class SiteData:
 
     def max_token(self) -> int:
         """Largest token id in either split (for vocabulary-size checks)."""
-        return max(int(t.max()) for t in self._tokens.values())
+        return max(t.max() for t in self._tokens.values())
 
-    def _split(self, split: str) -> np.ndarray:
+    def _split(self, split: str) -> TokenStream:
         if split not in self._tokens:
             raise DataError(f"{self.directory}: unknown split {split!r}; valid: {SPLITS}")
         return self._tokens[split]
@@ -127,5 +128,5 @@ class SiteData:
         gen = torch.Generator().manual_seed(batch_seed(seed, split, step, self.site))
         high = len(tokens) - self.seq_len  # offsets in [0, n - seq_len - 1]
         offsets = torch.randint(0, high, (batch_size,), generator=gen).numpy()
-        windows = torch.from_numpy(tokens[offsets[:, None] + self._window].astype(np.int64))
+        windows = torch.from_numpy(tokens.windows(offsets, self.seq_len + 1))
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

@@ -1,110 +1,524 @@
-"""Turn text files into per-site train/val shards (one disjoint slice of the stream per site)."""
+"""Turn text into per-site train/val shards, streaming, in bounded memory (data §prepare).
+
+Two modes:
+
+- :func:`prepare_site`: one site from its own files (``mobius-fed prepare --site i``),
+  the realistic case: a site prepares its private corpus on its own host.
+- :func:`prepare_sites`: one corpus cut into P contiguous, disjoint slices (experiments).
+
+Both run in two passes. Pass 1 streams documents from the inputs through a pool of
+tokenizer processes into fixed-size *parts* (``OUT/.prepare-*/part_*.bin``), each written
+atomically and recorded in ``progress.json`` with the input position it ends at, so
+``resume=True`` continues after the last complete part. Pass 2 cuts the token stream
+into train/val shards of ``shard_tokens`` (parts that already line up are hard-linked, not
+copied) and writes ``meta.json``, the manifest. Memory is bounded by ``shard_tokens``-free
+quantities: the task size, the number of tasks in flight and the copy chunk.
+"""
 
 from __future__ import annotations
 
-import json
+import collections
+import hashlib
+import multiprocessing
 import os
-import re
 import shutil
+import sys
+import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TextIO
 
 import numpy as np
 
 from mobius_fed.data.errors import DataError
-from mobius_fed.data.shards import write_shard
-from mobius_fed.data.tokenizers import encode_document, get_encoding
+from mobius_fed.data.manifest import write_json
+from mobius_fed.data.shards import (
+    HEADER_BYTES,
+    ShardWriter,
+    read_shard,
+    token_dtype,
+)
+from mobius_fed.data.sources import BadInput, Skips, Unit, expand_inputs, read_units
+from mobius_fed.data.tokenizers import get_encoding
+from mobius_fed.data.vocab import encoding_identity, encoding_vocab
 
-TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
-_SITE_DIR = re.compile(r"site-\d+")
+DEFAULT_SHARD_TOKENS = 100_000_000  # modded-nanogpt's FineWeb shard size
+TASK_BYTES = 1 << 20  # text per tokenizer task
+COPY_TOKENS = 1 << 22  # tokens per copy in pass 2
+TEXT_SOURCE = "<text>"
+PROGRESS = "progress.json"
 
 
-def read_documents(path: str | os.PathLike[str]) -> Iterator[str]:
-    """Yield documents: a .txt file is one; .jsonl/.parquet give their "text" field/column."""
-    path = Path(path)
+@dataclass
+class PrepareOptions:
+    """How to prepare; every field has the CLI flag of the same name (data §prepare)."""
+
+    encoding: str = "bytes"
+    val_fraction: float = 0.1
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    workers: int = 1
+    text_field: str = "text"
+    skip_bad: bool = False
+    resume: bool = False
+    overwrite: bool = False
+    progress: bool | None = None  # None: a bar on a terminal, plain lines otherwise
+    log: TextIO | None = None  # where progress goes (default: stderr)
+
+
+@dataclass
+class Part:
+    """One complete part of the token stream and the input position after it."""
+
+    file: str
+    tokens: int
+    sha256: str
+    source: int  # resume: the input to restart at,
+    unit: int  # the unit index inside it,
+    skip: int  # and how many of that unit's tokens are already written
+    skipped: int  # bad documents skipped so far
+    text_bytes: int  # input bytes consumed so far
+
+
+@dataclass
+class Stream:
+    """Pass 1's result: the parts in order and what went into them."""
+
+    directory: Path
+    parts: list[Part]
+    sources: list[str]
+    skips: Skips = field(default_factory=Skips)
+
+    @property
+    def total(self) -> int:
+        return sum(p.tokens for p in self.parts)
+
+
+# --- pass 1: tokenize -------------------------------------------------------------------------
+
+
+def _init_worker(encoding: str) -> None:
+    get_encoding(encoding)  # load once per process (cached), before the first task
+
+
+def _encode_task(task: tuple[str, list[str], list[bool], str]) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens of a list of units, concatenated, and each unit's token count (EOT included)."""
+    encoding, texts, ends, dtype = task
+    enc: Any = get_encoding(encoding)
+    counts = np.zeros(len(texts), dtype=np.int64)
+    pieces = []
+    eot = np.array([enc.eot_token], dtype=dtype)
+    for i, (text, end) in enumerate(zip(texts, ends, strict=True)):
+        if hasattr(enc, "encode_to_numpy"):  # tiktoken: straight into an array
+            ids = enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+            ids = ids.astype(dtype, copy=False)
+        else:
+            ids = np.asarray(enc.encode_ordinary(text), dtype=dtype)
+        pieces.append(ids)
+        if end:
+            pieces.append(eot)
+        counts[i] = len(ids) + int(end)
+    return (np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)), counts
+
+
+class _Progress:
+    """A bar (bytes, tokens, ETA) on a terminal; a plain line per part otherwise."""
+
+    def __init__(self, total_bytes: int, done_bytes: int, opts: PrepareOptions) -> None:
+        self.out = opts.log or sys.stderr
+        bar = opts.progress if opts.progress is not None else self.out.isatty()
+        self.start, self.base, self.total = time.monotonic(), done_bytes, total_bytes
+        self.bar = None
+        if bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total_bytes or None,
+                initial=done_bytes,
+                unit="B",
+                unit_scale=True,
+                desc="prepare",
+                file=self.out,
+                dynamic_ncols=True,
+            )
+
+    def advance(self, nbytes: int, tokens: int) -> None:
+        if self.bar is not None:
+            self.bar.update(nbytes)
+            self.bar.set_postfix_str(f"{tokens:,} tokens", refresh=False)
+
+    def part(self, index: int, part: Part) -> None:
+        if self.bar is not None:
+            return
+        wall = max(time.monotonic() - self.start, 1e-9)
+        rate = (part.text_bytes - self.base) / wall
+        eta = (self.total - part.text_bytes) / rate if rate > 0 and self.total else 0.0
+        print(
+            f"part {index}: {part.tokens:,} tokens, {part.text_bytes / 1e6:,.1f} MB read, "
+            f"{rate / 1e6:.2f} MB/s, ETA {eta:,.0f} s",
+            file=self.out,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _request(inputs: list[Path], text: str | None, opts: PrepareOptions, mode: str) -> dict:
+    """What a resumed run must share with the interrupted one."""
+    files = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs]
+    return {
+        "mode": mode,
+        "inputs": files,
+        "text_sha256": hashlib.sha256(text.encode()).hexdigest() if text is not None else None,
+        "tokenizer": encoding_identity(opts.encoding),
+        "shard_tokens": opts.shard_tokens,
+        "text_field": opts.text_field,
+        "skip_bad": opts.skip_bad,
+    }
+
+
+def _units(
+    inputs: list[Path], text: str | None, start: Part | None, opts: PrepareOptions, skips: Skips
+) -> Iterator[tuple[int, Unit]]:
+    """(source index, unit) from the resume position on; bad files skipped or raised."""
+    first = start.source if start else 0
+    for k, path in enumerate(inputs):
+        if k < first:
+            continue
+        begin = start.unit if start and k == start.source else 0
+        try:
+            yield from (
+                (k, u)
+                for u in read_units(
+                    path,
+                    text_field=opts.text_field,
+                    skips=skips if opts.skip_bad else None,
+                    start=begin,
+                )
+            )
+        except BadInput as exc:
+            if not opts.skip_bad:
+                raise
+            skips.add(str(exc))
+    if text is not None and len(inputs) >= first:
+        k = len(inputs)
+        if not (start and start.source == k and start.unit > 0):
+            yield k, Unit(text, True, 0, len(text.encode()))
+
+
+def _tasks(
+    units: Iterator[tuple[int, Unit]],
+) -> Iterator[list[tuple[int, Unit]]]:
+    batch: list[tuple[int, Unit]] = []
+    size = 0
+    for item in units:
+        batch.append(item)
+        size += item[1].nbytes
+        if size >= TASK_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encoded(
+    tasks: Iterator[list[tuple[int, Unit]]], opts: PrepareOptions, dtype: str
+) -> Iterator[tuple[list[tuple[int, Unit]], np.ndarray, np.ndarray]]:
+    """Each task with its tokens, in input order; at most 2 tasks per worker in flight."""
+    name = opts.encoding
+
+    def payload(batch: list[tuple[int, Unit]]) -> tuple[str, list[str], list[bool], str]:
+        return name, [u.text for _, u in batch], [u.end for _, u in batch], dtype
+
+    if opts.workers <= 1:
+        _init_worker(name)
+        for batch in tasks:
+            yield (batch, *_encode_task(payload(batch)))
+        return
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(opts.workers, initializer=_init_worker, initargs=(name,)) as pool:
+        pending: collections.deque = collections.deque()
+        for batch in tasks:
+            pending.append((batch, pool.apply_async(_encode_task, (payload(batch),))))
+            if len(pending) >= 2 * opts.workers:
+                done, result = pending.popleft()
+                yield (done, *result.get())
+        while pending:
+            done, result = pending.popleft()
+            yield (done, *result.get())
+
+
+def _load_progress(work: Path, request: dict, opts: PrepareOptions) -> tuple[list[Part], bool]:
+    """Parts already complete (resume) or none (a fresh start, clearing ``work``)."""
+    state = _read_progress(work)
+    if opts.resume and state:
+        if state.get("request") != request:
+            raise DataError(
+                f"{work}: cannot resume: the inputs, tokenizer or options differ from the "
+                "interrupted run (pass --overwrite to start over)"
+            )
+        parts = [Part(**p) for p in state["parts"]]
+        for p in parts:  # a part listed must be whole
+            read_shard(work / p.file)
+        listed = {p.file for p in parts}
+        for stray in [*work.glob(".*.tmp"), *work.glob("part_*.bin")]:
+            if stray.name not in listed:  # half-written, or whole but not yet recorded
+                stray.unlink()
+        return parts, bool(state.get("complete"))
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    return [], False
+
+
+def _read_progress(work: Path) -> dict:
+    path = work / PROGRESS
     if not path.is_file():
-        raise DataError(f"{path}: input file not found")
-    suffix = path.suffix.lower()
-    if suffix == ".txt":
-        yield path.read_text(encoding="utf-8")
-    elif suffix == ".jsonl":
-        yield from _read_jsonl(path)
-    elif suffix == ".parquet":
-        yield from _read_parquet(path)
-    else:
-        raise DataError(f"{path}: unsupported file type {suffix!r}; expected {TEXT_SUFFIXES}")
+        return {}
+    import json
+
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: unreadable progress file: {exc}") from exc
+    return state if isinstance(state, dict) else {}
 
 
-def _read_jsonl(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+def _save_progress(work: Path, request: dict, parts: list[Part], complete: bool) -> None:
+    write_json(
+        work / PROGRESS,
+        {"request": request, "complete": complete, "parts": [vars(p) for p in parts]},
+    )
+
+
+def tokenize_stream(
+    inputs: list[Path], text: str | None, work: Path, opts: PrepareOptions, mode: str
+) -> Stream:
+    """Pass 1: the inputs' tokens as parts of ``opts.shard_tokens`` in ``work`` (resumable)."""
+    files = expand_inputs(inputs)
+    sources = [str(p) for p in files] + ([TEXT_SOURCE] if text is not None else [])
+    request = _request(files, text, opts, mode)
+    parts, complete = _load_progress(work, request, opts)
+    skips = Skips(count=parts[-1].skipped if parts else 0)
+    stream = Stream(work, parts, sources, skips)
+    if complete:
+        return stream
+    if not parts:
+        _save_progress(work, request, parts, complete=False)
+    dtype = token_dtype(encoding_vocab(opts.encoding)).str
+    total_bytes = sum(p.stat().st_size for p in files) + (len(text.encode()) if text else 0)
+    done_bytes = parts[-1].text_bytes if parts else 0
+    progress = _Progress(total_bytes, done_bytes, opts)
+    resume_at = parts[-1] if parts else None
+    writer: ShardWriter | None = None
+    read_bytes, tokens_done = done_bytes, stream.total
+
+    def close(source: int, unit: int, skip: int) -> None:
+        nonlocal writer
+        assert writer is not None
+        writer.close()
+        part = Part(
+            writer.path.name,
+            writer.count,
+            writer.sha256,
+            source,
+            unit,
+            skip,
+            skips.count,
+            read_bytes,
+        )
+        parts.append(part)
+        _save_progress(work, request, parts, complete=False)
+        progress.part(len(parts) - 1, part)
+        writer = None
+
+    try:
+        units = _units(files, text, resume_at, opts, skips)
+        for batch, tokens, counts in _encoded(_tasks(units), opts, dtype):
+            at = 0
+            for (source, unit), count in zip(batch, counts.tolist(), strict=True):
+                own = tokens[at : at + count]
+                at += count
+                first = 0
+                if resume_at and (source, unit.index) == (resume_at.source, resume_at.unit):
+                    first = resume_at.skip  # tokens of this unit already in the last part
+                read_bytes += unit.nbytes
+                while first < count:
+                    if writer is None:
+                        writer = ShardWriter(work / f"part_{len(parts):06d}.bin", dtype)
+                    take = min(count - first, opts.shard_tokens - writer.count)
+                    writer.write(own[first : first + take])
+                    first += take
+                    tokens_done += take
+                    if writer.count == opts.shard_tokens:
+                        close(source, unit.index, first)
+                progress.advance(unit.nbytes, tokens_done)
+        if writer is not None:
+            close(len(files) + 1, 0, 0)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        progress.close()
+        raise
+    progress.close()
+    _save_progress(work, request, parts, complete=True)
+    return stream
+
+
+# --- pass 2: cut into shards ------------------------------------------------------------------
+
+
+def _emit(
+    stream: Stream,
+    start: int,
+    stop: int,
+    prefix: str,
+    site_dir: Path,
+    dtype: str,
+    shard_tokens: int,
+) -> list[dict]:
+    """Shards ``prefix_NNNNNN.bin`` holding stream tokens ``[start, stop)``."""
+    shards = []
+    for k, lo in enumerate(range(start, stop, shard_tokens)):
+        hi = min(lo + shard_tokens, stop)
+        path = site_dir / f"{prefix}_{k:06d}.bin"
+        part_index, rem = divmod(lo, shard_tokens)
+        if (
+            rem == 0
+            and part_index < len(stream.parts)
+            and stream.parts[part_index].tokens == hi - lo
+        ):
+            part = stream.parts[part_index]
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: bad JSON: {exc}") from exc
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise DataError(f'{path}:{lineno}: missing string field "text"')
-            yield record["text"]
+                os.link(stream.directory / part.file, path)
+            except OSError:
+                shutil.copyfile(stream.directory / part.file, path)
+            shards.append({"file": path.name, "tokens": part.tokens, "sha256": part.sha256})
+            continue
+        with ShardWriter(path, dtype) as writer:
+            _copy(stream, lo, hi, writer)
+        shards.append({"file": path.name, "tokens": writer.count, "sha256": writer.sha256})
+    return shards
 
 
-def _read_parquet(path: Path) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as exc:
-        raise DataError(f"{path}: reading .parquet needs pyarrow (pip install pyarrow)") from exc
-    try:
-        table = pq.read_table(path, columns=["text"])
-    except Exception as exc:
-        raise DataError(f'{path}: cannot read "text" column: {exc}') from exc
-    for value in table.column("text").to_pylist():
-        if isinstance(value, str):
-            yield value
+def _copy(stream: Stream, lo: int, hi: int, writer: ShardWriter) -> None:
+    """Append stream tokens ``[lo, hi)`` to ``writer`` by plain reads of the part files in
+    chunks (no memory map, so the pages read do not count as this process's memory)."""
+    start = 0
+    for part in stream.parts:
+        a, b = max(lo, start), min(hi, start + part.tokens)
+        if a < b:
+            with open(stream.directory / part.file, "rb") as f:
+                width = (f.seek(0, os.SEEK_END) - HEADER_BYTES) // max(part.tokens, 1)
+                dtype = np.dtype("<u2") if width == 2 else np.dtype("<u4")
+                for c in range(a, b, COPY_TOKENS):
+                    n = min(COPY_TOKENS, b - c)
+                    f.seek(HEADER_BYTES + (c - start) * width)
+                    writer.write(np.frombuffer(f.read(n * width), dtype=dtype))
+        start += part.tokens
 
 
-def _write_json(path: Path, obj: object) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+def _split(part: int, val_fraction: float, where: Path, what: str) -> tuple[int, int]:
+    n_val = round(part * val_fraction)
+    n_train = part - n_val
+    if n_train < 2 or n_val < 2:
+        raise DataError(
+            f"{where}: too little text: {what} gives {n_train} train / {n_val} val tokens "
+            "per site (need >= 2 each)"
+        )
+    return n_train, n_val
 
 
-def _check_request(inputs, out: Path, sites, val_fraction, text, overwrite, only) -> list[Path]:
-    """Refuse a bad request before any work; the site directories it would replace."""
-    if sites < 1:
-        raise DataError(f"{out}: sites must be >= 1 (got {sites})")
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"{out}: val_fraction must be in (0, 1) (got {val_fraction})")
+def _write_site(
+    stream: Stream,
+    site_dir: Path,
+    lo: int,
+    n_train: int,
+    n_val: int,
+    opts: PrepareOptions,
+    meta: dict,
+) -> Path:
+    if site_dir.exists():
+        shutil.rmtree(site_dir)
+    site_dir.mkdir(parents=True)
+    vocab = encoding_vocab(opts.encoding)
+    dtype = token_dtype(vocab).str
+    train = _emit(stream, lo, lo + n_train, "train", site_dir, dtype, opts.shard_tokens)
+    val = _emit(
+        stream,
+        lo + n_train,
+        lo + n_train + n_val,
+        "val",
+        site_dir,
+        dtype,
+        opts.shard_tokens,
+    )
+    write_json(
+        site_dir / "meta.json",
+        {
+            **meta,
+            "encoding": opts.encoding,
+            "tokenizer": encoding_identity(opts.encoding),
+            "vocab_size": vocab,
+            "dtype": "uint16" if dtype == "<u2" else "uint32",
+            "train_tokens": n_train,
+            "val_tokens": n_val,
+            "sources": stream.sources,
+            "skipped": stream.skips.count,
+            "skipped_examples": stream.skips.examples,
+            "shards": {"train": train, "val": val},
+        },
+    )
+    return site_dir
+
+
+def _check_options(out: Path, opts: PrepareOptions) -> None:
+    if not 0.0 < opts.val_fraction < 1.0:
+        raise DataError(f"{out}: val_fraction must be in (0, 1) (got {opts.val_fraction})")
+    if opts.shard_tokens < 1:
+        raise DataError(f"{out}: shard_tokens must be >= 1 (got {opts.shard_tokens})")
+    if opts.workers < 1:
+        raise DataError(f"{out}: workers must be >= 1 (got {opts.workers})")
+
+
+def _refuse_existing(site_dir: Path, opts: PrepareOptions) -> None:
+    if site_dir.is_dir() and any(site_dir.iterdir()) and not (opts.overwrite or opts.resume):
+        raise DataError(
+            f"{site_dir}: site directory exists and is not empty "
+            "(pass overwrite=True / --overwrite, or --resume)"
+        )
+
+
+def prepare_site(
+    inputs: Sequence[Path] | None,
+    out: Path,
+    site: int,
+    *,
+    text: str | None = None,
+    options: PrepareOptions | None = None,
+) -> Path:
+    """Prepare site ``site`` from its own files: ``out/site-<site>/`` with train shards (the
+    first ``1 - val_fraction`` of its tokens) and val shards (the rest), and ``meta.json``
+    recording ``site`` (which enters every batch seed), the tokenizer and every shard."""
+    opts = options or PrepareOptions()
+    out = Path(out)
+    _check_options(out, opts)
+    if site < 0:
+        raise DataError(f"{out}: site must be >= 0 (got {site})")
+    inputs = [Path(p) for p in inputs or ()]
     if not inputs and text is None:
         raise DataError(f"{out}: no input files and no text given")
-    if only is not None and not 0 <= only < sites:
-        raise DataError(f"{out}: site {only} out of range for {sites} sites")
-    existing = sorted(p for p in out.glob("site-*") if p.is_dir() and _SITE_DIR.fullmatch(p.name))
-    if only is not None:
-        existing = [p for p in existing if p.name == f"site-{only}"]
-    for site_dir in existing:
-        if any(site_dir.iterdir()) and not overwrite:
-            raise DataError(
-                f"{site_dir}: site directory exists and is not empty "
-                "(pass overwrite=True / --overwrite)"
-            )
-    return existing
-
-
-def _token_stream(inputs: list[Path], text: str | None, enc) -> tuple[np.ndarray, list[str]]:
-    """Every document of ``inputs`` (then ``text``) encoded, end to end; and the sources."""
-    pieces: list[np.ndarray] = []
-    sources: list[str] = []
-    for path in inputs:
-        sources.append(str(path))
-        pieces.extend(
-            np.asarray(encode_document(enc, d), dtype=np.int64) for d in read_documents(path)
-        )
-    if text is not None:
-        sources.append("<text>")
-        pieces.append(np.asarray(encode_document(enc, text), dtype=np.int64))
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    return stream, sources
+    site_dir = out / f"site-{site}"
+    _refuse_existing(site_dir, opts)
+    work = out / f".prepare-site-{site}"
+    stream = tokenize_stream(inputs, text, work, opts, mode=f"site-{site}")
+    n_train, n_val = _split(stream.total, opts.val_fraction, out, f"{stream.total} tokens")
+    meta = {"site": site, "sites": None, "mode": "site"}
+    _write_site(stream, site_dir, 0, n_train, n_val, opts, meta)
+    shutil.rmtree(work)
+    return site_dir
 
 
 def prepare_sites(
@@ -117,45 +531,51 @@ def prepare_sites(
     text: str | None = None,
     overwrite: bool = False,
     only: int | None = None,
+    options: PrepareOptions | None = None,
 ) -> list[Path]:
     """Tokenize ``inputs`` (and/or ``text``) and split the stream into ``sites`` equal parts.
 
     Site ``i`` gets tokens ``[i*L, (i+1)*L)`` of the concatenated stream (``L = N // sites``,
     the remainder is dropped); the last ``val_fraction`` of each part is its validation
-    split. Writes ``out/site-<i>/{train_000000.bin,val_000000.bin,meta.json}`` and returns
-    the site directories. ``only=i`` writes just site ``i`` (the same split), for a host
-    or container that must hold its own site and nothing else.
+    split. Writes ``out/site-<i>/{train_*.bin,val_*.bin,meta.json}`` and returns the site
+    directories. ``only=i`` writes just site ``i`` (the same split); cutting by tokens
+    needs the whole stream's length, so it still tokenizes every input (in bounded memory).
+    ``options`` (when given) supplies everything but ``encoding``/``val_fraction``/``overwrite``.
     """
+    opts = options or PrepareOptions()
+    opts = PrepareOptions(
+        **{
+            **vars(opts),
+            "encoding": encoding,
+            "val_fraction": val_fraction,
+            "overwrite": overwrite or opts.overwrite,
+        }
+    )
     out = Path(out)
     inputs = [Path(p) for p in inputs or ()]
-    existing = _check_request(inputs, out, sites, val_fraction, text, overwrite, only)
-    stream, sources = _token_stream(inputs, text, get_encoding(encoding))
-    part = len(stream) // sites
-    n_val = round(part * val_fraction)
-    n_train = part - n_val
-    if n_train < 2 or n_val < 2:
-        raise DataError(
-            f"{out}: too little text: {len(stream)} tokens over {sites} sites gives "
-            f"{n_train} train / {n_val} val tokens per site (need >= 2 each)"
-        )
-
-    for site_dir in existing:
-        shutil.rmtree(site_dir)
-    site_dirs = []
-    for i in range(sites) if only is None else (only,):
-        site_dir = out / f"site-{i}"
-        site_dir.mkdir(parents=True, exist_ok=True)
-        chunk = stream[i * part : (i + 1) * part]
-        write_shard(site_dir / "train_000000.bin", chunk[:n_train])
-        write_shard(site_dir / "val_000000.bin", chunk[n_train:])
-        meta = {
-            "site": i,
-            "sites": sites,
-            "encoding": encoding,
-            "train_tokens": n_train,
-            "val_tokens": n_val,
-            "sources": sources,
-        }
-        _write_json(site_dir / "meta.json", meta)
-        site_dirs.append(site_dir)
-    return site_dirs
+    if sites < 1:
+        raise DataError(f"{out}: sites must be >= 1 (got {sites})")
+    _check_options(out, opts)
+    if not inputs and text is None:
+        raise DataError(f"{out}: no input files and no text given")
+    if only is not None and not 0 <= only < sites:
+        raise DataError(f"{out}: site {only} out of range for {sites} sites")
+    wanted = range(sites) if only is None else (only,)
+    for i in wanted:
+        _refuse_existing(out / f"site-{i}", opts)
+    work = out / (f".prepare-slices-{sites}" if only is None else f".prepare-slice-{only}-{sites}")
+    stream = tokenize_stream(inputs, text, work, opts, mode=f"slices-{sites}")
+    part = stream.total // sites
+    n_train, n_val = _split(
+        part, opts.val_fraction, out, f"{stream.total} tokens over {sites} sites"
+    )
+    if only is None:  # stale site folders of an earlier, larger split go too
+        for stale in out.glob("site-*"):
+            if stale.is_dir() and stale.name[5:].isdigit() and int(stale.name[5:]) >= sites:
+                shutil.rmtree(stale)
+    dirs = []
+    for i in wanted:
+        meta = {"site": i, "sites": sites, "mode": "slices"}
+        dirs.append(_write_site(stream, out / f"site-{i}", i * part, n_train, n_val, opts, meta))
+    shutil.rmtree(work)
+    return dirs

@@ -7,18 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("listen_address", "config_fingerprint", "unreachable", "rendezvous", "relay")
+    __slots__ = ("listen_address", "config_fingerprint", "unreachable", "rendezvous", "relay", "data_tokenizer", "data_vocab")
     LISTEN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
+    DATA_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    DATA_VOCAB_FIELD_NUMBER: _ClassVar[int]
     listen_address: str
     config_fingerprint: str
     unreachable: bool
     rendezvous: str
     relay: str
-    def __init__(self, listen_address: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., unreachable: _Optional[bool] = ..., rendezvous: _Optional[str] = ..., relay: _Optional[str] = ...) -> None: ...
+    data_tokenizer: str
+    data_vocab: int
+    def __init__(self, listen_address: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., unreachable: _Optional[bool] = ..., rendezvous: _Optional[str] = ..., relay: _Optional[str] = ..., data_tokenizer: _Optional[str] = ..., data_vocab: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
     __slots__ = ("run_id", "rank", "peers", "train_config_json", "config_fingerprint", "resume_round", "resume_checkpoint", "heartbeat_interval_s", "tunnel_key", "crl")

@@ -22,7 +22,7 @@ from flwr.app import Context, Error, Message, RecordDict
 
 from mobius_fed.checkpoint import CheckpointError
 from mobius_fed.config import ConfigError, TrainConfig
-from mobius_fed.data import SiteData
+from mobius_fed.data import SiteData, site_identity
 from mobius_fed.machines import OWN_WORKER, StateCell, WorkerState
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.transport.flower_wire import (
@@ -64,6 +64,7 @@ def register(
     When rejoining, "already registered" is retried too: the coordinator has not yet
     noticed that this worker's previous session is gone."""
     own = cfg.train.fingerprint() if cfg.verify_train else ""
+    tokenizer, vocab = site_identity(cfg.data_dir)
     deadline = time.monotonic() + cfg.peer_timeout
     # A replacement process (a rescheduled pod, a host that vanished without closing its
     # connections) waits until the coordinator counts the old one lost.
@@ -78,6 +79,8 @@ def register(
                     unreachable=cfg.reachable == "no",
                     rendezvous=cfg.rendezvous_address,
                     relay=cfg.relay or "",
+                    data_tokenizer=tokenizer,
+                    data_vocab=vocab,
                 ),
                 timeout=30,
             )
