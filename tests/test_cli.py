@@ -243,3 +243,96 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_bindable():
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+# ------------------------------------------------------------- a run's state, like `ps`
+UP_TINY = ["--workers", "2", *TINY, "--eval-every", "0", "--threads", "1"]
+
+
+def test_status_of_a_starting_run_says_starting(tmp_path) -> None:
+    """endpoints.json says "starting" and its `up` is alive, but no coordinator answers
+    yet: status waits --timeout, then says so (exit 75), not "no endpoints.json" nor
+    "cannot reach"."""
+    from mobius_fed.cli.up import LocalFederation
+    from mobius_fed.config import TrainConfig
+
+    fed = LocalFederation(tmp_path / "run", TrainConfig(preset="cpu-tiny", workers=2))
+    fed.write_endpoints("starting")  # what `up` writes first; its pid is this live process
+    proc = mobius_fed("status", "--run", "run", "--timeout", "1", cwd=tmp_path)
+    assert proc.returncode == 75, (proc.stdout, proc.stderr)
+    out = _flat(proc.stdout)
+    assert "starting" in out and f"pid {os.getpid()}" in out and "--timeout 60" in out, out
+    proc = mobius_fed("status", "--run", "run", "--timeout", "0.5", "--json", cwd=tmp_path)
+    assert proc.returncode == 75 and json.loads(proc.stdout)["state"] == "starting"
+
+
+def test_up_writes_its_endpoints_before_preparing(tmp_path) -> None:
+    """`up` names its run in endpoints.json before certificates and data: a run that fails
+    while preparing is found by status, which says it exited (nothing recorded)."""
+    proc = mobius_fed("up", *UP_TINY, "--data", "missing.txt", "--out", "run", cwd=tmp_path)
+    assert proc.returncode == 2 and "missing.txt" in _flat(proc.stderr), proc.stderr
+    assert json.loads((tmp_path / "run" / "endpoints.json").read_text())["state"] == "exited"
+    proc = mobius_fed("status", "--run", "run", cwd=tmp_path)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    out = _flat(proc.stdout)
+    assert "exited" in out and "last known state: none recorded" in out, out
+
+
+def test_status_follows_up_from_start_to_kill_and_up_refuses_the_dead_runs_out(tmp_path) -> None:
+    """A real `up`: status (found as soon as endpoints.json exists) waits for the
+    coordinator and answers; after `kill -9` of up it reports the run dead with the last
+    step and checkpoint from the run directory; `up` into that --out then refuses unless
+    --resume or --force (which deletes the run's outputs, keeping certs and sites)."""
+    import signal
+    import time
+
+    from mobius_fed.coordinator.manifests import latest_manifest
+    from mobius_fed.coordinator.run_dir import earlier_run
+
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "mobius_fed.cli.main", "up", *UP_TINY, "--steps", "10000",
+            "--checkpoint-every", "2", "--out", str(run)]  # fmt: skip
+    up = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "endpoints.json").is_file():
+            assert up.poll() is None and time.monotonic() < deadline, up.stderr
+            time.sleep(0.02)
+        proc = mobius_fed("status", "--run", "run", "--timeout", "120", cwd=tmp_path)
+        assert proc.returncode == 0, (proc.stdout, proc.stderr)
+        assert "mobius-fed run" in proc.stdout and "workers" in proc.stdout
+        while (manifest := latest_manifest(run / "coordinator")) is None:
+            assert up.poll() is None and time.monotonic() < deadline, "no checkpoint"
+            time.sleep(0.1)
+        up.send_signal(signal.SIGKILL)
+        up.wait(timeout=30)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    saved = json.loads(manifest.read_text())["step"]
+    proc = mobius_fed("status", "--run", "run", cwd=tmp_path)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    out = _flat(proc.stdout)
+    assert "run run: dead" in out and f"pid {up.pid}" in out, out
+    assert "last known state: phase" in out and "last complete checkpoint: " in out, out
+    assert "continue it with: mobius-fed up --out run --resume" in out, out
+    proc = mobius_fed("status", "--run", "run", "--json", cwd=tmp_path)
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 3 and doc["state"] == "dead", doc
+    assert doc["last_known"]["step"] >= saved and doc["checkpoint"], doc
+
+    proc = mobius_fed("up", *UP_TINY, "--steps", "2", "--out", "run", cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    err = _flat(proc.stderr)
+    assert "--out run holds a run last seen at phase" in err and "--force" in err, err
+    assert "--resume" in err and latest_manifest(run / "coordinator") == manifest
+    # --force deletes the earlier run's outputs first (here the new run then stops at once,
+    # on its missing --data); certificates and sites stay.
+    proc = mobius_fed("up", *UP_TINY, "--force", "--data", "missing.txt", "--out", "run",
+                      cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2 and "missing.txt" in _flat(proc.stderr), proc.stderr
+    deleted = _flat(proc.stderr).split("--force: deleted the earlier run's ")[1]
+    assert deleted.startswith("coordinator, logs, endpoints.json, train.toml, worker-0"), deleted
+    assert earlier_run(run) is None and not (run / "worker-0").exists()
+    assert (run / "certs" / "ca.crt").is_file() and (run / "sites" / "site-1").is_dir()
