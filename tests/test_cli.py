@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -336,3 +338,27 @@ def test_status_follows_up_from_start_to_kill_and_up_refuses_the_dead_runs_out(t
     assert deleted.startswith("coordinator, logs, endpoints.json, train.toml, worker-0"), deleted
     assert earlier_run(run) is None and not (run / "worker-0").exists()
     assert (run / "certs" / "ca.crt").is_file() and (run / "sites" / "site-1").is_dir()
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_generate_and_eval_threads_help_names_their_own_work(command: str) -> None:
+    from mobius_fed.cli.main import build_parser
+
+    sub = next(
+        a for a in build_parser([command])._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    text = _flat(sub.choices[command].format_help())
+    assert "--threads N torch intra-op threads" in text and "training" not in text, text
+    assert ("generation" if command == "generate" else "evaluation") in text, text
+
+
+def test_exported_models_folder_is_git_ignored() -> None:
+    """`mobius-fed export runs/up --out models` (the README's) writes into the checkout."""
+    repo = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("not a git checkout (or no git): nothing to ignore")
+    for path in ("models/origin-0/model.safetensors", "runs/up/endpoints.json"):
+        done = subprocess.run(
+            ["git", "check-ignore", "--no-index", "-q", path], cwd=repo, timeout=30
+        )
+        assert done.returncode == 0, f"{path} is not git-ignored"
