@@ -97,7 +97,8 @@ def test_quickstart_commands_return_in_a_script(tmp_path: Path) -> None:
         PATH=f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}",
         MOBIUS_STEPS="20",  # the run's length only; the command is the README's
         MOBIUS_THREADS="1",
-        PYTEST_ADDOPTS="-p no:cacheprovider tests/test_schedule.py",  # a small part, once
+        # A small part, once, in one process (no two xdist workers importing torch for it).
+        PYTEST_ADDOPTS="-p no:cacheprovider -n 0 tests/test_schedule.py",
         **{INNER: "1"},
     )
     run, test = commands
