@@ -260,47 +260,28 @@ class _Up:
                 os.kill(pid, signal.SIGKILL)
 
 
-@pytest.fixture(scope="module")
-def up_healed_then_terminated(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One `mobius-fed up` for the two checks below (one start, not two): it trains,
-    worker-1 is SIGKILLed, restarted and the run heals (each line awaited), then up gets
-    SIGTERM. What they assert on is collected here."""
-    up = _Up(tmp_path_factory.mktemp("up") / "up", "--steps", "10000", "--max-restarts", "2")
+@pytest.mark.slow
+def test_up_forwards_sigterm_and_leaves_no_orphans(tmp_path: Path) -> None:
+    up = _Up(tmp_path / "up", "--steps", "10000")
     try:
         up.wait_for(up.training, "training")
         kids = up.children()
-        victim = up.child("worker-1")
-        assert victim is not None
-        os.kill(victim, signal.SIGKILL)
-        line = "worker-1 exited with -9; restarting (1/2)"
-        up.wait_for(lambda: line in " ".join(up.log().split()), "the restart line", 30)
-        up.wait_for(lambda: up.child("worker-1") not in (None, victim), "a new worker-1")
-        said = lambda: " ".join(up.log().split())  # noqa: E731
-        up.wait_for(lambda: "incident 1: worker-1" in said(), "the incident line", 30)
-        up.wait_for(lambda: "incident 1 recovered in" in said(), "the recovery line", 60)
+        assert len(kids) == 3, [_cmdline(p) for p in kids]
         start = time.monotonic()
         up.proc.send_signal(signal.SIGTERM)
         out, _ = up.proc.communicate(timeout=20)
         seconds = time.monotonic() - start
     finally:
         up.close()
-    return {"up": up, "kids": kids, "out": out.decode(), "seconds": seconds}
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("signals-up")
-def test_up_forwards_sigterm_and_leaves_no_orphans(up_healed_then_terminated: dict) -> None:
-    up, kids = up_healed_then_terminated["up"], up_healed_then_terminated["kids"]
-    assert len(kids) == 3, [_cmdline(p) for p in kids]
     assert up.proc.returncode == 143, up.log()
-    assert up_healed_then_terminated["seconds"] < 5 + 2, up_healed_then_terminated["seconds"]
+    assert seconds < 5 + 2, seconds
     alive = [(p, _cmdline(p)) for p in up.seen if _alive(p)]
     assert not alive, f"children outlived up: {alive}"
     status = re.search(r"exit status: (.*)", up.log())
     assert status, up.log()
     codes = dict(item.rsplit(" ", 1) for item in status.group(1).split(", "))
     assert codes == {"coordinator": "143", "worker-0": "143", "worker-1": "143"}, codes
-    assert "last complete checkpoint:" in up_healed_then_terminated["out"]
+    assert "last complete checkpoint:" in out.decode()
 
 
 def test_supervise_restarts_a_crashed_child_up_to_the_cap(tmp_path: Path) -> None:
@@ -338,16 +319,23 @@ def test_supervise_restarts_a_crashed_child_up_to_the_cap(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("signals-up")
-def test_up_restarts_a_killed_worker_and_shows_the_recovery(
-    up_healed_then_terminated: dict,
-) -> None:
-    """The restart, incident and recovery lines were each awaited by the fixture (which
-    fails when one does not come); up then still ends on SIGTERM with no child left."""
-    up = up_healed_then_terminated["up"]
-    said = " ".join(up.log().split())
-    assert "worker-1 exited with -9; restarting (1/2)" in said, said
-    assert "incident 1: worker-1" in said and "incident 1 recovered in" in said, said
+def test_up_restarts_a_killed_worker_and_shows_the_recovery(tmp_path: Path) -> None:
+    up = _Up(tmp_path / "up", "--steps", "10000", "--max-restarts", "2")
+    try:
+        up.wait_for(up.training, "training")
+        victim = up.child("worker-1")
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        line = "worker-1 exited with -9; restarting (1/2)"
+        up.wait_for(lambda: line in " ".join(up.log().split()), "the restart line", 30)
+        up.wait_for(lambda: up.child("worker-1") not in (None, victim), "a new worker-1")
+        said = lambda: " ".join(up.log().split())  # noqa: E731
+        up.wait_for(lambda: "incident 1: worker-1" in said(), "the incident line", 30)
+        up.wait_for(lambda: "incident 1 recovered in" in said(), "the recovery line", 60)
+        up.proc.send_signal(signal.SIGTERM)
+        up.proc.communicate(timeout=20)
+    finally:
+        up.close()
     assert up.proc.returncode == 143, up.log()
     assert not [p for p in up.seen if _alive(p)], "children outlived up"
 
