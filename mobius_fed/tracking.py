@@ -120,8 +120,8 @@ class MlflowTracker(Tracker):
         from mlflow.tracking import MlflowClient
 
         uri = os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:  # MLflow's local file store (MLflow 3 asks for this opt-in to use it)
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        if not uri:  # MLflow's local file store: MLflow 3 refuses it without this opt-in
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # (docs/export.md)
             uri = Path(directory).resolve().as_uri()
         self.client = MlflowClient(tracking_uri=uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "mobius-fed")
@@ -145,18 +145,24 @@ class MlflowTracker(Tracker):
 
 
 class WandbTracker(Tracker):
-    """A W&B run; ``WANDB_MODE=offline`` (or no login) keeps it in ``directory``/wandb."""
+    """A W&B run; ``WANDB_MODE=offline`` (or no login) keeps it in ``directory``.
+
+    W&B always writes into a ``wandb/`` folder of the root it is given, so a ``directory``
+    named ``wandb`` (the default, ``<out>/wandb``) is handed over as its parent: the files
+    land in ``<out>/wandb/``, not ``<out>/wandb/wandb/``."""
 
     name = "wandb"
 
     def __init__(self, directory: Path, run_name: str, config: dict | None = None) -> None:
         import wandb
 
-        Path(directory).mkdir(parents=True, exist_ok=True)
+        directory = Path(directory)
+        root = directory.parent if directory.name == "wandb" else directory
+        directory.mkdir(parents=True, exist_ok=True)
         self.run: Any = wandb.init(  # a wandb Run; None once closed
             project=os.environ.get("WANDB_PROJECT", "mobius-fed"),
             name=run_name,
-            dir=str(directory),
+            dir=str(root),
             config=config or {},
             reinit="create_new",
         )

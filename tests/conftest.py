@@ -39,21 +39,55 @@ def pytest_configure(config) -> None:
         torch.set_num_interop_threads(int(TEST_THREADS))
 
 
-# Modules that share one host-wide resource (network namespaces, iptables, the WAN
-# shaping of the namespace testbed) run on one xdist worker, one after another; every
-# other test may run beside them (`-n 2 --dist loadgroup`, pyproject's addopts).
-SERIAL_MODULES = {
-    "test_netns_faults.py",
-    "test_netns_testbed.py",
-    "test_reachability_netns.py",
-    "test_wan.py",
+# xdist groups (`-n 2 --dist loadgroup`, pyproject's addopts): a group's tests run on one
+# worker, one after another; every other test may run beside them.
+# - Modules that share one host-wide resource (network namespaces, iptables, the WAN
+#   shaping of the namespace testbed).
+# - Modules whose tests share one expensive module-scoped fixture (a ring under attack, a
+#   finished federation): in one group the fixture is built once, not once per worker.
+GROUPS = {
+    "test_netns_faults.py": "netns",
+    "test_netns_testbed.py": "netns",
+    "test_reachability_netns.py": "netns",
+    "test_wan.py": "netns",
+    "test_trust.py": "trust-ring",
+    "test_dashboard.py": "dashboard-run",
 }
+
+# The longest tests go out first (longest processing time first): a long test started
+# last keeps one worker busy while the other has nothing left. Node-id prefixes, longest
+# first, from `python -m pytest --durations=40` on a fresh clone (docs/testing.md); the
+# `slow` tests follow, then the rest, each in collection order. Order only: a test missing
+# here runs all the same.
+LONGEST_FIRST = (
+    "test_quickstart.py::test_quickstart_commands_return_in_a_script",
+    "test_ring.py::test_ring_equals_reference[4-",
+    "test_ring.py::test_ring_equals_reference[3-cyclic",
+    "test_ring.py::test_ring_with_muon",
+    "test_research.py::test_sweep_runs_resumes_and_reports",
+    "test_recovery.py::test_bad_and_missing_worker_checkpoints",
+    "test_secagg.py::test_a_killed_worker_heals_with_secagg_on",
+    "test_tracking.py::test_wandb_offline",
+    "test_ring.py::",
+    "test_recovery.py::",
+    "test_signals.py::test_up_",
+    "test_chaos.py::",
+)
+
+
+def _rank(item: pytest.Item) -> tuple[int, int]:
+    name = item.nodeid.rsplit("/", 1)[-1]
+    for i, prefix in enumerate(LONGEST_FIRST):
+        if name.startswith(prefix):
+            return 0, i
+    return (1 if item.get_closest_marker("slow") else 2), 0
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        if item.path.name in SERIAL_MODULES:
-            item.add_marker(pytest.mark.xdist_group("netns"))
+        if item.path.name in GROUPS:
+            item.add_marker(pytest.mark.xdist_group(GROUPS[item.path.name]))
+    items.sort(key=_rank)  # stable: collection order within each rank
 
 
 # --------------------------------------------------------------------------- shared setup

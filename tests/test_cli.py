@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +34,27 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
+@pytest.fixture
+def cli(tmp_path, monkeypatch, capsys):
+    """``cli(*args)``: ``mobius-fed ARGS`` through the command's own ``main`` in this process,
+    in ``tmp_path``, giving what a subprocess would (exit status, stdout, stderr) without
+    starting an interpreter and importing torch again: seconds per call on 2 shared cores.
+    The subprocess tests (``mobius_fed``) keep the entry point and the daemons covered."""
+    from mobius_fed.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse and run_guarded's refusals
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out, err)
+
+    return run
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -50,8 +73,8 @@ def _flat(text: str) -> str:
     ],
     ids=lambda v: "-".join(v) if isinstance(v, list) else None,
 )
-def test_bad_configuration_exits_with_a_clear_message(tmp_path, args, expected) -> None:
-    proc = mobius_fed(*args, cwd=tmp_path)
+def test_bad_configuration_exits_with_a_clear_message(tmp_path, cli, args, expected) -> None:
+    proc = cli(*args)  # an unexpected exception (a traceback) fails the test itself
     assert proc.returncode != 0, proc.stdout
     err = _flat(proc.stderr)
     assert expected in err, err
@@ -59,25 +82,25 @@ def test_bad_configuration_exits_with_a_clear_message(tmp_path, args, expected) 
     assert not (tmp_path / "runs").exists()  # refused before anything is written
 
 
-def test_data_directory_without_sites_is_refused(tmp_path) -> None:
+def test_data_directory_without_sites_is_refused(tmp_path, cli) -> None:
     (tmp_path / "empty").mkdir()
-    proc = mobius_fed("local", *TINY, "--data", "empty", "--out", "OUT", cwd=tmp_path)
+    proc = cli("local", *TINY, "--data", "empty", "--out", "OUT")
     assert proc.returncode == 2
     err = _flat(proc.stderr)
     assert "empty" in err and "site-0" in err, err
     assert "Traceback" not in proc.stderr
 
 
-def test_resume_without_checkpoint_is_refused(tmp_path) -> None:
-    proc = mobius_fed("local", *TINY, "--steps", "3", "--out", "OUT", "--resume", cwd=tmp_path)
+def test_resume_without_checkpoint_is_refused(tmp_path, cli) -> None:
+    proc = cli("local", *TINY, "--steps", "3", "--out", "OUT", "--resume")
     assert proc.returncode == 2
     err = _flat(proc.stderr)
     assert "--resume" in err and "no checkpoint" in err, err
     assert not (tmp_path / "OUT" / "checkpoint.pt").exists()
 
 
-def test_local_run_writes_checkpoint_and_metrics(tmp_path) -> None:
-    proc = mobius_fed("local", *TINY, "--steps", "3", "--out", "OUT", cwd=tmp_path)
+def test_local_run_writes_checkpoint_and_metrics(tmp_path, cli) -> None:
+    proc = cli("local", *TINY, "--steps", "3", "--out", "OUT")
     assert proc.returncode == 0, proc.stderr
     assert "1 thread(s)" in _flat(proc.stderr)  # MOBIUS_THREADS=1 from tests/conftest.py
     out = tmp_path / "OUT"
@@ -88,16 +111,16 @@ def test_local_run_writes_checkpoint_and_metrics(tmp_path) -> None:
     assert "final validation loss (Eq. 8)" in proc.stdout
 
     # Resuming a finished run with a longer budget continues from step 3.
-    proc = mobius_fed("local", *TINY, "--steps", "4", "--out", "OUT", "--resume", cwd=tmp_path)
+    proc = cli("local", *TINY, "--steps", "4", "--out", "OUT", "--resume")
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [0, 1, 2, 3]
 
 
-def test_resume_with_a_different_config_is_refused(tmp_path) -> None:
-    proc = mobius_fed("local", *TINY, "--steps", "1", "--out", "OUT", cwd=tmp_path)
+def test_resume_with_a_different_config_is_refused(tmp_path, cli) -> None:
+    proc = cli("local", *TINY, "--steps", "1", "--out", "OUT")
     assert proc.returncode == 0, proc.stderr
-    proc = mobius_fed(
+    proc = cli(
         "local",
         *TINY,
         "--steps",
@@ -107,7 +130,6 @@ def test_resume_with_a_different_config_is_refused(tmp_path) -> None:
         "--out",
         "OUT",
         "--resume",
-        cwd=tmp_path,
     )
     assert proc.returncode != 0
     assert "different configuration" in _flat(proc.stderr), proc.stderr
@@ -140,12 +162,12 @@ def test_experiment_prints_the_table(tmp_path) -> None:
     assert all(row in table for row in rows)
 
 
-def test_prepare_jsonl_writes_site_dirs(tmp_path) -> None:
+def test_prepare_jsonl_writes_site_dirs(tmp_path, cli) -> None:
     docs = [{"text": f"Document {i}: " + "the quick brown fox jumps over the lazy dog. " * 5}
             for i in range(12)]  # fmt: skip
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    proc = mobius_fed("prepare", "docs.jsonl", "--out", "sites", "--sites", "3", cwd=tmp_path)
+    proc = cli("prepare", "docs.jsonl", "--out", "sites", "--sites", "3")
     assert proc.returncode == 0, proc.stderr
     for i in range(3):
         site = tmp_path / "sites" / f"site-{i}"
@@ -155,23 +177,23 @@ def test_prepare_jsonl_writes_site_dirs(tmp_path) -> None:
         assert meta["site"] == i and meta["sites"] == 3 and meta["encoding"] == "bytes"
     assert not (tmp_path / "sites" / "site-3").exists()
     # Without --overwrite a second run refuses to clobber the sites.
-    proc = mobius_fed("prepare", "docs.jsonl", "--out", "sites", "--sites", "3", cwd=tmp_path)
+    proc = cli("prepare", "docs.jsonl", "--out", "sites", "--sites", "3")
     assert proc.returncode == 2
     assert "--overwrite" in _flat(proc.stderr)
 
 
-def test_certs_renew_and_rotate(tmp_path) -> None:
+def test_certs_renew_and_rotate(tmp_path, cli) -> None:
     """renew: a new key for one node, same identity; rotate: a new CA for everyone."""
-    assert mobius_fed("certs", "init", "--workers", "2", "--out", "c", cwd=tmp_path).returncode == 0
+    assert cli("certs", "init", "--workers", "2", "--out", "c").returncode == 0
     bundle = tmp_path / "c" / "nodes" / "worker-1"
     old_key, old_ca = (bundle / "tls.key").read_bytes(), (bundle / "ca.crt").read_bytes()
-    done = mobius_fed("certs", "renew", "--node", "worker-1", "--out", "c", cwd=tmp_path)
+    done = cli("certs", "renew", "--node", "worker-1", "--out", "c")
     assert done.returncode == 0 and "mobius://worker/1" in done.stdout, done.stderr
     assert (bundle / "tls.key").read_bytes() != old_key
     assert (bundle / "ca.crt").read_bytes() == old_ca, "renewing one node keeps the CA"
-    bad = mobius_fed("certs", "renew", "--node", "worker-7", "--out", "c", cwd=tmp_path)
+    bad = cli("certs", "renew", "--node", "worker-7", "--out", "c")
     assert bad.returncode == 2 and "worker-7" in bad.stderr
-    assert mobius_fed("certs", "rotate", "--out", "c", cwd=tmp_path).returncode == 0
+    assert cli("certs", "rotate", "--out", "c").returncode == 0
     assert (bundle / "ca.crt").read_bytes() != old_ca
 
 
@@ -243,3 +265,120 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_bindable():
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+# ------------------------------------------------------------- a run's state, like `ps`
+UP_TINY = ["--workers", "2", *TINY, "--eval-every", "0", "--threads", "1"]
+
+
+def test_status_of_a_starting_run_says_starting(tmp_path) -> None:
+    """endpoints.json says "starting" and its `up` is alive, but no coordinator answers
+    yet: status waits --timeout, then says so (exit 75), not "no endpoints.json" nor
+    "cannot reach"."""
+    from mobius_fed.cli.up import LocalFederation
+    from mobius_fed.config import TrainConfig
+
+    fed = LocalFederation(tmp_path / "run", TrainConfig(preset="cpu-tiny", workers=2))
+    fed.write_endpoints("starting")  # what `up` writes first; its pid is this live process
+    proc = mobius_fed("status", "--run", "run", "--timeout", "1", cwd=tmp_path)
+    assert proc.returncode == 75, (proc.stdout, proc.stderr)
+    out = _flat(proc.stdout)
+    assert "starting" in out and f"pid {os.getpid()}" in out and "--timeout 60" in out, out
+    proc = mobius_fed("status", "--run", "run", "--timeout", "0.5", "--json", cwd=tmp_path)
+    assert proc.returncode == 75 and json.loads(proc.stdout)["state"] == "starting"
+
+
+def test_up_writes_its_endpoints_before_preparing(tmp_path) -> None:
+    """`up` names its run in endpoints.json before certificates and data: a run that fails
+    while preparing is found by status, which says it exited (nothing recorded)."""
+    proc = mobius_fed("up", *UP_TINY, "--data", "missing.txt", "--out", "run", cwd=tmp_path)
+    assert proc.returncode == 2 and "missing.txt" in _flat(proc.stderr), proc.stderr
+    assert json.loads((tmp_path / "run" / "endpoints.json").read_text())["state"] == "exited"
+    proc = mobius_fed("status", "--run", "run", cwd=tmp_path)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    out = _flat(proc.stdout)
+    assert "exited" in out and "last known state: none recorded" in out, out
+
+
+def test_status_follows_up_from_start_to_kill_and_up_refuses_the_dead_runs_out(tmp_path) -> None:
+    """A real `up`: status (found as soon as endpoints.json exists) waits for the
+    coordinator and answers; after `kill -9` of up it reports the run dead with the last
+    step and checkpoint from the run directory; `up` into that --out then refuses unless
+    --resume or --force (which deletes the run's outputs, keeping certs and sites)."""
+    import signal
+    import time
+
+    from mobius_fed.coordinator.manifests import latest_manifest
+    from mobius_fed.coordinator.run_dir import earlier_run
+
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "mobius_fed.cli.main", "up", *UP_TINY, "--steps", "10000",
+            "--checkpoint-every", "2", "--out", str(run)]  # fmt: skip
+    up = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "endpoints.json").is_file():
+            assert up.poll() is None and time.monotonic() < deadline, up.stderr
+            time.sleep(0.02)
+        proc = mobius_fed("status", "--run", "run", "--timeout", "120", cwd=tmp_path)
+        assert proc.returncode == 0, (proc.stdout, proc.stderr)
+        assert "mobius-fed run" in proc.stdout and "workers" in proc.stdout
+        while (manifest := latest_manifest(run / "coordinator")) is None:
+            assert up.poll() is None and time.monotonic() < deadline, "no checkpoint"
+            time.sleep(0.1)
+        up.send_signal(signal.SIGKILL)
+        up.wait(timeout=30)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    saved = json.loads(manifest.read_text())["step"]
+    proc = mobius_fed("status", "--run", "run", cwd=tmp_path)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    out = _flat(proc.stdout)
+    assert "run run: dead" in out and f"pid {up.pid}" in out, out
+    assert "last known state: phase" in out and "last complete checkpoint: " in out, out
+    assert "continue it with: mobius-fed up --out run --resume" in out, out
+    proc = mobius_fed("status", "--run", "run", "--json", cwd=tmp_path)
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 3 and doc["state"] == "dead", doc
+    assert doc["last_known"]["step"] >= saved and doc["checkpoint"], doc
+
+    proc = mobius_fed("up", *UP_TINY, "--steps", "2", "--out", "run", cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    err = _flat(proc.stderr)
+    assert "--out run holds a run last seen at phase" in err and "--force" in err, err
+    assert "--resume" in err and latest_manifest(run / "coordinator") == manifest
+    # --force deletes the earlier run's outputs first (here the new run then stops at once,
+    # on its missing --data); certificates and sites stay.
+    proc = mobius_fed("up", *UP_TINY, "--force", "--data", "missing.txt", "--out", "run",
+                      cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2 and "missing.txt" in _flat(proc.stderr), proc.stderr
+    deleted = _flat(proc.stderr).split("--force: deleted the earlier run's ")[1]
+    assert deleted.startswith("coordinator, logs, endpoints.json, train.toml, worker-0"), deleted
+    assert earlier_run(run) is None and not (run / "worker-0").exists()
+    assert (run / "certs" / "ca.crt").is_file() and (run / "sites" / "site-1").is_dir()
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_generate_and_eval_threads_help_names_their_own_work(command: str) -> None:
+    from mobius_fed.cli.main import build_parser
+
+    sub = next(
+        a for a in build_parser([command])._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    text = _flat(sub.choices[command].format_help())
+    assert "--threads N torch intra-op threads" in text and "training" not in text, text
+    assert ("generation" if command == "generate" else "evaluation") in text, text
+
+
+def test_exported_models_folder_is_git_ignored() -> None:
+    """`mobius-fed export runs/up --out models` (the README's) writes into the checkout."""
+    repo = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("not a git checkout (or no git): nothing to ignore")
+    for path in ("models/origin-0/model.safetensors", "runs/up/endpoints.json"):
+        done = subprocess.run(
+            ["git", "check-ignore", "--no-index", "-q", path], cwd=repo, timeout=30
+        )
+        assert done.returncode == 0, f"{path} is not git-ignored"

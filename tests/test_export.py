@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -106,6 +108,10 @@ def test_one_origin_goes_to_out_itself_and_bad_origins_are_named(
         "model.safetensors",
         "modeling_mobius.py",
     ]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in d.iterdir()}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes  # safetensors alone: 0600
     card = (d / "README.md").read_text()
     assert "origin 1 of P = 2, its path\nF1 → F0 applied L = 2 times" in card
     with pytest.raises(ExportError, match=r"origin 2 does not exist \(the run has P=2"):

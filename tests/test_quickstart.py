@@ -97,7 +97,8 @@ def test_quickstart_commands_return_in_a_script(tmp_path: Path) -> None:
         PATH=f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}",
         MOBIUS_STEPS="20",  # the run's length only; the command is the README's
         MOBIUS_THREADS="1",
-        PYTEST_ADDOPTS="-p no:cacheprovider tests/test_schedule.py",  # a small part, once
+        # A small part, once, in one process (no two xdist workers importing torch for it).
+        PYTEST_ADDOPTS="-p no:cacheprovider -n 0 tests/test_schedule.py",
         **{INNER: "1"},
     )
     run, test = commands
@@ -121,6 +122,17 @@ def test_quickstart_commands_return_in_a_script(tmp_path: Path) -> None:
             assert (checkout / "models" / "origin-0" / "model.safetensors").is_file()
             assert out.strip(), "generate printed nothing"
     assert re.search(r"\d+ passed", out), out[-2000:]  # the test command ran tests
+    # What a newcomer tries next: the run is reported as over, and `up` again is refused.
+    for command, code, said in (
+        ("mobius-fed status", 3, "exited"),
+        ("mobius-fed up", 2, "--resume"),
+    ):
+        done = subprocess.run(
+            ["bash", "-c", command], cwd=checkout, env=env, capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+        told = " ".join((done.stdout + done.stderr).split())
+        assert done.returncode == code and said in told, (command, done.returncode, told)
     where = subprocess.run(
         ["python", "-c", "import mobius_fed; print(mobius_fed.__file__)"],
         cwd=tmp_path,
@@ -145,3 +157,17 @@ def test_up_lingers_only_where_a_person_watches(monkeypatch: pytest.MonkeyPatch)
     assert linger_default(None) == 0.0 and linger_default(30.0) == 30.0
     monkeypatch.setattr("sys.stdout", Terminal())
     assert linger_default(None) == -1.0 and linger_default(0.0) == 0.0
+
+
+def test_readme_figures_say_where_they_come_from() -> None:
+    """The quick start's measured figures (a loss, a wall time, a sampled text) are labelled
+    as one machine's, with the machine and the command that measured them."""
+    section = re.search(r"^## Quick start\n(.*?)(?=^## )", README.read_text(), re.S | re.M)
+    assert section is not None
+    figures = re.compile(r"Eq\. 8 \d\.\d{3,}|\b\d+ s\b")
+    paragraphs = [p for p in section.group(1).split("\n\n") if figures.search(p)]
+    assert paragraphs, "the quick start quotes no figure"
+    for text in paragraphs:
+        flat = " ".join(text.split())
+        assert "machine-specific" in flat and "development machine" in flat, flat
+        assert "docs/benchmarks.md" in flat and "`mobius-fed up > up.log`" in flat, flat

@@ -127,14 +127,27 @@ def _training(doc: dict) -> bool:
     return doc["phase"] == "training" and doc["step"] >= 5 and doc["checkpoint"] is not None
 
 
-@pytest.mark.slow
-def test_sigterm_coordinator_mid_run_exits_143_and_keeps_the_manifest(tmp_path: Path) -> None:
-    fed = _federation(tmp_path, steps=10_000)
+@pytest.fixture(scope="module")
+def terminated_mid_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One federation for the two mid-run checks below (one start, not two): it trains past
+    a checkpoint, then worker-1 gets SIGTERM, then the coordinator (the run not done)."""
+    fed = _federation(tmp_path_factory.mktemp("mid-run"), steps=10_000)
     try:
         _wait_status(fed, _training)
-        rc, seconds = _term(fed, "coordinator")
+        worker = _term(fed, "worker-1")
+        coordinator = _term(fed, "coordinator")
     finally:
         fed.stop(grace=5)
+    return {"fed": fed, "worker-1": worker, "coordinator": coordinator}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("signals-mid-run")
+def test_sigterm_coordinator_mid_run_exits_143_and_keeps_the_manifest(
+    terminated_mid_run: dict,
+) -> None:
+    fed = terminated_mid_run["fed"]
+    rc, seconds = terminated_mid_run["coordinator"]
     assert rc == 143, fed.tail("coordinator")
     assert seconds < STOP_WITHIN, f"coordinator took {seconds:.2f}s to stop"
     assert "SIGTERM received" in fed.tail("coordinator", 40)
@@ -147,18 +160,15 @@ def test_sigterm_coordinator_mid_run_exits_143_and_keeps_the_manifest(tmp_path: 
 
 
 @pytest.mark.slow
-def test_sigterm_worker_mid_run_exits_143(tmp_path: Path) -> None:
-    fed = _federation(tmp_path, steps=10_000)
-    try:
-        _wait_status(fed, _training)
-        rc, seconds = _term(fed, "worker-1")
-        assert rc == 143, fed.tail("worker-1")
-        assert seconds < STOP_WITHIN, f"worker-1 took {seconds:.2f}s to stop"
-        # The run is not done (it failed, or waits for worker-1 to come back): 143 too.
-        rc, seconds = _term(fed, "coordinator")
-        assert rc == 143 and seconds < STOP_WITHIN, (rc, seconds, fed.tail("coordinator"))
-    finally:
-        fed.stop(grace=5)
+@pytest.mark.xdist_group("signals-mid-run")
+def test_sigterm_worker_mid_run_exits_143(terminated_mid_run: dict) -> None:
+    fed = terminated_mid_run["fed"]
+    rc, seconds = terminated_mid_run["worker-1"]
+    assert rc == 143, fed.tail("worker-1")
+    assert seconds < STOP_WITHIN, f"worker-1 took {seconds:.2f}s to stop"
+    # The run is not done (it failed, or waits for worker-1 to come back): 143 too.
+    rc, seconds = terminated_mid_run["coordinator"]
+    assert rc == 143 and seconds < STOP_WITHIN, (rc, seconds, fed.tail("coordinator"))
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ Reads the status document over the coordinator's mTLS gRPC control service (defa
 its REST API (``--rest URL``), both with the operator certificate; ``--rest`` also takes a
 plain ``http://127.0.0.1:PORT`` URL of a coordinator serving REST in local mode.
 Without ``--coordinator``/``--rest`` it finds the coordinator of ``--run DIR`` (default
-``./runs/up``) from the ``endpoints.json`` that ``mobius-fed up`` writes there.
+``./runs/up``) from the ``endpoints.json`` that ``mobius-fed up`` writes there, and reports
+that run like ``docker compose ps``: starting, answering, or dead/exited with its last known
+state (docs/operations.md §3).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from rich.console import Console, OverflowMethod
 from rich.table import Table
 
 from mobius_fed.cli.common import CliError, add_run_flag, run_endpoints
+from mobius_fed.coordinator.endpoints import Endpoints
 from mobius_fed.coordinator.rest_client import COORDINATOR_NAME, get_status
 from mobius_fed.machines import EdgeState as E
 from mobius_fed.machines import IncidentState, Phase
@@ -63,34 +66,164 @@ def register(subparsers: Any) -> None:
         "http://127.0.0.1:PORT for a coordinator in local mode)",
     )
     p.add_argument("--json", action="store_true", help="print the raw status document")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        help="seconds to wait for an answer, also for a run still starting (default 5)",
+    )
     p.set_defaults(func=status_main)
 
 
 def status_main(args: argparse.Namespace) -> int:
-    """Fetch and print the status; CliError (exit 2) when it cannot be read."""
+    """Fetch and print the status; CliError (exit 2) when it cannot be read. A run found
+    through its endpoints.json that is starting or no longer running is reported as such
+    (:data:`EXIT_STARTING`, :data:`EXIT_NOT_RUNNING`)."""
     rest, addr, run = args.rest, args.coordinator, getattr(args, "run", None)
     timeout = float(args.timeout or 5.0)
+    console = Console(soft_wrap=True)
     ep = None
     if run is not None or not (rest or addr):
         ep = run_endpoints(run)
-        if ep is not None and not (rest or addr) and ep.alive() is False:
-            where = f"; its metrics and history are in {ep.out_dir}" if ep.out_dir else ""
-            raise CliError(
-                f"the `mobius-fed up` that wrote {ep.path} (pid {ep.pid}) has exited{where}"
-            )
+        if ep is not None and not (rest or addr):
+            return run_status(ep, args.certs, timeout, args.json, console)
     certs = Path(args.certs or (ep.certs_dir if ep else "certs"))
     if rest:
         doc = fetch_rest_status(rest, certs, timeout)
     else:
-        addr = addr or (ep.grpc if ep else DEFAULT_COORDINATOR)
-        doc = fetch_grpc_status(addr, certs, timeout)
-    console = Console(soft_wrap=True)
-    if args.json:
+        doc = fetch_grpc_status(addr or (ep.grpc if ep else DEFAULT_COORDINATOR), certs, timeout)
+    _print(doc, as_json=args.json, console=console)
+    return 0
+
+
+# --------------------------------------------------------------------------- a run's state
+EXIT_NOT_RUNNING = 3  # the run has exited or died: its last known state was printed
+EXIT_STARTING = 75  # EX_TEMPFAIL: starting, its coordinator did not answer within --timeout
+POLL_S = 0.25
+
+
+class Unreachable(CliError):
+    """Nothing answered at the coordinator's address (yet)."""
+
+
+def _print(doc: dict[str, Any], *, as_json: bool, console: Console) -> None:
+    if as_json:
         console.print_json(json.dumps(doc, allow_nan=True))
     else:
         render_status(doc, console)
-    return 0
+
+
+def _running(ep: Endpoints) -> bool:
+    return ep.state != "exited" and ep.alive() is not False
+
+
+def run_status(
+    ep: Endpoints, certs: Path | None, timeout: float, as_json: bool, console: Console
+) -> int:
+    """The status of the ``up`` run ``ep`` describes, like ``docker compose ps``: the
+    coordinator's own while it answers; "starting" while ``up`` prepares (waiting up to
+    ``timeout`` seconds for an answer); dead or exited, with the last known state from the
+    run directory, once ``up`` is gone."""
+    deadline = time.monotonic() + timeout
+    while _running(ep):
+        try:
+            tls_dir = Path(certs or ep.certs_dir)
+            remaining = max(0.5, deadline - time.monotonic())
+            doc = fetch_grpc_status(ep.grpc, tls_dir, min(timeout, remaining))
+        except CliError as exc:  # not answering (yet): starting, or restarting its coordinator
+            if not (isinstance(exc, Unreachable) or ep.state == "starting"):
+                raise
+            if time.monotonic() >= deadline:
+                if ep.state == "starting":
+                    return _report_starting(ep, timeout, as_json, console)
+                raise CliError(
+                    f"{exc}. The `mobius-fed up` that runs it (pid {ep.pid}) is alive: its "
+                    f"coordinator may be restarting; see {ep.path.parent / 'logs'}"
+                ) from None
+            time.sleep(POLL_S)
+            ep = _reread(ep)
+            continue
+        _print(doc, as_json=as_json, console=console)
+        return 0
+    return _report_not_running(ep, as_json, console)
+
+
+def _reread(ep: Endpoints) -> Endpoints:
+    """endpoints.json again (``up`` rewrites it as its state moves on)."""
+    from mobius_fed.coordinator.endpoints import EndpointsError, read_endpoints
+
+    try:
+        return read_endpoints(ep.path)
+    except EndpointsError:  # replaced right now: keep what we had
+        return ep
+
+
+def _since(path: Path) -> float:
+    try:
+        return max(0.0, time.time() - path.stat().st_mtime)
+    except OSError:
+        return 0.0
+
+
+def _report_starting(ep: Endpoints, timeout: float, as_json: bool, console: Console) -> int:
+    run = ep.path.parent
+    if as_json:
+        doc = {"run": str(run), "state": "starting", "pid": ep.pid, "since_s": _since(ep.path)}
+        console.print_json(json.dumps(doc))
+        return EXIT_STARTING
+    console.print(
+        f"run {run}: [yellow]starting[/] (`mobius-fed up` pid {ep.pid}, "
+        f"{_since(ep.path):.0f}s ago): certificates, site data and processes are being "
+        f"prepared, and its coordinator did not answer within {timeout:g}s. Wait for it "
+        f"with: mobius-fed status --run {run} --timeout 60",
+        highlight=False,
+    )
+    return EXIT_STARTING
+
+
+def _report_not_running(ep: Endpoints, as_json: bool, console: Console) -> int:
+    """A run nobody serves any more: dead (``up`` gone without a clean stop) or exited,
+    with its last known state from the coordinator's files."""
+    from mobius_fed.coordinator.run_dir import last_known
+
+    run = ep.path.parent
+    state = "exited" if ep.state in ("exited", None) else "dead"
+    known = last_known(ep.out_dir) if ep.out_dir else None
+    if as_json:
+        doc = {
+            "run": str(run),
+            "state": state,
+            "pid": ep.pid,
+            "last_known": known.status if known else None,
+            "last_known_at": known.written_at if known else None,
+            "checkpoint": str(known.checkpoint) if known and known.checkpoint else None,
+        }
+        console.print_json(json.dumps(doc, allow_nan=True))
+        return EXIT_NOT_RUNNING
+    if state == "dead":
+        console.print(
+            f"run {run}: [bold red]dead[/]: its `mobius-fed up` (pid {ep.pid}) is gone without "
+            "a clean stop (killed?), and its coordinator and workers with it",
+            highlight=False,
+        )
+    else:
+        console.print(
+            f"run {run}: [yellow]exited[/]: its `mobius-fed up` (pid {ep.pid}) has ended; "
+            "nothing serves its status any more",
+            highlight=False,
+        )
+    if known is None:
+        console.print(f"last known state: none recorded in {ep.out_dir}", highlight=False)
+    else:
+        console.print(
+            f"last known state: {known.summary()} ({known.source.name}, {known.age():.0f}s ago)",
+            highlight=False,
+        )
+        checkpoint = known.checkpoint or "none"
+        console.print(f"last complete checkpoint: {checkpoint}", highlight=False)
+    if state == "dead" or (known and known.status.get("phase") != "done"):
+        console.print(f"continue it with: mobius-fed up --out {run} --resume", highlight=False)
+    return EXIT_NOT_RUNNING
 
 
 # --------------------------------------------------------------------------- fetching
@@ -126,7 +259,7 @@ def fetch_grpc_status(addr: str, certs: Path, timeout: float) -> dict[str, Any]:
         if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
             raise CliError(f"coordinator at {addr} refused the status request: {detail}") from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise CliError(
+            raise Unreachable(
                 f"cannot reach coordinator at {addr} ({code.name.lower()}): {detail}"
             ) from None
         name = code.name if code is not None else type(exc).__name__

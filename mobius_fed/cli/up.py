@@ -4,6 +4,8 @@ with a progress bar, the final losses and checkpoint, and signals forwarded to i
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
 import time
@@ -30,7 +32,34 @@ if TYPE_CHECKING:  # torch loads only when up runs, not when `mobius-fed` builds
 STOP_GRACE = 5.0  # seconds children get after a forwarded signal, before SIGKILL
 
 
+def claim_out(out: Path, resume: bool | str | None, force: bool) -> None:
+    """Refuse an ``--out`` that a live ``up`` runs in, or that holds an earlier run unless
+    ``--resume`` (continue it) or ``--force`` (delete its outputs first): operations §3."""
+    from mobius_fed.coordinator.endpoints import EndpointsError, read_endpoints
+    from mobius_fed.coordinator.run_dir import clear_run, earlier_run
+
+    with contextlib.suppress(EndpointsError):
+        ep = read_endpoints(out)
+        if ep.state != "exited" and ep.alive() and ep.pid != os.getpid():
+            raise CliError(
+                f"--out {out}: a `mobius-fed up` (pid {ep.pid}) is running there; stop it "
+                f"first, or choose another --out (mobius-fed status --run {out})"
+            )
+    earlier = earlier_run(out)
+    if earlier is None or resume:
+        return
+    if not force:
+        raise CliError(
+            f"--out {out} holds {earlier}. Continue it with `mobius-fed up --out {out} "
+            f"--resume`, replace it with --force (deletes its checkpoints, metrics and logs), "
+            "or choose another --out"
+        )
+    gone = clear_run(out)
+    console.print(f"--force: deleted the earlier run's {', '.join(p.name for p in gone)}")
+
+
 def cmd_up(args, train: TrainConfig) -> int:
+    claim_out(Path(args.out), args.resume, getattr(args, "force", False))
     # The handler raises Terminated in this (main) thread; every child then gets the same
     # signal. The hard deadline is only a safety net beyond the children's grace.
     stop = GracefulStop("mobius-fed up", deadline=STOP_GRACE + 5).install()
@@ -80,6 +109,9 @@ def cmd_up(args, train: TrainConfig) -> int:
     finally:
         stop.ignore()
         fed.stop(grace=STOP_GRACE)  # nothing left running, whatever happened
+        if (fed.root / "endpoints.json").is_file():
+            with contextlib.suppress(OSError):  # `status`: the run has ended, nothing serves it
+                fed.write_endpoints("exited")
         stop.settle()
     if fed.restarts:
         print("restarts: " + ", ".join(f"{n} {c}" for n, c in sorted(fed.restarts.items())))
@@ -161,6 +193,7 @@ def _print_endpoints(fed: LocalFederation) -> None:
 
 def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
     """Prepare, start and watch the federation; the final status."""
+    fed.write_endpoints("starting")  # `status` finds the run before certs, data, processes
     fed.prepare()
     console.print(
         f"[bold]mobius-fed up[/]: coordinator + {train.P} workers on 127.0.0.1, "
@@ -281,6 +314,12 @@ def register(sub) -> None:
     add_resume_flag(
         p,
         "continue from the newest complete manifest; --resume auto: only if there is one",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="start afresh in an --out that holds an earlier run, deleting its checkpoints, "
+        "metrics and logs (certs and sites are kept); without it (or --resume) up refuses",
     )
     add_tracker_flag(p)
     p.set_defaults(func=up_main)

@@ -41,6 +41,7 @@ class Endpoints:
     out_dir: Path | None
     run_id: str
     pid: int | None
+    state: str | None = None  # starting | running | exited (None: written before states)
 
     @classmethod
     def from_doc(cls, path: Path, doc: dict[str, Any]) -> Endpoints:
@@ -63,6 +64,7 @@ class Endpoints:
                 out_dir=Path(doc["out_dir"]) if doc.get("out_dir") else None,
                 run_id=str(doc.get("run_id", "")),
                 pid=doc.get("pid"),
+                state=doc.get("state"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise EndpointsError(f"{path}: malformed endpoints file ({exc!r})") from None

@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
 import torch
@@ -138,8 +139,11 @@ def write_origin(model: Model, s: int, directory: Path) -> Path:
     tmp = directory / f".export-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        save_file(origin_state(model, conf), tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(conf, indent=2) + "\n")
+        save_file(origin_state(model, conf), tmp / WEIGHTS, metadata={"format": "pt"})
+        # safetensors creates its file 0600; every file of an export gets the mode a new
+        # file gets here (0644 under the usual umask 022), as config.json: docs/export.md
+        os.chmod(tmp / WEIGHTS, stat.S_IMODE((tmp / CONFIG).stat().st_mode))
         (tmp / CARD).write_text(model_card(conf))
         shutil.copyfile(Path(__file__).with_name(MODELING), tmp / MODELING)
         for name in (CARD, MODELING, CONFIG, WEIGHTS):

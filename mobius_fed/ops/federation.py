@@ -239,11 +239,13 @@ class LocalFederation:
         tls = None if self.rest_mode == "local" else self.operator_tls()
         return rest_get(self.rest_url, path, tls)
 
-    def endpoints(self) -> dict[str, Any]:
-        """What ``endpoints.json`` says about this federation (see coordinator/endpoints)."""
+    def endpoints(self, state: str = "running") -> dict[str, Any]:
+        """What ``endpoints.json`` says about this federation (see coordinator/endpoints);
+        ``state`` is ``up``'s own: starting, running or exited (operations §3)."""
         c = self.operator_tls()
         return {
             "run_id": "local-up",
+            "state": state,
             "pid": os.getpid(),
             "grpc": f"127.0.0.1:{self.coord_port}",
             "rest": self.rest_url,
@@ -261,8 +263,8 @@ class LocalFederation:
             "logs": str(self.logs.resolve()),
         }
 
-    def write_endpoints(self) -> Path:
-        return write_endpoints(self.root, self.endpoints())
+    def write_endpoints(self, state: str = "running") -> Path:
+        return write_endpoints(self.root, self.endpoints(state))
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         self._cmds[name] = cmd
