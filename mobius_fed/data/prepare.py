@@ -128,24 +128,35 @@ class _Progress:
         self.out = opts.log or sys.stderr
         bar = opts.progress if opts.progress is not None else self.out.isatty()
         self.start, self.base, self.total = time.monotonic(), done_bytes, total_bytes
-        self.bar = None
-        if bar:
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=total_bytes or None,
-                initial=done_bytes,
-                unit="B",
-                unit_scale=True,
-                desc="prepare",
-                file=self.out,
-                dynamic_ncols=True,
+        self.bar: Any = None  # a rich Progress on a terminal
+        if bar:  # rich (a dependency already): bytes, rate, ETA and the token count
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
             )
+
+            self.bar = Progress(
+                TextColumn("prepare"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[tokens]} tokens"),
+                console=Console(file=self.out),
+            )
+            self.task = self.bar.add_task(
+                "prepare", total=total_bytes or None, completed=done_bytes, tokens="0"
+            )
+            self.bar.start()
 
     def advance(self, nbytes: int, tokens: int) -> None:
         if self.bar is not None:
-            self.bar.update(nbytes)
-            self.bar.set_postfix_str(f"{tokens:,} tokens", refresh=False)
+            self.bar.update(self.task, advance=nbytes, tokens=f"{tokens:,}")
 
     def part(self, index: int, part: Part) -> None:
         if self.bar is not None:
@@ -162,7 +173,8 @@ class _Progress:
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.close()
+            self.bar.stop()
+            self.bar = None
 
 
 def _request(inputs: list[Path], text: str | None, opts: PrepareOptions, mode: str) -> dict:
