@@ -115,6 +115,12 @@ PRESETS: dict[str, dict] = {
     "cpu-tiny": dict(n_layer=12, d_model=32, n_head=2, head_dim=16, vocab_size=None, seq_len=32),
     "cpu-small": dict(n_layer=12, d_model=96, n_head=3, head_dim=32, vocab_size=None, seq_len=128),
     "cpu-base": dict(n_layer=12, d_model=192, n_head=6, head_dim=32, vocab_size=None, seq_len=256),
+    # The width ladder of the compression benchmark (docs/wan.md §7): one depth, one context,
+    # one vocabulary; only the width d (and the heads with it) changes.
+    "width-48": dict(n_layer=12, d_model=48, n_head=3, head_dim=16, vocab_size=None, seq_len=64),
+    "width-96": dict(n_layer=12, d_model=96, n_head=3, head_dim=32, vocab_size=None, seq_len=64),
+    "width-192": dict(n_layer=12, d_model=192, n_head=6, head_dim=32, vocab_size=None, seq_len=64),
+    "width-384": dict(n_layer=12, d_model=384, n_head=6, head_dim=64, vocab_size=None, seq_len=64),
 }
 
 
