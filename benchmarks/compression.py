@@ -51,9 +51,16 @@ def hop_bytes(cfg) -> tuple[int, int]:
 
     mc = cfg.model()
     shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, mc.subspace_rank or mc.d_model)
-    plain = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.wire_dtype] * math.prod(shape)
+    # mode tokens: a forward slot carries one more channel, the token ids (16-bit with a
+    # codec, a channel of the wire dtype without one)
+    tokens = cfg.subspace.on and cfg.subspace.mode == "tokens"
+    fwd_shape = (*shape[:-1], shape[-1] + 1) if tokens else shape
+    item = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.wire_dtype]
     fwd, bwd = codecs(cfg)
-    return tuple(plain if c.lossless else c.payload_bytes(shape) for c in (fwd, bwd))
+    return tuple(
+        item * math.prod(sh) if c.lossless else c.payload_bytes(sh)
+        for c, sh in ((fwd, fwd_shape), (bwd, shape))
+    )
 
 
 def step_bytes(cfg) -> tuple[int, int]:
@@ -73,8 +80,8 @@ def step_bytes(cfg) -> tuple[int, int]:
 
 
 def parse_subspace(text: str) -> dict:
-    """``off`` or ``rank=K[,mode=stream|home][,writes=basis|full]`` → TrainConfig.subspace's
-    fields."""
+    """``off`` or ``rank=K[,mode=stream|home|tokens][,writes=basis|full]`` →
+    TrainConfig.subspace's fields."""
     if text == "off":
         return {}
     fields = dict(item.split("=", 1) for item in text.split(",") if item)
@@ -201,7 +208,8 @@ def _arg_parser() -> argparse.ArgumentParser:
         "--subspace",
         nargs="+",
         default=["off"],
-        help="off or rank=K[,mode=stream|home][,writes=basis|full] (TrainConfig.subspace); "
+        help="off or rank=K[,mode=stream|home|tokens][,writes=basis|full] "
+        "(TrainConfig.subspace); "
         "each × each --wire",
     )
     p.add_argument("--arms", nargs="+", default=[f"{o}:{L}" for o, L in ARMS])

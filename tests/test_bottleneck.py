@@ -42,6 +42,16 @@ def test_bad_settings_are_refused_with_the_reason():
         TrainConfig(preset="cpu-tiny", order="ordered", subspace={"rank": 8, "mode": "home"})
     with pytest.raises(ValidationError, match="mode"):
         TrainConfig(preset="cpu-tiny", subspace={"rank": 8, "mode": "sideways"})
+    tokens = {"rank": 8, "mode": "tokens"}
+    for privacy, named in (
+        ({"home_input": "rotation"}, "home_input = 'rotation'"),
+        ({"input_noise": 0.5}, "input_noise = 0.5"),
+        ({"decorrelation": 0.1}, "decorrelation = 0.1"),
+    ):
+        with pytest.raises(ValidationError, match=f"{named}.*token ids travel in the clear"):
+            TrainConfig(preset="cpu-tiny", subspace=tokens, privacy=privacy)
+    with pytest.raises(ValidationError, match="wire_dtype 'bf16' and no forward codec"):
+        TrainConfig(preset="cpu-tiny", subspace=tokens, wire_dtype="bf16")
     cfg = TrainConfig(preset="cpu-tiny", subspace={"rank": 8})
     with pytest.raises(ValueError, match=r"needs a basis of shape \(32, 8\)"):
         from mobius_fed.model.group import BlockGroup
@@ -74,20 +84,27 @@ def test_off_is_the_paper_model_and_on_writes_through_u():
     assert all(torch.equal(a, b) for a, b in zip(g_off.parameters(), g_full.parameters()))
 
 
-def _direct_gradients(engine: ReferenceEngine) -> tuple[list[float], list[torch.Tensor]]:
+def _direct_gradients(
+    engine: ReferenceEngine, remote_b: bool = True
+) -> tuple[list[float], list[torch.Tensor]]:
     """Eq. 8's training losses and gradients of one step as one autograd graph per origin
-    (no hops, no engine machinery): the oracle for the engine's coordinate bookkeeping."""
+    (no hops, no engine machinery): the oracle for the engine's coordinate bookkeeping.
+    Mode ``tokens``: group i adds b = E_i(x_s) from its own replica (``remote_b`` False:
+    a remote group omits it, the bug the oracle must tell apart)."""
     cfg, U = engine.cfg, engine.maps.basis.U
-    home = cfg.subspace.mode == "home"
+    home, tokens = cfg.subspace.mode == "home", cfg.subspace.mode == "tokens"
     losses = []
     for s in range(cfg.P):
         x, y = engine.sites[s].batch("train", seed=cfg.seed, step=0, batch_size=cfg.batch_size)
         e = engine.replicas[s].embed(x)
-        c = torch.zeros(*e.shape[:-1], U.size(1)) if home else e @ U
+        c = torch.zeros(*e.shape[:-1], U.size(1)) if home or tokens else e @ U
         for t, i in enumerate(schedule.path(cfg.order, s, cfg.P, cfg.loops)):
-            b = e if home and i == s else torch.zeros_like(e)
+            if tokens and (remote_b or i == s):
+                b = engine.replicas[i].embed(x)
+            else:
+                b = e if home and i == s else torch.zeros_like(e)
             c = (engine.groups[i](c @ U.T + b, t) - b) @ U
-        loss = engine.replicas[s].loss(c @ U.T + (e if home else 0), y)
+        loss = engine.replicas[s].loss(c @ U.T + (e if home or tokens else 0), y)
         (loss / cfg.P).backward()  # groups: mean over origins
         losses.append(loss.item())
     grads = [p.grad.clone() for g in engine.groups for p in g.parameters()]
@@ -101,6 +118,8 @@ def _direct_gradients(engine: ReferenceEngine) -> tuple[list[float], list[torch.
         ("stream", "ordered", 2, "basis"),
         ("home", "cyclic", 2, "basis"),
         ("home", "cyclic", 1, "full"),
+        ("tokens", "ordered", 1, "full"),
+        ("tokens", "cyclic", 2, "basis"),
     ],
 )
 def test_engine_gradients_equal_one_autograd_graph(
@@ -119,6 +138,29 @@ def test_engine_gradients_equal_one_autograd_graph(
     for a, b in zip(mine, oracle):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), (a - b).abs().max()
     assert any(a.abs().sum() > 0 for a in mine[:-3]), "the groups must receive gradient"
+
+
+def test_tokens_mode_fails_the_oracle_when_a_remote_group_omits_b(tmp_path, tiny_train, corpus_engine):
+    """Mode tokens: every group on a stream's path adds b = E_i(x_s) from its own E. An
+    engine whose remote groups skipped b would match the oracle with ``remote_b=False``;
+    the engine matches the full oracle and not that one, and a remote replica's E receives
+    gradient from the streams of the other origins."""
+    sub = {"rank": 8, "mode": "tokens"}
+    cfg = TrainConfig(**tiny_train, workers=3, subspace=sub)
+    engine = corpus_engine(cfg, tmp_path)
+    got = engine.compute_gradients()
+    mine = [p.grad.clone() for m in engine.groups + engine.replicas for p in m.parameters()]
+    for m in engine.groups + engine.replicas:
+        m.zero_grad(set_to_none=True)
+    _, omitted = _direct_gradients(engine, remote_b=False)
+    for m in engine.groups + engine.replicas:
+        m.zero_grad(set_to_none=True)
+    want, oracle = _direct_gradients(engine)
+    assert got == pytest.approx(want, abs=1e-6)
+    # (at step 0 the zero-initialised output projections make every loss equal: the
+    # gradients tell the two apart)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(mine, oracle))
+    assert not all(torch.allclose(a, b, rtol=1e-2, atol=1e-5) for a, b in zip(mine, omitted))
 
 
 def test_subspace_trains(tiny_train, corpus_engine):
@@ -197,6 +239,9 @@ RING_CASES = [
         },
     ),
     ("ordered", 1, "stream", {"wire_fwd": "int8"}),
+    # token ids travel with the coordinates; every group rebuilds b = E_i(x_s)
+    ("cyclic", 1, "tokens", {"wire_fwd": "int8", "wire_bwd": "int4", "wire_rounding": "stochastic"}),
+    ("ordered", 2, "tokens", {"subspace_writes": "full", "wire_bwd": "int4"}),
 ]
 
 

@@ -12,7 +12,7 @@ Precision = Literal["bf16", "fp32"]
 """Block arithmetic on CUDA: bf16 autocast (residual stream fp32) or fp32 throughout."""
 HomeInput = Literal["off", "rotation", "mlp", "block"]
 """The private input layer each origin applies to E(x) (``privacy.home_input``)."""
-SubspaceMode = Literal["stream", "home"]
+SubspaceMode = Literal["stream", "home", "tokens"]
 SubspaceWrites = Literal["basis", "full"]
 
 
@@ -89,7 +89,8 @@ class SubspaceConfig(BaseModel):
     mode: SubspaceMode = Field(
         "stream",
         description="stream: the embedding is projected too (b = 0); home: the token "
-        "embedding stays at its origin (b = E(x) there, cyclic order only)",
+        "embedding stays at its origin (b = E(x) there, cyclic order only); tokens: the token "
+        "ids travel with the coordinates and every group rebuilds b = E(x) from its own E",
     )
     writes: SubspaceWrites = Field(
         "basis",
