@@ -304,3 +304,44 @@ def test_bytes_and_projection_count_the_coordinates():
     assert r["step_s"] == pytest.approx(0.05 + 4 * 0.01)
     with pytest.raises(ValueError, match="link rate '1gbps'"):
         wan.parse_rate_bps("1gbps")
+
+
+def test_tokens_mode_exports_and_generates(site_dirs: list[Path], tmp_path: Path):
+    """Mode tokens in the exported model: after the final barrier every E is the same, so
+    the file's one E rebuilds b at every group and its loss equals the run's evaluation;
+    the KV cache equals the full forward and generation is seeded."""
+    from mobius_fed.data import SiteData
+    from mobius_fed.export import export_run, load
+    from mobius_fed.export.generation import Decoder, generate_ids
+
+    cfg = TrainConfig(
+        preset="cpu-tiny", workers=2, loops=2, steps=2, batch_size=2, eval_batches=2,
+        subspace={"rank": 8, "mode": "tokens"},
+    )  # fmt: skip
+    sites = [SiteData(d, cfg.model().seq_len) for d in site_dirs]
+    engine = ReferenceEngine(cfg, sites)
+    for _ in range(cfg.steps):
+        engine.train_step()
+    engine.save(tmp_path / "run" / "checkpoint.pt")
+    want = engine.evaluate().origin_losses
+    dirs = export_run(tmp_path / "run", tmp_path / "models")
+    assert json.loads((dirs[0] / "config.json").read_text())["subspace_mode"] == "tokens"
+    models = [load(d) for d in dirs]
+    got = []
+    for s, model in enumerate(models):
+        losses = []
+        for b in range(cfg.eval_batches):
+            x, y = sites[s].batch("val", seed=cfg.seed, step=b, batch_size=cfg.batch_size)
+            with torch.no_grad():
+                logits = model(x)
+            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+        got.append(float(torch.stack(losses).mean()))
+    assert got == pytest.approx(want, abs=1e-5)
+    ids = list(b"The ship sails at dawn")
+    with torch.no_grad():
+        full = models[1](torch.tensor([ids]))[0]
+    dec = Decoder(models[1])
+    steps = [dec.feed(ids[:6])] + [dec.feed([t]) for t in ids[6:]]
+    torch.testing.assert_close(torch.stack(steps), full[5:], atol=1e-5, rtol=1e-5)
+    a = generate_ids(models[1], ids[:4], max_new_tokens=12, seed=3)
+    assert a == generate_ids(models[1], ids[:4], max_new_tokens=12, seed=3) and len(a) == 12
