@@ -140,7 +140,9 @@ def test_engine_gradients_equal_one_autograd_graph(
     assert any(a.abs().sum() > 0 for a in mine[:-3]), "the groups must receive gradient"
 
 
-def test_tokens_mode_fails_the_oracle_when_a_remote_group_omits_b(tmp_path, tiny_train, corpus_engine):
+def test_tokens_mode_fails_the_oracle_when_a_remote_group_omits_b(
+    tmp_path, tiny_train, corpus_engine
+):
     """Mode tokens: every group on a stream's path adds b = E_i(x_s) from its own E. An
     engine whose remote groups skipped b would match the oracle with ``remote_b=False``;
     the engine matches the full oracle and not that one, and a remote replica's E receives
@@ -240,7 +242,12 @@ RING_CASES = [
     ),
     ("ordered", 1, "stream", {"wire_fwd": "int8"}),
     # token ids travel with the coordinates; every group rebuilds b = E_i(x_s)
-    ("cyclic", 1, "tokens", {"wire_fwd": "int8", "wire_bwd": "int4", "wire_rounding": "stochastic"}),
+    (
+        "cyclic",
+        1,
+        "tokens",
+        {"wire_fwd": "int8", "wire_bwd": "int4", "wire_rounding": "stochastic"},
+    ),
     ("ordered", 2, "tokens", {"subspace_writes": "full", "wire_bwd": "int4"}),
 ]
 

@@ -201,9 +201,7 @@ class ReferenceEngine:
                 entry = self.maps.enter(self.replicas[s].embed(x), grad=False, ids=x)
                 h = self._forward_hop(entry.slot0, "eval", self.step, s, 0, j)
                 for t, i in enumerate(route):
-                    out = self.maps.apply(
-                        self.groups[i], h, t, i, s, entry, self.replicas[i].embed
-                    )
+                    out = self.maps.apply(self.groups[i], h, t, i, s, entry, self.replicas[i].embed)
                     h = self._forward_hop(out, "eval", self.step, s, t + 1, j)
                 losses.append(self.replicas[s].loss(self.maps.head(h, entry), y))
             per_origin.append(mean_loss(losses))

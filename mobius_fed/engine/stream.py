@@ -136,7 +136,7 @@ class StreamMaps:
     def grad_out(self, g: Tensor) -> Tensor:
         """What a backward hop carries for a slot's gradient ``g``: in mode ``tokens`` its
         coordinates' part [B, T, k] (the ids channel's gradient is 0 and is not sent)."""
-        return g[..., : -1].contiguous() if self.tokens else g
+        return g[..., :-1].contiguous() if self.tokens else g
 
     def grad_in(self, g: Tensor) -> Tensor:
         """The slot's gradient from what a backward hop carried (mode ``tokens``: a zero
