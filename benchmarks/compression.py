@@ -232,6 +232,9 @@ def _arg_parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = _arg_parser().parse_args()
+    if args.width_law:  # reads result files only
+        print(width_law(args.width_law, args.figure))
+        return 0
     if args.one:
         order, loops, wire, seed, sub = args.one
         row = run_arm(
@@ -281,9 +284,6 @@ def main() -> int:
     ]
     if args.table:  # every row of --out for these steps, preset and seeds
         rows = [r for r in rows if f"{r['order']}:{r['loops']}" in args.arms]
-    if args.width_law:
-        print(width_law(args.width_law, args.figure))
-        return 0
     if all(r["subspace"] == "off" for r in rows):
         print(table(rows))
     else:
