@@ -206,6 +206,18 @@ def test_frame_rules_accept_exactly_the_coordinates(tiny_train):
     frame, data = _tensor_frame(full)  # a full-width hidden state: refused, shape named
     with pytest.raises(FrameError, match=r"shape \(4, 32, 32\) \(expected \(4, 32, 8\)\)"):
         TensorAssembler(rules.shape, "fp32").add("k", frame, data=data)
+    # mode tokens: forward slots carry one more channel (the ids), gradients do not
+    tokens = FrameRules(
+        TrainConfig(**tiny_train, workers=2, subspace={"rank": 8, "mode": "tokens"}),
+        1,
+        "r",
+        lambda: 0,
+    )
+    assert tokens.shape_of(ring_pb2.FORWARD) == (4, 32, 9)
+    assert tokens.shape_of(ring_pb2.BACKWARD) == (4, 32, 8)
+    frame, data = _tensor_frame((4, 32, 8))  # coordinates without their ids: refused
+    with pytest.raises(FrameError, match=r"shape \(4, 32, 8\) \(expected \(4, 32, 9\)\)"):
+        TensorAssembler(tokens.shape_of(ring_pb2.FORWARD), "fp32").add("k", frame, data=data)
 
 
 # ----------------------------------------------------------------- ring == reference
@@ -303,6 +315,11 @@ def test_bytes_and_projection_count_the_coordinates():
     codec = {"fwd": "int8", "bwd": "int4", "rounding": "stochastic"}
     sent, fp32 = compression.step_bytes(TrainConfig(subspace=sub, wire=codec))
     assert fp32 / sent == pytest.approx(32 / ((8.25 + 4.25) / 2) * 8)
+    # mode tokens: each forward hop also carries a 16-bit id per token
+    tok = compression.parse_subspace("rank=12,mode=tokens")
+    fwd, bwd = compression.hop_bytes(TrainConfig(subspace=tok, wire=codec))
+    plain_fwd, plain_bwd = compression.hop_bytes(TrainConfig(subspace=sub, wire=codec))
+    assert (fwd - plain_fwd, bwd) == (2 * 8 * 128, plain_bwd)  # batch 8 × 128 tokens
     # the figure: gpt2-small, batch 8, P = 4, bf16: 100.7 MB per worker and step
     assert wan.worker_bytes("gpt2-small", 4, 1, 8, "bf16") == 2 * 4 * 8 * 1024 * 768 * 2
     r = wan.project(0.05, 1.25e8, 1e9, 0.0, 4)  # 1 Gbit/s moves 125 MB in 1 s
