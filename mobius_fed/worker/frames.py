@@ -60,13 +60,15 @@ class FrameRules:
         # ``tokens``: the assembler refuses a tensor of any other shape.
         width = mc.subspace_rank or mc.d_model
         self.shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, width)
-        ids = cfg.subspace.on and cfg.subspace.mode == "tokens"
-        self.forward_shape = (*self.shape[:-1], width + 1) if ids else self.shape
+        self.ids = cfg.subspace.on and cfg.subspace.mode == "tokens"
         self.current_step = current_step
 
-    def shape_of(self, direction: int) -> tuple[int, int, int]:
-        """The shape of a tensor travelling ``direction`` (FORWARD or BACKWARD)."""
-        return self.forward_shape if direction == FORWARD else self.shape
+    def shape_of(self, direction: int) -> tuple[int, ...]:
+        """The shape of a tensor travelling ``direction`` (FORWARD or BACKWARD): ``shape``,
+        forward with the ids channel in mode ``tokens``."""
+        if self.ids and direction == FORWARD:
+            return (*self.shape[:-1], self.shape[-1] + 1)
+        return tuple(self.shape)
 
     # ----------------------------------------------------------------- routes
     def consumer(self, origin: int, slot: int) -> int:
