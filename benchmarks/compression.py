@@ -51,9 +51,16 @@ def hop_bytes(cfg) -> tuple[int, int]:
 
     mc = cfg.model()
     shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, mc.subspace_rank or mc.d_model)
-    plain = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.wire_dtype] * math.prod(shape)
+    # mode tokens: a forward slot carries one more channel, the token ids (16-bit with a
+    # codec, a channel of the wire dtype without one)
+    tokens = cfg.subspace.on and cfg.subspace.mode == "tokens"
+    fwd_shape = (*shape[:-1], shape[-1] + 1) if tokens else shape
+    item = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.wire_dtype]
     fwd, bwd = codecs(cfg)
-    return tuple(plain if c.lossless else c.payload_bytes(shape) for c in (fwd, bwd))
+    return tuple(
+        item * math.prod(sh) if c.lossless else c.payload_bytes(sh)
+        for c, sh in ((fwd, fwd_shape), (bwd, shape))
+    )
 
 
 def step_bytes(cfg) -> tuple[int, int]:
@@ -73,8 +80,8 @@ def step_bytes(cfg) -> tuple[int, int]:
 
 
 def parse_subspace(text: str) -> dict:
-    """``off`` or ``rank=K[,mode=stream|home][,writes=basis|full]`` → TrainConfig.subspace's
-    fields."""
+    """``off`` or ``rank=K[,mode=stream|home|tokens][,writes=basis|full]`` →
+    TrainConfig.subspace's fields."""
     if text == "off":
         return {}
     fields = dict(item.split("=", 1) for item in text.split(",") if item)
@@ -201,13 +208,22 @@ def _arg_parser() -> argparse.ArgumentParser:
         "--subspace",
         nargs="+",
         default=["off"],
-        help="off or rank=K[,mode=stream|home][,writes=basis|full] (TrainConfig.subspace); "
+        help="off or rank=K[,mode=stream|home|tokens][,writes=basis|full] "
+        "(TrainConfig.subspace); "
         "each × each --wire",
     )
     p.add_argument("--arms", nargs="+", default=[f"{o}:{L}" for o, L in ARMS])
     p.add_argument("--jobs", type=int, default=1, help="arms trained at once")
     p.add_argument("--out", default="runs/compression.jsonl", help="results (JSON lines)")
     p.add_argument("--table", action="store_true", help="print the table of --out; train nothing")
+    p.add_argument(
+        "--width-law",
+        nargs="+",
+        metavar="JSONL",
+        help="print the width-law table of these result files (every preset, steps and seed "
+        "in them), the power-law fit and the targets; train nothing",
+    )
+    p.add_argument("--figure", help="with --width-law: write Δ vs d per scheme here (png)")
     p.add_argument(
         "--one", nargs=5, metavar=("ORDER", "L", "WIRE", "SEED", "SUB"), help=argparse.SUPPRESS
     )
@@ -216,6 +232,9 @@ def _arg_parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = _arg_parser().parse_args()
+    if args.width_law:  # reads result files only
+        print(width_law(args.width_law, args.figure))
+        return 0
     if args.one:
         order, loops, wire, seed, sub = args.one
         row = run_arm(
@@ -345,6 +364,202 @@ def subspace_table(rows: list[dict]) -> str:
             f"| {cells[0]} | {cells[1]} |"
         )
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ the width law
+
+TARGET_RATIO, MOONSHOT_RATIO, TARGET_DELTA, TARGET_UPPER = 32.0, 100.0, 0.02, 0.03
+EXTRAPOLATE_TO = (768, 2048, 4096)
+
+
+def _scheme(row: dict, d: int) -> str:
+    """A scheme comparable across widths: mode, writes, k as a fraction of d, wire."""
+    sub = parse_subspace(row["subspace"])
+    if not sub:
+        return f"off; {row['wire']}"
+    frac = f"d/{d // sub['rank']}" if d % sub["rank"] == 0 else f"{sub['rank']}/{d}·d"
+    return f"{sub['mode']}, {sub.get('writes', 'basis')}, k={frac}; {row['wire']}"
+
+
+def _tokens_per_parameter(row: dict) -> float:
+    from mobius_fed.config import TrainConfig
+    from mobius_fed.model.groups import count_parameters
+
+    cfg = TrainConfig(preset=row["preset"], workers=4, loops=row["loops"], order=row["order"])
+    return row["steps"] * cfg.tokens_per_step / count_parameters(cfg.model())
+
+
+def paired_stats(deltas: list[float]) -> tuple[float, float | None]:
+    """(mean, 95 % t half-width; None for one value) of paired Δs."""
+    n = len(deltas)
+    mean = sum(deltas) / n
+    if n < 2:
+        return mean, None
+    sd = (sum((d - mean) ** 2 for d in deltas) / (n - 1)) ** 0.5
+    return mean, T975.get(n - 1, 1.96) * sd / n**0.5
+
+
+def power_law(points: list[tuple[float, float]]) -> dict:
+    """Least squares of log Δ = log a − β log d over (d, Δ > 0) points: a, β, and the
+    residual standard error of log Δ (None with two points: the line passes through
+    both). ``predict(d)`` gives Δ and its 95 % interval for a new width."""
+    xs = [math.log(d) for d, _ in points]
+    ys = [math.log(v) for _, v in points]
+    n = len(points)
+    if n < 2 or any(v <= 0 for _, v in points):
+        raise ValueError("a power law needs ≥ 2 widths with Δ > 0")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    icpt = my - slope * mx
+    se = None
+    if n > 2:
+        se = (sum((y - icpt - slope * x) ** 2 for x, y in zip(xs, ys)) / (n - 2)) ** 0.5
+
+    def predict(d: float) -> tuple[float, tuple[float, float] | None]:
+        x = math.log(d)
+        mid = icpt + slope * x
+        if se is None:
+            return math.exp(mid), None
+        half = T975.get(n - 2, 1.96) * se * (1 + 1 / n + (x - mx) ** 2 / sxx) ** 0.5
+        return math.exp(mid), (math.exp(mid - half), math.exp(mid + half))
+
+    def width_for(delta: float) -> float:
+        """The width at which the fitted Δ falls to ``delta`` (inf when it grows)."""
+        if slope >= 0:
+            return math.inf
+        return math.exp((math.log(delta) - icpt) / slope)
+
+    return {
+        "a": math.exp(icpt),
+        "beta": -slope,
+        "se": se,
+        "predict": predict,
+        "width_for": width_for,
+    }
+
+
+def width_law(paths: list[str], figure: str | None = None) -> str:
+    """The width-law table of result files: per (scheme, width) the paired Δ Eq. 8 against
+    the unconstrained fp32 model of the same preset, steps and seed, with its 95 % CI, the
+    ratio on the wire, tokens per parameter; per scheme a power-law fit of Δ against d
+    extrapolated to :data:`EXTRAPOLATE_TO`; and the issue's targets, met or missed."""
+    from mobius_fed.config import TrainConfig
+
+    rows = [json.loads(x) for p in paths for x in Path(p).read_text().splitlines() if x.strip()]
+    for r in rows:
+        r.setdefault("subspace", "off")
+    widths = {r["preset"]: TrainConfig(preset=r["preset"]).model().d_model for r in rows}
+    base = {
+        (r["preset"], r["steps"], r["order"], r["loops"], r["seed"]): r["eq8"]
+        for r in rows
+        if r["subspace"] == "off" and r["wire"] == "none"
+    }
+    cells: dict[tuple[str, int], dict] = {}
+    for r in rows:
+        if r["subspace"] == "off" and r["wire"] == "none":
+            continue
+        key = (r["preset"], r["steps"], r["order"], r["loops"], r["seed"])
+        if key not in base:
+            continue
+        d = widths[r["preset"]]
+        cell = cells.setdefault(
+            (_scheme(r, d), d),
+            {
+                "deltas": [],
+                "ratio": r["ratio"],
+                "tpp": _tokens_per_parameter(r),
+                "steps": r["steps"],
+            },
+        )
+        cell["deltas"].append(r["eq8"] - base[key])
+    lines = [
+        "| scheme | d | steps | tokens/param | ratio on the wire | Δ Eq. 8 vs fp32 (95 % CI) | n |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    fits: dict[str, list[tuple[float, float]]] = {}
+    for (scheme, d), c in sorted(cells.items()):
+        mean, half = paired_stats(c["deltas"])
+        ci = f"{mean:+.3f}" + ("" if half is None else f" ± {half:.3f}")
+        lines.append(
+            f"| {scheme} | {d} | {c['steps']} | {c['tpp']:.2f} | {c['ratio']:.1f}× | {ci} "
+            f"| {len(c['deltas'])} |"
+        )
+        c["mean"], c["half"] = mean, half
+        fits.setdefault(scheme, []).append((d, mean))
+    out = "\n".join(lines) + "\n"
+    for scheme, points in fits.items():
+        if len({d for d, _ in points}) < 2 or any(v <= 0 for _, v in points):
+            out += f"\n{scheme}: no fit (needs ≥ 2 widths with Δ > 0)\n"
+            continue
+        fit = power_law(points)
+        preds = []
+        for d in EXTRAPOLATE_TO:
+            mid, iv = fit["predict"](d)
+            preds.append(
+                f"d={d}: {mid:+.3f}" + ("" if iv is None else f" [{iv[0]:.3f}, {iv[1]:.3f}]")
+            )
+        se = "" if fit["se"] is None else f", residual s.e. of log Δ {fit['se']:.3f}"
+        out += (
+            f"\n{scheme}: Δ ≈ {fit['a']:.3g}·d^−{fit['beta']:.3f}{se}; "
+            + "; ".join(preds)
+            + f"; Δ = {TARGET_DELTA} at d ≈ {fit['width_for'](TARGET_DELTA):.0f}\n"
+        )
+    out += "\n" + targets(cells, fits)
+    if figure:
+        _figure(cells, fits, figure)
+    return out
+
+
+def targets(cells: dict, fits: dict) -> str:
+    """The issue's targets at the widest width measured: ≥ 32× at |Δ| ≤ 0.02 with the 95 %
+    CI's upper bound ≤ 0.03, and the moonshot ≥ 100× at |Δ| ≤ 0.02."""
+    if not cells:
+        return "targets: no arm measured\n"
+    widest = max(d for _, d in cells)
+    lines = [f"targets at the widest width measured, d = {widest}:"]
+    for name, ratio in (("target", TARGET_RATIO), ("moonshot", MOONSHOT_RATIO)):
+        arms = [(s, c) for (s, d), c in cells.items() if d == widest and c["ratio"] >= ratio]
+        if not arms:
+            lines.append(f"- {name} ≥ {ratio:.0f}×: no arm at that ratio measured at d = {widest}")
+            continue
+        scheme, c = min(arms, key=lambda a: abs(a[1]["mean"]))
+        upper = abs(c["mean"]) + (c["half"] or 0.0)
+        met = abs(c["mean"]) <= TARGET_DELTA and (name != "target" or upper <= TARGET_UPPER)
+        where = ""
+        if not met and scheme in fits and len({d for d, _ in fits[scheme]}) >= 2:
+            at = power_law(fits[scheme])["width_for"](TARGET_DELTA)
+            where = f"; the fit reaches {TARGET_DELTA} at d ≈ {at:.0f}"
+        verdict = "MET" if met else f"MISSED by {abs(c['mean']) - TARGET_DELTA:.3f}"
+        if met and name == "target" and c["half"] is None:
+            verdict = "MET on one seed (no interval: the CI bound is unchecked)"
+        ci = "" if c["half"] is None else f", CI upper {upper:.3f}"
+        lines.append(
+            f"- {name} ≥ {ratio:.0f}× at |Δ| ≤ {TARGET_DELTA}: {verdict} (best: {scheme}, "
+            f"{c['ratio']:.1f}×, Δ {c['mean']:+.3f}{ci}{where})"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _figure(cells: dict, fits: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for scheme, points in fits.items():
+        ds = sorted(d for d, _ in points)
+        means = [cells[(scheme, d)]["mean"] for d in ds]
+        errs = [cells[(scheme, d)]["half"] or 0.0 for d in ds]
+        ax.errorbar(ds, means, yerr=errs, marker="o", capsize=3, label=scheme)
+    ax.axhline(TARGET_DELTA, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("width d")
+    ax.set_ylabel("Δ Eq. 8 vs fp32 model of the same width")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -137,8 +137,44 @@ class TrainConfig(BaseModel):
                 "would reach the groups before its origin's with no input (its embedding "
                 "stays home); use mode 'stream'"
             )
+        if self.subspace.on and self.subspace.mode == "tokens":
+            self._check_tokens_mode()
         self.model()  # raises on layers not divisible by P (and a rank above d_model)
         return self
+
+    def _check_tokens_mode(self) -> None:
+        """Subspace mode ``tokens`` sends each micro-batch's token ids to every group on its
+        path (docs/wan.md §7): an input defence has nothing left to hide, and the ids must
+        arrive exactly."""
+        pc = self.privacy
+        defences = [
+            f"privacy.{name} = {value!r}"
+            for name, value, off in (
+                ("home_input", pc.home_input, "off"),
+                ("input_noise", pc.input_noise, 0.0),
+                ("decorrelation", pc.decorrelation, 0.0),
+            )
+            if value != off
+        ]
+        if defences:
+            raise ValueError(
+                f"subspace mode 'tokens' cannot be combined with {', '.join(defences)}: in "
+                "this mode the token ids travel in the clear to every group on a stream's "
+                "path, so an input defence on E(x) protects nothing; use mode 'home' or "
+                "'stream', or turn the input defence off"
+            )
+        if self.wire.fwd == "none" and self.wire_dtype != "fp32":
+            raise ValueError(
+                f"subspace mode 'tokens' with wire_dtype {self.wire_dtype!r} and no forward "
+                "codec: the token ids travel as a channel of the forward tensor and would be "
+                "rounded; use wire_dtype fp32 or a forward codec (--wire fwd=…), which sends "
+                "them as exact 16-bit integers"
+            )
+        if self.model().vocab_size > 1 << 16:
+            raise ValueError(
+                f"subspace mode 'tokens' sends token ids as 16-bit integers: vocab_size "
+                f"{self.model().vocab_size} exceeds 65536"
+            )
 
     def model(self) -> ModelConfig:
         return make_model_config(

@@ -42,6 +42,16 @@ def test_bad_settings_are_refused_with_the_reason():
         TrainConfig(preset="cpu-tiny", order="ordered", subspace={"rank": 8, "mode": "home"})
     with pytest.raises(ValidationError, match="mode"):
         TrainConfig(preset="cpu-tiny", subspace={"rank": 8, "mode": "sideways"})
+    tokens = {"rank": 8, "mode": "tokens"}
+    for privacy, named in (
+        ({"home_input": "rotation"}, "home_input = 'rotation'"),
+        ({"input_noise": 0.5}, "input_noise = 0.5"),
+        ({"decorrelation": 0.1}, "decorrelation = 0.1"),
+    ):
+        with pytest.raises(ValidationError, match=f"{named}.*token ids travel in the clear"):
+            TrainConfig(preset="cpu-tiny", subspace=tokens, privacy=privacy)
+    with pytest.raises(ValidationError, match="wire_dtype 'bf16' and no forward codec"):
+        TrainConfig(preset="cpu-tiny", subspace=tokens, wire_dtype="bf16")
     cfg = TrainConfig(preset="cpu-tiny", subspace={"rank": 8})
     with pytest.raises(ValueError, match=r"needs a basis of shape \(32, 8\)"):
         from mobius_fed.model.group import BlockGroup
@@ -74,20 +84,27 @@ def test_off_is_the_paper_model_and_on_writes_through_u():
     assert all(torch.equal(a, b) for a, b in zip(g_off.parameters(), g_full.parameters()))
 
 
-def _direct_gradients(engine: ReferenceEngine) -> tuple[list[float], list[torch.Tensor]]:
+def _direct_gradients(
+    engine: ReferenceEngine, remote_b: bool = True
+) -> tuple[list[float], list[torch.Tensor]]:
     """Eq. 8's training losses and gradients of one step as one autograd graph per origin
-    (no hops, no engine machinery): the oracle for the engine's coordinate bookkeeping."""
+    (no hops, no engine machinery): the oracle for the engine's coordinate bookkeeping.
+    Mode ``tokens``: group i adds b = E_i(x_s) from its own replica (``remote_b`` False:
+    a remote group omits it, the bug the oracle must tell apart)."""
     cfg, U = engine.cfg, engine.maps.basis.U
-    home = cfg.subspace.mode == "home"
+    home, tokens = cfg.subspace.mode == "home", cfg.subspace.mode == "tokens"
     losses = []
     for s in range(cfg.P):
         x, y = engine.sites[s].batch("train", seed=cfg.seed, step=0, batch_size=cfg.batch_size)
         e = engine.replicas[s].embed(x)
-        c = torch.zeros(*e.shape[:-1], U.size(1)) if home else e @ U
+        c = torch.zeros(*e.shape[:-1], U.size(1)) if home or tokens else e @ U
         for t, i in enumerate(schedule.path(cfg.order, s, cfg.P, cfg.loops)):
-            b = e if home and i == s else torch.zeros_like(e)
+            if tokens and (remote_b or i == s):
+                b = engine.replicas[i].embed(x)
+            else:
+                b = e if home and i == s else torch.zeros_like(e)
             c = (engine.groups[i](c @ U.T + b, t) - b) @ U
-        loss = engine.replicas[s].loss(c @ U.T + (e if home else 0), y)
+        loss = engine.replicas[s].loss(c @ U.T + (e if home or tokens else 0), y)
         (loss / cfg.P).backward()  # groups: mean over origins
         losses.append(loss.item())
     grads = [p.grad.clone() for g in engine.groups for p in g.parameters()]
@@ -101,6 +118,8 @@ def _direct_gradients(engine: ReferenceEngine) -> tuple[list[float], list[torch.
         ("stream", "ordered", 2, "basis"),
         ("home", "cyclic", 2, "basis"),
         ("home", "cyclic", 1, "full"),
+        ("tokens", "ordered", 1, "full"),
+        ("tokens", "cyclic", 2, "basis"),
     ],
 )
 def test_engine_gradients_equal_one_autograd_graph(
@@ -119,6 +138,31 @@ def test_engine_gradients_equal_one_autograd_graph(
     for a, b in zip(mine, oracle):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), (a - b).abs().max()
     assert any(a.abs().sum() > 0 for a in mine[:-3]), "the groups must receive gradient"
+
+
+def test_tokens_mode_fails_the_oracle_when_a_remote_group_omits_b(
+    tmp_path, tiny_train, corpus_engine
+):
+    """Mode tokens: every group on a stream's path adds b = E_i(x_s) from its own E. An
+    engine whose remote groups skipped b would match the oracle with ``remote_b=False``;
+    the engine matches the full oracle and not that one, and a remote replica's E receives
+    gradient from the streams of the other origins."""
+    sub = {"rank": 8, "mode": "tokens"}
+    cfg = TrainConfig(**tiny_train, workers=3, subspace=sub)
+    engine = corpus_engine(cfg, tmp_path)
+    got = engine.compute_gradients()
+    mine = [p.grad.clone() for m in engine.groups + engine.replicas for p in m.parameters()]
+    for m in engine.groups + engine.replicas:
+        m.zero_grad(set_to_none=True)
+    _, omitted = _direct_gradients(engine, remote_b=False)
+    for m in engine.groups + engine.replicas:
+        m.zero_grad(set_to_none=True)
+    want, oracle = _direct_gradients(engine)
+    assert got == pytest.approx(want, abs=1e-6)
+    # (at step 0 the zero-initialised output projections make every loss equal: the
+    # gradients tell the two apart)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(mine, oracle))
+    assert not all(torch.allclose(a, b, rtol=1e-2, atol=1e-5) for a, b in zip(mine, omitted))
 
 
 def test_subspace_trains(tiny_train, corpus_engine):
@@ -162,6 +206,18 @@ def test_frame_rules_accept_exactly_the_coordinates(tiny_train):
     frame, data = _tensor_frame(full)  # a full-width hidden state: refused, shape named
     with pytest.raises(FrameError, match=r"shape \(4, 32, 32\) \(expected \(4, 32, 8\)\)"):
         TensorAssembler(rules.shape, "fp32").add("k", frame, data=data)
+    # mode tokens: forward slots carry one more channel (the ids), gradients do not
+    tokens = FrameRules(
+        TrainConfig(**tiny_train, workers=2, subspace={"rank": 8, "mode": "tokens"}),
+        1,
+        "r",
+        lambda: 0,
+    )
+    assert tokens.shape_of(ring_pb2.FORWARD) == (4, 32, 9)
+    assert tokens.shape_of(ring_pb2.BACKWARD) == (4, 32, 8)
+    frame, data = _tensor_frame((4, 32, 8))  # coordinates without their ids: refused
+    with pytest.raises(FrameError, match=r"shape \(4, 32, 8\) \(expected \(4, 32, 9\)\)"):
+        TensorAssembler(tokens.shape_of(ring_pb2.FORWARD), "fp32").add("k", frame, data=data)
 
 
 # ----------------------------------------------------------------- ring == reference
@@ -197,6 +253,14 @@ RING_CASES = [
         },
     ),
     ("ordered", 1, "stream", {"wire_fwd": "int8"}),
+    # token ids travel with the coordinates; every group rebuilds b = E_i(x_s)
+    (
+        "cyclic",
+        1,
+        "tokens",
+        {"wire_fwd": "int8", "wire_bwd": "int4", "wire_rounding": "stochastic"},
+    ),
+    ("ordered", 2, "tokens", {"subspace_writes": "full", "wire_bwd": "int4"}),
 ]
 
 
@@ -251,6 +315,11 @@ def test_bytes_and_projection_count_the_coordinates():
     codec = {"fwd": "int8", "bwd": "int4", "rounding": "stochastic"}
     sent, fp32 = compression.step_bytes(TrainConfig(subspace=sub, wire=codec))
     assert fp32 / sent == pytest.approx(32 / ((8.25 + 4.25) / 2) * 8)
+    # mode tokens: each forward hop also carries a 16-bit id per token
+    tok = compression.parse_subspace("rank=12,mode=tokens")
+    fwd, bwd = compression.hop_bytes(TrainConfig(subspace=tok, wire=codec))
+    plain_fwd, plain_bwd = compression.hop_bytes(TrainConfig(subspace=sub, wire=codec))
+    assert (fwd - plain_fwd, bwd) == (2 * 8 * 128, plain_bwd)  # batch 8 × 128 tokens
     # the issue's figure: gpt2-small, batch 8, P = 4, bf16: 100.7 MB per worker and step
     assert wan.worker_bytes("gpt2-small", 4, 1, 8, "bf16") == 2 * 4 * 8 * 1024 * 768 * 2
     r = wan.project(0.05, 1.25e8, 1e9, 0.0, 4)  # 1 Gbit/s moves 125 MB in 1 s
@@ -259,3 +328,44 @@ def test_bytes_and_projection_count_the_coordinates():
     assert r["step_s"] == pytest.approx(0.05 + 4 * 0.01)
     with pytest.raises(ValueError, match="link rate '1gbps'"):
         wan.parse_rate_bps("1gbps")
+
+
+def test_tokens_mode_exports_and_generates(site_dirs: list[Path], tmp_path: Path):
+    """Mode tokens in the exported model: after the final barrier every E is the same, so
+    the file's one E rebuilds b at every group and its loss equals the run's evaluation;
+    the KV cache equals the full forward and generation is seeded."""
+    from mobius_fed.data import SiteData
+    from mobius_fed.export import export_run, load
+    from mobius_fed.export.generation import Decoder, generate_ids
+
+    cfg = TrainConfig(
+        preset="cpu-tiny", workers=2, loops=2, steps=2, batch_size=2, eval_batches=2,
+        subspace={"rank": 8, "mode": "tokens"},
+    )  # fmt: skip
+    sites = [SiteData(d, cfg.model().seq_len) for d in site_dirs]
+    engine = ReferenceEngine(cfg, sites)
+    for _ in range(cfg.steps):
+        engine.train_step()
+    engine.save(tmp_path / "run" / "checkpoint.pt")
+    want = engine.evaluate().origin_losses
+    dirs = export_run(tmp_path / "run", tmp_path / "models")
+    assert json.loads((dirs[0] / "config.json").read_text())["subspace_mode"] == "tokens"
+    models = [load(d) for d in dirs]
+    got = []
+    for s, model in enumerate(models):
+        losses = []
+        for b in range(cfg.eval_batches):
+            x, y = sites[s].batch("val", seed=cfg.seed, step=b, batch_size=cfg.batch_size)
+            with torch.no_grad():
+                logits = model(x)
+            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+        got.append(float(torch.stack(losses).mean()))
+    assert got == pytest.approx(want, abs=1e-5)
+    ids = list(b"The ship sails at dawn")
+    with torch.no_grad():
+        full = models[1](torch.tensor([ids]))[0]
+    dec = Decoder(models[1])
+    steps = [dec.feed(ids[:6])] + [dec.feed([t]) for t in ids[6:]]
+    torch.testing.assert_close(torch.stack(steps), full[5:], atol=1e-5, rtol=1e-5)
+    a = generate_ids(models[1], ids[:4], max_new_tokens=12, seed=3)
+    assert a == generate_ids(models[1], ids[:4], max_new_tokens=12, seed=3) and len(a) == 12

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,62 @@ def test_ring_equals_reference_with_codec(tmp_path: Path, order, P, fwd, bwd):
     sent = capture.read_bytes()
     specs = [Codec(name, stochastic=stochastic).spec for name in (fwd, bwd)]
     assert all(spec.encode() in sent for spec in specs), specs
+
+
+def test_ids_codec_sends_token_ids_exactly_after_the_payload():
+    """Subspace mode tokens: the last channel (token ids) travels as exact 16-bit integers
+    after the codec's payload of the other channels; the spec names it."""
+    codec = Codec("int4", stochastic=True, ids=True)
+    x = torch.randn(2, 7, 9)
+    x[..., -1] = torch.randint(0, 50304, (2, 7)).float()
+    payload = codec.encode(x, seed=4)
+    assert payload.numel() == codec.payload_bytes((2, 7, 9))
+    assert codec.payload_bytes((2, 7, 9)) == Codec("int4").payload_bytes((2, 7, 8)) + 2 * 14
+    y = codec.decode(payload, (2, 7, 9))
+    assert torch.equal(y[..., -1], x[..., -1])
+    assert torch.equal(y[..., :-1], Codec("int4", stochastic=True).roundtrip(x[..., :-1], 4))
+    assert codec.spec == "int4/g64/sr+ids"
+    with pytest.raises(CodecError, match="payload of 10 bytes"):
+        codec.decode(payload[:10], (2, 7, 9))
+
+
+def _compression_benchmark():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "compression.py"
+    spec = importlib.util.spec_from_file_location("bench_compression", path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_width_law_pairs_fits_and_judges_the_targets(tmp_path: Path):
+    """The width-law table pairs each arm with the fp32 model of its own width and seed,
+    fits Δ = a·d^−β (recovering a known law), extrapolates, and says met or missed."""
+    bench = _compression_benchmark()
+    fit = bench.power_law([(48, 0.8), (96, 0.4), (192, 0.2)])
+    assert fit["beta"] == pytest.approx(1.0) and fit["width_for"](0.02) == pytest.approx(1920)
+    mid, (lo, hi) = fit["predict"](768)
+    assert mid == pytest.approx(0.05) and lo <= mid <= hi
+    with pytest.raises(ValueError, match="≥ 2 widths"):
+        bench.power_law([(96, 0.4)])
+    rows = []
+    for preset, base, delta in (("width-48", 2.0, 0.8), ("width-96", 1.8, 0.4)):
+        for seed, wiggle in ((0, 0.0), (1, 0.01), (2, -0.01)):
+            common = dict(order="cyclic", loops=1, steps=10, preset=preset, seed=seed)
+            rows.append({**common, "wire": "none", "subspace": "off", "eq8": base, "ratio": 1})
+            sub = f"rank={12 if preset == 'width-96' else 6},mode=tokens,writes=full"
+            wire = "fwd=int8,bwd=int4,rounding=stochastic"
+            eq8 = base + delta + wiggle
+            rows.append({**common, "wire": wire, "subspace": sub, "eq8": eq8, "ratio": 37.0})
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = bench.width_law([str(path)], str(tmp_path / "law.png"))
+    assert "| tokens, full, k=d/8; fwd=int8,bwd=int4,rounding=stochastic | 96 | 10 |" in text
+    assert "+0.400 ± 0.025 | 3 |" in text  # t(2) · s/√3 with s = 0.01
+    assert "Δ ≈ " in text and "d^−1.000" in text
+    assert "target ≥ 32× at |Δ| ≤ 0.02: MISSED by 0.380" in text
+    assert "the fit reaches 0.02 at d ≈ 1920" in text
+    assert "moonshot ≥ 100×: no arm at that ratio measured at d = 96" in text
+    assert (tmp_path / "law.png").stat().st_size > 1000

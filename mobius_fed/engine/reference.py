@@ -94,9 +94,10 @@ class ReferenceEngine:
         return self.hops.forward(h, self._hop(phase, "forward", step, s, slot, m))
 
     def _backward_hop(self, g: Tensor, step: int, s: int, slot: int, m: int) -> Tensor:
-        if not self.hops:
-            return g
-        return self.hops.backward(g, self._hop("train", "backward", step, s, slot, m))
+        g = self.maps.grad_out(g)
+        if self.hops:
+            g = self.hops.backward(g, self._hop("train", "backward", step, s, slot, m))
+        return self.maps.grad_in(g)
 
     # ------------------------------------------------------------------ data
     def _micro(self, split: Split, s: int, step: int) -> list[tuple[Tensor, Tensor]]:
@@ -150,7 +151,7 @@ class ReferenceEngine:
         nopeek, penalty, maps = self.nopeek, {}, self.maps
         for s in range(P):
             for m, (x, _) in enumerate(batches[s]):
-                entry = embedded[s, m] = maps.enter(self.replicas[s].embed(x))
+                entry = embedded[s, m] = maps.enter(self.replicas[s].embed(x), ids=x)
                 if nopeek is not None and nopeek.slot(s) == 0:
                     penalty[s, 0, m] = nopeek.gradient(x, entry.slot0)
                 hidden[s, m] = self._forward_hop(entry.slot0.detach(), "train", n, s, 0, m)
@@ -160,7 +161,9 @@ class ReferenceEngine:
                 for s in streams:
                     for m in range(M):
                         inp = hidden[s, m].requires_grad_()
-                        out = maps.apply(self.groups[i], inp, t, i, s, embedded[s, m])
+                        out = maps.apply(
+                            self.groups[i], inp, t, i, s, embedded[s, m], self.replicas[i].embed
+                        )
                         if nopeek is not None and nopeek.slot(s) == t + 1:
                             penalty[s, t + 1, m] = nopeek.gradient(batches[s][m][0], out)
                         applications.append((t, s, m, inp, out))
@@ -201,10 +204,10 @@ class ReferenceEngine:
             losses = []
             micro = [mb for b in range(cfg.eval_batches) for mb in self._micro("val", s, b)]
             for j, (x, y) in enumerate(micro):
-                entry = self.maps.enter(self.replicas[s].embed(x), grad=False)
+                entry = self.maps.enter(self.replicas[s].embed(x), grad=False, ids=x)
                 h = self._forward_hop(entry.slot0, "eval", self.step, s, 0, j)
                 for t, i in enumerate(route):
-                    out = self.maps.apply(self.groups[i], h, t, i, s, entry)
+                    out = self.maps.apply(self.groups[i], h, t, i, s, entry, self.replicas[i].embed)
                     h = self._forward_hop(out, "eval", self.step, s, t + 1, j)
                 losses.append(self.replicas[s].loss(self.maps.head(h, entry), y))
             per_origin.append(mean_loss(losses))

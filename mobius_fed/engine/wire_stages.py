@@ -25,7 +25,8 @@ def codecs(cfg: TrainConfig) -> tuple[Codec, Codec]:
     """The (forward, backward) codecs of ``cfg``."""
     w = cfg.wire
     sr = w.rounding == "stochastic"
-    return Codec(w.fwd, w.group, w.rank, sr), Codec(w.bwd, w.group, w.rank, sr)
+    ids = cfg.subspace.on and cfg.subspace.mode == "tokens"  # forward slots end in token ids
+    return Codec(w.fwd, w.group, w.rank, sr, ids), Codec(w.bwd, w.group, w.rank, sr)
 
 
 def hop_seed(seed: int, ctx: HopContext) -> int:

@@ -177,8 +177,8 @@ def check_config(cfg: dict) -> None:
     k, mode = cfg.get("subspace_rank", 0), cfg.get("subspace_mode", "stream")
     if not (isinstance(k, int) and 0 <= k <= cfg["d_model"]):
         raise ValueError(f"config.json: subspace_rank {k!r} outside 0..d_model={cfg['d_model']}")
-    if mode not in ("stream", "home"):
-        raise ValueError(f"config.json: unknown subspace_mode {mode!r} (stream, home)")
+    if mode not in ("stream", "home", "tokens"):
+        raise ValueError(f"config.json: unknown subspace_mode {mode!r} (stream, home, tokens)")
     if k and mode == "home" and cfg.get("origin") not in (cfg.get("source_groups") or []):
         raise ValueError("config.json: subspace_mode home needs the origin among source_groups")
 
@@ -186,24 +186,29 @@ def check_config(cfg: dict) -> None:
 class Hops:
     """What travels between two applications of one forward pass: the hidden state, or
     with a shared subspace U its coordinates c = Uᵀ(h − b) (b = E(x) at the origin's own
-    group in ``home`` mode, else 0), rebuilt as h = U·c + b by the next group."""
+    group in ``home`` mode, at every group in ``tokens`` mode, else 0), rebuilt as
+    h = U·c + b by the next group. In ``tokens`` mode training rebuilt b from each group's
+    worker's own E; they are equal after the final barrier's averaging, and the file
+    holds one E (docs/wan.md §7)."""
 
     def __init__(self, core: MobiusCore, e: Tensor) -> None:
         self.U, self.e = core.subspace_basis, e
         self.home = core.mobius.get("subspace_mode") == "home"
+        self.tokens = core.mobius.get("subspace_mode") == "tokens"
         groups, origin = core.mobius.get("source_groups") or [], core.mobius.get("origin")
         self.own = groups.index(origin) if origin in groups else None  # the origin's group
         if self.U is None:
             self.x = e
         else:
-            self.x = e.new_zeros(*e.shape[:-1], self.U.size(1)) if self.home else e @ self.U
+            zeros = self.home or self.tokens
+            self.x = e.new_zeros(*e.shape[:-1], self.U.size(1)) if zeros else e @ self.U
 
     def apply(self, group: BlockGroup, j: int, t: int, past: list | None) -> list:
         """Group j at application t; returns its keys/values."""
         if self.U is None:
             self.x, kv = group(self.x, t, past)
             return kv
-        b = self.e if self.home and j == self.own else None
+        b = self.e if (self.home and j == self.own) or self.tokens else None
         h = self.x @ self.U.T
         out, kv = group(h if b is None else h + b, t, past)
         self.x = (out if b is None else out - b) @ self.U
@@ -214,7 +219,7 @@ class Hops:
         if self.U is None:
             return self.x
         h = self.x @ self.U.T
-        return h + self.e if self.home else h
+        return h + self.e if self.home or self.tokens else h
 
 
 class MobiusCore:

@@ -12,7 +12,7 @@ Precision = Literal["bf16", "fp32"]
 """Block arithmetic on CUDA: bf16 autocast (residual stream fp32) or fp32 throughout."""
 HomeInput = Literal["off", "rotation", "mlp", "block"]
 """The private input layer each origin applies to E(x) (``privacy.home_input``)."""
-SubspaceMode = Literal["stream", "home"]
+SubspaceMode = Literal["stream", "home", "tokens"]
 SubspaceWrites = Literal["basis", "full"]
 
 
@@ -89,7 +89,8 @@ class SubspaceConfig(BaseModel):
     mode: SubspaceMode = Field(
         "stream",
         description="stream: the embedding is projected too (b = 0); home: the token "
-        "embedding stays at its origin (b = E(x) there, cyclic order only)",
+        "embedding stays at its origin (b = E(x) there, cyclic order only); tokens: the token "
+        "ids travel with the coordinates and every group rebuilds b = E(x) from its own E",
     )
     writes: SubspaceWrites = Field(
         "basis",
@@ -115,6 +116,12 @@ PRESETS: dict[str, dict] = {
     "cpu-tiny": dict(n_layer=12, d_model=32, n_head=2, head_dim=16, vocab_size=None, seq_len=32),
     "cpu-small": dict(n_layer=12, d_model=96, n_head=3, head_dim=32, vocab_size=None, seq_len=128),
     "cpu-base": dict(n_layer=12, d_model=192, n_head=6, head_dim=32, vocab_size=None, seq_len=256),
+    # The width ladder of the compression benchmark (docs/wan.md §7): one depth, one context,
+    # one vocabulary; only the width d (and the heads with it) changes.
+    "width-48": dict(n_layer=12, d_model=48, n_head=3, head_dim=16, vocab_size=None, seq_len=64),
+    "width-96": dict(n_layer=12, d_model=96, n_head=3, head_dim=32, vocab_size=None, seq_len=64),
+    "width-192": dict(n_layer=12, d_model=192, n_head=6, head_dim=32, vocab_size=None, seq_len=64),
+    "width-384": dict(n_layer=12, d_model=384, n_head=6, head_dim=64, vocab_size=None, seq_len=64),
 }
 
 

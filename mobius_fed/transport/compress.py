@@ -78,6 +78,9 @@ class Codec:
     group: int = 64
     rank: int = 8
     stochastic: bool = False  # int* codes: unbiased stochastic rounding (seeded per call)
+    # The last channel holds token ids (subspace mode ``tokens``, docs/wan.md §7): they are
+    # sent exactly, as 16-bit integers after the payload of the other channels.
+    ids: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in CODECS:
@@ -86,9 +89,9 @@ class Codec:
     @property
     def spec(self) -> str:
         if self.name == "lowrank":
-            return f"lowrank/r{self.rank}"
+            return f"lowrank/r{self.rank}" + ("+ids" if self.ids else "")
         sr = "/sr" if self.stochastic and self.name in _BITS else ""
-        return f"{self.name}/g{self.group}{sr}"
+        return f"{self.name}/g{self.group}{sr}" + ("+ids" if self.ids else "")
 
     @property
     def lossless(self) -> bool:
@@ -100,6 +103,9 @@ class Codec:
 
     def payload_bytes(self, shape: tuple[int, ...]) -> int:
         """Exact payload size for a tensor of ``shape`` (what a receiver expects)."""
+        if self.ids:
+            inner, tokens = self._split_shape(shape)
+            return self._values_only().payload_bytes(inner) + 2 * tokens
         if self.name == "lowrank":
             rows, width, r = self._factors(shape)
             return 2 * r * (rows + width)
@@ -120,6 +126,10 @@ class Codec:
         """The payload of ``t`` (flat ``uint8``, :meth:`payload_bytes` long). ``seed``
         draws the stochastic rounding (the same seed gives the same payload)."""
         x = t.detach().to(device="cpu", dtype=torch.float32)
+        if self.ids:
+            ids = x[..., -1].reshape(-1).to(torch.int32)
+            body = self._values_only().encode(x[..., :-1], seed)
+            return torch.cat([body, ids.to(torch.int16).view(torch.uint8)])
         if self.name == "lowrank":
             return self._encode_lowrank(x)
         flat = self._rotate(x).reshape(-1)
@@ -153,6 +163,12 @@ class Codec:
                 f"{self.spec} payload of {payload.numel()} bytes (expected {want} for shape "
                 f"{tuple(shape)})"
             )
+        if self.ids:
+            inner, tokens = self._split_shape(shape)
+            split = payload.numel() - 2 * tokens
+            values = self._values_only().decode(payload[:split], inner)
+            ids = payload[split:].clone().view(torch.int16).to(torch.int32) & 0xFFFF
+            return torch.cat([values, ids.float().view(*inner[:-1], 1)], dim=-1)
         if self.name == "lowrank":
             out = self._decode_lowrank(payload, shape)
         else:
@@ -181,6 +197,17 @@ class Codec:
         return self.decode(self.encode(t, seed), tuple(t.shape)).to(device=t.device, dtype=t.dtype)
 
     # --------------------------------------------------------------- helpers
+    def _values_only(self) -> Codec:
+        """This codec for the channels before the ids."""
+        return Codec(self.name, self.group, self.rank, self.stochastic)
+
+    @staticmethod
+    def _split_shape(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+        """(shape of the values, number of token ids) of a tensor whose last channel is ids."""
+        if not shape or shape[-1] < 2:
+            raise CodecError(f"a tensor with token ids needs ≥ 2 channels, got shape {shape}")
+        return (*shape[:-1], shape[-1] - 1), math.prod(shape[:-1])
+
     def _rotate(self, x: Tensor) -> Tensor:
         if self.name not in _BITS or self.name == "int8":
             return x

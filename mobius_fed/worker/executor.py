@@ -104,6 +104,10 @@ class RingExecutor:
         self._wait += time.perf_counter() - start
         return tensor.to(self.device, non_blocking=True)
 
+    def _take_grad(self, key: FrameKey) -> Tensor:
+        """A BACKWARD frame as the slot's gradient (see StreamMaps.grad_in)."""
+        return self.maps.grad_in(self._take(key))
+
     def _send(self, key: FrameKey, tensor: Tensor) -> None:
         """Pass ``tensor`` through the hop stages and emit it as frame ``key``: forward to
         the slot's consumer, backward to its producer."""
@@ -118,6 +122,8 @@ class RingExecutor:
             self.rules.producer(s, slot),
             self.rules.consumer(s, slot),
         )
+        if not forward:
+            tensor = self.maps.grad_out(tensor)
         if self.hops:
             tensor = (self.hops.forward if forward else self.hops.backward)(tensor, ctx)
         self._emit(key, tensor, ctx.consumer if forward else ctx.producer, ctx)
@@ -138,7 +144,7 @@ class RingExecutor:
         nopeek, penalty = self.nopeek, {}
         first = nopeek.slot(self.rank) if nopeek is not None else None
         for m, (x, _) in enumerate(batches):
-            entry = self.maps.enter(self.replica.embed(x))
+            entry = self.maps.enter(self.replica.embed(x), ids=x)
             embedded.append(entry)
             if nopeek is not None and first == 0:
                 penalty[0, m] = nopeek.gradient(x, entry.slot0)
@@ -147,7 +153,7 @@ class RingExecutor:
         for t, s, m in self.applications:
             inp = self._take(FrameKey(TRAIN, n, FORWARD, s, t, m)).requires_grad_()
             own = embedded[m] if s == self.rank else None
-            out = self.maps.apply(self.group, inp, t, self.rank, s, own)
+            out = self.maps.apply(self.group, inp, t, self.rank, s, own, self.replica.embed)
             if nopeek is not None and s == self.rank and first == t + 1:
                 penalty[t + 1, m] = nopeek.gradient(batches[m][0], out)
             saved[t, s, m] = (inp, out)
@@ -161,12 +167,12 @@ class RingExecutor:
             self._send(FrameKey(TRAIN, n, BACKWARD, self.rank, K, m), cast(Tensor, h.grad))
         for t, s, m in reversed(self.applications):
             inp, out = saved.pop((t, s, m))
-            g = self._take(FrameKey(TRAIN, n, BACKWARD, s, t + 1, m))
+            g = self._take_grad(FrameKey(TRAIN, n, BACKWARD, s, t + 1, m))
             extra = penalty.pop((t + 1, m), None) if s == self.rank else None
             out.backward(g if extra is None else g + extra)
             self._send(FrameKey(TRAIN, n, BACKWARD, s, t, m), cast(Tensor, inp.grad))
         for m in range(M):
-            g = self._take(FrameKey(TRAIN, n, BACKWARD, self.rank, 0, m))
+            g = self._take_grad(FrameKey(TRAIN, n, BACKWARD, self.rank, 0, m))
             extra = penalty.pop((0, m), None)
             embedded[m].backward(g if extra is None else g + extra)
         scale_grads(self.group.parameters(), 1.0 / (cfg.P * M))  # mean over origins
@@ -183,13 +189,13 @@ class RingExecutor:
         """This origin's path-specific validation loss (one term of paper Eq. 8)."""
         n, K = self.step, self.cfg.K
         micro = [mb for b in range(self.cfg.eval_batches) for mb in self._micro("val", b)]
-        entries = [self.maps.enter(self.replica.embed(x), grad=False) for x, _ in micro]
+        entries = [self.maps.enter(self.replica.embed(x), grad=False, ids=x) for x, _ in micro]
         for j, entry in enumerate(entries):
             self._send(FrameKey(EVAL, n, FORWARD, self.rank, 0, j), entry.slot0)
         for t, s in self.ticks:
             for j, entry in enumerate(entries):
                 h = self._take(FrameKey(EVAL, n, FORWARD, s, t, j))
-                out = self.maps.apply(self.group, h, t, self.rank, s, entry)
+                out = self.maps.apply(self.group, h, t, self.rank, s, entry, self.replica.embed)
                 self._send(FrameKey(EVAL, n, FORWARD, s, t + 1, j), out)
         losses = []
         for j, ((_, y), entry) in enumerate(zip(micro, entries)):

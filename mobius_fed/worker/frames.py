@@ -56,10 +56,19 @@ class FrameRules:
         self.paths = [schedule.path(cfg.order, s, cfg.P, cfg.loops) for s in range(cfg.P)]
         mc = cfg.model()
         # A slot carries [b, T, d] hidden states, or [b, T, k] subspace coordinates
-        # (TrainConfig.subspace): the assembler refuses a tensor of any other shape.
+        # (TrainConfig.subspace), forward with one more channel of token ids in mode
+        # ``tokens``: the assembler refuses a tensor of any other shape.
         width = mc.subspace_rank or mc.d_model
         self.shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, width)
+        self.ids = cfg.subspace.on and cfg.subspace.mode == "tokens"
         self.current_step = current_step
+
+    def shape_of(self, direction: int) -> tuple[int, ...]:
+        """The shape of a tensor travelling ``direction`` (FORWARD or BACKWARD): ``shape``,
+        forward with the ids channel in mode ``tokens``."""
+        if self.ids and direction == FORWARD:
+            return (*self.shape[:-1], self.shape[-1] + 1)
+        return tuple(self.shape)
 
     # ----------------------------------------------------------------- routes
     def consumer(self, origin: int, slot: int) -> int:

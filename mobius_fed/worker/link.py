@@ -160,7 +160,8 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
         """Piece validation/reassembly state for one incoming session: FORWARD (from the
         predecessor) or BACKWARD frames (from the successor), each with its codec."""
         codec = self.codecs[0 if direction == FORWARD else 1]
-        return TensorAssembler(self.rules.shape, self.rules.cfg.wire_dtype, codec=codec)
+        shape = self.rules.shape_of(direction)
+        return TensorAssembler(shape, self.rules.cfg.wire_dtype, codec=codec)
 
     def _new_session(self, who: str, direction: int) -> Session:
         """A session whose incoming frames travel ``direction``."""
@@ -245,7 +246,7 @@ class RingLinks(PredecessorServer, SuccessorClient, ring_pb2_grpc.RingLinkServic
 
     def send_packed(self, key: FrameKey, payload: torch.Tensor, codec: Codec) -> None:
         """Send a lossy codec's ``payload`` of a full-size tensor as the frame(s) ``key``."""
-        self._send_frames(key, payload, packed=(codec.spec, self.rules.shape))
+        self._send_frames(key, payload, packed=(codec.spec, self.rules.shape_of(key.direction)))
 
     def _send_frames(self, key: FrameKey, tensor: torch.Tensor, **encoding: Any) -> None:
         out = self._outgoing(key.direction)
