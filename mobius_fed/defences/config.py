@@ -44,6 +44,16 @@ class PrivacyConfig(BaseModel):
             "token's RMS, no bound and no accounting"
         ),
     )
+    input_epsilon_target: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "input defence: the largest epsilon per sequence the clipped input noise may "
+            "spend over the whole run (at delta, the accountant and sample_rate); a run whose "
+            "input_noise cannot meet it is refused at start, naming the sigma it needs; unset "
+            "= no target"
+        ),
+    )
     decorrelation: float = Field(
         0.0,
         ge=0,
@@ -150,6 +160,14 @@ class PrivacyConfig(BaseModel):
             raise ValueError(
                 "privacy.input_clip bounds the first send for the input noise: set "
                 "privacy.input_noise > 0 with it, or leave input_clip unset"
+            )
+        if self.input_epsilon_target is not None and (
+            self.input_clip is None or self.input_noise <= 0
+        ):
+            raise ValueError(
+                "privacy.input_epsilon_target needs the accounted input mechanism: set "
+                "privacy.input_noise > 0 and privacy.input_clip (without a clip no epsilon "
+                "is finite)"
             )
         return self
 
