@@ -130,9 +130,12 @@ def test_input_epsilon_is_stated_for_what_it_covers_and_an_unmeetable_target_is_
     T = cfg.model().seq_len
     block = status_block(cfg, 30)["input"]
     assert block["epsilon_sequence"] == input_epsilon_spent(cfg.privacy, 30, T)["sequence"]
-    assert block["epsilon_sequence_whole_run"] == input_epsilon_spent(cfg.privacy, 60, T)[
-        "sequence"
-    ] > block["epsilon_sequence"] > block["epsilon_position"]
+    assert (
+        block["epsilon_sequence_whole_run"]
+        == input_epsilon_spent(cfg.privacy, 60, T)["sequence"]
+        > block["epsilon_sequence"]
+        > block["epsilon_position"]
+    )
     assert [e["site"] for e in block["per_site"]] == list(range(P))
     assert "first remote hop" in block["covers"] and "E/R update" in block["not_covered"]
     whole = block["epsilon_sequence_whole_run"]
@@ -148,6 +151,20 @@ def test_input_epsilon_is_stated_for_what_it_covers_and_an_unmeetable_target_is_
     assert need > 4.0 and input_epsilon_spent(enough, 60, T)["sequence"] <= 8.0 * 1.02
     with pytest.raises(ValidationError, match="input_epsilon_target needs the accounted"):
         TrainConfig(privacy={"input_noise": 1.0, "input_epsilon_target": 5.0})
+
+
+def test_privacy_preset_fills_unset_fields_and_needs_site_keys(keys):
+    from mobius_fed.defences.config import PRIVACY_PRESETS
+
+    named = PRIVACY_PRESETS["patient-neighbour"]
+    pc = TrainConfig(privacy={"preset": "patient-neighbour", "noise_key_dir": keys}).privacy
+    assert {k: getattr(pc, k) for k in named} == named
+    mine = {"preset": "patient-neighbour", "noise_key_dir": keys, "input_noise": 9.0}
+    assert TrainConfig(privacy=mine).privacy.input_noise == 9.0  # an explicit field wins
+    with pytest.raises(ValidationError, match=r"needs privacy\.noise_key_dir"):
+        TrainConfig(privacy={"preset": "patient-neighbour"})
+    with pytest.raises(ValidationError, match=r"privacy\.preset"):
+        TrainConfig(privacy={"preset": "paranoid"})
 
 
 def test_missing_key_file_and_bad_settings_are_named(tmp_path):

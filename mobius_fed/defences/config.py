@@ -6,12 +6,29 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# Named sets of input-defence fields (docs/privacy.md §4i). A preset fills the fields a
+# configuration leaves unset; a field set explicitly wins.
+PRIVACY_PRESETS: dict[str, dict[str, object]] = {
+    # every attack of the patient-neighbour audit at or below the floor for the worst
+    # victim, early and trained (cpu-tiny, P = 4, 60 steps), at the lowest price measured
+    "patient-neighbour": {"input_noise": 4.0, "input_clip": 4.0},
+}
+
 
 class PrivacyConfig(BaseModel):
     """Defences against an honest-but-curious neighbour on the ring."""
 
     model_config = ConfigDict(extra="forbid")
 
+    preset: Literal["off", "patient-neighbour"] = Field(
+        "off",
+        description=(
+            "a named set of input-defence fields (docs/privacy.md §4i), filling the fields "
+            "left unset: patient-neighbour = the cheapest setting measured to keep every "
+            "attack of the patient-neighbour audit at the floor; needs noise_key_dir; off = "
+            "none"
+        ),
+    )
     label_noise: float = Field(
         0.0,
         ge=0,
@@ -153,6 +170,21 @@ class PrivacyConfig(BaseModel):
             "assumption); 1 = no amplification by sampling"
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        name = data.get("preset", "off")
+        if name in (None, "off") or name not in PRIVACY_PRESETS:
+            return data  # an unknown name is refused by the field's own check
+        if data.get("noise_key_dir") is None:
+            raise ValueError(
+                f"privacy.preset {name!r} needs privacy.noise_key_dir (one secret per site): "
+                "noise keyed by the public seed is removed by any worker"
+            )
+        return {**PRIVACY_PRESETS[name], **data}
 
     @model_validator(mode="after")
     def _clip_needs_noise(self) -> PrivacyConfig:
