@@ -10,7 +10,8 @@ remote hop sees during two windows of ``window`` training steps: the first steps
 * clusters + own frequencies, with the best cluster count of a sweep (an upper bound on an
   attacker who picks k well);
 * known plaintext pooled over the window: a fraction ``f`` of the window's positions is
-  known; a linear map and a codebook fitted on all of them read the rest;
+  known; a linear map, a codebook and Gaussian class means fitted on all of them read the
+  rest;
 * decipher: clusters + an HMM with the bigram statistics of a public text the attacker
   holds (:mod:`mobius_fed.privacy.decipher`), best k of its sweep.
 
@@ -210,6 +211,8 @@ class PatientAudit:
             add(f"known plaintext {100 * f:g} % pooled + linear map", ia.recovery(g, rest))
             g, rest = ia.known_codebook(flat, tok, mask)
             add(f"known plaintext {100 * f:g} % pooled as a codebook", ia.recovery(g, rest))
+            g, rest = ia.known_class_means(flat, tok, mask)
+            add(f"known plaintext {100 * f:g} % pooled: class means", ia.recovery(g, rest))
         r, k = best_over_clusters(
             lambda k: decipher(h, self.public, vocab, clusters=k, seed=cfg.seed),
             tok,
