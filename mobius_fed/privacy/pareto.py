@@ -24,6 +24,10 @@ SETTINGS: dict[str, dict] = {
     # new settings (research): noise with a secret per-site transform, a larger private
     # part, or an adversarial (NoPeek) loss
     "noise σ=1": {"input_noise": 1.0},
+    "block + noise σ=0.5": {"home_input": "block", "input_noise": 0.5},
+    "rotation + noise σ=0.5": {"home_input": "rotation", "input_noise": 0.5},
+    "clipped σ=2": {"input_noise": 2.0, "input_clip": 4.0},
+    "mlp + noise σ=1": {"home_input": "mlp", "input_noise": 1.0},
     "noise σ=2": {"input_noise": 2.0},
     "rotation + noise σ=1": {"home_input": "rotation", "input_noise": 1.0},
     "rotation + noise σ=2": {"home_input": "rotation", "input_noise": 2.0},
