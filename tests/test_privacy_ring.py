@@ -75,7 +75,7 @@ def test_ring_with_label_noise_input_noise_and_nopeek_equals_reference_bit_for_b
 
 def test_ring_with_the_patient_neighbour_preset_equals_reference_bit_for_bit(tmp_path: Path):
     """``--privacy-preset patient-neighbour`` reaches every worker as the fields it names
-    (the first-send noise, keyed per site), and the ring still equals
+    (a private input layer and first-send noise, keyed per site), and the ring still equals
     the reference exactly."""
     keys = tmp_path / "keys"
     write_site_keys(keys, 3)
