@@ -20,6 +20,19 @@ and the Eq. 8 price against "none" on the same seed (input_defence.md / .json in
 
     python benchmarks/privacy_audit.py --input-defence --preset cpu-tiny --steps 60 \
         --seeds 0,1,2 --out runs/input-defence
+``--patient`` runs the patient neighbour's attacks (docs/privacy.md §4i) on every site's
+first remote hop, pooled over a window of steps at the start and the end of training,
+against every setting of :data:`mobius_fed.privacy.pareto.SETTINGS` (or ``--variants``);
+``--price-only`` trains without attacking (Eq. 8 only, e.g. at cpu-small). Each run is
+appended to pareto.json in --out; ``--merge`` joins pareto.json files and draws the front:
+
+    python benchmarks/privacy_audit.py --patient --preset cpu-tiny --steps 60 \
+        --seeds 0 --public ../shared/data/tinyshakespeare.txt --out runs/patient
+    python benchmarks/privacy_audit.py --patient --price-only --preset cpu-small \
+        --steps 60 --seeds 0 --out runs/patient-small
+    python benchmarks/privacy_audit.py --patient --merge runs/patient/pareto.json \
+        runs/patient-small/pareto.json --out runs/pareto --figure docs/privacy_pareto.png
+
 Any other flag (``--seed``, ``--optimizer``, ``--no-tied`` …) goes on to ``mobius-fed audit``.
 
 Every Δ in the table is measured against the no-defence row of the same run.
@@ -54,7 +67,17 @@ def run() -> int:
     p.add_argument("--input-defence", action="store_true", help="the input layer's price")
     p.add_argument("--seeds", default="0", help="with --input-defence: comma-separated seeds")
     p.add_argument("--variants", default=None, help="with --input-defence: a subset of rows")
+    p.add_argument("--patient", action="store_true", help="the patient neighbour's attacks")
+    p.add_argument("--price-only", action="store_true", help="with --patient: Eq. 8 only")
+    p.add_argument("--window", type=int, default=32, help="with --patient: steps pooled")
+    p.add_argument("--public", default="../shared/data/tinyshakespeare.txt",
+                   help="with --patient: the attacker's public text (bigrams)")
+    p.add_argument("--cluster-sweep", default="16,32,48,64,96", help="with --patient: k values")
+    p.add_argument("--decipher-sweep", default="48,64,96", help="with --patient: k values")
+    p.add_argument("--figure", default=None, help="with --patient --merge: the front's PNG")
     a, extra = p.parse_known_args()
+    if a.patient:
+        return patient(a)
     if a.input_defence:
         return input_defence(a)
     if a.merge:
@@ -118,6 +141,66 @@ def input_defence(a: argparse.Namespace) -> int:
             idf.write_outputs(runs, out)
             print(f"{name} seed {seed}: Eq. 8 {runs[-1].eval_loss:.4f}", flush=True)
     print((out / "input_defence.md").read_text(), end="")
+    return 0
+
+
+def patient(a: argparse.Namespace) -> int:
+    """``--patient``: each setting × seed attacked (or priced), pareto.json after every run."""
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from mobius_fed.cli.common import resolve_sites
+    from mobius_fed.config import TrainConfig
+    from mobius_fed.defences.stages import write_site_keys
+    from mobius_fed.engine.reference import ReferenceEngine
+    from mobius_fed.privacy import pareto
+    from mobius_fed.privacy.patient import PatientAudit, public_tokens, write_report
+
+    out = Path(a.out)
+    if a.merge:
+        runs = pareto.load([Path(x) for x in a.merge])
+        pareto.save(runs, out)
+        if a.figure:
+            pareto.figure(runs, Path(a.figure), a.preset)
+        print((out / "pareto.md").read_text(), end="")
+        return 0
+    torch.set_num_threads(a.threads)
+    keys = out / "keys"
+    if not keys.exists():
+        write_site_keys(keys, a.workers)
+    public = None if a.price_only else public_tokens(Path(a.public))
+    runs = pareto.load([out / "pareto.json"]) if (out / "pareto.json").exists() else []
+    for seed in [int(x) for x in a.seeds.split(",")]:
+        for name, fields in pareto.select(a.variants).items():
+            cfg = TrainConfig(
+                preset=a.preset, workers=a.workers, steps=a.steps, batch_size=a.batch_size,
+                eval_every=0, seed=seed, privacy={"noise_key_dir": str(keys), **fields},
+            )  # fmt: skip
+            sites = resolve_sites(cfg, None, out)
+            t0 = time.perf_counter()
+            if public is None:
+                eng = ReferenceEngine(cfg, sites)
+                for _ in range(cfg.steps):
+                    eng.train_step()
+                run = pareto.SettingRun(name, a.preset, seed, eng.evaluate().loss)
+            else:
+                report = PatientAudit(
+                    cfg, sites, public, window=a.window,
+                    cluster_sweep=[int(k) for k in a.cluster_sweep.split(",")],
+                    decipher_sweep=[int(k) for k in a.decipher_sweep.split(",")],
+                ).run()  # fmt: skip
+                tag = name.replace(" ", "_").replace("=", "").replace("+", "")
+                write_report(report, out / "reports", f"{tag}-seed{seed}")
+                worst = {f"{st}: {k}": v for st, d in report.worst().items() for k, v in d.items()}
+                floor = max(r.exact for r in report.rows if r.attack.startswith("floor"))
+                run = pareto.SettingRun(name, a.preset, seed, report.eval_loss, worst, floor)
+            runs.append(run)
+            pareto.save(runs, out)
+            print(f"{name} seed {seed}: Eq. 8 {run.eval_loss:.4f} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+    print((out / "pareto.md").read_text(), end="")
     return 0
 
 

@@ -6,12 +6,31 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# Named sets of input-defence fields (docs/privacy.md §4i). A preset fills the fields a
+# configuration leaves unset; a field set explicitly wins.
+PRIVACY_PRESETS: dict[str, dict[str, object]] = {
+    # every attack of the patient-neighbour audit within 5 points of the floor for the
+    # worst victim, early and trained (cpu-tiny, P = 4, 60 steps), at the lowest price
+    # measured at cpu-small: +0.26 Eq. 8 (1 seed; +0.23 at cpu-tiny, 3 seeds); RMS-relative
+    # noise behind a private input layer, so no ε
+    "patient-neighbour": {"home_input": "mlp", "input_noise": 1.0},
+}
+
 
 class PrivacyConfig(BaseModel):
     """Defences against an honest-but-curious neighbour on the ring."""
 
     model_config = ConfigDict(extra="forbid")
 
+    preset: Literal["off", "patient-neighbour"] = Field(
+        "off",
+        description=(
+            "a named set of input-defence fields (docs/privacy.md §4i), filling the fields "
+            "left unset: patient-neighbour = the cheapest setting measured to keep every "
+            "attack of the patient-neighbour audit within 5 points of the floor "
+            "(home_input mlp, input_noise 1); needs noise_key_dir; off = none"
+        ),
+    )
     label_noise: float = Field(
         0.0,
         ge=0,
@@ -42,6 +61,16 @@ class PrivacyConfig(BaseModel):
             "hop; when set, that state is clipped to C and the noise std is input_noise x C "
             "(a Gaussian mechanism with an (epsilon, delta)); unset = std relative to each "
             "token's RMS, no bound and no accounting"
+        ),
+    )
+    input_epsilon_target: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "input defence: the largest epsilon per sequence the clipped input noise may "
+            "spend over the whole run (at delta, the accountant and sample_rate); a run whose "
+            "input_noise cannot meet it is refused at start, naming the sigma it needs; unset "
+            "= no target"
         ),
     )
     decorrelation: float = Field(
@@ -144,12 +173,35 @@ class PrivacyConfig(BaseModel):
         ),
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        name = data.get("preset", "off")
+        if name in (None, "off") or name not in PRIVACY_PRESETS:
+            return data  # an unknown name is refused by the field's own check
+        if data.get("noise_key_dir") is None:
+            raise ValueError(
+                f"privacy.preset {name!r} needs privacy.noise_key_dir (one secret per site): "
+                "noise keyed by the public seed is removed by any worker"
+            )
+        return {**PRIVACY_PRESETS[name], **data}
+
     @model_validator(mode="after")
     def _clip_needs_noise(self) -> PrivacyConfig:
         if self.input_clip is not None and self.input_noise <= 0:
             raise ValueError(
                 "privacy.input_clip bounds the first send for the input noise: set "
                 "privacy.input_noise > 0 with it, or leave input_clip unset"
+            )
+        if self.input_epsilon_target is not None and (
+            self.input_clip is None or self.input_noise <= 0
+        ):
+            raise ValueError(
+                "privacy.input_epsilon_target needs the accounted input mechanism: set "
+                "privacy.input_noise > 0 and privacy.input_clip (without a clip no epsilon "
+                "is finite)"
             )
         return self
 

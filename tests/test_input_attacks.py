@@ -11,6 +11,8 @@ from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 from mobius_fed.privacy.input_attacks import (
     cluster_frequency,
     frequency_floor,
+    known_class_means,
+    known_codebook,
     known_mask,
     known_plaintext,
     nearest_row,
@@ -92,6 +94,23 @@ def test_known_plaintext_undoes_an_unknown_linear_map_and_refuses_no_known_token
         known_mask(n, 1.5, 0)
     with pytest.raises(ValueError, match="3 guesses for 2000 tokens"):
         recovery(guesses[:3], x)
+
+
+def test_pooled_class_means_average_the_noise_out_where_the_codebook_cannot():
+    """A secret code per token plus noise as large as the code: the nearest known position
+    is often another token's, the mean of many known positions of a token is not."""
+    gen = torch.Generator().manual_seed(2)
+    vocab, d, n = 40, 32, 6000
+    weights = 1.0 / torch.arange(1, vocab + 1).float()
+    x = torch.multinomial(weights, n, replacement=True, generator=gen)
+    code = torch.randn(vocab, d, generator=gen)
+    h = code[x] + 1.5 * torch.randn(n, d, generator=gen)
+    mask = known_mask(n, 0.1, 0)
+    means = recovery(*known_class_means(h, x, mask))
+    book = recovery(*known_codebook(h, x, mask))
+    assert means.exact >= 0.8 and means.exact > book.exact + 0.1, (means, book)
+    with pytest.raises(ValueError, match="some known and some unknown"):
+        known_class_means(h, x, torch.zeros(n, dtype=torch.bool))
 
 
 def test_clusters_matched_to_public_frequencies_break_a_substitution_cipher():

@@ -119,6 +119,54 @@ def test_clipped_input_noise_is_a_gaussian_mechanism_with_its_epsilon(keys):
         TrainConfig(privacy={"input_noise": 1.0, "input_clip": 0})
 
 
+def test_input_epsilon_is_stated_for_what_it_covers_and_an_unmeetable_target_is_refused(keys):
+    """The status states ε per position and per sequence (so far and over the whole run), per
+    site, what it covers and what it does not; a target ε the noise cannot meet stops the
+    run at start, naming the σ it needs, and that σ does meet it."""
+    from mobius_fed.defences.accounting import check_input_target, input_sigma_for_target
+
+    privacy = {"input_noise": 4.0, "input_clip": 4.0, "noise_key_dir": keys}
+    cfg = TrainConfig(**{**BASE, "steps": 60}, privacy=privacy)
+    T = cfg.model().seq_len
+    block = status_block(cfg, 30)["input"]
+    assert block["epsilon_sequence"] == input_epsilon_spent(cfg.privacy, 30, T)["sequence"]
+    assert (
+        block["epsilon_sequence_whole_run"]
+        == input_epsilon_spent(cfg.privacy, 60, T)["sequence"]
+        > block["epsilon_sequence"]
+        > block["epsilon_position"]
+    )
+    assert [e["site"] for e in block["per_site"]] == list(range(P))
+    assert "first remote hop" in block["covers"] and "E/R update" in block["not_covered"]
+    whole = block["epsilon_sequence_whole_run"]
+    ok = cfg.privacy.model_copy(update={"input_epsilon_target": whole * 1.01})
+    check_input_target(ok, 60, T)  # met: no error
+    tight = cfg.privacy.model_copy(update={"input_epsilon_target": 8.0})
+    with pytest.raises(ValueError, match=r"input_epsilon_target = 8 per sequence cannot be met"):
+        check_input_target(tight, 60, T)
+    with pytest.raises(ValueError, match="needs input_noise ≥"):
+        build_stages(cfg.model_copy(update={"privacy": tight}), "reference", None)
+    need = input_sigma_for_target(tight, 60, T, 8.0)
+    enough = tight.model_copy(update={"input_noise": need})
+    assert need > 4.0 and input_epsilon_spent(enough, 60, T)["sequence"] <= 8.0 * 1.02
+    with pytest.raises(ValidationError, match="input_epsilon_target needs the accounted"):
+        TrainConfig(privacy={"input_noise": 1.0, "input_epsilon_target": 5.0})
+
+
+def test_privacy_preset_fills_unset_fields_and_needs_site_keys(keys):
+    from mobius_fed.defences.config import PRIVACY_PRESETS
+
+    named = PRIVACY_PRESETS["patient-neighbour"]
+    pc = TrainConfig(privacy={"preset": "patient-neighbour", "noise_key_dir": keys}).privacy
+    assert {k: getattr(pc, k) for k in named} == named
+    mine = {"preset": "patient-neighbour", "noise_key_dir": keys, "input_noise": 9.0}
+    assert TrainConfig(privacy=mine).privacy.input_noise == 9.0  # an explicit field wins
+    with pytest.raises(ValidationError, match=r"needs privacy\.noise_key_dir"):
+        TrainConfig(privacy={"preset": "patient-neighbour"})
+    with pytest.raises(ValidationError, match=r"privacy\.preset"):
+        TrainConfig(privacy={"preset": "paranoid"})
+
+
 def test_missing_key_file_and_bad_settings_are_named(tmp_path):
     cfg = TrainConfig(**BASE, privacy={"label_noise": 1.0, "noise_key_dir": str(tmp_path)})
     ctx = HopContext("train", "backward", 0, 0, P, 0, 3, 0)

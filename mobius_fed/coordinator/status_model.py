@@ -121,7 +121,11 @@ class StatusModel(BaseModel):
     )
     config: dict[str, Any] | None = Field(None, description="the run's configuration")
     privacy: dict[str, Any] | None = Field(
-        None, description="privacy defences and their accounting (when reported)"
+        None,
+        description=(
+            "privacy defences and their accounting (when reported); input: ε per position "
+            "and per sequence, per site, with what it covers and what it does not"
+        ),
     )
     workers: list[WorkerModel]
 

@@ -66,6 +66,55 @@ def input_epsilon_spent(pc: PrivacyConfig, steps: int, seq_len: int) -> dict[str
     }
 
 
+INPUT_COVERS = (
+    "the hidden state of each of the site's streams at its first remote hop (clipped to C, "
+    "noised with the site's key) and everything computed from that send alone: the later "
+    "forward hops of the stream and what receivers compute from them"
+)
+INPUT_NOT_COVERED = (
+    "the gradient the home returns for the final hidden state (it depends on the targets, "
+    "the next tokens: the label defence's own epsilon covers it when label_noise is on), "
+    "the site's E/R update at each barrier (covered only by DP-FedAvg, er_noise), and the "
+    "weights of the site's own block group, trained on its raw embedding and applied to "
+    "other sites' streams"
+)
+
+
+def input_sigma_for_target(pc: PrivacyConfig, steps: int, seq_len: int, target: float) -> float:
+    """The smallest ``input_noise`` σ whose per-sequence ε after ``steps`` steps is ≤
+    ``target`` (Opacus' search over the noise multiplier; ``pc``'s accountant and δ)."""
+    try:
+        from opacus.accountants.utils import get_noise_multiplier
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise PrivacyExtraMissing(EXTRA_HINT) from exc
+    z = get_noise_multiplier(
+        target_epsilon=target,
+        target_delta=pc.delta,
+        sample_rate=pc.sample_rate,
+        steps=steps,
+        accountant=pc.accountant,
+    )
+    return 2.0 * math.sqrt(seq_len) * float(z)
+
+
+def check_input_target(pc: PrivacyConfig, steps: int, seq_len: int) -> None:
+    """Refuse a run whose clipped input noise cannot keep the per-sequence ε over all
+    ``steps`` at or below ``pc.input_epsilon_target`` (an error naming the σ it needs)."""
+    target = pc.input_epsilon_target
+    if target is None:
+        return
+    eps = input_epsilon_spent(pc, steps, seq_len)["sequence"]
+    if eps <= target:
+        return
+    need = input_sigma_for_target(pc, steps, seq_len, target)
+    raise ValueError(
+        f"privacy.input_epsilon_target = {target:g} per sequence cannot be met: "
+        f"input_noise σ = {pc.input_noise:g} (clip {pc.input_clip:g}) gives ε = {eps:.3g} "
+        f"per sequence after {steps} steps at δ = {pc.delta:g}, sample rate "
+        f"{pc.sample_rate:g}; it needs input_noise ≥ {need:.3g}, or fewer steps"
+    )
+
+
 def er_epsilon_spent(pc: PrivacyConfig, rounds: int) -> float:
     """ε of the E/R's DP-FedAvg after ``rounds`` barriers (replace-one site: z/2, q = 1)."""
     return _epsilon(pc, pc.er_noise / 2.0, 1.0, rounds)

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from mobius_fed.defences.accounting import (
     ACCOUNTANT_NAMES,
+    INPUT_COVERS,
+    INPUT_NOT_COVERED,
     PrivacyExtraMissing,
     epsilon_spent,
     er_epsilon_spent,
@@ -56,13 +58,28 @@ def _input_block(cfg: TrainConfig, step: int) -> dict[str, Any]:
     """The clipped input noise and its ε per position and per sequence (None: infinite,
     or the ``privacy`` extra is missing, which ``error`` names)."""
     pc = cfg.privacy
-    out: dict[str, Any] = {"noise": pc.input_noise, "clip": pc.input_clip}
+    out: dict[str, Any] = {
+        "noise": pc.input_noise,
+        "clip": pc.input_clip,
+        "covers": INPUT_COVERS,
+        "not_covered": INPUT_NOT_COVERED,
+        "target_sequence": pc.input_epsilon_target,
+    }
     try:
         eps = input_epsilon_spent(pc, step, cfg.model().seq_len)
+        run = input_epsilon_spent(pc, cfg.steps, cfg.model().seq_len)
     except PrivacyExtraMissing as exc:
         return {**out, "epsilon_position": None, "epsilon_sequence": None, "error": str(exc)}
     for unit, value in eps.items():
         out[f"epsilon_{unit}"] = value if math.isfinite(value) else None
+    for unit, value in run.items():
+        out[f"epsilon_{unit}_whole_run"] = value if math.isfinite(value) else None
+    # every site sends each of its streams' first hop once per step, with its own key
+    out["per_site"] = [
+        {"site": s, "epsilon_position": out["epsilon_position"],
+         "epsilon_sequence": out["epsilon_sequence"]}
+        for s in range(cfg.P)
+    ]  # fmt: skip
     return out
 
 

@@ -162,6 +162,10 @@ class InputNoise:
 def build_stages(cfg: TrainConfig, engine: Engine, rank: int | None) -> list[HopStage]:
     """The defence stages ``cfg`` turns on, in hop order (none by default)."""
     pc = cfg.privacy
+    if pc.input_epsilon_target is not None:  # refuse a target the run cannot meet, at start
+        from mobius_fed.defences.accounting import check_input_target
+
+        check_input_target(pc, cfg.steps, cfg.model().seq_len)
     keys = NoiseKeys(cfg, engine, rank)
     if pc.any_on() and engine == "ring" and rank is not None:
         keys.key(rank)  # a missing or short key file fails at start, not mid-step

@@ -176,6 +176,30 @@ def known_codebook(h: Tensor, tokens: Tensor, known: Tensor) -> tuple[Tensor, Te
     return guesses, t[~known]
 
 
+@torch.no_grad()
+def known_class_means(h: Tensor, tokens: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
+    """Gaussian class means on the ``known`` pairs of ``h`` [..., d]: each known token's mean
+    state μ_v (pooling many noisy pairs averages the noise out), one isotropic variance s²
+    pooled within tokens, and the known tokens' frequencies π_v; each unknown position takes
+    the tokens of highest log π_v − ‖h − μ_v‖² / 2s². Returns (top-5 guesses, true tokens)
+    of the unknown positions."""
+    x = h.reshape(-1, h.size(-1)).float()
+    t, known = tokens.reshape(-1), known.reshape(-1)
+    if known.numel() != t.numel():
+        raise ValueError(f"known mask has {known.numel()} entries for {t.numel()} positions")
+    if not bool(known.any()) or bool(known.all()):
+        raise ValueError("the class means need some known and some unknown positions")
+    xk, tk = x[known], t[known]
+    ids, inverse, counts = torch.unique(tk, return_inverse=True, return_counts=True)
+    means = torch.zeros(ids.numel(), x.size(-1)).index_add_(0, inverse, xk) / counts[:, None]
+    spread = (xk - means[inverse]).square().sum() / max(xk.numel() - means.numel(), 1)
+    score = counts.float().log() - torch.cdist(x[~known], means).square() / (2 * spread + 1e-12)
+    top = score.topk(min(TOP, ids.numel()), -1).indices
+    if top.size(-1) < TOP:
+        top = torch.cat([top, top[:, :1].expand(-1, TOP - top.size(-1))], -1)
+    return ids[top], t[~known]
+
+
 def known_mask(n: int, fraction: float, seed: int) -> Tensor:
     """A random mask of round(fraction · n) known positions out of n."""
     if not 0.0 <= fraction < 1.0:

@@ -236,6 +236,10 @@ function render(status, history) {
   const priv = document.getElementById("privacy");
   priv.textContent = status.privacy ? JSON.stringify(status.privacy, null, 2) : "none reported";
   priv.dataset.present = status.privacy ? "1" : "0";
+  const inp = status.privacy && status.privacy.input;  // ε of the clipped input noise (per site)
+  document.getElementById("privacy-epsilon").textContent = inp
+    ? `input ε per site: ${inp.epsilon_position ?? "∞"} per position, ${inp.epsilon_sequence ?? "∞"} per sequence (whole run: ${inp.epsilon_sequence_whole_run ?? "∞"}); covers ${inp.covers}; not: ${inp.not_covered}`
+    : "";
 }
 
 async function getJSON(path) {

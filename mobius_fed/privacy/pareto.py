@@ -1,0 +1,168 @@
+"""Input defences against the patient neighbour: cost (Δ Eq. 8) against worst-victim recovery.
+
+Each setting of :data:`SETTINGS` is a set of ``privacy`` fields. A run is either *attacked*
+(:class:`mobius_fed.privacy.patient.PatientAudit`: every attack on every site's first remote
+hop, early and trained) or *priced* (training only: Eq. 8). The table pairs each setting's
+Eq. 8 with "none" on the same preset and seed (docs/privacy.md §4i).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+TODAY = ("none", "block", "mlp", "clipped σ=4", "block + noise σ=1")
+SETTINGS: dict[str, dict] = {
+    "none": {},
+    "block": {"home_input": "block"},
+    "mlp": {"home_input": "mlp"},
+    "clipped σ=4": {"input_noise": 4.0, "input_clip": 4.0},
+    "block + noise σ=1": {"home_input": "block", "input_noise": 1.0},
+    # new settings (research): noise with a secret per-site transform, a larger private
+    # part, or an adversarial (NoPeek) loss
+    "noise σ=1": {"input_noise": 1.0},
+    "block + noise σ=0.5": {"home_input": "block", "input_noise": 0.5},
+    "rotation + noise σ=0.5": {"home_input": "rotation", "input_noise": 0.5},
+    "clipped σ=2": {"input_noise": 2.0, "input_clip": 4.0},
+    "mlp + noise σ=1": {"home_input": "mlp", "input_noise": 1.0},
+    "noise σ=2": {"input_noise": 2.0},
+    "rotation + noise σ=1": {"home_input": "rotation", "input_noise": 1.0},
+    "rotation + noise σ=2": {"home_input": "rotation", "input_noise": 2.0},
+    "mlp + noise σ=2": {"home_input": "mlp", "input_noise": 2.0},
+    "block + noise σ=2": {"home_input": "block", "input_noise": 2.0},
+    "noise σ=2 + NoPeek 1": {"input_noise": 2.0, "decorrelation": 1.0},
+    "block + clipped σ=2": {"home_input": "block", "input_noise": 2.0, "input_clip": 4.0},
+}
+
+
+@dataclass
+class SettingRun:
+    """One (setting, preset, seed): Eq. 8 and, when attacked, the worst victim's margin
+    above its floor per "stage: attack"."""
+
+    setting: str
+    preset: str
+    seed: int
+    eval_loss: float
+    worst: dict[str, float] = field(default_factory=dict)
+    floor: float | None = None  # the largest per-victim floor of the run
+
+
+def select(names: str | None) -> dict[str, dict]:
+    """The settings named (comma-separated), or all; an unknown name is refused."""
+    if not names:
+        return dict(SETTINGS)
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in SETTINGS]
+    if unknown:
+        raise ValueError(f"unknown setting {unknown[0]!r}: expected one of {', '.join(SETTINGS)}")
+    return {n: SETTINGS[n] for n in wanted}
+
+
+def _delta(runs: Sequence[SettingRun], setting: str, preset: str) -> tuple[float, float, int]:
+    """Mean and sample std of Eq. 8 − "none" (same preset and seed), and the pair count."""
+    base = {r.seed: r.eval_loss for r in runs if r.setting == "none" and r.preset == preset}
+    paired = [
+        r.eval_loss - base[r.seed]
+        for r in runs
+        if r.setting == setting and r.preset == preset and r.seed in base
+    ]
+    if not paired:
+        return float("nan"), float("nan"), 0
+    spread = statistics.stdev(paired) if len(paired) > 1 else 0.0
+    return statistics.fmean(paired), spread, len(paired)
+
+
+def front(runs: Sequence[SettingRun]) -> list[dict]:
+    """Per setting: Δ Eq. 8 per preset, and the worst margin per attack over attacked runs."""
+    settings = list(dict.fromkeys(r.setting for r in runs))
+    presets = list(dict.fromkeys(r.preset for r in runs))
+    out = []
+    for s in settings:
+        row: dict = {"setting": s, "today": s in TODAY, "delta": {}}
+        for p in presets:
+            mean, spread, n = _delta(runs, s, p)
+            if n:
+                row["delta"][p] = (mean, spread, n)
+        attacked = [r for r in runs if r.setting == s and r.worst]
+        worst: dict[str, float] = {}
+        for r in attacked:
+            for k, v in r.worst.items():
+                worst[k] = max(worst.get(k, -1.0), v)
+        row["worst"] = worst
+        row["max_margin"] = max(worst.values()) if worst else None
+        row["floor"] = max((r.floor for r in attacked if r.floor is not None), default=None)
+        out.append(row)
+    return out
+
+
+def table(runs: Sequence[SettingRun]) -> str:
+    """Markdown: Δ Eq. 8 (mean ± std, n seeds) per preset and the worst-victim margin above
+    the floor (percentage points) of every attack, early / trained."""
+    rows = front(runs)
+    presets = list(dict.fromkeys(r.preset for r in runs))
+    attacks = list(dict.fromkeys(k.split(": ", 1)[1] for r in runs for k in r.worst))
+    head = ["setting"] + [f"Δ Eq. 8 {p}" for p in presets] + attacks + ["max", "floor"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for row in rows:
+        cells = [row["setting"] + (" (today)" if row["today"] else "")]
+        for p in presets:
+            if p in row["delta"]:
+                m, sd, n = row["delta"][p]
+                cells.append(f"{m:+.3f} ± {sd:.3f} ({n})")
+            else:
+                cells.append("—")
+        for a in attacks:
+            e, t = row["worst"].get(f"early: {a}"), row["worst"].get(f"trained: {a}")
+            cells.append("—" if e is None else f"{100 * e:+.1f} / {100 * (t or 0):+.1f}")
+        mm = row["max_margin"]
+        cells.append("—" if mm is None else f"{100 * mm:+.1f}")
+        cells.append("—" if row["floor"] is None else f"{100 * row['floor']:.1f} %")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def figure(runs: Sequence[SettingRun], path: Path, preset: str) -> Path | None:
+    """Cost (Δ Eq. 8 at ``preset``) against the worst margin over attacks and stages."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - optional
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in front(runs):
+        if preset not in row["delta"] or row["max_margin"] is None:
+            continue
+        m, sd, _ = row["delta"][preset]
+        y = 100 * row["max_margin"]
+        colour = "tab:grey" if row["today"] else "tab:blue"
+        ax.errorbar(m, y, xerr=sd, fmt="o", color=colour)
+        ax.annotate(row["setting"], (m, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(5, color="tab:red", ls="--", lw=1, label="target: floor + 5 points")
+    ax.axvline(0.05, color="tab:red", ls=":", lw=1, label="target: +0.05 Eq. 8")
+    ax.set_xlabel(f"Δ Eq. 8 validation loss vs none ({preset}, mean ± std over seeds)")
+    ax.set_ylabel("worst victim: best attack − floor (points)")
+    ax.set_title("Input defences against a patient neighbour (grey: today's options)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def save(runs: Sequence[SettingRun], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    data, md = out / "pareto.json", out / "pareto.md"
+    data.write_text(json.dumps([asdict(r) for r in runs], indent=2) + "\n")
+    md.write_text(table(runs) + "\n")
+    return [data, md]
+
+
+def load(paths: Sequence[Path]) -> list[SettingRun]:
+    return [SettingRun(**r) for p in paths for r in json.loads(Path(p).read_text())]
