@@ -25,6 +25,7 @@ from mobius_fed.cli.status import register, status_main
 from mobius_fed.coordinator.rest import RestServer, identity_from_cert
 from mobius_fed.coordinator.state import RunState
 from mobius_fed.transport import CertLayout, NodeTLS, init_certs
+from mobius_fed.transport.tls import revoked_serials, set_revoked
 from tests.cert_util import sign_leaf
 
 P = 2
@@ -175,6 +176,23 @@ def test_operator_reads_everything(tls_server: RestServer, certs: CertLayout) ->
         assert {"StatusModel", "WorkerModel", "HistoryModel"} <= set(schemas)
         assert "heartbeat_age_s" in schemas["WorkerModel"]["properties"]
         assert c.get(tls_server.url + "/docs").status_code == 200
+
+
+def test_a_revoked_operator_is_refused(tls_server: RestServer, certs: CertLayout) -> None:
+    """Every incoming REST call checks the revocation list (docs/security.md "Revocation")."""
+    op = certs.bundle("operator")
+    serial = x509.load_pem_x509_certificate(op.cert.read_bytes()).serial_number
+    ctx = client_ctx(op, certs.ca_cert)
+    before = revoked_serials()
+    assert get(tls_server, "/v1/status", ctx).status_code == 200
+    set_revoked({*before, serial})
+    try:
+        r = get(tls_server, "/v1/status", ctx)
+        assert r.status_code == 403 and "revoked" in r.json()["detail"], r.text
+        assert str(serial) in r.json()["detail"]
+    finally:
+        set_revoked(before)
+    assert get(tls_server, "/v1/status", ctx).status_code == 200
 
 
 def test_worker_and_coordinator_identities_allowed(

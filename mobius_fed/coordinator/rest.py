@@ -39,7 +39,7 @@ from mobius_fed.coordinator.status_model import (
     StatusModel,
 )
 from mobius_fed.machines import ENDED_PHASES, Phase
-from mobius_fed.transport.tls import NodeTLS, identity_or_reason
+from mobius_fed.transport.tls import NodeTLS, identity_or_reason, revoked_serials
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +236,9 @@ class _AccessMiddleware:
         who, why = identity_or_reason_from_cert(state[PEER_CERT_KEY])
         if who is None:
             return _json(403, f"client refused: {why}")
+        serial = int((state[PEER_CERT_KEY] or {}).get("serialNumber", "-1"), 16)
+        if serial in revoked_serials():  # docs/security.md "Revocation"
+            return _json(403, f"client refused: {who}'s certificate (serial {serial}) is revoked")
         if self.allowed is not None and not self.allowed(who):
             return _json(403, f"identity {who} is not enrolled in this run")
         return None
