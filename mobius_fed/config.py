@@ -234,4 +234,8 @@ class TrainConfig(BaseModel):
 
 
 # (sub-config, field) → default of the settings added after manifests were first written.
-LATER_SETTINGS: dict[tuple[str, str], Any] = {("subspace", "writes"): "basis"}
+LATER_SETTINGS: dict[tuple[str, str], Any] = {
+    ("subspace", "writes"): "basis",
+    ("privacy", "preset"): "off",
+    ("privacy", "input_epsilon_target"): None,
+}

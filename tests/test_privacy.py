@@ -154,7 +154,7 @@ def test_input_epsilon_is_stated_for_what_it_covers_and_an_unmeetable_target_is_
 
 
 def test_privacy_preset_fills_unset_fields_and_needs_site_keys(keys):
-    from mobius_fed.defences.config import PRIVACY_PRESETS
+    from mobius_fed.privacy_config import PRIVACY_PRESETS
 
     named = PRIVACY_PRESETS["patient-neighbour"]
     pc = TrainConfig(privacy={"preset": "patient-neighbour", "noise_key_dir": keys}).privacy

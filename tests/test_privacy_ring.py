@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mobius_fed.defences.config import PRIVACY_PRESETS
+from mobius_fed.privacy_config import PRIVACY_PRESETS
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
