@@ -211,7 +211,7 @@ def test_code_defaults_are_the_deployment_ports() -> None:
     assert _port(status_cli.DEFAULT_COORDINATOR) == GRPC_PORT
     # The dialler checks the coordinator's reserved identity name, which `certs init` writes
     # into the coordinator's certificate beside its host name (docs/security.md).
-    assert status_cli.COORDINATOR_NAME == identity_name(COORDINATOR_IDENTITY)
+    assert identity_name(COORDINATOR_IDENTITY) == status_cli.COORDINATOR_NAME
     assert status_cli.COORDINATOR_NAME == "coordinator.id.mobius.invalid"
     assert set(BUNDLE_FILES.values()) == {"ca.crt", "tls.crt", "tls.key"}
     assert BUNDLE.bundle("worker-3").cert.parent.relative_to(BUNDLE.root) == Path("nodes/worker-3")

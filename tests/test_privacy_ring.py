@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mobius_fed.privacy_config import PRIVACY_PRESETS
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.defences.stages import write_site_keys
 from mobius_fed.engine import ReferenceEngine
+from mobius_fed.privacy_config import PRIVACY_PRESETS
 from tests.ring_harness import Ring
 
 pytestmark = pytest.mark.slow
