@@ -10,14 +10,14 @@ that of "none" on the same seed.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.privacy.leakage import LeakageAudit
+from mobius_fed.privacy.pareto import read_runs, write_runs
 
 VARIANTS: dict[str, dict] = {
     "none": {},
@@ -110,13 +110,9 @@ def price_table(runs: Sequence[DefenceRun]) -> str:
 
 def write_outputs(runs: Sequence[DefenceRun], out: Path) -> list[Path]:
     """input_defence.json (every run) and input_defence.md (the table) in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    data, table = out / "input_defence.json", out / "input_defence.md"
-    data.write_text(json.dumps([asdict(r) for r in runs], indent=2) + "\n")
-    table.write_text(price_table(runs) + "\n")
-    return [data, table]
+    return write_runs(runs, out, "input_defence", price_table(runs))
 
 
 def load_runs(paths: Sequence[Path]) -> list[DefenceRun]:
     """The runs of earlier input_defence.json files, in order."""
-    return [DefenceRun(**r) for p in paths for r in json.loads(Path(p).read_text())]
+    return read_runs(DefenceRun, paths)

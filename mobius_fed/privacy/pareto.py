@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
+
+R = TypeVar("R")
 
 TODAY = ("none", "block", "mlp", "clipped σ=4", "block + noise σ=1")
 SETTINGS: dict[str, dict] = {
@@ -156,13 +159,23 @@ def figure(runs: Sequence[SettingRun], path: Path, preset: str) -> Path | None:
     return path
 
 
-def save(runs: Sequence[SettingRun], out: Path) -> list[Path]:
+def write_runs(runs: Sequence[Any], out: Path, stem: str, table: str) -> list[Path]:
+    """``<stem>.json`` (every run, a dataclass each) and ``<stem>.md`` (``table``) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    data, md = out / "pareto.json", out / "pareto.md"
+    data, md = out / f"{stem}.json", out / f"{stem}.md"
     data.write_text(json.dumps([asdict(r) for r in runs], indent=2) + "\n")
-    md.write_text(table(runs) + "\n")
+    md.write_text(table + "\n")
     return [data, md]
 
 
+def read_runs(kind: Callable[..., R], paths: Sequence[Path]) -> list[R]:
+    """The runs of earlier ``write_runs`` JSON files, in order, rebuilt as ``kind``."""
+    return [kind(**r) for p in paths for r in json.loads(Path(p).read_text())]
+
+
+def save(runs: Sequence[SettingRun], out: Path) -> list[Path]:
+    return write_runs(runs, out, "pareto", table(runs))
+
+
 def load(paths: Sequence[Path]) -> list[SettingRun]:
-    return [SettingRun(**r) for p in paths for r in json.loads(Path(p).read_text())]
+    return read_runs(SettingRun, paths)
