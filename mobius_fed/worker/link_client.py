@@ -8,76 +8,123 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
-from mobius_fed.machines import EdgeState
+from mobius_fed.machines import EDGE, EdgeState
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
+from mobius_fed.relay.edges import EdgeTunnels
 from mobius_fed.relay.plan import DIRECT, REVERSED
 from mobius_fed.transport.codec import FrameError
-from mobius_fed.transport.tls import channel_credentials, tls_target_name
-from mobius_fed.worker.frames import BACKWARD
+from mobius_fed.transport.tls import channel_credentials, tls_target_name, worker_identity
+from mobius_fed.worker.frames import BACKWARD, CLOSE
 from mobius_fed.worker.link_session import (
     HANDSHAKE_TIMEOUT_S,
     MD_ACK,
     MD_RUN,
     MD_SESSION,
     STREAM_METHOD,
+    FrameRouter,
+    LinkSettings,
     PeerError,
     StreamCall,
     culprit,
+    edge_report,
 )
 
 log = logging.getLogger("mobius.link")
 
 
 class SuccessorClient:
-    """The gRPC client half of :class:`~mobius_fed.worker.link.RingLinks` (a mixin: the
-    attributes it uses are set by ``RingLinks.__init__``)."""
+    """The gRPC client that dials the successor, and the out-edge's session it carries.
 
-    def _init_client(self) -> None:
-        """The session with the successor (its server hands the token out), not dialled."""
-        self._out = self._new_session(self.successor_identity, BACKWARD)
-        self._out.token = ""
-        self._out_state = EdgeState.DOWN
-        self._out_reconnects = 0
+    Owns that session, the channel and its calls, the out-edge's state and the receiving
+    thread; hands every received frame to the ``router``. ``closing`` is set by the owner
+    when the links shut down.
+    """
+
+    def __init__(
+        self,
+        cfg: LinkSettings,
+        router: FrameRouter,
+        closing: threading.Event,
+        address: str,
+        tunnels: EdgeTunnels | None = None,
+    ) -> None:
+        self.cfg, self.router, self.inbox, self._closing = cfg, router, router.inbox, closing
+        self.rank, self.succ, self.edge_out = cfg.rank, cfg.succ, cfg.edge_out
+        self.address, self.tunnels = address, tunnels  # a tunnelled edge dials its forwarder
+        self.peer_identity = worker_identity(cfg.succ)
+        self.session = router.new_session(self.peer_identity, BACKWARD)
+        self.session.token = ""  # the successor's server hands the token out
+        self.state = EdgeState.DOWN
+        self.reconnects = 0
         self._channel: grpc.Channel | None = None
-        self._call = None
-        self._dialing = None
-        self._out_stream: StreamCall | None = None
-        self._client_thread: threading.Thread | None = None
+        self._call: Any = None
+        self._dialing: Any = None
+        self._stream: StreamCall | None = None
+        self._thread: threading.Thread | None = None
 
-    def _channel_options(self) -> list[tuple[str, int | str]]:
-        t = self.timers
+    def _move(self, new: EdgeState) -> None:
+        self.state = EDGE.step(self.state, new, f"edge {self.edge_out}")
+
+    def describe(self, now: float) -> dict[str, Any]:
+        """The out-edge for status reports (see ``RingLinks.edge_states``)."""
+        since = self.session.down_since
+        down = now - since if since is not None else 0.0
+        return edge_report(self.succ, self.edge_out, self.state, self.reconnects, down)
+
+    def close(self) -> None:
+        """Tell the successor with a CLOSE frame after everything already queued, so that it
+        does not wait for a resume (it ends the stream in turn: a bounded wait), then hang up.
+        The owner set ``closing``."""
+        end = self.session.end
+        if self.state == EdgeState.UP:
+            bye = ring_pb2.Frame(run_id=self.router.rules.run_id, direction=CLOSE)
+            end.close(bye.SerializeToString())
+            with end.cond:
+                end.cond.wait_for(lambda: end.done, 2.0)
+        end.close()
+        for call in (self._call, self._dialing):
+            if call is not None:
+                call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self._channel is not None:
+            self._channel.close()
+
+    def options(self) -> list[tuple[str, int | str]]:
+        t = self.cfg.timers
         opts = [
-            *self._grpc_options(t.client_keepalive_ms),
+            *self.cfg.grpc_options(t.client_keepalive_ms),
             ("grpc.enable_retries", 0),
             ("grpc.initial_reconnect_backoff_ms", int(t.first_backoff_s * 1000) or 1),
             ("grpc.max_reconnect_backoff_ms", int(t.max_backoff_s * 1000) or 1),
         ]
-        if not self.insecure:
+        if not self.cfg.insecure:
             # only the successor's own certificate carries this name (docs/security.md)
-            opts.append(("grpc.ssl_target_name_override", tls_target_name(self.successor_identity)))
+            opts.append(("grpc.ssl_target_name_override", tls_target_name(self.peer_identity)))
         return opts
 
     def _open_channel(self) -> grpc.Channel:
-        if self.tls is not None:
-            creds = channel_credentials(self.tls)
-            return grpc.secure_channel(self.successor_addr, creds, self._channel_options())
-        if not self.insecure:
+        if self.cfg.tls is not None:
+            creds = channel_credentials(self.cfg.tls)
+            return grpc.secure_channel(self.address, creds, self.options())
+        if not self.cfg.insecure:
             raise ValueError("no TLS material given; plaintext needs an explicit insecure=True")
         log.warning(
             "!!! INSECURE: connecting to %s WITHOUT TLS — no encryption, no authentication. "
             "Local debugging only; never on a real network. !!!",
-            self.successor_addr,
+            self.address,
         )
-        return grpc.insecure_channel(self.successor_addr, self._channel_options())
+        return grpc.insecure_channel(self.address, self.options())
 
     def connect(self) -> None:
         """Open the session with the successor, retrying with backoff until peer_timeout."""
         target = f"worker-{self.succ}"
-        deadline = time.monotonic() + self.peer_timeout
-        delay = self.timers.first_backoff_s
+        deadline = time.monotonic() + self.cfg.peer_timeout
+        delay = self.cfg.timers.first_backoff_s
         while True:
             self._check_not_closed(target)
             self._channel = self._open_channel()
@@ -86,10 +133,10 @@ class SuccessorClient:
                 reply = ring_pb2_grpc.RingLinkStub(self._channel).Ping(
                     ring_pb2.PingRequest(), timeout=10
                 )
-                if not self.insecure and reply.identity != self.successor_identity:
+                if not self.cfg.insecure and reply.identity != self.peer_identity:
                     raise PeerError(
-                        f"successor at {self.successor_addr} is {reply.identity}, "
-                        f"expected {self.successor_identity}"
+                        f"successor at {self.address} is {reply.identity}, "
+                        f"expected {self.peer_identity}"
                     )
                 err = self._open_stream()
                 if err is None:
@@ -97,7 +144,7 @@ class SuccessorClient:
                 code, details = err
                 if code not in _RETRY:
                     raise PeerError(
-                        f"worker-{self.rank}: successor {target} at {self.successor_addr} "
+                        f"worker-{self.rank}: successor {target} at {self.address} "
                         f"refused the ring stream: {code.name} {details}"
                     )
                 raise _Retry(f"{code.name} {details}")
@@ -108,32 +155,30 @@ class SuccessorClient:
                     why = str(exc) if isinstance(exc, _Retry) else repr(exc)
                     raise PeerError(
                         f"ring edge {self.edge_out}: successor {target} {self.route()} "
-                        f"unreachable after {self.peer_timeout:.0f}s ({why})"
+                        f"unreachable after {self.cfg.peer_timeout:.0f}s ({why})"
                     ) from exc
                 log.info(
                     "worker-%d waiting for successor %s at %s",
                     self.rank,
                     target,
-                    self.successor_addr,
+                    self.address,
                 )
                 self._closing.wait(delay)
-                delay = min(delay * 2, self.timers.max_backoff_s)
+                delay = min(delay * 2, self.cfg.timers.max_backoff_s)
         self._check_not_closed(target)  # close() raced the last dial: it cancelled the call
-        self._move_out(EdgeState.UP)
-        self._client_thread = threading.Thread(
-            target=self._client_loop, daemon=True, name="ring-recv-bwd"
+        self._move(EdgeState.UP)
+        self._thread = threading.Thread(
+            target=self._receive_loop, daemon=True, name="ring-recv-bwd"
         )
-        self._client_thread.start()
-        log.info(
-            "worker-%d connected to successor %s at %s", self.rank, target, self.successor_addr
-        )
+        self._thread.start()
+        log.info("worker-%d connected to successor %s at %s", self.rank, target, self.address)
 
     def route(self) -> str:
         """How the out-edge reaches the successor, for error messages."""
         t = self.tunnels
         if t is None or t.out.path == DIRECT:
             return (
-                f"at {self.successor_addr} (direct: worker-{self.succ} declared it accepts "
+                f"at {self.address} (direct: worker-{self.succ} declared it accepts "
                 "connections; if it can only dial out, start it with --reachable no)"
             )
         why = f"; last tunnel error: {t.out_error()}" if t.out_error() else ""
@@ -153,7 +198,7 @@ class SuccessorClient:
         self, handshake_s: float = HANDSHAKE_TIMEOUT_S
     ) -> tuple[grpc.StatusCode, str] | None:
         """Start one Stream call of the session and resume it; None on success."""
-        s, st = self._out, StreamCall(self.successor_identity)
+        s, st = self.session, StreamCall(self.peer_identity)
         assert self._channel is not None
         stream = self._channel.stream_stream(
             STREAM_METHOD, request_serializer=None, response_deserializer=None
@@ -162,9 +207,9 @@ class SuccessorClient:
 
         def requests() -> Iterator[bytes]:
             st.go.wait()
-            yield from end.frames(st, self._ack_frame)
+            yield from end.frames(st, self.router.ack_frame)
 
-        md = ((MD_RUN, self.rules.run_id), (MD_SESSION, s.token), (MD_ACK, str(end.rx)))
+        md = ((MD_RUN, self.router.rules.run_id), (MD_SESSION, s.token), (MD_ACK, str(end.rx)))
         call = stream(requests(), metadata=md)
         self._dialing = call  # close() cancels it
         watchdog = threading.Timer(handshake_s, call.cancel)
@@ -196,20 +241,20 @@ class SuccessorClient:
             call.cancel()
             return grpc.StatusCode.FAILED_PRECONDITION, f"cannot resume: {err}"
         s.token = got[MD_SESSION]
-        self._call, self._out_stream = call, st
+        self._call, self._stream = call, st
         return None
 
-    def _client_loop(self) -> None:
+    def _receive_loop(self) -> None:
         """Receive BACKWARD frames; re-dial within the grace when the stream breaks."""
-        s = self._out
+        s = self.session
         try:
             while True:
-                call, st = self._call, self._out_stream
+                call, st = self._call, self._stream
                 assert st is not None  # dialled before the loop, re-dialled within it
                 err = self._receive_backward(call, st)
                 s.end.end_stream(st)
                 if err is None or self._closing.is_set():
-                    self._move_out(EdgeState.DOWN)
+                    self._move(EdgeState.DOWN)
                     return
                 if not self._reconnect(err):
                     return
@@ -220,17 +265,17 @@ class SuccessorClient:
 
     def _receive_backward(self, call, st: StreamCall) -> str | None:
         """Serve one stream; None when it ended for good, else why it broke."""
-        s = self._out
+        s = self.session
         try:
             for data in call:
                 with s.rx_lock:
-                    self._accept(data, BACKWARD, s)
+                    self.router.accept(data, BACKWARD, s)
             if not self._closing.is_set():
                 log.info("ring edge %s: worker-%d closed the stream", self.edge_out, self.succ)
             return None
         except FrameError as exc:
-            msg = culprit(exc, self.successor_identity, f"{self.edge_out} (BACKWARD side)")
-            self._refused(msg)
+            msg = culprit(exc, self.peer_identity, f"{self.edge_out} (BACKWARD side)")
+            self.router.refused(msg)
             call.cancel()
             self.inbox.fail(PeerError(msg))
             return None
@@ -252,38 +297,38 @@ class SuccessorClient:
 
     def _reconnect(self, err: str) -> bool:
         """Re-dial until the session resumes (True) or the grace is spent (False)."""
-        s = self._out
+        s = self.session
         s.down_since, s.last_error = time.monotonic(), err
-        if self._all_finished():
-            self._move_out(EdgeState.DOWN)
+        if self.inbox.all_finished():
+            self._move(EdgeState.DOWN)
             return False
-        self._move_out(EdgeState.RECONNECTING)
+        self._move(EdgeState.RECONNECTING)
         log.warning(
             "ring edge %s down (%s); reconnecting for up to %.0fs",
             self.edge_out,
             err,
-            self.link_grace,
+            self.cfg.link_grace,
         )
-        delay = self.timers.first_backoff_s
+        delay = self.cfg.timers.first_backoff_s
         while not self._closing.is_set():
             waited = time.monotonic() - s.down_since
-            if waited >= self.link_grace:
+            if waited >= self.cfg.link_grace:
                 break
-            if self._closing.wait(min(delay, max(self.link_grace - waited, 0.0))):
+            if self._closing.wait(min(delay, max(self.cfg.link_grace - waited, 0.0))):
                 break
-            delay = min(delay * 2, self.timers.max_backoff_s)
+            delay = min(delay * 2, self.cfg.timers.max_backoff_s)
             old = self._channel
             self._channel = self._open_channel()
             if old is not None:
                 old.close()
             try:
-                left = self.link_grace - (time.monotonic() - s.down_since)
+                left = self.cfg.link_grace - (time.monotonic() - s.down_since)
                 result = self._open_stream(max(1.0, min(HANDSHAKE_TIMEOUT_S, left)))
             except grpc.RpcError as exc:  # pragma: no cover - raised by some grpcio versions
                 result = (exc.code(), exc.details())
             if result is None:
-                self._out_reconnects += 1
-                self._move_out(EdgeState.UP)
+                self.reconnects += 1
+                self._move(EdgeState.UP)
                 log.warning(
                     "ring edge %s back after %.1fs (%d frame(s) resent)",
                     self.edge_out,
@@ -295,15 +340,15 @@ class SuccessorClient:
             code, details = result
             s.last_error = f"{code.name} {details}"
             if code not in _RETRY:
-                self._move_out(EdgeState.DOWN)
+                self._move(EdgeState.DOWN)
                 self.inbox.fail(
                     PeerError(f"ring edge {self.edge_out}: reconnect refused: {s.last_error}")
                 )
                 return False
-        self._move_out(EdgeState.DOWN)
-        if not self._closing.is_set() and not self._all_finished():
+        self._move(EdgeState.DOWN)
+        if not self._closing.is_set() and not self.inbox.all_finished():
             msg = (
-                f"ring edge {self.edge_out} down for {self.link_grace:.0f}s "
+                f"ring edge {self.edge_out} down for {self.cfg.link_grace:.0f}s "
                 f"(last error: {s.last_error})"
             )
             log.error("%s", msg)

@@ -8,11 +8,14 @@ import hmac
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from mobius_fed.machines import EdgeState
 from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.codec import FrameError
 from mobius_fed.transport.tls import (
@@ -21,7 +24,6 @@ from mobius_fed.transport.tls import (
     peer_identity_or_reason,
     worker_identity,
 )
-from mobius_fed.worker.config import dialable
 from mobius_fed.worker.frames import FORWARD
 from mobius_fed.worker.link_session import (
     IDLE_CONNECTION_MS,
@@ -33,44 +35,55 @@ from mobius_fed.worker.link_session import (
     RING_HANDLERS,
     RING_SERVICE,
     SERVER_THREADS,
+    Endpoint,
+    FrameRouter,
+    LinkSettings,
     PeerError,
     Session,
     StreamCall,
     culprit,
+    edge_report,
 )
 
 log = logging.getLogger("mobius.link")
+Refusal = tuple[grpc.StatusCode, str]
 
 
 class PredecessorServer:
-    """The gRPC server half of :class:`~mobius_fed.worker.link.RingLinks` (a mixin: the
-    attributes it uses are set by ``RingLinks.__init__``)."""
+    """The gRPC server the predecessor dials, and the in-edge's session it carries.
 
-    def _init_server(self) -> None:
-        """The predecessor's session, and the server that carries it."""
+    Owns that session, the count of stream handlers and reconnects; hands every received
+    frame to the ``router``. ``closing`` is set by the owner when the links shut down.
+    """
+
+    def __init__(self, cfg: LinkSettings, router: FrameRouter, closing: threading.Event) -> None:
+        self.cfg, self.router, self.inbox, self._closing = cfg, router, router.inbox, closing
+        self.rank, self.edge_in = cfg.rank, cfg.edge_in
+        self.peer_identity = worker_identity(cfg.pred)
         self._lock = threading.Lock()
         self._in_ready = threading.Condition(self._lock)
-        self._in: Session | None = None
+        self.session: Session | None = None
         self._handlers = 0
-        self._in_reconnects = 0
+        self.reconnects = 0
         self._old_bytes = 0  # bytes sent by ended predecessor sessions
         self._server: grpc.Server | None = None
 
-    def _server_options(self) -> list[tuple[str, int | str]]:
-        t = self.timers
+    def options(self) -> list[tuple[str, int | str]]:
+        t = self.cfg.timers
         return [
-            *self._grpc_options(t.server_keepalive_ms),
+            *self.cfg.grpc_options(t.server_keepalive_ms),
             ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
             ("grpc.http2.min_ping_interval_without_data_ms", t.min_ping_interval_ms),
             ("grpc.so_reuseport", 0),  # a second process on this port fails loudly
         ]
 
-    def start_server(self) -> int:
+    def start(self, listen: str) -> int:
+        """Listen on ``listen``; return the port."""
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="ring"),
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
-            options=self._server_options(),
+            options=self.options(),
         )
         # Registered by hand so that Stream moves raw bytes both ways: requests are parsed
         # here (the relay needs the received bytes) and responses are sent pre-serialized.
@@ -96,52 +109,28 @@ class PredecessorServer:
             )
         )
         try:
-            port = add_port(self._server, self.listen, self.tls, insecure=self.insecure)
+            port = add_port(self._server, listen, self.cfg.tls, insecure=self.cfg.insecure)
         except RuntimeError as exc:  # newer grpcio raises instead of returning 0
-            raise PeerError(f"worker-{self.rank}: cannot listen on {self.listen}: {exc}") from exc
+            raise PeerError(f"worker-{self.rank}: cannot listen on {listen}: {exc}") from exc
         if port == 0:
-            raise PeerError(f"worker-{self.rank}: cannot listen on {self.listen}")
+            raise PeerError(f"worker-{self.rank}: cannot listen on {listen}")
         self._server.start()
         for name in ("", "mobius_fed.ring.v1.RingLink"):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("worker-%d listening on %s", self.rank, self.listen)
-        if self.tunnels is not None:  # an in-edge the predecessor cannot dial: tunnels
-            self.tunnels.start_keeper(dialable(self.listen, port=port))
+        log.info("worker-%d listening on %s", self.rank, listen)
         return port
 
-    def Ping(self, request: ring_pb2.PingRequest, context: grpc.ServicerContext):
+    # ------------------------------------------------------------------- RPCs
+    def Ping(self, request: ring_pb2.PingRequest, context: grpc.ServicerContext) -> Any:
         return ring_pb2.PingReply(
             identity=worker_identity(self.rank), peer=peer_identity(context) or ""
         )
 
-    def Stream(self, request_iterator, context: grpc.ServicerContext):
-        who, why = peer_identity_or_reason(context)
-        label = who or "<plaintext peer>"
-        if not self.insecure and who != self.predecessor_identity:
-            msg = (
-                f"worker-{self.rank} accepts ring frames only from its predecessor "
-                f"{self.predecessor_identity}, not {who or f'<no identity: {why}>'}"
-            )
-            log.error("refused stream: %s", msg)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)
-        md = dict(context.invocation_metadata())
-        run = md.get(MD_RUN)
-        if run is None:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"no {MD_RUN} metadata: not a ring link client (from {label})",
-            )
-        if run != self.rules.run_id:
-            context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"worker-{self.rank} serves run {self.rules.run_id!r}, not {run!r}",
-            )
-        try:
-            ack = int(md.get(MD_ACK, "0"))
-        except ValueError:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad {MD_ACK} metadata")
+    def Stream(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+        """Admit the predecessor's stream into its session, then send that session's frames."""
+        label, token, ack = self._caller(context)
         st = StreamCall(label)
-        refusal = self._admit(st, md.get(MD_SESSION, ""), ack, label)
+        refusal = self._admit(st, token, ack, label)
         if refusal is not None:
             code, msg = refusal
             log.warning("refused stream from %s on edge %s: %s", label, self.edge_in, msg)
@@ -158,7 +147,7 @@ class PredecessorServer:
                 daemon=True,
                 name="ring-recv-fwd",
             ).start()
-            yield from s.end.frames(st, self._ack_frame)
+            yield from s.end.frames(st, self.router.ack_frame)
             if st.failure:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, st.failure)
         finally:
@@ -167,7 +156,38 @@ class PredecessorServer:
             with self._lock:
                 self._handlers -= 1
 
-    def _admit(self, st: StreamCall, token: str, ack: int, label: str):
+    def _caller(self, context: grpc.ServicerContext) -> tuple[str, str, int]:
+        """The caller's label, session token and count; aborts a caller that is not the
+        predecessor or not of this run."""
+        who, why = peer_identity_or_reason(context)
+        label = who or "<plaintext peer>"
+        if not self.cfg.insecure and who != self.peer_identity:
+            msg = (
+                f"worker-{self.rank} accepts ring frames only from its predecessor "
+                f"{self.peer_identity}, not {who or f'<no identity: {why}>'}"
+            )
+            log.error("refused stream: %s", msg)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)
+        md = dict(context.invocation_metadata())
+        run, run_id = md.get(MD_RUN), self.router.rules.run_id
+        if run is None:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"no {MD_RUN} metadata: not a ring link client (from {label})",
+            )
+        if run != run_id:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"worker-{self.rank} serves run {run_id!r}, not {run!r}",
+            )
+        try:
+            ack = int(md.get(MD_ACK, "0"))
+        except ValueError:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad {MD_ACK} metadata")
+        return label, md.get(MD_SESSION, ""), ack
+
+    # -------------------------------------------------------------- sessions
+    def _admit(self, st: StreamCall, token: str, ack: int, label: str) -> Refusal | None:
         """Bind ``st`` to a session; return (status, reason) to refuse it instead."""
         with self._lock:
             if self._closing.is_set():
@@ -183,9 +203,9 @@ class PredecessorServer:
                 self._handlers += 1
             return refusal
 
-    def _resume_session(self, st: StreamCall, token: str, ack: int, label: str):
+    def _resume_session(self, st: StreamCall, token: str, ack: int, label: str) -> Refusal | None:
         """``st`` carries on the session ``token`` names from the peer's count ``ack``."""
-        s = self._in
+        s = self.session
         if s is None or not hmac.compare_digest(token.encode(), s.token.encode()):
             return (
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -199,21 +219,27 @@ class PredecessorServer:
         if err is not None:
             return grpc.StatusCode.INVALID_ARGUMENT, f"cannot resume: {err}"
         if old is not None:
-            log.warning("worker-%d: %s resumed its session on edge %s; the old stream is "
-                        "dropped", self.rank, label, self.edge_in)  # fmt: skip
+            log.warning(
+                "worker-%d: %s resumed its session on edge %s; the old stream is dropped",
+                self.rank,
+                label,
+                self.edge_in,
+            )
         if s.down_since is not None:
-            log.warning("ring edge %s back after %.1fs (%d frame(s) to resend)", self.edge_in,
-                        time.monotonic() - s.down_since, s.end.sent_hi - ack)  # fmt: skip
-        self._in_reconnects += 1
+            back, resend = time.monotonic() - s.down_since, s.end.sent_hi - ack
+            log.warning(
+                "ring edge %s back after %.1fs (%d frame(s) to resend)", self.edge_in, back, resend
+            )
+        self.reconnects += 1
         s.down_since = None
         if s.timer is not None:
             s.timer.cancel()
         st.session = s
         return None
 
-    def _open_session(self, st: StreamCall, token: str, ack: int, label: str):
+    def _open_session(self, st: StreamCall, token: str, ack: int, label: str) -> Refusal | None:
         """``st`` starts a new session; one it replaces is dropped (its frames with it)."""
-        s = self._in
+        s = self.session
         if s is not None and s.end.stream is not None:
             return (
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -229,29 +255,29 @@ class PredecessorServer:
                 self.inbox.fail(
                     PeerError(
                         f"ring edge {self.edge_in}: a new session from {label} replaced "
-                        f"the interrupted one (did worker-{self.pred} restart?)"
+                        f"the interrupted one (did worker-{self.cfg.pred} restart?)"
                     )
                 )
-        s = self._in = self._new_session(label, FORWARD)
+        s = self.session = self.router.new_session(label, FORWARD)
         s.end.resume(0, st)
         st.rx_at_start = 0
         self._in_ready.notify_all()
         st.session = s
         return None
 
-    def _serve_receive(self, s: Session, st: StreamCall, request_iterator) -> None:
+    def _serve_receive(self, s: Session, st: StreamCall, request_iterator: Iterator[bytes]) -> None:
         how = "broken"  # a stream that ends without CLOSE may be resumed
         try:
             for data in request_iterator:
                 with s.rx_lock:
                     if st.dead:
                         return
-                    if self._accept(data, FORWARD, s):
+                    if self.router.accept(data, FORWARD, s):
                         how = "closed"
                         return
         except FrameError as exc:
             msg = culprit(exc, st.who, self.edge_in)
-            self._refused(msg)
+            self.router.refused(msg)
             st.failure = msg
             how = "refused"
         except grpc.RpcError:
@@ -272,7 +298,7 @@ class PredecessorServer:
             st.ended = True
             current = s.end.stream is st
             s.end.end_stream(st)
-            if self._in is not s or not current or self._closing.is_set():
+            if self.session is not s or not current or self._closing.is_set():
                 return
             if how == "refused":
                 self._drop_session(s, "it sent a frame that was refused")
@@ -284,7 +310,7 @@ class PredecessorServer:
                 self._drop_session(s, "closed before finishing")
                 if s.carrying:
                     fail = f"ring edge {self.edge_in}: {s.who} closed the link before finishing"
-            elif s.fin_seen or self._all_finished():
+            elif s.fin_seen or self.inbox.all_finished():
                 s.finished = True
             else:
                 s.down_since = time.monotonic()
@@ -293,38 +319,37 @@ class PredecessorServer:
                     "reconnect",
                     self.edge_in,
                     s.who,
-                    self.link_grace,
+                    self.cfg.link_grace,
                 )
-                s.timer = threading.Timer(self.link_grace, self._grace_over, args=(s,))
+                s.timer = threading.Timer(self.cfg.link_grace, self._grace_over, args=(s,))
                 s.timer.daemon = True
                 s.timer.start()
         if fail:
             self.inbox.fail(PeerError(fail))
 
     def _grace_over(self, s: Session) -> None:
+        grace = self.cfg.link_grace
         with self._lock:
-            if self._in is not s or s.down_since is None or self._closing.is_set():
+            if self.session is not s or s.down_since is None or self._closing.is_set():
                 return
-            self._drop_session(s, f"down for {self.link_grace:.0f}s")
+            self._drop_session(s, f"down for {grace:.0f}s")
             carrying = s.carrying
-        msg = (
-            f"ring edge {self.edge_in} down for {self.link_grace:.0f}s ({s.who} did not reconnect)"
-        )
+        msg = f"ring edge {self.edge_in} down for {grace:.0f}s ({s.who} did not reconnect)"
         log.error("%s", msg)
         if carrying:
             self.inbox.fail(PeerError(msg))
 
     def _drop_session(self, s: Session, why: str) -> None:
         """Forget session ``s`` and everything it delivered but nobody consumed (lock held)."""
-        if self._in is s:
-            self._in = None
+        if self.session is s:
+            self.session = None
         self._old_bytes += s.end.bytes_sent
         s.stop()
         with s.rx_lock:  # a frame being processed lands first; later ones see st.dead
             dropped = self.inbox.drop(s)
             partial = s.pieces.pending + len(s.relay_hold)
             s.relay_hold.clear()
-            s.pieces = self._assembler(FORWARD)
+            s.pieces = self.router.assembler(FORWARD)
         unsent = s.end.queued - s.end.acked
         if dropped or partial or unsent or not s.finished:
             log.warning(
@@ -338,3 +363,49 @@ class PredecessorServer:
                 partial,
                 unsent,
             )
+
+    # ------------------------------------------------------ what the owner asks
+    def sending_end(self, deadline: float) -> Endpoint:
+        """The end that sends BACKWARD frames, once the predecessor opened its session."""
+        with self._in_ready:
+            ready = False
+            while not ready and self.inbox.error is None and time.monotonic() < deadline:
+                ready = self._in_ready.wait_for(lambda: self.session is not None, 0.5)
+            if self.inbox.error is not None:
+                raise PeerError(str(self.inbox.error)) from self.inbox.error
+            s = self.session
+            if not ready or s is None:
+                raise PeerError(
+                    f"worker-{self.rank}: predecessor worker-{self.cfg.pred} never opened its "
+                    f"ring stream (edge {self.edge_in})"
+                )
+            s.carrying = True
+            return s.end
+
+    def reconnecting(self) -> bool:
+        s = self.session
+        return s is not None and s.down_since is not None
+
+    def describe(self, now: float) -> dict[str, Any]:
+        """The in-edge for status reports (see ``RingLinks.edge_states``)."""
+        s = self.session
+        if s is not None and s.down_since is not None:
+            state, down = EdgeState.RECONNECTING, now - s.down_since
+        elif s is not None and s.end.stream is not None:
+            state, down = EdgeState.UP, 0.0
+        else:
+            state, down = EdgeState.DOWN, 0.0
+        return edge_report(self.cfg.pred, self.edge_in, state, self.reconnects, down)
+
+    @property
+    def bytes_sent(self) -> int:
+        s = self.session
+        return self._old_bytes + (s.end.bytes_sent if s else 0)
+
+    def close(self) -> None:
+        """End the session's live stream and stop serving (the owner set ``closing``)."""
+        with self._lock:
+            if self.session is not None:
+                self.session.stop()
+        if self._server is not None:
+            self._server.stop(grace=1.0).wait()

@@ -1,6 +1,7 @@
 """The state a ring link keeps across its gRPC streams: the inbox of decoded tensors,
-and each edge's session (frames sent and kept until acknowledged, frames received), which
-a broken stream resumes (see :mod:`mobius_fed.worker.link`, "Transient faults").
+each edge's session (frames sent and kept until acknowledged, frames received), which a
+broken stream resumes (see :mod:`mobius_fed.worker.link`, "Transient faults"), and the
+router both edges hand received frames to.
 """
 
 from __future__ import annotations
@@ -15,9 +16,23 @@ from pathlib import Path
 
 import torch
 
+from mobius_fed.engine.wire_stages import codecs
+from mobius_fed.machines import EdgeState
 from mobius_fed.proto import ring_pb2
-from mobius_fed.transport.codec import FrameError, TensorAssembler
-from mobius_fed.worker.frames import FrameKey
+from mobius_fed.transport.codec import FrameError, TensorAssembler, parse_frame
+from mobius_fed.transport.link_tuning import LinkTuning
+from mobius_fed.transport.tls import NodeTLS
+from mobius_fed.worker.frames import (
+    ACK,
+    CLOSE,
+    DELIVER,
+    FIN,
+    FORWARD,
+    RELAY,
+    FrameKey,
+    FrameRules,
+    edge_name,
+)
 
 log = logging.getLogger("mobius.link")
 RING_SERVICE = ring_pb2.DESCRIPTOR.services_by_name["RingLink"].full_name
@@ -66,6 +81,53 @@ class LinkTimers:
             )
 
 
+@dataclass(frozen=True)
+class LinkSettings:
+    """What both ends of a worker's ring link read and never change."""
+
+    rank: int
+    P: int
+    tls: NodeTLS | None
+    insecure: bool
+    peer_timeout: float
+    link_grace: float
+    timers: LinkTimers
+    tuning: LinkTuning
+    max_message: int  # sent and received alike (see RingLinks)
+
+    @property
+    def pred(self) -> int:
+        return (self.rank - 1) % self.P
+
+    @property
+    def succ(self) -> int:
+        return (self.rank + 1) % self.P
+
+    @property
+    def edge_in(self) -> str:
+        return edge_name(self.pred, self.rank)
+
+    @property
+    def edge_out(self) -> str:
+        return edge_name(self.rank, self.succ)
+
+    def grpc_options(self, keepalive_ms: int) -> list[tuple[str, int | str]]:
+        """What both ends of a link set: message sizes, tuning, pings every ``keepalive_ms``."""
+        t = self.timers
+        return [
+            ("grpc.max_receive_message_length", self.max_message),
+            ("grpc.max_send_message_length", self.max_message),
+            *self.tuning.grpc_options(),
+            ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_timeout_ms", t.keepalive_timeout_ms),
+            # grpcio ≥ 1.6x waits this long for any ping's ack (default: a minute or more);
+            # without it an unanswered keepalive ping does not end the connection.
+            ("grpc.http2.ping_timeout_ms", t.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+
+
 class PeerError(RuntimeError):
     """A ring peer is unreachable, went away, or sent something unusable."""
 
@@ -79,6 +141,17 @@ def culprit(exc: FrameError, who: str, edge: str) -> str:
     return f"frame rejected from {who} on edge {edge}: {text}"
 
 
+def edge_report(peer: int, edge: str, state: EdgeState, reconnects: int, down: float) -> dict:
+    """One ring edge as status reports show it (see ``RingLinks.edge_states``)."""
+    return {
+        "peer": f"worker-{peer}",
+        "edge": edge,
+        "state": state,
+        "reconnects": reconnects,
+        "down_s": round(down, 3),
+    }
+
+
 # ----------------------------------------------------------------------------- inbox
 
 
@@ -90,7 +163,10 @@ class Inbox:
     already queued or consumed is refused (:meth:`check_new`).
     """
 
-    def __init__(self, current_step: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self, current_step: Callable[[], int] = lambda: 0, peers: frozenset[int] = frozenset()
+    ) -> None:
+        self.peers = peers  # the workers whose FIN ends the run for this one
         self._items: dict[FrameKey, tuple[torch.Tensor, object]] = {}
         self._consumed: set[FrameKey] = set()
         self._pruned_at = -1
@@ -100,7 +176,6 @@ class Inbox:
         self.fins: set[int] = set()
         self._fin_from: dict[int, object] = {}
         self.last_problem: str | None = None  # named in a timeout: why a frame never came
-        self.on_consume: Callable[[object], None] = lambda owner: None
         self.held: Callable[[], bool] = lambda: False  # timeouts pause while this is true
         self.describe_links: Callable[[], str] = lambda: ""
 
@@ -177,13 +252,18 @@ class Inbox:
             tensor, owner = self._items.pop(key)
             self._prune()
             self._consumed.add(key)
-        self.on_consume(owner)
+        if isinstance(owner, Session):
+            owner.carrying = True
         return tensor
 
-    def wait_fins(self, expected: set[int], timeout: float) -> bool:
+    def all_finished(self) -> bool:
+        return self.peers <= self.fins
+
+    def wait_fins(self, timeout: float) -> bool:
+        """Wait until every peer's FIN came (True) or the link failed."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: expected <= self.fins or self.error is not None, timeout
+                lambda: self.all_finished() or self.error is not None, timeout
             )
 
 
@@ -383,3 +463,103 @@ class Session:
         self.end.close()
         if (st := self.end.stream) is not None:
             self.end.end_stream(st)
+
+
+class FrameRouter:
+    """Checks every frame either session receives, then delivers it to the inbox or relays
+    it on through ``outgoing(direction)``; owns the record of relayed tensors and refusals."""
+
+    def __init__(
+        self,
+        rules: FrameRules,
+        inbox: Inbox,
+        outgoing: Callable[[int], Endpoint],
+        capture: Capture | None,
+        ack_every: int,
+    ) -> None:
+        self.rules, self.inbox, self._outgoing = rules, inbox, outgoing
+        self.codecs = codecs(rules.cfg)  # (forward, backward), once per link
+        self._capture, self._ack_every = capture, ack_every
+        self.rejected: list[str] = []
+        self._relayed: set[FrameKey] = set()
+        self._relay_lock = threading.Lock()
+
+    def assembler(self, direction: int) -> TensorAssembler:
+        """Piece validation/reassembly state for one incoming session: FORWARD (from the
+        predecessor) or BACKWARD frames (from the successor), each with its codec."""
+        codec = self.codecs[0 if direction == FORWARD else 1]
+        shape = self.rules.shape_of(direction)
+        return TensorAssembler(shape, self.rules.cfg.wire_dtype, codec=codec)
+
+    def new_session(self, who: str, direction: int) -> Session:
+        """A session whose incoming frames travel ``direction``."""
+        return Session(who, self.assembler(direction), self._capture, self._ack_every)
+
+    def ack_frame(self, n: int) -> bytes:
+        return ring_pb2.Frame(run_id=self.rules.run_id, direction=ACK, ack=n).SerializeToString()
+
+    def refused(self, msg: str) -> None:
+        self.rejected.append(msg)
+        self.inbox.last_problem = msg
+        log.error("worker-%d: %s; session closed, still serving", self.rules.rank, msg)
+
+    def accept(self, data: bytes, side: int, s: Session) -> bool:
+        """Validate one received frame (its serialized bytes) and deliver or relay it.
+
+        True when it was the peer's CLOSE: the session ends, nothing more is read.
+        """
+        frame, payload = parse_frame(data)  # the tensor bytes stay in `data`, not copied
+        if frame.direction == ACK:
+            s.end.on_ack(self.rules.check_control(frame))
+            return False
+        if frame.direction == CLOSE:
+            if side != FORWARD:
+                raise FrameError("frame rejected: CLOSE on the BACKWARD side (clients send it)")
+            self.rules.check_control(frame)
+            return True
+        verdict = self.rules.check_header(frame, side)
+        if frame.direction == FIN:
+            # Idempotent: a FIN repeated (e.g. one a dropped session already passed on) is
+            # neither recorded again nor relayed; it carries nothing else.
+            if self.inbox.add_fin(frame.origin, owner=s) and verdict == RELAY:
+                self._outgoing(FIN).put(data)
+            if frame.origin == (self.rules.rank - 1) % self.rules.P:
+                s.fin_seen = True
+            s.end.received(flush=True)
+            return False
+        # Every piece is validated in full (order, total, offset, size, dtype, full shape,
+        # checksum, finiteness) before it is used; a relay holds a tensor's pieces until
+        # the last one validated, then forwards them as received.
+        key = FrameKey.of(frame)
+        mine = verdict == DELIVER
+        if frame.chunk == 0:
+            if mine:
+                self.inbox.check_new(key)
+            else:
+                with self._relay_lock:
+                    if key in self._relayed:
+                        raise FrameError(
+                            f"frame rejected: replay of {key.describe()} (already relayed)"
+                        )
+        tensor = s.pieces.add(key, frame, keep=mine, what=key.describe(), data=payload)
+        if mine:
+            if tensor is not None:
+                self.inbox.put(key, tensor, owner=s)
+        else:
+            held = s.relay_hold.setdefault(key, [])
+            held.append(data)
+            if frame.chunk == frame.chunks - 1:
+                del s.relay_hold[key]
+                self._mark_relayed(key)
+                out = self._outgoing(frame.direction)
+                for piece in held:
+                    out.put(piece)
+        s.end.received()
+        return False
+
+    def _mark_relayed(self, key: FrameKey) -> None:
+        with self._relay_lock:
+            now = self.rules.current_step()
+            if len(self._relayed) > 256:
+                self._relayed = {k for k in self._relayed if k.step >= now - 2}
+            self._relayed.add(key)
