@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import uvicorn
 from fastapi import FastAPI
@@ -189,9 +189,9 @@ class _PeerCertH11Protocol(H11Protocol):
     certificate to exactly that connection (no lookup by address, nothing to spoof).
     """
 
-    # Ignored: asyncio.Protocol takes any BaseTransport; uvicorn's class narrows it just so.
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # asyncio.Protocol takes any BaseTransport; uvicorn's class narrows it to a Transport
+        super().connection_made(cast(asyncio.Transport, transport))
         ssl_object = transport.get_extra_info("ssl_object")
         cert = ssl_object.getpeercert() if ssl_object is not None else None
         self.app_state = {**self.app_state, PEER_CERT_KEY: cert}

@@ -22,6 +22,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mobius_fed.transport.tls import (
@@ -281,7 +282,7 @@ certified under another identity) and where ``revoke`` finds a node's serials. N
 (mode 0644)."""
 
 
-def key_fingerprint(public_key: PublicKey) -> str:
+def key_fingerprint(public_key: CertificatePublicKeyTypes) -> str:
     """SHA-256 of the DER SubjectPublicKeyInfo, hex."""
     der = public_key.public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
@@ -316,7 +317,7 @@ def record_issued(ca_dir: Path, name: str, cert: x509.Certificate) -> None:
             "node": name,
             "identity": identity_of(name),
             "serial": str(cert.serial_number),
-            "key_sha256": key_fingerprint(cert.public_key()),  # type: ignore[arg-type]
+            "key_sha256": key_fingerprint(cert.public_key()),
             "not_after": cert.not_valid_after_utc.isoformat(),
             "ca_sha256": key_fingerprint_of_issuer(ca_dir),
         }
@@ -329,7 +330,7 @@ def record_issued(ca_dir: Path, name: str, cert: x509.Certificate) -> None:
 def key_fingerprint_of_issuer(ca_dir: Path) -> str:
     """Fingerprint of the CA key of ``ca_dir`` (entries of an earlier CA stay on record)."""
     ca = x509.load_pem_x509_certificate((Path(ca_dir) / "ca.crt").read_bytes())
-    return key_fingerprint(ca.public_key())  # type: ignore[arg-type]
+    return key_fingerprint(ca.public_key())
 
 
 def _issue(

@@ -273,7 +273,7 @@ def _check_key_is_new(csr: x509.CertificateSigningRequest, node: str, ca_dir: Pa
     if pub == spki(ca_cert):
         raise EnrollError(f"{where} is for the CA's own key: the CA key never goes to a node")
     want = identity_of(node)
-    fingerprint = key_fingerprint(csr.public_key())  # type: ignore[arg-type]
+    fingerprint = key_fingerprint(csr.public_key())
     for entry in read_registry(ca_dir):
         if entry.get("key_sha256") == fingerprint and entry.get("identity") != want:
             raise EnrollError(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from mobius_fed.transport.certs import load_ca, read_registry, write_file
 from mobius_fed.transport.tls import NodeTLS, set_revoked
@@ -122,7 +123,10 @@ def revoke(ca_dir: Path, targets: Iterable[str], *, days: int = CRL_DAYS) -> dic
 def verified_serials(crl: x509.CertificateRevocationList, ca_pem: bytes) -> set[int]:
     """The serials of ``crl`` once it verifies against a CA in ``ca_pem``."""
     for ca in x509.load_pem_x509_certificates(ca_pem):
-        if crl.issuer == ca.subject and crl.is_signature_valid(ca.public_key()):  # type: ignore[arg-type]
+        key = ca.public_key()  # the node CAs sign with EC or RSA keys
+        if not isinstance(key, ec.EllipticCurvePublicKey | rsa.RSAPublicKey):
+            continue
+        if crl.issuer == ca.subject and crl.is_signature_valid(key):
             return {r.serial_number for r in crl}
     raise RevocationError("the revocation list is not signed by this node's CA")
 
