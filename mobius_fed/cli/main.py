@@ -140,9 +140,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
             dirs = prepare_sites(
-                args.inputs or None, out, sites, args.encoding, args.val_fraction,
-                text=text, overwrite=opts.overwrite, only=only, options=opts,
-            )  # fmt: skip
+                args.inputs or None,
+                out,
+                sites,
+                args.encoding,
+                args.val_fraction,
+                text=text,
+                overwrite=opts.overwrite,
+                only=only,
+                options=opts,
+            )
     except DataError as exc:
         raise CliError(str(exc)) from None
     for d in dirs:

@@ -27,6 +27,7 @@ _BARRIER = "the shared E/R each site sends at a barrier"
 
 def _entries(pc: PrivacyConfig) -> list[tuple[bool, dict[str, Any]]]:
     """(on?, entry) for every defence, in the order the status lists them."""
+    # fmt: skip below keeps the table one defence to a row group: when it is on, its entry.
     return [
         (pc.label_noise > 0, {"name": "label_noise", "hop": _LAST_HOP,
                               "sigma": pc.label_noise, "clip": pc.label_clip}),
@@ -76,10 +77,13 @@ def _input_block(cfg: TrainConfig, step: int) -> dict[str, Any]:
         out[f"epsilon_{unit}_whole_run"] = value if math.isfinite(value) else None
     # every site sends each of its streams' first hop once per step, with its own key
     out["per_site"] = [
-        {"site": s, "epsilon_position": out["epsilon_position"],
-         "epsilon_sequence": out["epsilon_sequence"]}
+        {
+            "site": s,
+            "epsilon_position": out["epsilon_position"],
+            "epsilon_sequence": out["epsilon_sequence"],
+        }
         for s in range(cfg.P)
-    ]  # fmt: skip
+    ]
     return out
 
 

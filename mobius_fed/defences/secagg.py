@@ -114,9 +114,14 @@ def prg(shared: bytes, rnd: int, attempt: str, n: int, q: Quantiser) -> np.ndarr
 
 
 def pairwise_mask(
-    site: int, keys: SiteKeys, public_keys: list[bytes], rnd: int, attempt: str, n: int,
+    site: int,
+    keys: SiteKeys,
+    public_keys: list[bytes],
+    rnd: int,
+    attempt: str,
+    n: int,
     q: Quantiser,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """Σ_{j>s} PRG(k_sj) − Σ_{j<s} PRG(k_sj) mod 2^b."""
     total = np.zeros(n, dtype=q.wire_dtype)
     for j, pk in enumerate(public_keys):
@@ -176,12 +181,15 @@ class SiteMasker:
         if order.public_keys[self.site] != self.keys.public:
             raise SecAggError(f"site {self.site}: the relayed public key is not this site's")
         if (order.rnd, order.attempt) in self.used:
-            raise SecAggError(f"site {self.site}: round {order.rnd} attempt {order.attempt!r} "
-                              "was masked once already; refusing to reuse its masks")  # fmt: skip
+            raise SecAggError(
+                f"site {self.site}: round {order.rnd} attempt {order.attempt!r} "
+                "was masked once already; refusing to reuse its masks"
+            )
         self.used.add((order.rnd, order.attempt))
         x = self.q.quantise(update_of(arrays, base, self.clip))
-        m = pairwise_mask(self.site, self.keys, order.public_keys, order.rnd, order.attempt,
-                          x.size, self.q)  # fmt: skip
+        m = pairwise_mask(
+            self.site, self.keys, order.public_keys, order.rnd, order.attempt, x.size, self.q
+        )
         y = (x + m) & self.q.mask
         return ArrayRecord({MASKED_ARRAY: Array(y)})
 
@@ -196,12 +204,14 @@ def check_masked(site: int, content: Any, n: int, q: Quantiser) -> np.ndarray:
         raise SecAggError(f"{who} sent no masked E/R update ({MASKED!r} record missing)")
     record = content[MASKED]
     if list(record.keys()) != [MASKED_ARRAY]:
-        raise SecAggError(f"{who}: the masked record holds {list(record.keys())}, expected "
-                          f"[{MASKED_ARRAY!r}]")  # fmt: skip
+        raise SecAggError(
+            f"{who}: the masked record holds {list(record.keys())}, expected [{MASKED_ARRAY!r}]"
+        )
     arr = record[MASKED_ARRAY]
     if arr.dtype != str(q.wire_dtype) or tuple(arr.shape) != (n,):
-        raise SecAggError(f"{who}: masked update is {arr.dtype}{list(arr.shape)}, expected "
-                          f"{q.wire_dtype}[{n}]")  # fmt: skip
+        raise SecAggError(
+            f"{who}: masked update is {arr.dtype}{list(arr.shape)}, expected {q.wire_dtype}[{n}]"
+        )
     return arr.numpy()
 
 

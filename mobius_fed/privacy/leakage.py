@@ -127,8 +127,9 @@ class LeakageAudit:
             mean = torch.from_numpy(q.mean(total)).float().reshape(b.shape)
             other = (self.victim + 1) % self.cfg.P  # the sum does not say whose a token is
             out.append((f"{name}, sum (SecAgg) vs victim's bag", name, mean, bags[name]))
-            out.append((f"{name}, sum (SecAgg) vs site {other}'s bag", name, mean,
-                        union[other][name]))  # fmt: skip
+            out.append(
+                (f"{name}, sum (SecAgg) vs site {other}'s bag", name, mean, union[other][name])
+            )
             every = torch.cat([u[name] for u in union])
             out.append((f"{name}, sum (SecAgg) vs union of bags", name, mean, every))
         return out

@@ -215,12 +215,23 @@ def plot_crossover(table: Table, path: Path, title: str) -> Path | None:
             ends = [min(xs), max(max(xs), PAPER_TOKENS_PER_PARAM)]
             ax.plot(ends, [fit.at(x) for x in ends], ls=":", color=line[0].get_color(), lw=1)
     ds = list(PAPER_TABLE1.values())
-    ax.plot([PAPER_TOKENS_PER_PARAM] * len(ds), ds, "k^", alpha=0.7, ls="none",
-            label="paper Table 1 (124M, P=4, one seed)")  # fmt: skip
+    ax.plot(
+        [PAPER_TOKENS_PER_PARAM] * len(ds),
+        ds,
+        "k^",
+        alpha=0.7,
+        ls="none",
+        label="paper Table 1 (124M, P=4, one seed)",
+    )
     for L, d in PAPER_TABLE1.items():
         dy = {6: 4, 10: -8, 15: -16}.get(L, 0)  # the three L ≥ 6 points nearly coincide
-        ax.annotate(f"L={L}", (PAPER_TOKENS_PER_PARAM, d), xytext=(6, dy),
-                    textcoords="offset points", fontsize=7)  # fmt: skip
+        ax.annotate(
+            f"L={L}",
+            (PAPER_TOKENS_PER_PARAM, d),
+            xytext=(6, dy),
+            textcoords="offset points",
+            fontsize=7,
+        )
     ax.set_xscale("log")
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.set_xlabel("training tokens per parameter (all origins)")

@@ -121,9 +121,12 @@ def plot_delta(table: Sequence[Row], path: Path, title: str) -> Path | None:
         errs = [0.0 if math.isnan(r.delta_ci[1]) else r.delta_ci[1] for r in rs]
         ax.errorbar(Ls, ms, yerr=errs, marker="o", capsize=3, label=f"ours, P={P}")
     ax.plot(
-        list(PAPER_TABLE1), list(PAPER_TABLE1.values()), "k^--", alpha=0.6,
+        list(PAPER_TABLE1),
+        list(PAPER_TABLE1.values()),
+        "k^--",
+        alpha=0.6,
         label="paper Table 1 (124M, P=4)",
-    )  # fmt: skip
+    )
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.set_xlabel("L (passes)")
     ax.set_ylabel("Δ = Möbius − ordered (validation loss)")
