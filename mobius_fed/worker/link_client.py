@@ -18,7 +18,7 @@ from mobius_fed.relay.edges import EdgeTunnels
 from mobius_fed.relay.plan import DIRECT, REVERSED
 from mobius_fed.transport.codec import FrameError
 from mobius_fed.transport.tls import channel_credentials, tls_target_name, worker_identity
-from mobius_fed.worker.frames import BACKWARD, CLOSE
+from mobius_fed.worker.frames import BACKWARD, CLOSE, edge_name
 from mobius_fed.worker.link_session import (
     HANDSHAKE_TIMEOUT_S,
     MD_ACK,
@@ -53,9 +53,10 @@ class SuccessorClient:
         tunnels: EdgeTunnels | None = None,
     ) -> None:
         self.cfg, self.router, self.inbox, self._closing = cfg, router, router.inbox, closing
-        self.rank, self.succ, self.edge_out = cfg.rank, cfg.succ, cfg.edge_out
+        self.rank, self.succ = cfg.rank, (cfg.rank + 1) % cfg.P
+        self.edge_out = edge_name(self.rank, self.succ)
         self.address, self.tunnels = address, tunnels  # a tunnelled edge dials its forwarder
-        self.peer_identity = worker_identity(cfg.succ)
+        self.peer_identity = worker_identity(self.succ)
         self.session = router.new_session(self.peer_identity, BACKWARD)
         self.session.token = ""  # the successor's server hands the token out
         self.state = EdgeState.DOWN

@@ -24,7 +24,7 @@ from mobius_fed.transport.tls import (
     peer_identity_or_reason,
     worker_identity,
 )
-from mobius_fed.worker.frames import FORWARD
+from mobius_fed.worker.frames import FORWARD, edge_name
 from mobius_fed.worker.link_session import (
     IDLE_CONNECTION_MS,
     MAX_CONCURRENT_RPCS,
@@ -58,8 +58,11 @@ class PredecessorServer:
 
     def __init__(self, cfg: LinkSettings, router: FrameRouter, closing: threading.Event) -> None:
         self.cfg, self.router, self.inbox, self._closing = cfg, router, router.inbox, closing
-        self.rank, self.edge_in = cfg.rank, cfg.edge_in
-        self.peer_identity = worker_identity(cfg.pred)
+        self.rank, self.pred = cfg.rank, (cfg.rank - 1) % cfg.P
+        self.edge_in, self.peer_identity = (
+            edge_name(self.pred, self.rank),
+            worker_identity(self.pred),
+        )
         self._lock = threading.Lock()
         self._in_ready = threading.Condition(self._lock)
         self.session: Session | None = None
@@ -255,7 +258,7 @@ class PredecessorServer:
                 self.inbox.fail(
                     PeerError(
                         f"ring edge {self.edge_in}: a new session from {label} replaced "
-                        f"the interrupted one (did worker-{self.cfg.pred} restart?)"
+                        f"the interrupted one (did worker-{self.pred} restart?)"
                     )
                 )
         s = self.session = self.router.new_session(label, FORWARD)
@@ -376,7 +379,7 @@ class PredecessorServer:
             s = self.session
             if not ready or s is None:
                 raise PeerError(
-                    f"worker-{self.rank}: predecessor worker-{self.cfg.pred} never opened its "
+                    f"worker-{self.rank}: predecessor worker-{self.pred} never opened its "
                     f"ring stream (edge {self.edge_in})"
                 )
             s.carrying = True
@@ -395,7 +398,7 @@ class PredecessorServer:
             state, down = EdgeState.UP, 0.0
         else:
             state, down = EdgeState.DOWN, 0.0
-        return edge_report(self.cfg.pred, self.edge_in, state, self.reconnects, down)
+        return edge_report(self.pred, self.edge_in, state, self.reconnects, down)
 
     @property
     def bytes_sent(self) -> int:

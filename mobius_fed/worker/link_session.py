@@ -31,7 +31,6 @@ from mobius_fed.worker.frames import (
     RELAY,
     FrameKey,
     FrameRules,
-    edge_name,
 )
 
 log = logging.getLogger("mobius.link")
@@ -94,22 +93,6 @@ class LinkSettings:
     timers: LinkTimers
     tuning: LinkTuning
     max_message: int  # sent and received alike (see RingLinks)
-
-    @property
-    def pred(self) -> int:
-        return (self.rank - 1) % self.P
-
-    @property
-    def succ(self) -> int:
-        return (self.rank + 1) % self.P
-
-    @property
-    def edge_in(self) -> str:
-        return edge_name(self.pred, self.rank)
-
-    @property
-    def edge_out(self) -> str:
-        return edge_name(self.rank, self.succ)
 
     def grpc_options(self, keepalive_ms: int) -> list[tuple[str, int | str]]:
         """What both ends of a link set: message sizes, tuning, pings every ``keepalive_ms``."""
