@@ -83,34 +83,7 @@ class PredecessorServer:
 
     def start(self, listen: str) -> int:
         """Listen on ``listen``; return the port."""
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="ring"),
-            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
-            options=self.options(),
-        )
-        # Registered by hand so that Stream moves raw bytes both ways: requests are parsed
-        # here (the relay needs the received bytes) and responses are sent pre-serialized.
-        handlers = {
-            "Stream": grpc.stream_stream_rpc_method_handler(self.Stream),
-            "Ping": grpc.unary_unary_rpc_method_handler(
-                self.Ping,
-                request_deserializer=ring_pb2.PingRequest.FromString,
-                response_serializer=ring_pb2.PingReply.SerializeToString,
-            ),
-        }
-        self.health = health.HealthServicer()
-        # Health answers Check only: Watch is a long-lived stream that nothing here uses.
-        check = grpc.unary_unary_rpc_method_handler(
-            self.health.Check,
-            request_deserializer=health_pb2.HealthCheckRequest.FromString,
-            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
-        )
-        self._server.add_generic_rpc_handlers(
-            (
-                grpc.method_handlers_generic_handler(RING_SERVICE, handlers),
-                grpc.method_handlers_generic_handler("grpc.health.v1.Health", {"Check": check}),
-            )
-        )
+        self._server, self.health = _ring_server(self.options(), self.Stream, self.Ping)
         try:
             port = add_port(self._server, listen, self.cfg.tls, insecure=self.cfg.insecure)
         except RuntimeError as exc:  # newer grpcio raises instead of returning 0
@@ -131,7 +104,9 @@ class PredecessorServer:
 
     def Stream(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Any:
         """Admit the predecessor's stream into its session, then send that session's frames."""
-        label, token, ack = self._caller(context)
+        label, token, ack = _caller(
+            context, self.rank, self.peer_identity, self.cfg.insecure, self.router.rules.run_id
+        )
         st = StreamCall(label)
         refusal = self._admit(st, token, ack, label)
         if refusal is not None:
@@ -158,36 +133,6 @@ class PredecessorServer:
                 self._stream_ended(s, st, "broken")
             with self._lock:
                 self._handlers -= 1
-
-    def _caller(self, context: grpc.ServicerContext) -> tuple[str, str, int]:
-        """The caller's label, session token and count; aborts a caller that is not the
-        predecessor or not of this run."""
-        who, why = peer_identity_or_reason(context)
-        label = who or "<plaintext peer>"
-        if not self.cfg.insecure and who != self.peer_identity:
-            msg = (
-                f"worker-{self.rank} accepts ring frames only from its predecessor "
-                f"{self.peer_identity}, not {who or f'<no identity: {why}>'}"
-            )
-            log.error("refused stream: %s", msg)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)
-        md = dict(context.invocation_metadata())
-        run, run_id = md.get(MD_RUN), self.router.rules.run_id
-        if run is None:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"no {MD_RUN} metadata: not a ring link client (from {label})",
-            )
-        if run != run_id:
-            context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"worker-{self.rank} serves run {run_id!r}, not {run!r}",
-            )
-        try:
-            ack = int(md.get(MD_ACK, "0"))
-        except ValueError:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad {MD_ACK} metadata")
-        return label, md.get(MD_SESSION, ""), ack
 
     # -------------------------------------------------------------- sessions
     def _admit(self, st: StreamCall, token: str, ack: int, label: str) -> Refusal | None:
@@ -412,3 +357,71 @@ class PredecessorServer:
                 self.session.stop()
         if self._server is not None:
             self._server.stop(grace=1.0).wait()
+
+
+def _ring_server(
+    options: list[tuple[str, int | str]], stream: Any, ping: Any
+) -> tuple[grpc.Server, health.HealthServicer]:
+    """A gRPC server with the RingLink methods ``stream`` and ``ping`` and health checks."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="ring"),
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+        options=options,
+    )
+    # Registered by hand so that Stream moves raw bytes both ways: requests are parsed
+    # here (the relay needs the received bytes) and responses are sent pre-serialized.
+    handlers = {
+        "Stream": grpc.stream_stream_rpc_method_handler(stream),
+        "Ping": grpc.unary_unary_rpc_method_handler(
+            ping,
+            request_deserializer=ring_pb2.PingRequest.FromString,
+            response_serializer=ring_pb2.PingReply.SerializeToString,
+        ),
+    }
+    checks = health.HealthServicer()
+    # Health answers Check only: Watch is a long-lived stream that nothing here uses.
+    check = grpc.unary_unary_rpc_method_handler(
+        checks.Check,
+        request_deserializer=health_pb2.HealthCheckRequest.FromString,
+        response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(RING_SERVICE, handlers),
+            grpc.method_handlers_generic_handler("grpc.health.v1.Health", {"Check": check}),
+        )
+    )
+    return server, checks
+
+
+def _caller(
+    context: grpc.ServicerContext, rank: int, pred: str, insecure: bool, run_id: str
+) -> tuple[str, str, int]:
+    """The caller's label, session token and count; aborts a caller that is not the
+    predecessor or not of this run."""
+    who, why = peer_identity_or_reason(context)
+    label = who or "<plaintext peer>"
+    if not insecure and who != pred:
+        msg = (
+            f"worker-{rank} accepts ring frames only from its predecessor "
+            f"{pred}, not {who or f'<no identity: {why}>'}"
+        )
+        log.error("refused stream: %s", msg)
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)
+    md = dict(context.invocation_metadata())
+    run = md.get(MD_RUN)
+    if run is None:
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"no {MD_RUN} metadata: not a ring link client (from {label})",
+        )
+    if run != run_id:
+        context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"worker-{rank} serves run {run_id!r}, not {run!r}",
+        )
+    try:
+        ack = int(md.get(MD_ACK, "0"))
+    except ValueError:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad {MD_ACK} metadata")
+    return label, md.get(MD_SESSION, ""), ack
