@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import grpc
 
@@ -28,6 +28,7 @@ from mobius_fed.coordinator.rest_client import get_status, rest_get
 from mobius_fed.machines import ENDED_PHASES as ENDED
 from mobius_fed.ops import OpsError
 from mobius_fed.ops.local import default_threads, prepared_dir, site_dirs, split_sites
+from mobius_fed.ops.supervisor import Child, ProcessTable
 from mobius_fed.transport.tls import NodeTLS
 
 if TYPE_CHECKING:  # torch loads only when a federation is made, not at import
@@ -103,8 +104,6 @@ class LocalFederation:
     rest_mode: str = "tls"  # the coordinator's REST: tls (operator cert) or local (plain)
     metrics: bool = True  # the plain /metrics + /healthz listener, when the coordinator has it
     on_event: Callable[[str], None] | None = None
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    restarts: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -113,11 +112,28 @@ class LocalFederation:
         self.logs = self.root / "logs"
         ports = free_ports(self.train.P + 3)
         self.coord_port, self.rest_port, self.metrics_port, *self.worker_ports = ports
-        self._cmds: dict[str, list[str]] = {}
         self._env: dict[str, str] = {}
-        self._settled: set[str] = set()  # exited, and will not be restarted
-        self._restart_at: dict[str, float] = {}
+        self._table = ProcessTable(self.logs, self._popen, self._policy)
         self._last: dict[str, Any] | None = None
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        """Every child's current process."""
+        return {n: c.popen for n, c in self._table.children.items() if c.popen is not None}
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """How often each restarted child was restarted."""
+        return {n: c.restarts for n, c in self._table.children.items() if c.restarts}
+
+    @property
+    def _settled(self) -> set[str]:
+        """Children that exited and will not be restarted."""
+        return {n for n, c in self._table.children.items() if c.final}
+
+    @property
+    def _cmds(self) -> dict[str, list[str]]:
+        return {n: c.argv for n, c in self._table.children.items()}
 
     # ---------------------------------------------------------------- setup
     def nodes(self) -> list[str]:
@@ -267,15 +283,16 @@ class LocalFederation:
         return write_endpoints(self.root, self.endpoints(state))
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
-        self._cmds[name] = cmd
-        with open(self.logs / f"{name}.log", "a") as log:  # the child keeps its own copy
-            self.procs[name] = subprocess.Popen(
-                _guarded(cmd),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self._env or None,
-                start_new_session=True,  # a terminal's Ctrl-C reaches only up, which forwards
-            )
+        self._table.start(name, cmd)
+
+    def _popen(self, child: Child, log: BinaryIO) -> subprocess.Popen:
+        return subprocess.Popen(
+            _guarded(child.argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self._env or None,
+            start_new_session=True,  # a terminal's Ctrl-C reaches only up, which forwards
+        )
 
     # ---------------------------------------------------------- supervision
     def _say(self, message: str) -> None:
@@ -287,33 +304,22 @@ class LocalFederation:
         A worker that exits 0 has finished and stays stopped. Nothing is restarted once the
         coordinator's status says the run ended. Raises OpsError when the coordinator is
         gone for good."""
-        now = time.monotonic()
-        for name, proc in list(self.procs.items()):
-            rc = proc.poll()
-            if rc is None or name in self._settled:
-                continue
-            if name in self._restart_at:
-                if now >= self._restart_at[name]:
-                    del self._restart_at[name]
-                    self._restart(name)
-                continue
-            phase = self._phase_now()
-            if (rc == 0 and name != "coordinator") or phase in ENDED:
-                self._settled.add(name)
-                continue
-            n = self.restarts.get(name, 0)
-            if n >= self.max_restarts:
-                self._settled.add(name)
-                self._say(f"{name} exited with {rc}; not restarting ({n}/{self.max_restarts} used)")
-                if name == "coordinator":
-                    raise self._coordinator_gone(f"({rc}) after {n} restarts")
-                continue
-            self.restarts[name] = n + 1
-            self._say(f"{name} exited with {rc}; restarting ({n + 1}/{self.max_restarts})")
-            if n == 0:
-                self._restart(name)
-            else:  # back off a crash loop
-                self._restart_at[name] = now + min(0.5 * 2**n, 5.0)
+        self._table.check()
+
+    def _policy(self, child: Child) -> float | None:
+        """When ``child``, just exited, comes back (see :meth:`supervise`)."""
+        name, rc, n = child.name, child.returncode, child.restarts
+        if (rc == 0 and name != "coordinator") or self._phase_now() in ENDED:
+            return None
+        if n >= self.max_restarts:
+            self._say(f"{name} exited with {rc}; not restarting ({n}/{self.max_restarts} used)")
+            if name == "coordinator":
+                raise self._coordinator_gone(f"({rc}) after {n} restarts")
+            return None
+        self._say(f"{name} exited with {rc}; restarting ({n + 1}/{self.max_restarts})")
+        if name == "coordinator":  # back from its newest complete manifest, or afresh
+            child.argv = self.coordinator_cmd(resume="auto")
+        return 0.0 if n == 0 else min(0.5 * 2**n, 5.0)  # back off a crash loop
 
     def _phase_now(self) -> str | None:
         """The run's phase from a fresh status (the last one seen if the coordinator is down)."""
@@ -322,11 +328,6 @@ class LocalFederation:
         if doc is not None:
             self._last = doc
         return (self._last or {}).get("phase")
-
-    def _restart(self, name: str) -> None:
-        # A coordinator comes back from its newest complete manifest, or starts afresh.
-        cmd = self.coordinator_cmd(resume="auto") if name == "coordinator" else self._cmds[name]
-        self._spawn(name, cmd)
 
     # --------------------------------------------------------------- status
     def operator_tls(self) -> NodeTLS:
@@ -375,16 +376,4 @@ class LocalFederation:
     def stop(self, grace: float = 10.0, sig: int = signal.SIGTERM) -> dict[str, int]:
         """Send ``sig`` to every process this federation started, wait up to ``grace``
         seconds, then SIGKILL what is left; return every child's exit status."""
-        self._restart_at.clear()
-        for p in self.procs.values():
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(sig)
-        deadline = time.monotonic() + grace
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        return {name: p.returncode for name, p in self.procs.items()}
+        return self._table.stop(grace, sig)

@@ -202,7 +202,6 @@ class Testbed:
             popens = self.supervisor.stop()
             self.net.kill_processes()
             kill_process_groups(popens)
-            self.supervisor.close_logs()
             self.net.remove()
             self.fs.remove_host_dirs()
             self._say(f"testbed {self.prefix} removed")

@@ -12,10 +12,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from mobius_fed.ops.supervisor import Child, ProcessTable
 from mobius_fed.testbed.compose import ComposeProject, Service
 from mobius_fed.testbed.filesystem import EXEC_LINE
 from mobius_fed.testbed.namespaces import TestbedError, lookup_service
@@ -46,22 +46,10 @@ def service_env(svc: Service, extra: Mapping[str, str] | None = None) -> dict[st
     return {**base, **svc.environment, **(extra or {})}
 
 
-@dataclass
-class _Proc:
-    """The live state of one service."""
-
-    popen: subprocess.Popen[bytes] | None = None
-    started_at: float = 0.0
-    returncode: int | None = None
-    restarts: int = 0
-    healthy: bool = False
-    final: bool = False  # exited and will not be restarted
-    log_file: BinaryIO | None = None
-
-
 class Supervisor:
-    """The processes of a testbed's services. ``host_argv(svc, argv)`` wraps a command to
-    run on the service's host; ``is_up()`` says whether commands may run now."""
+    """The processes of a testbed's services (one :class:`ProcessTable` child each).
+    ``host_argv(svc, argv)`` wraps a command to run on the service's host; ``is_up()`` says
+    whether commands may run now."""
 
     def __init__(
         self,
@@ -73,13 +61,15 @@ class Supervisor:
     ) -> None:
         self.project, self.logs_dir, self._say = project, logs_dir, say
         self._host_argv, self._is_up = host_argv, is_up
-        self._procs: dict[str, _Proc] = {s: _Proc() for s in project.services}
-        self._lock = threading.RLock()
+        self._table = ProcessTable(logs_dir, self._spawn, self._policy)
+        self._lock = self._table.lock
+        self._healthy: set[str] = set()
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
 
-    def _state(self, service: str) -> _Proc:
-        return self._procs[lookup_service(self.project, service).name]
+    def _state(self, service: str) -> Child:
+        name = lookup_service(self.project, service).name
+        return self._table.children.get(name) or Child(name, [])
 
     def log_path(self, service: str) -> Path:
         return self.logs_dir / f"{lookup_service(self.project, service).name}.log"
@@ -109,7 +99,7 @@ class Supervisor:
             self._monitor.start()
         for name in order:
             svc = self.project.services[name]
-            if self._procs[name].popen is not None:
+            if name in self._table.children:
                 continue
             for dep, cond in svc.depends_on.items():
                 self._await(dep, cond, name, deadline)
@@ -142,18 +132,18 @@ class Supervisor:
         return out
 
     def _start(self, svc: Service) -> None:
-        with self._lock:
-            if self._stopping.is_set():
-                raise TestbedError("testbed is shutting down")
-            st = self._procs[svc.name]
-            if st.log_file is None:
-                st.log_file = open(self.log_path(svc.name), "ab")  # noqa: SIM115
-            st.log_file.write(f"--- testbed: starting {shlex.join(svc.argv)}\n".encode())
-            st.log_file.flush()
-            st.popen = self._popen(svc, svc.argv, stdout=st.log_file, stderr=subprocess.STDOUT)
-            st.started_at = time.monotonic()
-            st.returncode, st.final, st.healthy = None, False, False
-            self._say(f"started {svc.name} (pid {st.popen.pid}): {shlex.join(svc.argv)}")
+        self._table.start(svc.name, svc.argv)
+
+    def _spawn(self, child: Child, log: BinaryIO) -> subprocess.Popen:
+        if self._stopping.is_set():
+            raise TestbedError("testbed is shutting down")
+        log.write(f"--- testbed: starting {shlex.join(child.argv)}\n".encode())
+        log.flush()
+        self._healthy.discard(child.name)
+        svc = self.project.services[child.name]
+        p = self._popen(svc, child.argv, stdout=log, stderr=subprocess.STDOUT)
+        self._say(f"started {svc.name} (pid {p.pid}): {shlex.join(child.argv)}")
+        return p
 
     def _popen(
         self, svc: Service, argv: Sequence[str], env: Mapping[str, str] | None = None, **io: Any
@@ -168,40 +158,33 @@ class Supervisor:
             **io,
         )
 
-    def _will_restart(self, svc: Service, st: _Proc, rc: int) -> bool:
-        if self._stopping.is_set():
-            return False
-        if svc.restart in ("always", "unless-stopped"):
-            return True
-        if svc.restart == "on-failure" and rc != 0:
-            return svc.max_restarts is None or st.restarts < svc.max_restarts
-        return False
+    def _policy(self, child: Child) -> float | None:
+        """Restart now as the service's ``restart`` says, or leave it down."""
+        svc, rc = self.project.services[child.name], child.returncode
+        restart = not self._stopping.is_set() and (
+            svc.restart in ("always", "unless-stopped")
+            or (
+                svc.restart == "on-failure"
+                and rc != 0
+                and (svc.max_restarts is None or child.restarts < svc.max_restarts)
+            )
+        )
+        self._say(
+            f"{child.name} exited with {rc}"
+            + (f"; restart #{child.restarts + 1}" if restart else "")
+        )
+        return 0.0 if restart else None
 
     def _watch(self) -> None:
         """Record exits and apply restart policies until the testbed stops."""
         while not self._stopping.wait(0.25):
-            with self._lock:
-                for name, st in self._procs.items():
-                    if st.popen is None or st.returncode is not None:
-                        continue
-                    rc = st.popen.poll()
-                    if rc is None:
-                        continue
-                    st.returncode = rc
-                    svc = self.project.services[name]
-                    if self._will_restart(svc, st, rc):
-                        st.restarts += 1
-                        self._say(f"{name} exited with {rc}; restart #{st.restarts}")
-                        with contextlib.suppress(TestbedError):
-                            self._start(svc)
-                    else:
-                        st.final = True
-                        self._say(f"{name} exited with {rc}")
+            with contextlib.suppress(TestbedError):  # shutting down while restarting
+                self._table.check()
 
     def _await(self, dep: str, cond: str, who: str, deadline: float) -> None:
-        st = self._procs[dep]
+        st = self._table.children.get(dep)
         what = f"service {dep!r} (a dependency of {who!r})"
-        if st.popen is None:
+        if st is None:
             raise TestbedError(f"{what} was not started")
         if cond == "service_started":
             return
@@ -219,13 +202,13 @@ class Supervisor:
         self._await_healthy(dep, what, deadline)
 
     def _await_healthy(self, name: str, what: str, deadline: float) -> None:
-        st = self._procs[name]
+        st = self._table.children[name]
         hc = self.project.services[name].healthcheck
         if hc is None:
             raise TestbedError(f"{what} has no healthcheck to wait for")
         failures, last = 0, ""
         next_probe = st.started_at + (hc.start_interval if hc.start_period else hc.interval)
-        while not st.healthy:
+        while name not in self._healthy:
             if st.final:
                 raise TestbedError(
                     f"{what} exited with status {st.returncode} before it became healthy; "
@@ -240,7 +223,7 @@ class Supervisor:
             in_start = now - st.started_at < hc.start_period
             ok, last = self.probe(name)
             if ok:
-                st.healthy = True
+                self._healthy.add(name)
                 self._say(f"{name} is healthy")
                 return
             if not in_start:
@@ -300,9 +283,7 @@ class Supervisor:
         once the namespace/mount wrapper has exec'd into it (waits up to ``wait`` s)."""
         with self._lock:
             running = {
-                n: st.popen.pid
-                for n, st in self._procs.items()
-                if st.popen is not None and st.popen.poll() is None
+                n: c.popen.pid for n, c in self._table.children.items() if c.popen and c.running
             }
         out: dict[str, int] = {}
         deadline = time.monotonic() + wait
@@ -324,9 +305,9 @@ class Supervisor:
         """``{service: exit status}`` of services that exited non-zero and will not restart."""
         with self._lock:
             return {
-                n: st.returncode
-                for n, st in self._procs.items()
-                if st.final and st.returncode not in (0, None)
+                n: c.returncode
+                for n, c in self._table.children.items()
+                if c.final and c.returncode not in (0, None)
             }
 
     def finished(self, service: str) -> bool:
@@ -334,8 +315,7 @@ class Supervisor:
         return self._state(service).final
 
     def running(self, service: str) -> bool:
-        st = self._state(service)
-        return st.popen is not None and st.popen.poll() is None
+        return self._state(service).running
 
     # ------------------------------------------------------------------ teardown
     def stop(self) -> list[subprocess.Popen[bytes]]:
@@ -343,15 +323,4 @@ class Supervisor:
         self._stopping.set()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=5)
-        with self._lock:
-            popens = [st.popen for st in self._procs.values() if st.popen is not None]
-        for p in popens:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(p.pid, signal.SIGTERM)
-        return popens
-
-    def close_logs(self) -> None:
-        for st in self._procs.values():
-            if st.log_file is not None:
-                st.log_file.close()
+        return self._table.send(signal.SIGTERM, group=True)
