@@ -85,9 +85,10 @@ class StreamMaps:
             self.basis = self._bases[worker]
 
     def basis_of(self, worker: int | None) -> StreamBasis:
-        """The maps of worker ``worker`` (the run's one fixed U unless U is learned)."""
+        """The maps of worker ``worker`` (the run's one fixed U unless U is learned; None:
+        the first bound worker's, equal to every worker's at a barrier)."""
         assert self.basis is not None
-        if self.learn:
+        if self.learn and worker is not None:
             if worker not in self._bases:
                 raise ValueError(f"learned subspace: worker {worker} is not bound (bind())")
             return self._bases[worker]
