@@ -79,20 +79,33 @@ def step_bytes(cfg) -> tuple[int, int]:
     return hops * sum(hop_bytes(cfg)), hops * 2 * fp32
 
 
+SUBSPACE_KEYS = ("rank", "mode", "writes", "learn", "lr", "schedule")
+SWITCH = {"on": True, "off": False}
+
+
 def parse_subspace(text: str) -> dict:
-    """``off`` or ``rank=K[,mode=stream|home|tokens][,writes=basis|full]`` →
-    TrainConfig.subspace's fields."""
+    """``off`` or ``rank=K[,mode=stream|home|tokens][,writes=basis|full][,learn=on|off]
+    [,lr=LR][,schedule=run|constant]`` → TrainConfig.subspace's fields (``learn=on``: U
+    trains, with its own Adam learning rate ``lr`` and ``schedule``)."""
     if text == "off":
         return {}
     fields = dict(item.split("=", 1) for item in text.split(",") if item)
-    unknown = set(fields) - {"rank", "mode", "writes"}
+    unknown = set(fields) - set(SUBSPACE_KEYS)
     if unknown:
         raise ValueError(
-            f"--subspace {text!r}: unknown key(s) {sorted(unknown)} (rank, mode, writes)"
+            f"--subspace {text!r}: unknown key(s) {sorted(unknown)} ({', '.join(SUBSPACE_KEYS)})"
         )
-    out = {"rank": int(fields["rank"]), "mode": fields.get("mode", "stream")}
+    out: dict = {"rank": int(fields["rank"]), "mode": fields.get("mode", "stream")}
     if "writes" in fields:
         out["writes"] = fields["writes"]
+    if "learn" in fields:
+        if fields["learn"] not in SWITCH:
+            raise ValueError(f"--subspace {text!r}: learn must be on or off")
+        out["learn"] = SWITCH[fields["learn"]]
+    if "lr" in fields:
+        out["lr"] = float(fields["lr"])
+    if "schedule" in fields:
+        out["schedule"] = fields["schedule"]
     return out
 
 
@@ -208,9 +221,9 @@ def _arg_parser() -> argparse.ArgumentParser:
         "--subspace",
         nargs="+",
         default=["off"],
-        help="off or rank=K[,mode=stream|home|tokens][,writes=basis|full] "
-        "(TrainConfig.subspace); "
-        "each × each --wire",
+        help="off or rank=K[,mode=stream|home|tokens][,writes=basis|full][,learn=on|off]"
+        "[,lr=LR][,schedule=run|constant] (TrainConfig.subspace; learn=on: U trains, "
+        "averaged at each barrier, with its own Adam lr and schedule); each × each --wire",
     )
     p.add_argument("--arms", nargs="+", default=[f"{o}:{L}" for o, L in ARMS])
     p.add_argument("--jobs", type=int, default=1, help="arms trained at once")
@@ -378,7 +391,11 @@ def _scheme(row: dict, d: int) -> str:
     if not sub:
         return f"off; {row['wire']}"
     frac = f"d/{d // sub['rank']}" if d % sub["rank"] == 0 else f"{sub['rank']}/{d}·d"
-    return f"{sub['mode']}, {sub.get('writes', 'basis')}, k={frac}; {row['wire']}"
+    u = ""  # a fixed U (the seed's); a learned one is its own scheme, lr and schedule named
+    if sub.get("learn"):
+        sched = "" if sub.get("schedule", "run") == "run" else f", {sub['schedule']}"
+        u = f", learned U (lr {sub.get('lr', 1e-3):g}{sched})"
+    return f"{sub['mode']}, {sub.get('writes', 'basis')}, k={frac}{u}; {row['wire']}"
 
 
 def _tokens_per_parameter(row: dict) -> float:

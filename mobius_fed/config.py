@@ -131,6 +131,15 @@ class TrainConfig(BaseModel):
                 f"subspace writes {self.subspace.writes!r} needs a subspace: set subspace "
                 "rank k > 0 (--subspace-rank K)"
             )
+        if self.subspace.learn and not self.subspace.on:
+            raise ValueError(
+                "subspace learn needs a subspace: set subspace rank k > 0 (--subspace-rank K)"
+            )
+        if self.subspace.learn and self.sync_every < 1:
+            raise ValueError(
+                "subspace learn needs barriers (sync_every ≥ 1): a learned U is averaged at "
+                "each barrier, so that every worker uses the same U"
+            )
         if self.subspace.on and self.subspace.mode == "home" and self.order != "cyclic":
             raise ValueError(
                 "subspace mode 'home' needs the cyclic order: in the ordered order a stream "
@@ -189,6 +198,7 @@ class TrainConfig(BaseModel):
             precision=self.precision,
             subspace_rank=self.subspace.rank,
             subspace_writes=self.subspace.writes,
+            subspace_learn=self.subspace.learn,
             loss_chunk=self.memory.loss_chunk,
             home_input=self.privacy.home_input,
         )
@@ -236,6 +246,9 @@ class TrainConfig(BaseModel):
 # (sub-config, field) → default of the settings added after manifests were first written.
 LATER_SETTINGS: dict[tuple[str, str], Any] = {
     ("subspace", "writes"): "basis",
+    ("subspace", "learn"): False,
+    ("subspace", "lr"): 1e-3,
+    ("subspace", "schedule"): "run",
     ("privacy", "preset"): "off",
     ("privacy", "input_epsilon_target"): None,
 }

@@ -369,3 +369,137 @@ def test_tokens_mode_exports_and_generates(site_dirs: list[Path], tmp_path: Path
     torch.testing.assert_close(torch.stack(steps), full[5:], atol=1e-5, rtol=1e-5)
     a = generate_ids(models[1], ids[:4], max_new_tokens=12, seed=3)
     assert a == generate_ids(models[1], ids[:4], max_new_tokens=12, seed=3) and len(a) == 12
+
+
+# ------------------------------------------------------------------- a learned U
+
+LEARN = {"rank": 8, "mode": "tokens", "writes": "full", "learn": True, "lr": 0.02}
+
+
+def _bases(engine: ReferenceEngine) -> list[torch.Tensor]:
+    return [r.subspace.U.detach().clone() for r in engine.replicas]
+
+
+def test_learned_u_trains_stays_orthonormal_and_shared(tmp_path, tiny_train, corpus_engine):
+    """A learned U moves, keeps orthonormal columns, and is the same tensor on every worker
+    in every step (each worker's copy is orth of the averaged W); a checkpoint taken between
+    barriers resumes to the same losses, U included."""
+    train = {**tiny_train, "workers": 3, "steps": 6, "sync_every": 2, "micro_batches": 2}
+    cfg = TrainConfig(**train, subspace={**LEARN, "writes": "basis"})
+    with pytest.raises(ValidationError, match="subspace learn needs barriers"):
+        TrainConfig(**{**train, "sync_every": 0}, subspace=LEARN)
+    with pytest.raises(ValidationError, match="subspace learn needs a subspace"):
+        TrainConfig(**train, subspace={"learn": True})
+    engine = corpus_engine(cfg, tmp_path / "a")
+    start = _bases(engine)[0]
+    seed_u = build_basis(cfg.model(), cfg.seed)
+    assert torch.allclose(start, seed_u, atol=1e-6), "U starts from orth(the seed's U)"
+    seen, losses = [], []
+    for n in range(cfg.steps):
+        us = _bases(engine)
+        assert all(torch.equal(us[0], u) for u in us[1:]), f"step {n}: U differs across workers"
+        seen.append(us[0])
+        losses.append(engine.train_step().loss)
+        if n == 2:  # between barriers: the round's partial gradient is in the checkpoint
+            engine.save(tmp_path / "mid.pt")
+    final = _bases(engine)[0]
+    assert all(torch.equal(seen[n], seen[n + 1]) for n in (0, 2, 4)), "constant within a round"
+    assert not torch.equal(seen[1], seen[2]) and (final - start).abs().max() > 1e-3
+    assert (final.T @ final - torch.eye(8)).abs().max() < 1e-5
+    ev = engine.evaluate().loss
+    again = corpus_engine(cfg, tmp_path / "b")
+    again.load(tmp_path / "mid.pt")
+    assert [again.train_step().loss for _ in range(3)] == losses[3:]
+    assert torch.equal(_bases(again)[0], final) and again.evaluate().loss == ev
+    # fixed U (learn off) never moves
+    fixed = corpus_engine(TrainConfig(**train, subspace={**LEARN, "learn": False}), tmp_path / "c")
+    fixed.train_step()
+    assert torch.equal(fixed.maps.basis.U, seed_u)
+
+
+def test_learned_u_exports_and_generates(site_dirs: list[Path], tmp_path: Path):
+    """The exported model holds the learned U (not the seed's): its loss equals the run's
+    evaluation, and generation works."""
+    from mobius_fed.data import SiteData
+    from mobius_fed.export import export_run, load
+    from mobius_fed.export.generation import generate_ids
+
+    cfg = TrainConfig(
+        preset="cpu-tiny", workers=2, steps=3, batch_size=2, eval_batches=2,
+        subspace={**LEARN, "writes": "basis", "lr": 0.05},
+    )  # fmt: skip
+    sites = [SiteData(d, cfg.model().seq_len) for d in site_dirs]
+    engine = ReferenceEngine(cfg, sites)
+    for _ in range(cfg.steps):
+        engine.train_step()
+    engine.save(tmp_path / "run" / "checkpoint.pt")
+    want = engine.evaluate().origin_losses
+    dirs = export_run(tmp_path / "run", tmp_path / "models")
+    models = [load(d) for d in dirs]
+    learned = engine.replicas[0].subspace.U.detach()
+    assert torch.equal(models[0].subspace_basis, learned)
+    assert not torch.equal(learned, build_basis(cfg.model(), cfg.seed))
+    got = []
+    for s, model in enumerate(models):
+        losses = []
+        for b in range(cfg.eval_batches):
+            x, y = sites[s].batch("val", seed=cfg.seed, step=b, batch_size=cfg.batch_size)
+            with torch.no_grad():
+                logits = model(x)
+            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+        got.append(float(torch.stack(losses).mean()))
+    assert got == pytest.approx(want, abs=1e-5)
+    ids = list(b"The ship")
+    assert len(generate_ids(models[1], ids, max_new_tokens=6, seed=1)) == 6
+
+
+LEARNED_RING_CASES = [
+    ("cyclic", 1, {}),
+    # ordered, L = 2, relays, activation recompute in both engines
+    ("ordered", 2, {"memory": {"recompute": True}}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("order", "loops", "extra"), LEARNED_RING_CASES)
+def test_ring_equals_reference_with_learned_u(tmp_path: Path, order, loops, extra):
+    """Mode tokens with a learned U on a coordinated ring (real coordinator and workers over
+    mTLS, int8/int4 codec): W travels with E/R, each worker retracts the average, and every
+    per-step loss and every Eq. 8 equals the reference engine under the same Flower FedAvg
+    exactly; the coordinator's final U has moved and is orthonormal."""
+    from mobius_fed.checkpoint import load_checkpoint
+    from mobius_fed.coordinator.manifests import latest_manifest
+    from mobius_fed.data import SiteData
+    from mobius_fed.engine.federated import train_with_strategy
+    from mobius_fed.model.subspace import orthonormal
+    from mobius_fed.ops.federation import LocalFederation
+    from mobius_fed.strategies import RoundPlan, from_plain, make_strategy
+
+    cfg = TrainConfig(
+        workers=3, preset="cpu-tiny", batch_size=4, optimizer="adamw", steps=4, sync_every=2,
+        eval_every=2, order=order, loops=loops, subspace=LEARN,
+        wire={"fwd": "int8", "bwd": "int4", "rounding": "stochastic"}, **extra,
+    )  # fmt: skip
+    fed = LocalFederation(tmp_path, cfg)
+    fed.prepare().start()
+    try:
+        final = fed.wait(timeout=300)
+        assert final["phase"] == "done", (final, fed.tail("coordinator"))
+        hist = fed.rest("/v1/history")
+    finally:
+        fed.stop()
+    got = {(r["step"], s): v for r in hist["steps"] for s, v in enumerate(r["origin_losses"])}
+    sites = [SiteData(fed.sites / f"site-{i}", cfg.model().seq_len) for i in range(cfg.P)]
+    engine = ReferenceEngine(cfg, sites)
+    grid = train_with_strategy(engine, make_strategy("fedavg", cfg.P, RoundPlan.of(cfg)))
+    ref = {(r.step, s): v for r in grid.steps for s, v in enumerate(r.origin_losses)}
+    assert set(got) == set(ref)
+    assert max(abs(got[k] - ref[k]) for k in ref) == 0.0
+    assert [(e["step"], e["loss"]) for e in hist["evals"]] == [(e.step, e.loss) for e in grid.evals]
+    manifest = latest_manifest(fed.coordinator_out)
+    assert manifest is not None
+    doc = json.loads(manifest.read_text())
+    arrays = from_plain(load_checkpoint(manifest.parent / doc["er"])["arrays"])
+    U = orthonormal(arrays.to_torch_state_dict()["subspace.weight"])
+    assert (U.T @ U - torch.eye(8)).abs().max() < 1e-5
+    assert (U - build_basis(cfg.model(), cfg.seed)).abs().max() > 1e-3

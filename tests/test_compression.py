@@ -245,11 +245,22 @@ def test_width_law_pairs_fits_and_judges_the_targets(tmp_path: Path):
             wire = "fwd=int8,bwd=int4,rounding=stochastic"
             eq8 = base + delta + wiggle
             rows.append({**common, "wire": wire, "subspace": sub, "eq8": eq8, "ratio": 37.0})
+            if preset == "width-96" and seed == 0:  # a learned U: a scheme of its own
+                learned = f"{sub},learn=on,lr=0.01"
+                row = {**common, "wire": wire, "subspace": learned, "eq8": base + 0.5}
+                rows.append({**row, "ratio": 37.0})
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = bench.width_law([str(path)], str(tmp_path / "law.png"))
     assert "| tokens, full, k=d/8; fwd=int8,bwd=int4,rounding=stochastic | 96 | 10 |" in text
     assert "+0.400 ± 0.025 | 3 |" in text  # t(2) · s/√3 with s = 0.01
+    learned = "| tokens, full, k=d/8, learned U (lr 0.01); fwd=int8,bwd=int4,rounding=stochastic"
+    assert f"{learned} | 96 | 10 |" in text and "+0.500 | 1 |" in text
+    assert bench.parse_subspace("rank=12,mode=tokens,learn=on,lr=0.02,schedule=constant") == {
+        "rank": 12, "mode": "tokens", "learn": True, "lr": 0.02, "schedule": "constant"
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="learn must be on or off"):
+        bench.parse_subspace("rank=12,learn=yes")
     assert "Δ ≈ " in text and "d^−1.000" in text
     assert "target ≥ 32× at |Δ| ≤ 0.02: MISSED by 0.380" in text
     assert "the fit reaches 0.02 at d ≈ 1920" in text

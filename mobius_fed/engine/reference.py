@@ -24,7 +24,7 @@ from mobius_fed.data.loader import Split
 from mobius_fed.defences.nopeek import build_nopeek
 from mobius_fed.defences.site_layers import build_site_replica
 from mobius_fed.engine.hops import build_hops
-from mobius_fed.engine.stream import Entry, StreamMaps
+from mobius_fed.engine.stream import Entry, StreamMaps, load_subspace_state, subspace_state
 from mobius_fed.hop import Direction, HopContext, HopPhase
 from mobius_fed.model import BlockGroup, Replica, build_group
 from mobius_fed.model.layers import resolve_device
@@ -77,6 +77,8 @@ class ReferenceEngine:
         self.hops = build_hops(cfg, "reference")
         self.nopeek = build_nopeek(cfg)
         self.maps = StreamMaps(cfg, self.device)
+        for i, (group, replica) in enumerate(zip(self.groups, self.replicas)):
+            self.maps.bind(i, group, replica)  # a learned U: each worker's own copy
 
     def _hop(
         self, phase: HopPhase, direction: Direction, step: int, s: int, slot: int, m: int
@@ -124,6 +126,10 @@ class ReferenceEngine:
         origin_losses = self.compute_gradients()
         for opts in self.group_opts + self.replica_opts:
             step_optimizers(opts, cfg, self.step)
+        for replica in self.replicas:  # a learned U: one local step per round, then averaged
+            self.maps.count_step(replica)
+            if self.maps.ends_round(self.step):
+                self.maps.end_round(replica, self.step)
         self.step += 1
         sync = cfg.sync_every  # a barrier every sync steps and at the end; 0: none
         if self.average_replicas and sync and (self.step % sync == 0 or self.step == cfg.steps):
@@ -151,7 +157,7 @@ class ReferenceEngine:
         nopeek, penalty, maps = self.nopeek, {}, self.maps
         for s in range(P):
             for m, (x, _) in enumerate(batches[s]):
-                entry = embedded[s, m] = maps.enter(self.replicas[s].embed(x), ids=x)
+                entry = embedded[s, m] = maps.enter(self.replicas[s].embed(x), ids=x, worker=s)
                 if nopeek is not None and nopeek.slot(s) == 0:
                     penalty[s, 0, m] = nopeek.gradient(x, entry.slot0)
                 hidden[s, m] = self._forward_hop(entry.slot0.detach(), "train", n, s, 0, m)
@@ -204,7 +210,7 @@ class ReferenceEngine:
             losses = []
             micro = [mb for b in range(cfg.eval_batches) for mb in self._micro("val", s, b)]
             for j, (x, y) in enumerate(micro):
-                entry = self.maps.enter(self.replicas[s].embed(x), grad=False, ids=x)
+                entry = self.maps.enter(self.replicas[s].embed(x), grad=False, ids=x, worker=s)
                 h = self._forward_hop(entry.slot0, "eval", self.step, s, 0, j)
                 for t, i in enumerate(route):
                     out = self.maps.apply(self.groups[i], h, t, i, s, entry, self.replicas[i].embed)
@@ -222,6 +228,7 @@ class ReferenceEngine:
             "replicas": [r.state_dict() for r in self.replicas],
             "group_opts": [[o.state_dict() for o in opts] for opts in self.group_opts],
             "replica_opts": [[o.state_dict() for o in opts] for opts in self.replica_opts],
+            **subspace_state(self.replicas),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -236,6 +243,7 @@ class ReferenceEngine:
         ):
             for opt, sd in zip(opts, sds):
                 opt.load_state_dict(sd)
+        load_subspace_state(self.replicas, state)
 
     def save(self, path: Path) -> Path:
         return save_checkpoint(path, self.state_dict())

@@ -10,6 +10,12 @@ In mode ``tokens`` a forward slot is [c, x] (the micro-batch's token ids as one 
 channel, sent exactly) and every application rebuilds b = E_i(x) from its own worker's
 embedding E_i; gradients travel without the ids channel (:meth:`StreamMaps.grad_out`,
 :meth:`StreamMaps.grad_in`). The math: docs/wan.md §7.
+
+With ``subspace.learn`` each worker's maps read its replica's learned U (:meth:`StreamMaps.bind`):
+every use of U by worker i (its applications, its origin's entry and head, its blocks'
+writes) adds to that U's gradient, in the same order in both engines; at the end of each
+round (:meth:`StreamMaps.ends_round`) :meth:`StreamMaps.end_round` takes the worker's
+local step on W, which the barrier then averages.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from mobius_fed.model.groups import build_basis
-from mobius_fed.model.subspace import StreamBasis
+from mobius_fed.model.subspace import StreamBasis, share_basis
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig
@@ -42,6 +48,7 @@ class Entry:
     slot0: Tensor
     base: Tensor | None = None
     tokens: bool = False  # mode tokens: slot 0 is [0, x]; the head reads b = ``embedded``
+    basis: StreamBasis | None = None  # the origin's maps (its own U when U is learned)
 
     def backward(self, grad: Tensor) -> None:
         """Back-propagate slot 0's gradient (and b's) into the replica's embedding."""
@@ -61,21 +68,73 @@ class StreamMaps:
         self.basis = None if basis is None else StreamBasis(basis.to(device), cfg.subspace.mode)
         self.recompute = cfg.memory.recompute
         self.tokens = self.basis is not None and cfg.subspace.mode == "tokens"
+        self.learn = self.basis is not None and cfg.subspace.learn
+        self.cfg = cfg
+        self._bases: dict[int, StreamBasis] = {}  # learned U: worker → its replica's
 
-    def enter(self, e: Tensor, grad: bool = True, ids: Tensor | None = None) -> Entry:
+    def bind(self, worker: int, group: nn.Module, replica: nn.Module) -> None:
+        """Worker ``worker``'s group and replica: with a learned U, its maps (and its
+        blocks' writes through U) read the replica's :class:`SharedBasis`."""
+        shared = getattr(replica, "subspace", None)
+        if not self.learn or shared is None:
+            return
+        assert self.basis is not None
+        self._bases[worker] = StreamBasis(shared, self.basis.mode)
+        share_basis(group, shared)
+        if len(self._bases) == 1:  # what a reader of ``basis`` sees (privacy analyses)
+            self.basis = self._bases[worker]
+
+    def basis_of(self, worker: int | None) -> StreamBasis:
+        """The maps of worker ``worker`` (the run's one fixed U unless U is learned; None:
+        the first bound worker's, equal to every worker's at a barrier)."""
+        assert self.basis is not None
+        if self.learn and worker is not None:
+            if worker not in self._bases:
+                raise ValueError(f"learned subspace: worker {worker} is not bound (bind())")
+            return self._bases[worker]
+        return self.basis
+
+    def enter(
+        self, e: Tensor, grad: bool = True, ids: Tensor | None = None, worker: int | None = None
+    ) -> Entry:
         """Slot 0 of a stream from its embedding ``e`` = E(ids) (with ``grad``: a training
-        step). Mode ``tokens`` needs the token ids: slot 0 is [0, ids]."""
+        step) at its origin ``worker`` (needed with a learned U). Mode ``tokens`` needs the
+        token ids: slot 0 is [0, ids]."""
         if self.basis is None:
             return Entry(e, e)
+        basis = self.basis_of(worker)
         if self.tokens:
             if ids is None:
                 raise ValueError("subspace mode 'tokens': the stream's entry needs its token ids")
-            zeros = e.new_zeros(*e.shape[:-1], self.basis.U.size(1))
-            return Entry(e, torch.cat([zeros, ids.to(e.dtype).unsqueeze(-1)], dim=-1), None, True)
+            zeros = e.new_zeros(*e.shape[:-1], basis.U.size(1))
+            slot0 = torch.cat([zeros, ids.to(e.dtype).unsqueeze(-1)], dim=-1)
+            return Entry(e, slot0, None, True, basis)
         base = None
-        if self.basis.mode == "home":
+        if basis.mode == "home":
             base = e.detach().requires_grad_() if grad else e
-        return Entry(e, self.basis.enter(e), base)
+        return Entry(e, basis.enter(e), base, basis=basis)
+
+    def ends_round(self, step: int) -> bool:
+        """Whether 0-based training step ``step`` is the last of a round (a barrier follows:
+        every ``sync_every`` steps and at the end, as the coordinator's RoundPlan)."""
+        sync, steps = self.cfg.sync_every, self.cfg.steps
+        return bool(sync) and ((step + 1) % sync == 0 or step + 1 == steps)
+
+    def count_step(self, replica: nn.Module) -> None:
+        """A training step of ``replica``'s worker is done (its gradient is in U.grad)."""
+        shared = getattr(replica, "subspace", None)
+        if self.learn and shared is not None:
+            shared.count_step()
+
+    def end_round(self, replica: nn.Module, step: int) -> None:
+        """The worker's local step on its learned W at the end of a round ending with step
+        ``step``: lr = ``subspace.lr`` × (the run's multiplier at ``step`` for schedule run)."""
+        shared = getattr(replica, "subspace", None)
+        if not self.learn or shared is None:
+            return
+        sub = self.cfg.subspace
+        mult = self.cfg.lr_multiplier(step) if sub.schedule == "run" else 1.0
+        shared.local_step(sub.lr * mult, self.cfg.micro_batches)
 
     def apply(
         self,
@@ -98,9 +157,10 @@ class StreamMaps:
             base = entry.base
         if self.tokens and embed is None:
             raise ValueError("subspace mode 'tokens': an application needs its worker's E")
+        basis = None if self.basis is None else self.basis_of(worker)
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._apply, group, x, t, base, embed, use_reentrant=False)
-        return self._apply(group, x, t, base, embed)
+            return checkpoint(self._apply, group, x, t, base, embed, basis, use_reentrant=False)
+        return self._apply(group, x, t, base, embed, basis)
 
     def _apply(
         self,
@@ -109,15 +169,16 @@ class StreamMaps:
         t: int,
         base: Tensor | None,
         embed: Callable[[Tensor], Tensor] | None = None,
+        basis: StreamBasis | None = None,
     ) -> Tensor:
-        if self.basis is None:
+        if basis is None:
             return group(x, t)
         if self.tokens:
             assert embed is not None
             c, ids = self.split(x)
-            out = self.basis.apply(group, c, t, embed(ids.squeeze(-1).long()))
+            out = basis.apply(group, c, t, embed(ids.squeeze(-1).long()))
             return torch.cat([out, ids.detach()], dim=-1)
-        return self.basis.apply(group, x, t, base)
+        return basis.apply(group, x, t, base)
 
     def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Mode ``tokens``: a forward slot [c, x] → (c [B, T, k], ids [B, T, 1] as floats)."""
@@ -129,9 +190,10 @@ class StreamMaps:
         """The hidden state the head reads from slot K (at the origin)."""
         if self.basis is None:
             return x
+        basis = entry.basis or self.basis
         if self.tokens:
-            return self.basis.expand(self.split(x)[0], entry.embedded)
-        return self.basis.expand(x, entry.base)
+            return basis.expand(self.split(x)[0], entry.embedded)
+        return basis.expand(x, entry.base)
 
     def grad_out(self, g: Tensor) -> Tensor:
         """What a backward hop carries for a slot's gradient ``g``: in mode ``tokens`` its
@@ -142,3 +204,20 @@ class StreamMaps:
         """The slot's gradient from what a backward hop carried (mode ``tokens``: a zero
         gradient for the ids channel appended)."""
         return nn.functional.pad(g, (0, 1)) if self.tokens else g
+
+
+def subspace_state(replicas: list[nn.Module]) -> dict:
+    """A checkpoint's entry for learned U's (``{}`` when U is not learned): each replica's
+    Adam moments and partial gradient (W itself is in the replica's state)."""
+    shared = [getattr(r, "subspace", None) for r in replicas]
+    if not any(s is not None for s in shared):
+        return {}
+    return {"subspace": [None if s is None else s.extra_state() for s in shared]}
+
+
+def load_subspace_state(replicas: list[nn.Module], state: dict) -> None:
+    """Restore :func:`subspace_state` (after the replicas' own state)."""
+    for replica, extra in zip(replicas, state.get("subspace") or []):
+        shared = getattr(replica, "subspace", None)
+        if shared is not None and extra is not None:
+            shared.load_extra_state(extra)

@@ -83,20 +83,24 @@ def origin_config(model: Model, s: int) -> dict:
 def origin_state(model: Model, conf: dict) -> dict[str, torch.Tensor]:
     """The tensors of one origin: E/R and its private layers (``wte.``, ``lm_head.``, ``home.``,
     ``home_input.``), then ``groups.<j>.`` for the j-th group of its path."""
-    from mobius_fed.model.subspace import BasisLinear
+    from mobius_fed.model.groups import build_basis
+    from mobius_fed.model.subspace import BasisLinear, orthonormal
 
     s = conf["origin"]
-    state = dict(model.replicas[s].state_dict())
+    replica = model.replicas[s]
+    state = dict(replica.state_dict())
+    U = build_basis(model.mc, model.cfg.seed) if conf["subspace_rank"] else None
+    if replica.subspace is not None:  # a learned U: orth of the last barrier's averaged W
+        U = orthonormal(state.pop("subspace.weight"))
     for j, i in enumerate(conf["source_groups"]):
         for k, v in model.groups[i].state_dict().items():
             state[f"groups.{j}.{k}"] = v
         for name, m in model.groups[i].named_modules():  # writes through U: W = U·W′
             if isinstance(m, BasisLinear):
-                state[f"groups.{j}.{name}.weight"] = m.basis @ m.weight
-    if conf["subspace_rank"]:  # U, as the engines build it (StreamMaps)
-        from mobius_fed.model.groups import build_basis
-
-        state["subspace_basis"] = build_basis(model.mc, model.cfg.seed)
+                basis = m.basis if U is None else U
+                state[f"groups.{j}.{name}.weight"] = basis @ m.weight
+    if U is not None:  # U, as the engines use it (StreamMaps)
+        state["subspace_basis"] = U
     return {k: v.detach().to("cpu").float().contiguous().clone() for k, v in state.items()}
 
 

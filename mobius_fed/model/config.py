@@ -39,6 +39,7 @@ class ModelConfig(BaseModel):
     subspace_writes: SubspaceWrites = Field(
         "basis", description="basis: blocks write through U; full: only the hops are projected"
     )
+    subspace_learn: bool = Field(False, description="U trains (each replica holds W, U = orth(W))")
     loss_chunk: int = Field(0, ge=0, description="tokens per head cross-entropy chunk; 0 = off")
     home_input: HomeInput = Field("off", description="each origin's private input layer")
 
@@ -98,6 +99,20 @@ class SubspaceConfig(BaseModel):
         "everywhere; full: blocks write at full width inside a group and only the hops are "
         "projected (what leaves the machine)",
     )
+    learn: bool = Field(
+        False,
+        description="U trains: averaged at every barrier like E/R, kept orthonormal by a QR "
+        "retraction, the same on every worker in every step (docs/wan.md §7); off: U stays "
+        "the seed's",
+    )
+    lr: float = Field(
+        1e-3, gt=0, description="Adam learning rate of a learned U (one step per round)"
+    )
+    schedule: Literal["run", "constant"] = Field(
+        "run",
+        description="learned U's learning-rate schedule: run (the run's warmup and cooldown, "
+        "as lr_adam) or constant",
+    )
 
     @property
     def on(self) -> bool:
@@ -142,6 +157,7 @@ def make_model_config(
     precision: Precision = "bf16",
     subspace_rank: int = 0,
     subspace_writes: SubspaceWrites = "basis",
+    subspace_learn: bool = False,
     loss_chunk: int = 0,
     home_input: HomeInput = "off",
 ) -> ModelConfig:
@@ -171,6 +187,7 @@ def make_model_config(
         precision=precision,
         subspace_rank=subspace_rank,
         subspace_writes=subspace_writes,
+        subspace_learn=subspace_learn,
         loss_chunk=loss_chunk,
         home_input=home_input,
         **spec,

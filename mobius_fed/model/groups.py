@@ -41,7 +41,13 @@ def build_replica(cfg: ModelConfig, seed: int, home_layer: str | None = None) ->
     from the site's secret key, which is what keeps them private."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(seed, "replica"))
-        return Replica(cfg, home_layer)
+        replica = Replica(cfg, home_layer)
+    if replica.subspace is not None:  # a learned U starts from the fixed one
+        basis = build_basis(cfg, seed)
+        assert basis is not None
+        with torch.no_grad():
+            replica.subspace.weight.copy_(basis)
+    return replica
 
 
 def count_parameters(cfg: ModelConfig) -> int:

@@ -23,6 +23,7 @@ from mobius_fed.model.private_layers import (
     make_layer,
     reset_layer,
 )
+from mobius_fed.model.subspace import SharedBasis
 
 PRIVATE_PREFIXES = ("home.", "home_input.")  # state-dict names of the private layers
 
@@ -30,7 +31,8 @@ PRIVATE_PREFIXES = ("home.", "home_input.")  # state-dict names of the private l
 class Replica(nn.Module):
     """One origin's copy of the embedding E and the head R (tied weights by default), and
     optionally its private home layer (``home``, applied to h before R) and input layer
-    (``home_input``, applied to E(x); its kind is ``cfg.home_input``)."""
+    (``home_input``, applied to E(x); its kind is ``cfg.home_input``). With a learned
+    subspace it also holds the shared W of U (``subspace``, :class:`SharedBasis`)."""
 
     def __init__(self, cfg: ModelConfig, home_layer: str | None = None) -> None:
         super().__init__()
@@ -47,6 +49,12 @@ class Replica(nn.Module):
         # Last of all, so E, R and the home layer draw the same values with or without it.
         self.input_kind = input_layer_kind(cfg.home_input)
         self.home_input = make_layer(cfg, self.input_kind)
+        # A learned subspace U (shared: averaged with E/R); no random draw
+        self.subspace = (
+            SharedBasis(cfg.d_model, cfg.subspace_rank)
+            if cfg.subspace_rank and cfg.subspace_learn
+            else None
+        )
 
     def embed(self, idx: Tensor) -> Tensor:
         """E, then the private input layer if any: token ids [B, T] → hidden states

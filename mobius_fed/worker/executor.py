@@ -24,7 +24,7 @@ from mobius_fed.data.loader import Split
 from mobius_fed.defences.nopeek import build_nopeek
 from mobius_fed.defences.site_layers import build_site_replica
 from mobius_fed.engine.hops import build_hops
-from mobius_fed.engine.stream import StreamMaps
+from mobius_fed.engine.stream import StreamMaps, load_subspace_state, subspace_state
 from mobius_fed.engine.wire_stages import CodecStage, codecs
 from mobius_fed.hop import HopContext
 from mobius_fed.model import build_group
@@ -67,6 +67,7 @@ class RingExecutor:
         self.hops = build_hops(cfg, "ring", rank)
         self.nopeek = build_nopeek(cfg)
         self.maps = StreamMaps(cfg, self.device)
+        self.maps.bind(rank, self.group, self.replica)  # a learned U: this worker's copy
         self._codecs = codecs(cfg)
         stages = [st for st in self.hops.stages if isinstance(st, CodecStage)]
         self._codec_stage: CodecStage | None = stages[0] if stages else None
@@ -144,7 +145,7 @@ class RingExecutor:
         nopeek, penalty = self.nopeek, {}
         first = nopeek.slot(self.rank) if nopeek is not None else None
         for m, (x, _) in enumerate(batches):
-            entry = self.maps.enter(self.replica.embed(x), ids=x)
+            entry = self.maps.enter(self.replica.embed(x), ids=x, worker=self.rank)
             embedded.append(entry)
             if nopeek is not None and first == 0:
                 penalty[0, m] = nopeek.gradient(x, entry.slot0)
@@ -179,6 +180,9 @@ class RingExecutor:
         step_optimizers(self.group_opts, cfg, n)
         scale_grads(self.replica.parameters(), 1.0 / M)
         step_optimizers(self.replica_opts, cfg, n)
+        self.maps.count_step(self.replica)  # a learned U: one local step per round, which
+        if self.maps.ends_round(n):  # the barrier after this step averages
+            self.maps.end_round(self.replica, n)
         self.step = n + 1
         seconds = time.perf_counter() - t0
         return WorkerStep(n, mean_loss(losses), seconds - self._wait, self._wait, seconds)
@@ -189,7 +193,10 @@ class RingExecutor:
         """This origin's path-specific validation loss (one term of paper Eq. 8)."""
         n, K = self.step, self.cfg.K
         micro = [mb for b in range(self.cfg.eval_batches) for mb in self._micro("val", b)]
-        entries = [self.maps.enter(self.replica.embed(x), grad=False, ids=x) for x, _ in micro]
+        entries = [
+            self.maps.enter(self.replica.embed(x), grad=False, ids=x, worker=self.rank)
+            for x, _ in micro
+        ]
         for j, entry in enumerate(entries):
             self._send(FrameKey(EVAL, n, FORWARD, self.rank, 0, j), entry.slot0)
         for t, s in self.ticks:
@@ -214,6 +221,8 @@ class RingExecutor:
         for module in (self.group, self.replica):
             for p in module.parameters():
                 p.grad = None
+        if self.replica.subspace is not None:
+            self.replica.subspace.forget()
         self._local.clear()
         if self._codec_stage is not None:
             self._codec_stage.forget()
@@ -234,6 +243,7 @@ class RingExecutor:
             "group_opts": [o.state_dict() for o in self.group_opts],
             "replica_opts": [o.state_dict() for o in self.replica_opts],
             "cursor": {"seed": self.cfg.seed, "next_step": self.step},
+            **subspace_state([self.replica]),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -249,3 +259,4 @@ class RingExecutor:
             self.group_opts + self.replica_opts, state["group_opts"] + state["replica_opts"]
         ):
             opt.load_state_dict(sd)
+        load_subspace_state([self.replica], state)
