@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -216,6 +217,7 @@ def measure(method: str, src: Path, out: Path, args: argparse.Namespace) -> dict
         "--old-commit", args.old_commit,
     ]  # fmt: skip
     load_before = os.getloadavg()[0]  # 1-minute load average: other jobs on the cores
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     peak = 0
@@ -231,6 +233,8 @@ def measure(method: str, src: Path, out: Path, args: argparse.Namespace) -> dict
     sampler.start()
     stdout, _ = proc.communicate()
     wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the method's tree, pool included
+    cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
     done.set()
     sampler.join()
     if proc.returncode != 0:
@@ -238,6 +242,7 @@ def measure(method: str, src: Path, out: Path, args: argparse.Namespace) -> dict
     tokens = int(stdout.strip().splitlines()[-1])
     size = src.stat().st_size
     return {"method": method, "gb": size / 1e9, "mb_s": size / 1e6 / wall, "wall_s": wall,
+            "cpu_s": cpu, "mb_per_cpu_s": size / 1e6 / cpu,
             "peak_rss_gb": peak / 1e9, "tokens": tokens, "workers": args.workers,
             "encoding": args.encoding, "load_before": load_before,
             "load_after": os.getloadavg()[0],
@@ -332,8 +337,8 @@ def main() -> None:
     args.tmp.mkdir(parents=True, exist_ok=True)
     if not args.loader_only:
         print(f"encoding {args.encoding}, {args.workers} worker(s), text in {args.tmp}")
-        print("| GB | method | MB/s | × ceiling | peak RSS GB | tokens | load |")
-        print("|---|---|---|---|---|---|---|")
+        print("| GB | method | MB/s | × ceiling | MB per CPU s | peak RSS GB | tokens | load |")
+        print("|---|---|---|---|---|---|---|---|")
         for gb in args.sizes:
             src = generate(args.tmp / f"text-{gb:g}GB.jsonl", gb)
             rows = {}
@@ -349,7 +354,7 @@ def main() -> None:
                 _record(args.results, {**r, "x_ceiling": ratio})
                 print(
                     f"| {gb:g} | {method} | {r['mb_s']:.2f} | {ratio:.2f} | "
-                    f"{r['peak_rss_gb']:.2f} | {r['tokens']:,} | "
+                    f"{r['mb_per_cpu_s']:.1f} | {r['peak_rss_gb']:.2f} | {r['tokens']:,} | "
                     f"{r['load_before']:.1f}–{r['load_after']:.1f} |",
                     flush=True,
                 )
