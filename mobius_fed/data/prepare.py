@@ -7,12 +7,13 @@ Two modes:
 - :func:`prepare_sites`: one corpus cut into P contiguous, disjoint slices (experiments).
 
 Both run in two passes. Pass 1 streams documents from the inputs through a pool of
-tokenizer processes into fixed-size *parts* (``OUT/.prepare-*/part_*.bin``), each written
-atomically and recorded in ``progress.json`` with the input position it ends at, so
-``resume=True`` continues after the last complete part. Pass 2 cuts the token stream
-into train/val shards of ``shard_tokens`` (parts that already line up are hard-linked, not
-copied) and writes ``meta.json``, the manifest. Memory is bounded by ``shard_tokens``-free
-quantities: the task size, the number of tasks in flight and the copy chunk.
+tokenizers (threads for tiktoken encodings, processes otherwise) into fixed-size *parts*
+(``OUT/.prepare-*/part_*.bin``), each written atomically and recorded in
+``progress.json`` with the input position it ends at, so ``resume=True`` continues after
+the last complete part. Pass 2 cuts the token stream into train/val shards of
+``shard_tokens`` (parts that already line up are hard-linked, not copied) and writes
+``meta.json``, the manifest. Memory is bounded by ``shard_tokens``-free quantities: the
+task size, the number of tasks in flight and the copy chunk.
 """
 
 from __future__ import annotations
