@@ -473,6 +473,27 @@ def test_parquet_null_row_is_bad(tmp_path: Path) -> None:
         _prepared(tmp_path, [tmp_path / "n.parquet"], skip_bad=True)
 
 
+@pytest.mark.parametrize("marker", [False, True], ids=["plain", "marker-in-text"])
+def test_task_in_one_call_equals_one_call_per_document(marker: bool) -> None:
+    """A task of whole documents encoded in one tiktoken call (joined by the end-of-text
+    marker) gives each document's ids + EOT exactly, edge whitespace included; a text that
+    holds the marker as plain text sends the task back to one call per document."""
+    import mobius_fed.data.prepare as prepare
+
+    texts = [CORPUS[i : i + 3001] for i in range(0, 60_000, 3001)]
+    texts += ["", " ", "\n\n", "tail  ", "naïve café 🙂\n"]
+    if marker:
+        texts.insert(3, "a <|endoftext|> b")
+    ends = [True] * len(texts)
+    whole = prepare._encode_whole(BYTES, texts, ends)
+    assert (whole is None) == marker
+    tokens, counts = prepare._encode_task(("bytes", texts, ends, "<u2"))
+    each = [encode_document(BYTES, t) for t in texts]
+    assert tokens.tolist() == [i for ids in each for i in ids]
+    assert counts.tolist() == [len(ids) for ids in each]
+    assert prepare._encode_whole(BYTES, texts[:2], [True, False]) is None  # a .txt block
+
+
 @pytest.mark.parametrize("threads", [True, False], ids=["threads", "processes"])
 def test_workers_give_the_same_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: bool

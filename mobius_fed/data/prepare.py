@@ -44,7 +44,7 @@ from mobius_fed.data.shards import (
     token_dtype,
 )
 from mobius_fed.data.sources import BadInput, Skips, Unit, expand_inputs, read_units
-from mobius_fed.data.tokenizers import get_encoding
+from mobius_fed.data.tokenizers import EOT, get_encoding
 from mobius_fed.data.vocab import encoding_identity, encoding_vocab
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # modded-nanogpt's FineWeb shard size
@@ -112,6 +112,9 @@ def _encode_task(task: _Task) -> tuple[np.ndarray, np.ndarray]:
     """Tokens of a list of units, concatenated, and each unit's token count (EOT included)."""
     encoding, texts, ends, dtype = task
     enc: Any = get_encoding(encoding)
+    whole = _encode_whole(enc, texts, ends)
+    if whole is not None:
+        return whole[0].astype(dtype, copy=False), whole[1]
     counts = np.zeros(len(texts), dtype=np.int64)
     pieces = []
     eot = np.array([enc.eot_token], dtype=dtype)
@@ -126,6 +129,26 @@ def _encode_task(task: _Task) -> tuple[np.ndarray, np.ndarray]:
             pieces.append(eot)
         counts[i] = len(ids) + int(end)
     return (np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)), counts
+
+
+def _encode_whole(
+    enc: Any, texts: list[str], ends: list[bool]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """A task of whole documents in one tiktoken call: the texts joined by the end-of-text
+    marker, which tiktoken splits on before its regex, so the ids are exactly each text's
+    ``encode_ordinary`` + EOT. One call instead of one per document: the worker thread
+    takes Python's lock once per task, not once per document. None when a text holds the
+    marker as plain text, or a unit does not end its document (then: one call each)."""
+    if not isinstance(enc, tiktoken.Encoding) or not texts or not all(ends):
+        return None
+    if enc.eot_token != enc._special_tokens.get(EOT) or any(EOT in t for t in texts):
+        return None
+    joined = EOT.join(texts) + EOT
+    ids = enc.encode_to_numpy(joined, allowed_special={EOT}, disallowed_special=())
+    marks = np.flatnonzero(ids == enc.eot_token)
+    if len(marks) != len(texts):  # cannot happen (no text holds the marker): be safe
+        return None
+    return ids, np.diff(marks, prepend=-1).astype(np.int64)
 
 
 class _Progress:
