@@ -14,9 +14,12 @@ own process; the peak RSS is that process tree's (pool workers included), sample
   ``encode_ordinary`` + EOT per document into 100 M-token uint16 shards;
 - ``ceiling``: tiktoken's raw ``encode_ordinary_batch`` on the same threads, nothing written.
 
-    python benchmarks/prepare.py --sizes 0.1 1 --workers 2
+    python benchmarks/prepare.py --sizes 0.1 1 --workers 2 --results out.jsonl
     python benchmarks/prepare.py --sizes 3 --methods prepare --workers 2   # long
-    python benchmarks/prepare.py --loader-only
+    python benchmarks/prepare.py --loader-only --loader-rounds 31
+
+Besides MB/s, each row has the CPU seconds of the method's process tree (MB per CPU
+second moves less with other jobs on shared cores) and the load average around it.
 """
 
 from __future__ import annotations
