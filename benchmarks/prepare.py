@@ -14,9 +14,12 @@ own process; the peak RSS is that process tree's (pool workers included), sample
   ``encode_ordinary`` + EOT per document into 100 M-token uint16 shards;
 - ``ceiling``: tiktoken's raw ``encode_ordinary_batch`` on the same threads, nothing written.
 
-    python benchmarks/prepare.py --sizes 0.1 1 --workers 2
+    python benchmarks/prepare.py --sizes 0.1 1 --workers 2 --results out.jsonl
     python benchmarks/prepare.py --sizes 3 --methods prepare --workers 2   # long
-    python benchmarks/prepare.py --loader-only
+    python benchmarks/prepare.py --loader-only --loader-rounds 31
+
+Besides MB/s, each row has the CPU seconds of the method's process tree (MB per CPU
+second moves less with other jobs on shared cores) and the load average around it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import json
 import multiprocessing
 import os
 import random
+import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -214,6 +219,8 @@ def measure(method: str, src: Path, out: Path, args: argparse.Namespace) -> dict
         "--workers", str(args.workers), "--encoding", args.encoding,
         "--old-commit", args.old_commit,
     ]  # fmt: skip
+    load_before = os.getloadavg()[0]  # 1-minute load average: other jobs on the cores
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     peak = 0
@@ -229,6 +236,8 @@ def measure(method: str, src: Path, out: Path, args: argparse.Namespace) -> dict
     sampler.start()
     stdout, _ = proc.communicate()
     wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the method's tree, pool included
+    cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
     done.set()
     sampler.join()
     if proc.returncode != 0:
@@ -236,14 +245,20 @@ def measure(method: str, src: Path, out: Path, args: argparse.Namespace) -> dict
     tokens = int(stdout.strip().splitlines()[-1])
     size = src.stat().st_size
     return {"method": method, "gb": size / 1e9, "mb_s": size / 1e6 / wall, "wall_s": wall,
-            "peak_rss_gb": peak / 1e9, "tokens": tokens}  # fmt: skip
+            "cpu_s": cpu, "mb_per_cpu_s": size / 1e6 / cpu,
+            "peak_rss_gb": peak / 1e9, "tokens": tokens, "workers": args.workers,
+            "encoding": args.encoding, "load_before": load_before,
+            "load_after": os.getloadavg()[0],
+            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
 
 
-def loader_bench(tmp: Path, total: int = 40_000_000, steps: int = 3000, rounds: int = 8) -> dict:
+def loader_bench(tmp: Path, total: int = 40_000_000, steps: int = 2000, rounds: int = 15) -> dict:
     """Batches/s of SiteData (seq_len 1024, batch 8) over 1 shard and over 20 of the same
-    tokens: pages touched once first, rounds alternated, the best round of each kept.
-    Timed in CPU seconds of this (single-threaded) process, so that other load on the
-    machine does not count."""
+    tokens: pages touched once first, then ``rounds`` rounds of ``steps`` steps, each step
+    drawing the same batch from both in turn (which goes first alternates), so that both
+    see the same state of the shared machine's caches. Timed in CPU seconds of this
+    (single-threaded) process, so that time on other jobs does not count; the 20 ÷ 1
+    ratio is taken within each round and reported as median, min and max over rounds."""
     import numpy as np
     import torch
 
@@ -256,20 +271,43 @@ def loader_bench(tmp: Path, total: int = 40_000_000, steps: int = 3000, rounds: 
     sites = {}
     for shards in (1, 20):
         site = tmp / f"loader-{shards}"
-        site.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(site, ignore_errors=True)
+        site.mkdir(parents=True)
         for k, piece in enumerate(np.array_split(tokens, shards)):
             write_shard(site / f"train_{k:06d}.bin", piece)
         write_shard(site / "val_000000.bin", tokens[:100_000])
         sites[shards] = SiteData(site, seq_len=1024, site=0)
         sites[shards].max_token()  # every page mapped once
-    rates = dict.fromkeys(sites, 0.0)
+    rates: dict[int, list[float]] = {1: [], 20: []}
+    clock = time.process_time
     for _ in range(rounds):
-        for shards, data in sites.items():
-            start = time.process_time()
-            for step in range(steps):
-                data.batch("train", seed=0, step=step, batch_size=8)
-            rates[shards] = max(rates[shards], steps / (time.process_time() - start))
-    return {"batches_s_1": rates[1], "batches_s_20": rates[20], "ratio": rates[20] / rates[1]}
+        spent = dict.fromkeys(sites, 0.0)
+        for step in range(steps):
+            for shards in (1, 20) if step % 2 == 0 else (20, 1):
+                start = clock()
+                sites[shards].batch("train", seed=0, step=step, batch_size=8)
+                spent[shards] += clock() - start
+        for shards in sites:
+            rates[shards].append(steps / spent[shards])
+    ratios = sorted(b / a for a, b in zip(rates[1], rates[20], strict=True))
+    return {
+        "batches_s_1": statistics.median(rates[1]),
+        "batches_s_20": statistics.median(rates[20]),
+        "ratio": statistics.median(ratios),
+        "ratio_min": ratios[0],
+        "ratio_max": ratios[-1],
+        "rounds": rounds,
+        "steps": steps,
+        "load": os.getloadavg()[0],
+    }
+
+
+def _record(path: Path | None, row: dict) -> None:
+    """Append one result as a JSON line (the run's rows stay if a later size is cut short)."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def main() -> None:
@@ -281,6 +319,9 @@ def main() -> None:
     p.add_argument("--old-commit", default="8fbc54b", help="the one-array prepare's commit")
     p.add_argument("--old-max-gb", type=float, default=0.5, help="skip `old` above this")
     p.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()) / "mobius-prepare")
+    p.add_argument("--results", type=Path, help="append every row here as a JSON line")
+    p.add_argument("--loader-rounds", type=int, default=15)
+    p.add_argument("--keep-text", action="store_true", help="keep the generated text files")
     p.add_argument("--loader-only", action="store_true")
     p.add_argument("--no-loader", action="store_true")
     p.add_argument("--run", choices=METHODS, help=argparse.SUPPRESS)
@@ -303,8 +344,8 @@ def main() -> None:
     args.tmp.mkdir(parents=True, exist_ok=True)
     if not args.loader_only:
         print(f"encoding {args.encoding}, {args.workers} worker(s), text in {args.tmp}")
-        print("| GB | method | MB/s | × ceiling | peak RSS GB | tokens |")
-        print("|---|---|---|---|---|---|")
+        print("| GB | method | MB/s | × ceiling | MB per CPU s | peak RSS GB | tokens | load |")
+        print("|---|---|---|---|---|---|---|---|")
         for gb in args.sizes:
             src = generate(args.tmp / f"text-{gb:g}GB.jsonl", gb)
             rows = {}
@@ -313,20 +354,29 @@ def main() -> None:
                     print(
                         f"| {gb:g} | old | skipped: ~{18 * gb:.0f} GB of RAM |  |  |  |", flush=True
                     )
+                    _record(args.results, {"method": "old", "gb": gb, "skipped": "RAM"})
                     continue
                 rows[method] = r = measure(method, src, args.tmp / f"out-{method}", args)
                 ratio = r["mb_s"] / rows["ceiling"]["mb_s"] if "ceiling" in rows else float("nan")
+                _record(args.results, {**r, "x_ceiling": ratio})
                 print(
                     f"| {gb:g} | {method} | {r['mb_s']:.2f} | {ratio:.2f} | "
-                    f"{r['peak_rss_gb']:.2f} | {r['tokens']:,} |",
+                    f"{r['mb_per_cpu_s']:.1f} | {r['peak_rss_gb']:.2f} | {r['tokens']:,} | "
+                    f"{r['load_before']:.1f}–{r['load_after']:.1f} |",
                     flush=True,
                 )
+            if not args.keep_text:
+                src.unlink()
     if not args.no_loader:
-        r = loader_bench(args.tmp)
+        r = loader_bench(args.tmp, rounds=args.loader_rounds)
+        _record(args.results, {"method": "loader", **r})
         print(
-            f"loader (seq 1024, batch 8): 1 shard {r['batches_s_1']:.0f} batches/s, "
-            f"20 shards {r['batches_s_20']:.0f} batches/s, ratio {r['ratio']:.3f}"
+            f"loader (seq 1024, batch 8), median of {r['rounds']} rounds: 1 shard "
+            f"{r['batches_s_1']:.0f} batches/s, 20 shards {r['batches_s_20']:.0f} batches/s, "
+            f"ratio {r['ratio']:.3f} (min {r['ratio_min']:.3f}, max {r['ratio_max']:.3f})"
         )
+        for shards in (1, 20):
+            shutil.rmtree(args.tmp / f"loader-{shards}", ignore_errors=True)
 
 
 if __name__ == "__main__":

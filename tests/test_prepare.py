@@ -4,6 +4,7 @@ every input format and each bad input, and the loader over many shards (docs/dat
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -82,6 +83,20 @@ def test_uint32_shards_and_header(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+@pytest.mark.parametrize("expect", [None, 5, 6, 7])
+def test_shard_hash_is_the_files(tmp_path: Path, expect: int | None) -> None:
+    """The hash built while writing (count announced up front) or by re-reading (count
+    unknown or different) is always the sha256 of the file as written."""
+    from mobius_fed.data.shards import ShardWriter
+
+    with ShardWriter(tmp_path / "s.bin", "<u4", expect=expect) as writer:
+        writer.write(np.arange(4, dtype=np.uint32))
+        writer.write(np.array([70_000, 3], dtype=np.int64)[::-1])  # converted, non-contiguous
+    data = (tmp_path / "s.bin").read_bytes()
+    assert writer.sha256 == hashlib.sha256(data).hexdigest()
+    assert read_shard(tmp_path / "s.bin").tolist() == [0, 1, 2, 3, 3, 70_000]
+
+
 def test_token_stream_windows_cross_shards() -> None:
     rng = np.random.default_rng(0)
     whole = rng.integers(0, 60000, 1000).astype(np.uint16)
@@ -122,8 +137,6 @@ def test_small_shards_equal_one_shard(tmp_path: Path) -> None:
     stream = encode_document(BYTES, text)
     assert _split_tokens(one, "train") + _split_tokens(one, "val") == stream
     for shard in meta["shards"]["train"]:  # the manifest's hashes are the files'
-        import hashlib
-
         assert hashlib.sha256((many / shard["file"]).read_bytes()).hexdigest() == shard["sha256"]
 
 
@@ -460,15 +473,38 @@ def test_parquet_null_row_is_bad(tmp_path: Path) -> None:
         _prepared(tmp_path, [tmp_path / "n.parquet"], skip_bad=True)
 
 
-def test_worker_processes_give_the_same_tokens(tmp_path: Path) -> None:
-    """--workers 2 (spawned tokenizer processes, tasks in flight) keeps the input order."""
+@pytest.mark.parametrize("marker", [False, True], ids=["plain", "marker-in-text"])
+def test_task_in_one_call_equals_one_call_per_document(marker: bool) -> None:
+    """A task of whole documents encoded in one tiktoken call (joined by the end-of-text
+    marker) gives each document's ids + EOT exactly, edge whitespace included; a text that
+    holds the marker as plain text sends the task back to one call per document."""
+    import mobius_fed.data.prepare as prepare
+
+    texts = [CORPUS[i : i + 3001] for i in range(0, 60_000, 3001)]
+    texts += ["", " ", "\n\n", "tail  ", "naïve café 🙂\n"]
+    if marker:
+        texts.insert(3, "a <|endoftext|> b")
+    ends = [True] * len(texts)
+    whole = prepare._encode_whole(BYTES, texts, ends)
+    assert (whole is None) == marker
+    tokens, counts = prepare._encode_task(("bytes", texts, ends, "<u2"))
+    each = [encode_document(BYTES, t) for t in texts]
+    assert tokens.tolist() == [i for ids in each for i in ids]
+    assert counts.tolist() == [len(ids) for ids in each]
+    assert prepare._encode_whole(BYTES, texts[:2], [True, False]) is None  # a .txt block
+
+
+@pytest.mark.parametrize("threads", [True, False], ids=["threads", "processes"])
+def test_workers_give_the_same_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: bool
+) -> None:
+    """--workers 2 keeps the input order with tasks in flight, on threads (tiktoken) and on
+    spawned processes (the other tokenizers), parts ending inside and between tasks."""
     texts = [CORPUS[i : i + 5000] for i in range(0, 300_000, 5000)]
     src = _docs(tmp_path / "d.jsonl", texts)
     import mobius_fed.data.prepare as prepare
 
-    old, prepare.TASK_BYTES = prepare.TASK_BYTES, 20_000  # many small tasks
-    try:
-        got = _prepared(tmp_path, [src], workers=2, shard_tokens=70_000)
-    finally:
-        prepare.TASK_BYTES = old
+    monkeypatch.setattr(prepare, "TASK_BYTES", 20_000)  # many small tasks
+    monkeypatch.setattr(prepare, "_on_threads", lambda name: threads)
+    got = _prepared(tmp_path, [src], workers=2, shard_tokens=70_000)
     assert got == _stream_of(texts)

@@ -7,29 +7,33 @@ Two modes:
 - :func:`prepare_sites`: one corpus cut into P contiguous, disjoint slices (experiments).
 
 Both run in two passes. Pass 1 streams documents from the inputs through a pool of
-tokenizer processes into fixed-size *parts* (``OUT/.prepare-*/part_*.bin``), each written
-atomically and recorded in ``progress.json`` with the input position it ends at, so
-``resume=True`` continues after the last complete part. Pass 2 cuts the token stream
-into train/val shards of ``shard_tokens`` (parts that already line up are hard-linked, not
-copied) and writes ``meta.json``, the manifest. Memory is bounded by ``shard_tokens``-free
-quantities: the task size, the number of tasks in flight and the copy chunk.
+tokenizers (threads for tiktoken encodings, processes otherwise) into fixed-size *parts*
+(``OUT/.prepare-*/part_*.bin``), each written atomically and recorded in
+``progress.json`` with the input position it ends at, so ``resume=True`` continues after
+the last complete part. Pass 2 cuts the token stream into train/val shards of
+``shard_tokens`` (parts that already line up are hard-linked, not copied) and writes
+``meta.json``, the manifest. Memory is bounded by ``shard_tokens``-free quantities: the
+task size, the number of tasks in flight and the copy chunk.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import functools
 import hashlib
 import multiprocessing
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
+import tiktoken
 
 from mobius_fed.data.errors import DataError
 from mobius_fed.data.manifest import write_json
@@ -40,7 +44,7 @@ from mobius_fed.data.shards import (
     token_dtype,
 )
 from mobius_fed.data.sources import BadInput, Skips, Unit, expand_inputs, read_units
-from mobius_fed.data.tokenizers import get_encoding
+from mobius_fed.data.tokenizers import EOT, get_encoding
 from mobius_fed.data.vocab import encoding_identity, encoding_vocab
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # modded-nanogpt's FineWeb shard size
@@ -101,10 +105,16 @@ def _init_worker(encoding: str) -> None:
     get_encoding(encoding)  # load once per process (cached), before the first task
 
 
-def _encode_task(task: tuple[str, list[str], list[bool], str]) -> tuple[np.ndarray, np.ndarray]:
+_Task = tuple[str, list[str], list[bool], str]  # encoding, texts, ends, dtype
+
+
+def _encode_task(task: _Task) -> tuple[np.ndarray, np.ndarray]:
     """Tokens of a list of units, concatenated, and each unit's token count (EOT included)."""
     encoding, texts, ends, dtype = task
     enc: Any = get_encoding(encoding)
+    whole = _encode_whole(enc, texts, ends)
+    if whole is not None:
+        return whole[0].astype(dtype, copy=False), whole[1]
     counts = np.zeros(len(texts), dtype=np.int64)
     pieces = []
     eot = np.array([enc.eot_token], dtype=dtype)
@@ -119,6 +129,26 @@ def _encode_task(task: tuple[str, list[str], list[bool], str]) -> tuple[np.ndarr
             pieces.append(eot)
         counts[i] = len(ids) + int(end)
     return (np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)), counts
+
+
+def _encode_whole(
+    enc: Any, texts: list[str], ends: list[bool]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """A task of whole documents in one tiktoken call: the texts joined by the end-of-text
+    marker, which tiktoken splits on before its regex, so the ids are exactly each text's
+    ``encode_ordinary`` + EOT. One call instead of one per document: the worker thread
+    takes Python's lock once per task, not once per document. None when a text holds the
+    marker as plain text, or a unit does not end its document (then: one call each)."""
+    if not isinstance(enc, tiktoken.Encoding) or not texts or not all(ends):
+        return None
+    if enc.eot_token != enc._special_tokens.get(EOT) or any(EOT in t for t in texts):
+        return None
+    joined = EOT.join(texts) + EOT
+    ids = enc.encode_to_numpy(joined, allowed_special={EOT}, disallowed_special=())
+    marks = np.flatnonzero(ids == enc.eot_token)
+    if len(marks) != len(texts):  # cannot happen (no text holds the marker): be safe
+        return None
+    return ids, np.diff(marks, prepend=-1).astype(np.int64)
 
 
 class _Progress:
@@ -235,31 +265,66 @@ def _tasks(
         yield batch
 
 
+def _on_threads(name: str) -> bool:
+    """tiktoken encodes with the GIL released, so its workers can be threads of this
+    process: no text or tokens pickled between processes. Other tokenizers get processes."""
+    return isinstance(get_encoding(name), tiktoken.Encoding)
+
+
 def _encoded(
     tasks: Iterator[list[tuple[int, Unit]]], opts: PrepareOptions, dtype: str
 ) -> Iterator[tuple[list[tuple[int, Unit]], np.ndarray, np.ndarray]]:
-    """Each task with its tokens, in input order; at most 2 tasks per worker in flight."""
+    """Each task with its tokens, in input order; at most 2 tasks per worker in flight.
+
+    The workers are threads for tiktoken encodings (the bytes encoding included) and
+    spawned processes otherwise; either way this thread reads the inputs and writes the
+    parts while they encode."""
     name = opts.encoding
 
-    def payload(batch: list[tuple[int, Unit]]) -> tuple[str, list[str], list[bool], str]:
+    def payload(batch: list[tuple[int, Unit]]) -> _Task:
         return name, [u.text for _, u in batch], [u.end for _, u in batch], dtype
 
-    if opts.workers <= 1:
+    pool: Any
+    submit: Callable[[_Task], Any]
+    if _on_threads(name):
+        pool = concurrent.futures.ThreadPoolExecutor(opts.workers)
+        submit = functools.partial(pool.submit, _encode_task)
+    elif opts.workers <= 1:
         _init_worker(name)
         for batch in tasks:
             yield (batch, *_encode_task(payload(batch)))
         return
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(opts.workers, initializer=_init_worker, initargs=(name,)) as pool:
-        pending: collections.deque = collections.deque()
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        pool = ctx.Pool(opts.workers, initializer=_init_worker, initargs=(name,))
+
+        def submit(task: _Task) -> Any:
+            return pool.apply_async(_encode_task, (task,))
+
+    pending: collections.deque = collections.deque()
+    try:
         for batch in tasks:
-            pending.append((batch, pool.apply_async(_encode_task, (payload(batch),))))
+            pending.append((batch, submit(payload(batch))))
             if len(pending) >= 2 * opts.workers:
                 done, result = pending.popleft()
-                yield (done, *result.get())
+                yield (done, *_result(result))
         while pending:
             done, result = pending.popleft()
-            yield (done, *result.get())
+            yield (done, *_result(result))
+    finally:
+        for _, result in pending:
+            if isinstance(result, concurrent.futures.Future):
+                result.cancel()
+        if isinstance(pool, concurrent.futures.ThreadPoolExecutor):
+            pool.shutdown(wait=True, cancel_futures=True)
+        else:
+            pool.terminate()
+            pool.join()
+
+
+def _result(result: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A finished task's (tokens, counts), from a thread's future or a pool's AsyncResult."""
+    return result.result() if isinstance(result, concurrent.futures.Future) else result.get()
 
 
 def _load_progress(work: Path, request: dict, opts: PrepareOptions) -> tuple[list[Part], bool]:
@@ -326,6 +391,7 @@ def tokenize_stream(
     resume_at = parts[-1] if parts else None
     writer: ShardWriter | None = None
     read_bytes, tokens_done = done_bytes, stream.total
+    read_before = done_bytes  # input bytes of the tasks written so far
 
     def close(source: int, unit: int, skip: int) -> None:
         nonlocal writer
@@ -349,24 +415,32 @@ def tokenize_stream(
     try:
         units = _units(files, text, resume_at, opts, skips)
         for batch, tokens, counts in _encoded(_tasks(units), opts, dtype):
-            at = 0
-            for (source, unit), count in zip(batch, counts.tolist(), strict=True):
-                own = tokens[at : at + count]
-                at += count
-                first = 0
-                if resume_at and (source, unit.index) == (resume_at.source, resume_at.unit):
-                    first = resume_at.skip  # tokens of this unit already in the last part
-                read_bytes += unit.nbytes
-                while first < count:
-                    if writer is None:
-                        writer = ShardWriter(work / f"part_{len(parts):06d}.bin", dtype)
-                    take = min(count - first, opts.shard_tokens - writer.count)
-                    writer.write(own[first : first + take])
-                    first += take
-                    tokens_done += take
-                    if writer.count == opts.shard_tokens:
-                        close(source, unit.index, first)
-                progress.advance(unit.nbytes, tokens_done)
+            # Vectorised over the task: the tokens are written in at most one piece per
+            # part, and a full part is attributed to the unit it ends in (its resume point).
+            ends = np.cumsum(counts)
+            nbytes = np.cumsum([u.nbytes for _, u in batch])
+            pos = 0
+            if resume_at is not None:  # tokens of the first unit already in the last part
+                source, unit = batch[0]
+                if (source, unit.index) == (resume_at.source, resume_at.unit):
+                    pos = min(resume_at.skip, int(counts[0]))
+                resume_at = None
+            while pos < len(tokens):
+                if writer is None:
+                    name = f"part_{len(parts):06d}.bin"
+                    writer = ShardWriter(work / name, dtype, expect=opts.shard_tokens)
+                take = min(len(tokens) - pos, opts.shard_tokens - writer.count)
+                writer.write(tokens[pos : pos + take])
+                pos += take
+                tokens_done += take
+                if writer.count == opts.shard_tokens:
+                    i = int(np.searchsorted(ends, pos, side="left"))
+                    source, unit = batch[i]
+                    read_bytes = read_before + int(nbytes[i])
+                    close(source, unit.index, pos - (int(ends[i - 1]) if i else 0))
+            read_before += int(nbytes[-1])
+            read_bytes = read_before
+            progress.advance(int(nbytes[-1]), tokens_done)
         if writer is not None:
             close(len(files) + 1, 0, 0)
     except BaseException:
@@ -409,7 +483,7 @@ def _emit(
                 shutil.copyfile(stream.directory / part.file, path)
             shards.append({"file": path.name, "tokens": part.tokens, "sha256": part.sha256})
             continue
-        with ShardWriter(path, dtype) as writer:
+        with ShardWriter(path, dtype, expect=hi - lo) as writer:
             _copy(stream, lo, hi, writer)
         shards.append({"file": path.name, "tokens": writer.count, "sha256": writer.sha256})
     return shards

@@ -51,7 +51,12 @@ class ShardWriter:
     ``sha256`` (of the whole file) and ``count`` are known after close.
     """
 
-    def __init__(self, path: str | os.PathLike[str], dtype: np.dtype | str = "<u2") -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        dtype: np.dtype | str = "<u2",
+        expect: int | None = None,
+    ) -> None:
         self.path = Path(path)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         if self.dtype not in (np.dtype("<u2"), np.dtype("<u4")):
@@ -63,6 +68,10 @@ class ShardWriter:
         self._tmp = _tmp_of(self.path)
         self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
         self._file.write(_header(0, self.dtype))
+        # With the final count known up front (``expect``), the file's hash is built as the
+        # tokens are written (header first); close() re-reads the file only if it differs.
+        self._expect = expect
+        self._digest = hashlib.sha256(_header(expect, self.dtype)) if expect is not None else None
 
     def write(self, tokens: np.ndarray | Sequence[int]) -> None:
         """Append ``tokens``; ids outside the dtype's range are refused."""
@@ -81,7 +90,10 @@ class ShardWriter:
                 )
         if self.count + arr.size > _MAX_COUNT:
             raise DataError(f"{self.path}: a shard holds at most {_MAX_COUNT} tokens")
-        self._file.write(arr.astype(self.dtype, copy=False).tobytes())
+        data = np.ascontiguousarray(arr.astype(self.dtype, copy=False)).data.cast("B")
+        self._file.write(data)
+        if self._digest is not None:
+            self._digest.update(data)
         self.count += int(arr.size)
 
     def close(self) -> Path:
@@ -92,10 +104,12 @@ class ShardWriter:
         f.flush()
         os.fsync(f.fileno())
         f.close()
-        digest = hashlib.sha256()
-        with open(self._tmp, "rb") as r:
-            for block in iter(lambda: r.read(1 << 22), b""):
-                digest.update(block)
+        digest = self._digest
+        if digest is None or self.count != self._expect:
+            digest = hashlib.sha256()
+            with open(self._tmp, "rb") as r:
+                for block in iter(lambda: r.read(1 << 22), b""):
+                    digest.update(block)
         self.sha256 = digest.hexdigest()
         os.replace(self._tmp, self.path)
         return self.path
@@ -126,8 +140,9 @@ def write_shard(
     dtype: np.dtype | str = "<u2",
 ) -> Path:
     """Atomically write ``tokens`` as a shard at ``path`` (uint16 by default)."""
-    with ShardWriter(path, dtype) as writer:
-        writer.write(np.asarray(tokens))
+    arr = np.asarray(tokens)
+    with ShardWriter(path, dtype, expect=arr.size) as writer:
+        writer.write(arr)
     return writer.path
 
 
