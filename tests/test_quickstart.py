@@ -95,7 +95,7 @@ def test_quickstart_commands_return_in_a_script(tmp_path: Path) -> None:
     env.update(
         VIRTUAL_ENV=str(env_dir),
         PATH=f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}",
-        MOBIUS_STEPS="20",  # the run's length only; the command is the README's
+        MOBIUS_STEPS="3",  # the run's length only (and a checkpoint); the command is the README's
         MOBIUS_THREADS="1",
         # A small part, once, in one process (no two xdist workers importing torch for it).
         PYTEST_ADDOPTS="-p no:cacheprovider -n 0 tests/test_schedule.py",
