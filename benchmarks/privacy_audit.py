@@ -70,8 +70,11 @@ def run() -> int:
     p.add_argument("--patient", action="store_true", help="the patient neighbour's attacks")
     p.add_argument("--price-only", action="store_true", help="with --patient: Eq. 8 only")
     p.add_argument("--window", type=int, default=32, help="with --patient: steps pooled")
-    p.add_argument("--public", default="../shared/data/tinyshakespeare.txt",
-                   help="with --patient: the attacker's public text (bigrams)")
+    p.add_argument(
+        "--public",
+        default="../shared/data/tinyshakespeare.txt",
+        help="with --patient: the attacker's public text (bigrams)",
+    )
     p.add_argument("--cluster-sweep", default="16,32,48,64,96", help="with --patient: k values")
     p.add_argument("--decipher-sweep", default="48,64,96", help="with --patient: k values")
     p.add_argument("--figure", default=None, help="with --patient --merge: the front's PNG")

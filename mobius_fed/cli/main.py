@@ -232,7 +232,11 @@ def _add_prepare_parser(sub) -> None:
         help="tokens per shard (default: %(default)s)",
     )
     p.add_argument(
-        "--workers", type=int, default=1, help="tokenizer processes (default: %(default)s)"
+        "--workers",
+        type=int,
+        default=1,
+        help="tokenizer threads (tiktoken encodings) or processes (tokenizer.json)"
+        " (default: %(default)s)",
     )
     p.add_argument(
         "--text-field", default="text", help="JSON/Parquet/Arrow field (default: %(default)s)"

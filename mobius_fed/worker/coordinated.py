@@ -141,7 +141,7 @@ class WorkerNode:
             while True:
                 spec = register(self.stub, self.cfg, rejoin=rejoin)
                 if spec.crl and not self.cfg.insecure:
-                    apply_crl(spec.crl, self.cfg.tls(), "the coordinator")  # type: ignore[arg-type]
+                    apply_crl(spec.crl, self.cfg.node_tls(), "the coordinator")
                 self.run_key = spec.tunnel_key  # new with every coordinator process
                 self.generation += 1
                 if self.generation == 1:  # from now on the coordinator expects heartbeats
@@ -202,7 +202,7 @@ class WorkerNode:
         """A heartbeat's answer: end the session to rejoin, or because the run ended. A
         ``rejoin`` sent before this worker registered again is stale and ignored."""
         if reply.crl and not self.cfg.insecure:  # the coordinator's revocation list
-            apply_crl(reply.crl, self.cfg.tls(), "the coordinator")  # type: ignore[arg-type]
+            apply_crl(reply.crl, self.cfg.node_tls(), "the coordinator")
         end = self._session_end
         if end is None:
             return
