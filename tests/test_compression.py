@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -236,6 +237,11 @@ def test_width_law_pairs_fits_and_judges_the_targets(tmp_path: Path):
     assert mid == pytest.approx(0.05) and lo <= mid <= hi
     with pytest.raises(ValueError, match="≥ 2 widths"):
         bench.power_law([(96, 0.4)])
+    # Δ ≤ 0 somewhere (better than fp32): no power law, Δ = a + b·ln d instead
+    line = bench.log_linear([(48, -0.04), (96, 0.0), (192, 0.04)])
+    assert line["b"] == pytest.approx(0.04 / math.log(2)) and line["se"] == pytest.approx(0)
+    assert line["width_for"](0.02) == pytest.approx(96 * 2**0.5)
+    assert bench.ratio_class(33.8) == "~40×" and bench.ratio_class(107.8) == "≥100×"
     rows = []
     for preset, base, delta in (("width-48", 2.0, 0.8), ("width-96", 1.8, 0.4)):
         for seed, wiggle in ((0, 0.0), (1, 0.01), (2, -0.01)):
@@ -252,17 +258,17 @@ def test_width_law_pairs_fits_and_judges_the_targets(tmp_path: Path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = bench.width_law([str(path)], str(tmp_path / "law.png"))
-    assert "| tokens, full, k=d/8; fwd=int8,bwd=int4,rounding=stochastic | 96 | 10 |" in text
+    assert "| tokens, full, ~40×; fwd=int8,bwd=int4,rounding=stochastic | 96 | d/8 | 10 |" in text
     assert "+0.400 ± 0.025 | 3 |" in text  # t(2) · s/√3 with s = 0.01
-    learned = "| tokens, full, k=d/8, learned U (lr 0.01); fwd=int8,bwd=int4,rounding=stochastic"
-    assert f"{learned} | 96 | 10 |" in text and "+0.500 | 1 |" in text
+    learned = "| tokens, full, ~40×, learned U (lr 0.01); fwd=int8,bwd=int4,rounding=stochastic"
+    assert f"{learned} | 96 | d/8 | 10 |" in text and "+0.500 | 1 |" in text
     assert bench.parse_subspace("rank=12,mode=tokens,learn=on,lr=0.02,schedule=constant") == {
         "rank": 12, "mode": "tokens", "learn": True, "lr": 0.02, "schedule": "constant"
     }  # fmt: skip
     with pytest.raises(ValueError, match="learn must be on or off"):
         bench.parse_subspace("rank=12,learn=yes")
     assert "Δ ≈ " in text and "d^−1.000" in text
-    assert "target ≥ 32× at |Δ| ≤ 0.02: MISSED by 0.380" in text
+    assert "target ≥ 32× at Δ ≤ 0.02: MISSED by 0.380" in text
     assert "the fit reaches 0.02 at d ≈ 1920" in text
     assert "moonshot ≥ 100×: no arm at that ratio measured at d = 96" in text
     assert (tmp_path / "law.png").stat().st_size > 1000
