@@ -122,6 +122,7 @@ def expand_inputs(paths: list[Path]) -> list[Path]:
 
 def _open_binary(path: Path, comp: str) -> IO[bytes]:
     if comp == "gz":
+        # Ignored: typeshed types gzip.open(…, "rb") as GzipFile, a binary IO all the same.
         return gzip.open(path, "rb")  # type: ignore[return-value]
     if comp == "zst":
         try:
@@ -224,10 +225,12 @@ def _rows(
 ) -> Iterator[Unit]:
     row = 0
     for batch in batches:
+        # Ignored: a pyarrow RecordBatch (an optional extra without type information here).
         n = batch.num_rows  # type: ignore[attr-defined]
         if row + n <= start:
             row += n
             continue
+        # Ignored: as above, a pyarrow RecordBatch.
         for value in batch.column(text_field).to_pylist():  # type: ignore[attr-defined]
             if row >= start:
                 if isinstance(value, str):

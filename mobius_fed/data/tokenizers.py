@@ -30,9 +30,14 @@ _TIKTOKEN_TIMEOUT_S = float(os.environ.get("MOBIUS_TIKTOKEN_TIMEOUT", "60"))
 class Tokenizer(Protocol):
     """What prepare, export and generation need of a tokenizer."""
 
-    name: str
-    eot_token: int
-    n_vocab: int
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def eot_token(self) -> int: ...
+
+    @property
+    def n_vocab(self) -> int: ...
 
     def encode_ordinary(self, text: str) -> list[int]: ...
 
@@ -127,9 +132,9 @@ def get_encoding(name: str) -> Tokenizer:
     """Return the named encoding; raises DataError for unknown names or unavailable files."""
     check_encoding_name(name)
     if name == "bytes":
-        return _bytes_encoding()  # type: ignore[return-value]
+        return _bytes_encoding()
     if name in TIKTOKEN_VOCAB:
-        return _tiktoken_encoding(name)  # type: ignore[return-value]
+        return _tiktoken_encoding(name)
     path = hf_path(name)
     assert path is not None
     if not path.is_file():

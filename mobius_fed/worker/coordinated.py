@@ -298,9 +298,11 @@ class WorkerNode:
         self.own.move(WorkerState.READY)  # the session is open; the handlers say what is next
         self._session_end = end
         threading.Thread(
-            target=self._read_session, args=(responses, instructions, end), daemon=True,
+            target=self._read_session,
+            args=(responses, instructions, end),
+            daemon=True,
             name="session",
-        ).start()  # fmt: skip
+        ).start()
         try:
             while (data := instructions.get()) is not None:
                 msg = message_from_bytes(data)
