@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_WIRES = (
@@ -427,15 +428,13 @@ def paired_stats(deltas: list[float]) -> tuple[float, float | None]:
     return mean, T975.get(n - 1, 1.96) * sd / n**0.5
 
 
-def power_law(points: list[tuple[float, float]]) -> dict:
-    """Least squares of log Δ = log a − β log d over (d, Δ > 0) points: a, β, and the
-    residual standard error of log Δ (None with two points: the line passes through
-    both). ``predict(d)`` gives Δ and its 95 % interval for a new width."""
-    xs = [math.log(d) for d, _ in points]
-    ys = [math.log(v) for _, v in points]
-    n = len(points)
-    if n < 2 or any(v <= 0 for _, v in points):
-        raise ValueError("a power law needs ≥ 2 widths with Δ > 0")
+def line_fit(
+    xs: list[float], ys: list[float]
+) -> tuple[float, float, float | None, Callable[[float], tuple[float, float | None]]]:
+    """Least squares y = icpt + slope·x: icpt, slope, the residual standard error (None with
+    two points: the line passes through both), and ``band(x)``: the fitted y and the
+    half-width of its 95 % prediction interval (None without a residual error)."""
+    n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
@@ -444,12 +443,30 @@ def power_law(points: list[tuple[float, float]]) -> dict:
     if n > 2:
         se = (sum((y - icpt - slope * x) ** 2 for x, y in zip(xs, ys)) / (n - 2)) ** 0.5
 
-    def predict(d: float) -> tuple[float, tuple[float, float] | None]:
-        x = math.log(d)
-        mid = icpt + slope * x
+    def band(x: float) -> tuple[float, float | None]:
         if se is None:
+            return icpt + slope * x, None
+        return icpt + slope * x, T975.get(n - 2, 1.96) * se * (
+            1 + 1 / n + (x - mx) ** 2 / sxx
+        ) ** 0.5
+
+    return icpt, slope, se, band
+
+
+def power_law(points: list[tuple[float, float]]) -> dict:
+    """Least squares of log Δ = log a − β log d over (d, Δ > 0) points: a, β, and the
+    residual standard error of log Δ (None with two points). ``predict(d)`` gives Δ and
+    its 95 % interval for a new width."""
+    if len(points) < 2 or any(v <= 0 for _, v in points):
+        raise ValueError("a power law needs ≥ 2 widths with Δ > 0")
+    icpt, slope, se, band = line_fit(
+        [math.log(d) for d, _ in points], [math.log(v) for _, v in points]
+    )
+
+    def predict(d: float) -> tuple[float, tuple[float, float] | None]:
+        mid, half = band(math.log(d))
+        if half is None:
             return math.exp(mid), None
-        half = T975.get(n - 2, 1.96) * se * (1 + 1 / n + (x - mx) ** 2 / sxx) ** 0.5
         return math.exp(mid), (math.exp(mid - half), math.exp(mid + half))
 
     def width_for(delta: float) -> float:
@@ -471,22 +488,11 @@ def log_linear(points: list[tuple[float, float]]) -> dict:
     """Least squares of Δ = a + b·ln d, the fallback where some Δ ≤ 0 (better than fp32)
     leaves no power law: a, b, the residual standard error, ``predict`` with a 95 %
     prediction interval, and ``width_for(Δ)``, where the line crosses Δ (inf if never)."""
-    xs, ys, n = [math.log(d) for d, _ in points], [v for _, v in points], len(points)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    a = my - b * mx
-    se = None
-    if n > 2:
-        se = (sum((y - a - b * x) ** 2 for x, y in zip(xs, ys)) / (n - 2)) ** 0.5
+    a, b, se, band = line_fit([math.log(d) for d, _ in points], [v for _, v in points])
 
     def predict(d: float) -> tuple[float, tuple[float, float] | None]:
-        x = math.log(d)
-        mid = a + b * x
-        if se is None:
-            return mid, None
-        half = T975.get(n - 2, 1.96) * se * (1 + 1 / n + (x - mx) ** 2 / sxx) ** 0.5
-        return mid, (mid - half, mid + half)
+        mid, half = band(math.log(d))
+        return mid, None if half is None else (mid - half, mid + half)
 
     def width_for(delta: float) -> float:
         return math.inf if b == 0 else math.exp((delta - a) / b)
@@ -501,13 +507,15 @@ def _fit_line(fit: dict, law: str) -> str:
         band = "" if iv is None else f" [{iv[0]:+.3f}, {iv[1]:+.3f}]"
         preds.append(f"d={d}: {mid:+.3f}{band}")
     se = "" if fit["se"] is None else f", residual s.e. {fit['se']:.3f}"
-    return (
-        law.format(**fit)
-        + se
-        + "; "
-        + "; ".join(preds)
-        + f"; Δ = {TARGET_DELTA} at d ≈ {fit['width_for'](TARGET_DELTA):.0f}\n"
-    )
+    return law.format(**fit) + se + "; " + "; ".join(preds) + f"; {_crossing(fit)}\n"
+
+
+def _crossing(fit: dict) -> str:
+    """Where the fitted Δ meets the target, and from which side."""
+    at = fit["width_for"](TARGET_DELTA)
+    if fit.get("b", 0) > 0:  # a line in ln d that rises: the target is met only below it
+        return f"Δ grows with d: above {TARGET_DELTA} from d ≈ {at:.0f}"
+    return f"Δ = {TARGET_DELTA} at d ≈ {at:.0f}"
 
 
 def width_law(paths: list[str], figure: str | None = None) -> str:
@@ -609,8 +617,7 @@ def targets(cells: dict, fits: dict) -> str:
         if not met and scheme in fits and len({d for d, _ in fits[scheme]}) >= 2:
             pts = fits[scheme]
             fit = log_linear(pts) if any(v <= 0 for _, v in pts) else power_law(pts)
-            at = fit["width_for"](TARGET_DELTA)
-            where = f"; the fit reaches {TARGET_DELTA} at d ≈ {at:.0f}"
+            where = f"; fit: {_crossing(fit)}"
         verdict = "MET" if met else f"MISSED by {c['mean'] - TARGET_DELTA:.3f}"
         if met and name == "target" and c["half"] is None:
             verdict = "MET on one seed (no interval: the CI bound is unchecked)"

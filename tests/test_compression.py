@@ -269,6 +269,6 @@ def test_width_law_pairs_fits_and_judges_the_targets(tmp_path: Path):
         bench.parse_subspace("rank=12,learn=yes")
     assert "Δ ≈ " in text and "d^−1.000" in text
     assert "target ≥ 32× at Δ ≤ 0.02: MISSED by 0.380" in text
-    assert "the fit reaches 0.02 at d ≈ 1920" in text
+    assert "fit: Δ = 0.02 at d ≈ 1920" in text
     assert "moonshot ≥ 100×: no arm at that ratio measured at d = 96" in text
     assert (tmp_path / "law.png").stat().st_size > 1000
