@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
-import sys
+import tomllib
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -35,6 +35,8 @@ PROCESS_ENV = {
     "MOBIUS_IMAGE": "docker compose only: the image every service runs",
     "MOBIUS_ALLOW_READABLE_KEY": "1: only warn about a private key its group or others can "
     "read (--allow-readable-key); default: refuse to start (docs/keys.md)",
+    "MOBIUS_WARM_START": "1: `up` and the test suite fork `python -m mobius_fed…` children "
+    "from a server that has imported torch (ops/warmstart.py); default: fresh interpreters",
     "MOBIUS_TRACKER": "also log metrics to tensorboard, mlflow or wandb (--tracker; an "
     "optional extra each); default none",
     # Former ring-link variables: a worker with one set refuses to start, naming the new one
@@ -189,10 +191,6 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- sources
 def read_toml(path: Path) -> dict[str, Any]:
     """Read a TOML file, with a clear error for a missing or malformed file."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:
-        import tomli as tomllib
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")

@@ -29,7 +29,7 @@ def sign_leaf(
     ca_cert = x509.load_pem_x509_certificate((certs / "ca.crt").read_bytes())
     ca_key = serialization.load_pem_private_key((certs / "ca.key").read_bytes(), None)
     key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))

@@ -19,12 +19,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TEST_THREADS = "1"
 
+WARM_START = os.environ.get("MOBIUS_WARM_START", "1")  # `=0`: every child a fresh interpreter
 for _name in [n for n in os.environ if n.startswith("MOBIUS_")]:
     del os.environ[_name]
 os.environ.update(
     OMP_NUM_THREADS=TEST_THREADS,
     MKL_NUM_THREADS=TEST_THREADS,
     MOBIUS_THREADS=TEST_THREADS,
+    MOBIUS_WARM_START=WARM_START,
     PYTHONPATH=os.pathsep.join(
         [str(REPO), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
     ),

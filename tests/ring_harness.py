@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.ops.federation import free_ports
+from mobius_fed.ops.warmstart import ChildProcess, spawn
 from mobius_fed.transport.certs import init_certs
 
 WORKER = [sys.executable, "-m", "mobius_fed.cli.worker"]
@@ -30,7 +30,7 @@ class Ring:
     P: int
     train: dict
     ports: list[int] = field(default_factory=list)
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[ChildProcess] = field(default_factory=list)
     dial: dict[int, int] = field(default_factory=dict)  # worker i dials this successor port
 
     @property
@@ -98,15 +98,9 @@ class Ring:
     ) -> Ring:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         for i in range(self.P) if only is None else only:
-            log = open(self.root / f"worker-{i}.log", "w")  # noqa: SIM115
-            self.procs.append(
-                subprocess.Popen(
-                    self.worker_cmd(i, (extra or {}).get(i, [])),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                )
-            )
+            log = self.root / f"worker-{i}.log"
+            log.write_bytes(b"")
+            self.procs.append(spawn(self.worker_cmd(i, (extra or {}).get(i, [])), log, env))
         return self
 
     def wait(self, timeout: float = 240) -> None:

@@ -882,9 +882,7 @@ def test_dependencies_are_declared_exactly_as_imported() -> None:
     assert {"pyarrow"} <= {
         _requirement_name(r) for r in project["optional-dependencies"]["parquet"]
     }
-    assert any(
-        r.startswith("tomli") and "python_version < '3.11'" in r for r in project["dependencies"]
-    )
+    assert not any(r.startswith("tomli") for r in project["dependencies"])  # tomllib (3.11)
     assert "urls" in project
 
 

@@ -147,7 +147,7 @@ def test_signed_bundles_pass_a_real_mtls_handshake(tmp_path: Path, ca: Path, ser
     w1 = _site(tmp_path, "worker-1", ca)
     w2 = _site(tmp_path, "worker-2", ca, hosts=["w2.example.org"])
     coord = _site(tmp_path, "coordinator", ca)
-    assert check_bundle("worker-2", w2).not_valid_after_utc > dt.datetime.now(dt.timezone.utc)
+    assert check_bundle("worker-2", w2).not_valid_after_utc > dt.datetime.now(dt.UTC)
     assert check_node_secrets(coord, role="coordinator") == "mobius://coordinator"
     # the admin saw public files only: no private key but the CA's and its own operator's
     admin = _private_bytes(ca)
@@ -340,7 +340,7 @@ def test_an_expired_certificate_is_refused(tmp_path: Path, ca: Path) -> None:
     w1 = _site(tmp_path, "worker-1", ca)
     ca_key, ca_cert = load_ca(ca / "ca.crt", ca / "ca.key")
     key = serialization.load_pem_private_key(w1.key.read_bytes(), None)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     old = leaf_certificate(
         key.public_key(),
         "worker-1",
@@ -404,7 +404,7 @@ def test_the_worker_daemon_refuses_an_expired_certificate_at_startup(
     w1 = _site(tmp_path, "worker-1", ca)
     ca_key, ca_cert = load_ca(ca / "ca.crt", ca / "ca.key")
     key = serialization.load_pem_private_key(w1.key.read_bytes(), None)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     old = leaf_certificate(
         key.public_key(),
         "worker-1",
@@ -472,7 +472,7 @@ def test_a_certificate_from_the_sites_own_ca(tmp_path: Path, ca: Path, serve) ->
     # the same rule: a site certificate with two mobius:// identities is refused
     ca_key, ca_cert = load_ca(site_ca / "ca.crt", site_ca / "ca.key")
     key = serialization.load_pem_private_key(w1.key.read_bytes(), None)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     sans = [*node_sans("worker-1", ()), _uri("mobius://coordinator")]
     two = leaf_certificate(
         key.public_key(), "worker-1", sans, ca_key, ca_cert, now, now + dt.timedelta(days=1)

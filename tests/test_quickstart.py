@@ -91,7 +91,9 @@ def test_quickstart_commands_return_in_a_script(tmp_path: Path) -> None:
     checkout.mkdir()
     _copy_checkout(checkout)
     venv.EnvBuilder(with_pip=True, system_site_packages=True).create(env_dir)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    # as a newcomer's shell: no PYTHONPATH, and `up` starts each child as a fresh interpreter
+    drop = ("PYTHONPATH", "PYTHONHOME", "MOBIUS_WARM_START")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(
         VIRTUAL_ENV=str(env_dir),
         PATH=f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}",

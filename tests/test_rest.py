@@ -55,7 +55,7 @@ def stranger(certs: CertLayout, tmp_path_factory: pytest.TempPathFactory) -> Nod
     ca_key = serialization.load_pem_private_key(certs.ca_key.read_bytes(), None)
     ca_cert = x509.load_pem_x509_certificate(certs.ca_cert.read_bytes())
     key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "stranger")]))

@@ -27,7 +27,9 @@ from mobius_fed.ops.federation import LocalFederation
 # Two workers, the smallest model, one torch thread each: the 2 cores are shared.
 TINY = dict(workers=2, preset="cpu-tiny", batch_size=2, optimizer="adamw", eval_every=0)
 STOP_WITHIN = 2.0
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# `up` as users run it: each child a fresh interpreter under up's parent guard, found by its
+# command line among up's own children (not forked from a warm-start server)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MOBIUS_WARM_START": "0"}
 
 
 # --------------------------------------------------------------------------- flags (no processes)

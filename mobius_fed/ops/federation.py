@@ -26,9 +26,10 @@ import grpc
 from mobius_fed.coordinator.endpoints import write_endpoints
 from mobius_fed.coordinator.rest_client import get_status, rest_get
 from mobius_fed.machines import ENDED_PHASES as ENDED
-from mobius_fed.ops import OpsError
+from mobius_fed.ops import OpsError, warmstart
 from mobius_fed.ops.local import default_threads, prepared_dir, site_dirs, split_sites
 from mobius_fed.ops.supervisor import Child, ProcessTable
+from mobius_fed.ops.warmstart import ChildProcess, WarmProcess
 from mobius_fed.transport.tls import NodeTLS
 
 if TYPE_CHECKING:  # torch loads only when a federation is made, not at import
@@ -117,7 +118,7 @@ class LocalFederation:
         self._last: dict[str, Any] | None = None
 
     @property
-    def procs(self) -> dict[str, subprocess.Popen]:
+    def procs(self) -> dict[str, ChildProcess]:
         """Every child's current process."""
         return {n: c.popen for n, c in self._table.children.items() if c.popen is not None}
 
@@ -285,7 +286,11 @@ class LocalFederation:
     def _spawn(self, name: str, cmd: list[str]) -> None:
         self._table.start(name, cmd)
 
-    def _popen(self, child: Child, log: BinaryIO) -> subprocess.Popen:
+    def _popen(self, child: Child, log: BinaryIO) -> ChildProcess:
+        if warmstart.enabled(self._env) and warmstart.can_start(child.argv):
+            # forked from the fork server, which exits with this process; the child dies
+            # with the fork server as a guarded one dies with this process
+            return WarmProcess(child.argv, log.name, self._env, start_new_session=True)
         return subprocess.Popen(
             _guarded(child.argv),
             stdout=log,

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from mobius_fed.ops.warmstart import ChildProcess
+
 
 @dataclass(eq=False)
 class Child:
@@ -24,7 +26,7 @@ class Child:
 
     name: str
     argv: list[str]
-    popen: subprocess.Popen | None = None
+    popen: ChildProcess | None = None
     started_at: float = 0.0
     returncode: int | None = None  # of the last run that ended (None while running)
     restarts: int = 0
@@ -36,7 +38,7 @@ class Child:
         return self.popen is not None and self.popen.poll() is None
 
 
-Spawn = Callable[[Child, BinaryIO], subprocess.Popen]
+Spawn = Callable[[Child, BinaryIO], ChildProcess]
 """Start ``child.argv`` (in a session of its own) writing to the open log file."""
 Policy = Callable[[Child], float | None]
 """For a child that just exited: seconds until it restarts, or None: it stays down."""
@@ -79,7 +81,7 @@ class ProcessTable:
                 if now >= c.restart_at:
                     self.start(c.name)
 
-    def send(self, sig: int, group: bool = False) -> list[subprocess.Popen]:
+    def send(self, sig: int, group: bool = False) -> list[ChildProcess]:
         """Send ``sig`` to every running child (``group``: to its process group); cancel
         pending restarts. Returns every child's process."""
         with self.lock:
@@ -108,4 +110,4 @@ class ProcessTable:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        return {n: c.popen.returncode for n, c in self.children.items() if c.popen is not None}
+        return {n: c.popen.wait() for n, c in self.children.items() if c.popen is not None}

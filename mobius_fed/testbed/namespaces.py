@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from mobius_fed.ops.warmstart import ChildProcess
 from mobius_fed.testbed.compose import ComposeProject, Service
 
 log = logging.getLogger("mobius_fed.testbed")
@@ -105,7 +106,7 @@ def kill_netns_processes(namespaces: Sequence[str], grace: float = 5.0) -> None:
             sig = signal.SIGKILL
 
 
-def kill_process_groups(popens: Sequence[subprocess.Popen[bytes]]) -> None:
+def kill_process_groups(popens: Sequence[ChildProcess]) -> None:
     """SIGKILL each process's group and reap it (waiting up to 5 s each)."""
     for p in popens:
         with contextlib.suppress(ProcessLookupError, PermissionError):

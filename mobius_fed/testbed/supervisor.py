@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from mobius_fed.ops.supervisor import Child, ProcessTable
+from mobius_fed.ops.warmstart import ChildProcess
 from mobius_fed.testbed.compose import ComposeProject, Service
 from mobius_fed.testbed.filesystem import EXEC_LINE
 from mobius_fed.testbed.namespaces import TestbedError, lookup_service
@@ -318,7 +319,7 @@ class Supervisor:
         return self._state(service).running
 
     # ------------------------------------------------------------------ teardown
-    def stop(self) -> list[subprocess.Popen[bytes]]:
+    def stop(self) -> list[ChildProcess]:
         """Stop restarting, SIGTERM every service's process group; returns their processes."""
         self._stopping.set()
         if self._monitor is not None and self._monitor is not threading.current_thread():

@@ -370,7 +370,7 @@ def fresh_dir(out: Path, overwrite: bool, what: str) -> Path:
 
 def validity(days: int) -> tuple[dt.datetime, dt.datetime]:
     """(not before, not after): from five minutes ago (clock skew) for ``days`` days."""
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     return now - dt.timedelta(minutes=5), now + dt.timedelta(days=days)
 
 

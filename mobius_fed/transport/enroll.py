@@ -337,7 +337,7 @@ def sign_request(
         hosts = check_request(csr, node, ca_dir, wildcards=wildcards)
     except EnrollError as exc:
         raise EnrollError(f"{csr_path}: {exc}") from None
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     if ca_cert.not_valid_after_utc <= now:
         raise EnrollError(f"the CA certificate {ca_dir / CA_FILE} expired: make a new CA")
     not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)

@@ -91,7 +91,7 @@ def revoke(ca_dir: Path, targets: Iterable[str], *, days: int = CRL_DAYS) -> dic
     added: dict[int, str] = {}
     for t in targets:
         added.update(serials_of(ca_dir, t))
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     entries: dict[int, dt.datetime] = {}
     path = ca_dir / CRL_FILE
     if path.is_file():

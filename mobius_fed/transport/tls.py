@@ -615,7 +615,7 @@ def check_node_secrets(
         raise SecretsError(f"certificate {tls.cert}: {exc}") from None
     _check_role(identity, role, tls)
     _check_identity_name(identity, b.cert, tls)
-    now = now or dt.datetime.now(dt.timezone.utc)
+    now = now or dt.datetime.now(dt.UTC)
     for ca in cas:
         _check_validity(ca, "CA certificate", Path(tls.ca), now)
     _check_validity(cert, "certificate", Path(tls.cert), now)
