@@ -1,6 +1,6 @@
 """What warm starts save: ``mobius-fed up`` with every daemon a fresh interpreter against
 the same run with ``MOBIUS_WARM_START=1`` (daemons forked from a server that imported torch
-once, mobius_fed/ops/warmstart.py).
+once, mobius_fed/warmstart.py).
 
 Each round runs both, in alternating order, as real ``mobius-fed up`` processes (a
 coordinator and P workers, cpu-tiny, a few steps). Printed per mode: the wall seconds of the

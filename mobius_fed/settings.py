@@ -36,7 +36,7 @@ PROCESS_ENV = {
     "MOBIUS_ALLOW_READABLE_KEY": "1: only warn about a private key its group or others can "
     "read (--allow-readable-key); default: refuse to start (docs/keys.md)",
     "MOBIUS_WARM_START": "1: `up` and the test suite fork `python -m mobius_fed…` children "
-    "from a server that has imported torch (ops/warmstart.py); default: fresh interpreters",
+    "from a server that has imported torch (mobius_fed/warmstart.py); default: fresh interpreters",
     "MOBIUS_TRACKER": "also log metrics to tensorboard, mlflow or wandb (--tracker; an "
     "optional extra each); default none",
     # Former ring-link variables: a worker with one set refuses to start, naming the new one

@@ -1,4 +1,4 @@
-"""Warm starts (mobius_fed/ops/warmstart.py): a child forked from the fork server behaves as
+"""Warm starts (mobius_fed/warmstart.py): a child forked from the fork server behaves as
 the fresh ``python -m`` it replaces: its own pid and session, its environment, working
 directory, arguments and output file, its exit status (a signal's too), and it dies with
 the process that started it."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mobius_fed.ops.warmstart import WarmProcess, can_start, enabled, spawn
+from mobius_fed.warmstart import WarmProcess, can_start, enabled, spawn
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = [sys.executable, "-m", "tests.warm_child"]
@@ -106,7 +106,7 @@ def test_a_warm_child_dies_with_the_process_that_started_it(tmp_path: Path) -> N
             sys.executable,
             "-c",
             "import sys, time\n"
-            "from mobius_fed.ops.warmstart import WarmProcess\n"
+            "from mobius_fed.warmstart import WarmProcess\n"
             f"p = WarmProcess({[*CHILD, 'sleep']!r}, {str(log)!r}, cwd={str(REPO)!r})\n"
             "print(p.pid, flush=True)\n"
             "time.sleep(600)\n",

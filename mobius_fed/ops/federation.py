@@ -23,14 +23,15 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import grpc
 
+from mobius_fed import warmstart
 from mobius_fed.coordinator.endpoints import write_endpoints
 from mobius_fed.coordinator.rest_client import get_status, rest_get
 from mobius_fed.machines import ENDED_PHASES as ENDED
-from mobius_fed.ops import OpsError, warmstart
+from mobius_fed.ops import OpsError
 from mobius_fed.ops.local import default_threads, prepared_dir, site_dirs, split_sites
 from mobius_fed.ops.supervisor import Child, ProcessTable
-from mobius_fed.ops.warmstart import ChildProcess, WarmProcess
 from mobius_fed.transport.tls import NodeTLS
+from mobius_fed.warmstart import ChildProcess, WarmProcess
 
 if TYPE_CHECKING:  # torch loads only when a federation is made, not at import
     from mobius_fed.config import TrainConfig

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from mobius_fed.ops.warmstart import ChildProcess
+from mobius_fed.warmstart import ChildProcess
 
 
 @dataclass(eq=False)

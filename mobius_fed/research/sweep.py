@@ -12,7 +12,6 @@ import itertools
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ from typing import Any
 from mobius_fed.config import TrainConfig
 from mobius_fed.research.cell import CELL, RESULT, read_result, write_json
 from mobius_fed.schedule import ORDERS
+from mobius_fed.warmstart import ChildProcess, spawn
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def run_cells(
         raise ValueError(f"sweep: thread budget must be ≥ 1, got {parallel}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     pending = list(dirs)
-    running: dict[subprocess.Popen, tuple[Path, float]] = {}
+    running: dict[ChildProcess, tuple[Path, float]] = {}
     failed: list[Path] = []
     with _stop_on_sigterm():
         try:
@@ -154,14 +154,8 @@ def run_cells(
                     d = pending.pop(0)
                     if read_result(d) is not None:  # finished meanwhile (by another sweep)
                         continue
-                    log = (d / "cell.log").open("ab")
-                    proc = subprocess.Popen(
-                        [sys.executable, "-m", "mobius_fed.research.cell", str(d)],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                    )
-                    log.close()
+                    cell = [sys.executable, "-m", "mobius_fed.research.cell", str(d)]
+                    proc = spawn(cell, d / "cell.log", env)  # warm with MOBIUS_WARM_START=1
                     running[proc] = (d, time.perf_counter())
                 time.sleep(0.2)
                 for proc in [p for p in running if p.poll() is not None]:

@@ -15,8 +15,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from mobius_fed.ops.warmstart import ChildProcess
 from mobius_fed.testbed.compose import ComposeProject, Service
+from mobius_fed.warmstart import ChildProcess
 
 log = logging.getLogger("mobius_fed.testbed")
 

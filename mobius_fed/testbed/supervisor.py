@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from mobius_fed.ops.supervisor import Child, ProcessTable
-from mobius_fed.ops.warmstart import ChildProcess
 from mobius_fed.testbed.compose import ComposeProject, Service
 from mobius_fed.testbed.filesystem import EXEC_LINE
 from mobius_fed.testbed.namespaces import TestbedError, lookup_service
+from mobius_fed.warmstart import ChildProcess
 
 
 def _in_wrapper(pid: int) -> bool:
