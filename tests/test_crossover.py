@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -159,7 +160,8 @@ def test_sigterm_stops_a_sweep_and_its_cells(tmp_path: Path) -> None:
     cmd += ["--workers", "2", "--loops", "1", "--orders", "cyclic", "--seed-list", "0"]
     cmd += ["--steps", "100000", "--batch-size", "2", "--eval-every", "0", "--threads", "1"]
     cmd += ["--data", str(sites[0].parent), "--out", str(out)]
-    sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cold = {**os.environ, "MOBIUS_WARM_START": "0"}  # the cell is the sweep's own child
+    sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=cold)
     metrics = out / "cells" / "P2-L1-cyclic-s0" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and metrics.stat().st_size) and time.monotonic() < deadline:
