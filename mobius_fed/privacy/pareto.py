@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from mobius_fed.plotting import pyplot
+
 R = TypeVar("R")
 
 TODAY = ("none", "block", "mlp", "clipped σ=4", "block + noise σ=1")
@@ -130,12 +132,8 @@ def table(runs: Sequence[SettingRun]) -> str:
 
 def figure(runs: Sequence[SettingRun], path: Path, preset: str) -> Path | None:
     """Cost (Δ Eq. 8 at ``preset``) against the worst margin over attacks and stages."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - optional
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for row in front(runs):

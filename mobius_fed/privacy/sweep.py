@@ -10,7 +10,7 @@ from typing import Any
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
-from mobius_fed.plotting import save_figure
+from mobius_fed.plotting import pyplot, save_figure
 from mobius_fed.privacy.audit import DERIVED, Audit, AuditReport, InputAttack, TargetAttack
 
 # (label, order, privacy overrides); noise_key_dir is filled in by the caller. In ordered
@@ -167,12 +167,8 @@ def write_outputs(rows: Sequence[tuple[str, AuditReport]], out: Path) -> list[Pa
 def plot(rows: Sequence[tuple[str, AuditReport]], path: Path) -> Path | None:
     """Two panels against Eq. 8 loss: target recovery (rows without input noise) and
     first-hop exact-token inversion (rows without label noise). None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     label_rows = [
