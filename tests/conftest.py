@@ -63,6 +63,11 @@ GROUPS = {
 # here runs all the same.
 LONGEST_FIRST = (
     "test_quickstart.py::test_quickstart_commands_return_in_a_script",
+    "test_cli.py::test_status_follows_up_from_start_to_kill",
+    "test_chaos.py::",
+    "test_coordinator.py::test_worker_that_never_comes_back",
+    "test_crossover.py::test_sigterm_stops_a_sweep_and_its_cells",
+    "test_signals.py::test_up_",
     "test_ring.py::test_ring_equals_reference[4-",
     "test_ring.py::test_ring_equals_reference[3-cyclic",
     "test_ring.py::test_ring_with_muon",
@@ -72,8 +77,6 @@ LONGEST_FIRST = (
     "test_tracking.py::test_wandb_offline",
     "test_ring.py::",
     "test_recovery.py::",
-    "test_signals.py::test_up_",
-    "test_chaos.py::",
 )
 
 
