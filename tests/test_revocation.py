@@ -190,11 +190,13 @@ def test_a_live_ring_refuses_a_revoked_worker_and_heals(tmp_path: Path) -> None:
     again with its renewed bundle, and the run ends with the undisturbed run's losses."""
     from tests.test_recovery import federation, finish, wait_for_step
 
-    fed = federation(tmp_path, steps=12).prepare().start()
+    # long enough that the run is still training when the revocation lands (warm-started
+    # daemons reach step 3 and finish 12 steps within the list's poll interval)
+    fed = federation(tmp_path, steps=40).prepare().start()
     old = NodeTLS(*(tmp_path / "old" / f for f in ("ca.crt", "tls.crt", "tls.key")))
     shutil.copytree(fed.bundle("worker-2").cert.parent, old.cert.parent)
     try:
-        doc = wait_for_step(fed, 3)
+        doc = wait_for_step(fed, 2)
         w3 = doc["workers"][3]["address"]
         renew_node(fed.certs, "worker-2")
         revoke(fed.certs, [str(_serial(old))])
