@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import ssl
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,7 +25,8 @@ from rich.table import Table
 
 from mobius_fed.cli.common import CliError, add_run_flag, run_endpoints
 from mobius_fed.coordinator.endpoints import Endpoints
-from mobius_fed.coordinator.rest_client import COORDINATOR_NAME, get_status
+from mobius_fed.coordinator.rest_client import COORDINATOR_NAME as COORDINATOR_NAME
+from mobius_fed.coordinator.rest_client import get_status
 from mobius_fed.machines import EdgeState as E
 from mobius_fed.machines import IncidentState, Phase
 from mobius_fed.machines import WorkerState as W
@@ -274,28 +274,15 @@ def fetch_rest_status(url: str, certs: Path, timeout: float) -> dict[str, Any]:
     """``GET /v1/status`` over mutual TLS (operator cert), or plain local-mode HTTP."""
     import httpx
 
-    from mobius_fed.coordinator.rest_client import RestClientError, is_loopback, operator_context
+    from mobius_fed.coordinator.rest_client import RestClientError, base_url, client_options
 
-    parts = urlsplit(url if "://" in url else f"https://{url}")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise CliError(f"--rest: not an http(s) URL: {url!r}")
-    base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+    try:
+        scheme, _, base = base_url(url)
+        verify, extensions = client_options(url, operator_tls(certs) if scheme == "https" else None)
+    except RestClientError as exc:
+        raise CliError(f"--rest: {exc}") from None
+    base += urlsplit(url if "://" in url else f"https://{url}").path.rstrip("/")
     target = base if base.endswith("/v1/status") else f"{base}/v1/status"
-    extensions: dict[str, Any] = {}
-    if parts.scheme == "http":
-        if not is_loopback(parts.hostname):
-            raise CliError(
-                f"--rest {url}: plain http is only for a local-mode coordinator on "
-                "127.0.0.1/localhost; use https:// (mutual TLS) for anything else"
-            )
-        verify: ssl.SSLContext | bool = False
-    else:
-        try:
-            verify = operator_context(operator_tls(certs))
-        except RestClientError as exc:
-            raise CliError(str(exc)) from None
-        # Verify the server as "coordinator" whatever name or IP we dialled (as gRPC does).
-        extensions["sni_hostname"] = COORDINATOR_NAME
     try:
         with httpx.Client(verify=verify, timeout=timeout) as client:
             resp = client.get(target, extensions=extensions)
