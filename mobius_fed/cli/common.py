@@ -185,14 +185,17 @@ def threads_value(text: str) -> int:
     return n
 
 
-def add_threads_flag(parser: argparse.ArgumentParser, default_help: str = "all cores") -> None:
+def add_threads_flag(
+    parser: argparse.ArgumentParser,
+    default_help: str = "all cores",
+    what: str = "per training process",
+) -> None:
     parser.add_argument(
         "--threads",
         type=threads_value,
         default=None,
         metavar="N",
-        help=f"torch intra-op threads per training process (default: {default_help}; "
-        "env MOBIUS_THREADS)",
+        help=f"torch intra-op threads {what} (default: {default_help}; env MOBIUS_THREADS)",
     )
 
 

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mobius_fed.cli.common import CliError, apply_threads, console, threads_value
+from mobius_fed.cli.common import CliError, add_threads_flag, apply_threads, console
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--top-k", type=int, default=50, help="0: no cut (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="same seed, same text (default: 0)")
     g.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    _add_threads_flag(g, "generation")
+    add_threads_flag(g, "every core it may use", "generation runs on, in this process")
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="loss and perplexity of an exported model on a text file")
@@ -57,20 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--data", type=Path, required=True, help="a UTF-8 text file")
     e.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     e.add_argument("--json", action="store_true", help="print the result as JSON")
-    _add_threads_flag(e, "the evaluation")
+    add_threads_flag(e, "every core it may use", "the evaluation runs on, in this process")
     e.set_defaults(func=cmd_eval)
-
-
-def _add_threads_flag(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--threads`` of ``generate`` / ``eval``: this one process's torch threads."""
-    parser.add_argument(
-        "--threads",
-        type=threads_value,
-        default=None,
-        metavar="N",
-        help=f"torch intra-op threads {what} runs on, in this process (default: every core "
-        "it may use; env MOBIUS_THREADS)",
-    )
 
 
 def cmd_export(args: argparse.Namespace) -> int:
