@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,27 +20,6 @@ from pydantic import BaseModel
 from mobius_fed.settings import Setting, has_type, settings_of, submodel
 
 COMPACT_SUFFIX = "__compact"
-
-
-class BoolFlag(argparse.Action):
-    """``--x`` sets True, ``--no-x`` sets False; absent leaves None."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
-        names = list(option_strings)
-        names += [f"--no-{o[2:]}" for o in option_strings if o.startswith("--")]
-        super().__init__(names, dest, nargs=0, **kwargs)
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: str | Sequence[Any] | None,
-        option_string: str | None = None,
-    ) -> None:
-        setattr(namespace, self.dest, not str(option_string).startswith("--no-"))
-
-    def format_usage(self) -> str:
-        return " | ".join(self.option_strings)
 
 
 def _show(value: Any) -> str:
@@ -110,7 +89,7 @@ def add_settings_flags(
         kwargs: dict[str, Any] = {"dest": s.dest, "default": None, "help": help_text(s)}
         choices = s.choices()
         if has_type(s.annotation, bool) and not choices:
-            kwargs["action"] = BoolFlag
+            kwargs["action"] = argparse.BooleanOptionalAction
         elif choices:
             kwargs["choices"] = choices
         else:
