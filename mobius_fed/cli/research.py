@@ -18,7 +18,6 @@ from mobius_fed.cli.common import (
     apply_threads,
     console,
     resolve_sites,
-    run_guarded,
     step_progress,
     train_config_from_args,
 )
@@ -250,11 +249,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mobius_fed.cli.research …``: these commands without the rest of the CLI."""
-    parser = argparse.ArgumentParser(prog="mobius-fed")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return run_guarded(args.func, args)
+    """``python -m mobius_fed.cli.research …``: ``mobius-fed …``, which loads only the module of
+    the command it runs."""
+    from mobius_fed.cli.main import main as fed_main
+
+    return fed_main(argv)
 
 
 if __name__ == "__main__":
