@@ -160,16 +160,12 @@ class LocalFederation:
         if given is not None:
             site_dirs(given, P)  # OpsError naming a missing site-<i>
             self.sites = given.resolve()
-        elif self.data:
-            missing = [str(f) for f in self.data if not Path(f).exists()]
-            if missing:
-                raise OpsError(f"--data: not found: {', '.join(missing)}")
-            split_sites(self.data, self.sites, P, self.train.encoding)
-        elif (
-            not all((self.sites / f"site-{i}").is_dir() for i in range(P))
+        elif (  # text files (OpsError naming missing ones), or the corpus unless split for P
+            self.data
+            or not all((self.sites / f"site-{i}").is_dir() for i in range(P))
             or (self.sites / f"site-{P}").exists()
         ):
-            split_sites(None, self.sites, P, self.train.encoding)
+            split_sites(self.data, self.sites, P, self.train.encoding)
         self.logs.mkdir(parents=True, exist_ok=True)
         return self
 

@@ -41,8 +41,8 @@ def split_sites(data: Sequence[Path] | None, root: Path, P: int, encoding: str) 
     """Split the text files ``data`` (none: the embedded corpus) into ``root/site-<i>``."""
     from mobius_fed.data import embedded_corpus, prepare_sites
 
-    for f in data or ():
-        if not Path(f).exists():
-            raise OpsError(f"data path not found: {f}")
+    missing = [str(f) for f in data or () if not Path(f).exists()]
+    if missing:
+        raise OpsError(f"data path not found: {', '.join(missing)}")
     text = None if data else embedded_corpus()
     return prepare_sites(data, root, P, encoding, text=text, overwrite=True)
