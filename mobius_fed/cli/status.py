@@ -113,10 +113,6 @@ def _print(doc: dict[str, Any], *, as_json: bool, console: Console) -> None:
         render_status(doc, console)
 
 
-def _running(ep: Endpoints) -> bool:
-    return ep.state != "exited" and ep.alive() is not False
-
-
 def run_status(
     ep: Endpoints, certs: Path | None, timeout: float, as_json: bool, console: Console
 ) -> int:
@@ -125,7 +121,7 @@ def run_status(
     ``timeout`` seconds for an answer); dead or exited, with the last known state from the
     run directory, once ``up`` is gone."""
     deadline = time.monotonic() + timeout
-    while _running(ep):
+    while ep.state != "exited" and ep.alive() is not False:  # up still runs
         try:
             tls_dir = Path(certs or ep.certs_dir)
             remaining = max(0.5, deadline - time.monotonic())
@@ -200,18 +196,15 @@ def _report_not_running(ep: Endpoints, as_json: bool, console: Console) -> int:
         }
         console.print_json(json.dumps(doc, allow_nan=True))
         return EXIT_NOT_RUNNING
+    up = f"its `mobius-fed up` (pid {ep.pid})"
     if state == "dead":
-        console.print(
-            f"run {run}: [bold red]dead[/]: its `mobius-fed up` (pid {ep.pid}) is gone without "
-            "a clean stop (killed?), and its coordinator and workers with it",
-            highlight=False,
+        what = (
+            f"[bold red]dead[/]: {up} is gone without a clean stop (killed?), and its "
+            "coordinator and workers with it"
         )
     else:
-        console.print(
-            f"run {run}: [yellow]exited[/]: its `mobius-fed up` (pid {ep.pid}) has ended; "
-            "nothing serves its status any more",
-            highlight=False,
-        )
+        what = f"[yellow]exited[/]: {up} has ended; nothing serves its status any more"
+    console.print(f"run {run}: {what}", highlight=False)
     if known is None:
         console.print(f"last known state: none recorded in {ep.out_dir}", highlight=False)
     else:
