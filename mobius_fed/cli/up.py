@@ -58,7 +58,13 @@ def claim_out(out: Path, resume: bool | str | None, force: bool) -> None:
     console.print(f"--force: deleted the earlier run's {', '.join(p.name for p in gone)}")
 
 
-def cmd_up(args, train: TrainConfig) -> int:
+def up_main(args: argparse.Namespace) -> int:
+    """``mobius-fed up``: build the train config from TOML/env/flags and run."""
+    from mobius_fed.cli.coordinator import parse_options
+    from mobius_fed.coordinator.recorder import METRICS_FILE
+
+    train = common.train_config_from_args(args)
+    strategy_options = parse_options(args.strategy_option)
     claim_out(Path(args.out), args.resume, getattr(args, "force", False))
     # The handler raises Terminated in this (main) thread; every child then gets the same
     # signal. The hard deadline is only a safety net beyond the children's grace.
@@ -67,7 +73,7 @@ def cmd_up(args, train: TrainConfig) -> int:
         Path(args.out),
         train,
         strategy=args.strategy,
-        strategy_options=dict(args.strategy_options),
+        strategy_options=strategy_options,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume or False,
         threads=threads_from(args, train.P),
@@ -80,7 +86,9 @@ def cmd_up(args, train: TrainConfig) -> int:
     final: dict[str, Any] | None = None
     linger = linger_default(args.linger)
     try:
-        with _tracked(fed, args.tracker):
+        # The run's tracker, in up itself: one tracker across coordinator restarts.
+        metrics, config = fed.coordinator_out / METRICS_FILE, train.model_dump(mode="json")
+        with tracked(args.tracker, metrics, run_name="up", config=config):
             final = _up(fed, args, train)
         _report(final)
         if linger:
@@ -118,14 +126,6 @@ def cmd_up(args, train: TrainConfig) -> int:
     if final["phase"] != Phase.DONE:
         raise CliError(f"run {final['phase']}: {final['error']}")
     return 0
-
-
-def _tracked(fed: LocalFederation, tracker: str | None):
-    """The run's tracker, in ``up`` itself: one tracker across coordinator restarts."""
-    from mobius_fed.coordinator.recorder import METRICS_FILE
-
-    config = fed.train.model_dump(mode="json")
-    return tracked(tracker, fed.coordinator_out / METRICS_FILE, run_name="up", config=config)
 
 
 def _report(final: dict[str, Any]) -> None:
@@ -267,15 +267,6 @@ class _LazyTrainFlagsParser(argparse.ArgumentParser):
     def format_help(self) -> str:
         self._populate()
         return super().format_help()
-
-
-def up_main(args: argparse.Namespace) -> int:
-    """``mobius-fed up``: build the train config from TOML/env/flags and run."""
-    from mobius_fed.cli.coordinator import parse_options
-
-    train = common.train_config_from_args(args)
-    args.strategy_options = parse_options(args.strategy_option)
-    return cmd_up(args, train)
 
 
 def register(sub) -> None:
