@@ -138,24 +138,19 @@ class LocalFederation:
         return {n: c.argv for n, c in self._table.children.items()}
 
     # ---------------------------------------------------------------- setup
-    def nodes(self) -> list[str]:
-        return ["coordinator", *(f"worker-{i}" for i in range(self.train.P))]
-
     def bundle(self, node: str) -> NodeTLS:
         """``certs/nodes/<node>/{ca.crt,tls.crt,tls.key}``: the only files ``node`` gets."""
         d = self.certs / "nodes" / node
         return NodeTLS(d / "ca.crt", d / "tls.crt", d / "tls.key")
 
-    def _certs_complete(self) -> bool:
-        every = [self.operator_tls(), *(self.bundle(n) for n in self.nodes())]
-        return all(p.is_file() for tls in every for p in (tls.ca, tls.cert, tls.key))
-
     def prepare(self) -> LocalFederation:
         from mobius_fed.transport.certs import init_certs
 
         P = self.train.P
-        if not self._certs_complete():  # none yet, or made for fewer workers: all new ones
-            init_certs(self.certs, P, overwrite=True)
+        nodes = ["coordinator", *(f"worker-{i}" for i in range(P))]
+        every = [self.operator_tls(), *(self.bundle(n) for n in nodes)]
+        if not all(p.is_file() for tls in every for p in (tls.ca, tls.cert, tls.key)):
+            init_certs(self.certs, P, overwrite=True)  # none yet, or for fewer workers: all new
         given = prepared_dir(self.data)
         if given is not None:
             site_dirs(given, P)  # OpsError naming a missing site-<i>
