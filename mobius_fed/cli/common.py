@@ -377,10 +377,6 @@ class GracefulStop:
         """Stopping is complete: cancel the hard deadline."""
         self._done.set()
 
-    @property
-    def stopping(self) -> bool:
-        return self.signum is not None
-
     def exit_code(self) -> int:
         if self.signum is None:
             return 0
@@ -395,7 +391,7 @@ class GracefulStop:
         handler blocked in a long wait would otherwise hold up the interpreter's exit).
         After a stop signal the status is :meth:`exit_code`'s, else ``code``."""
         self._done.set()
-        code = self.exit_code() if self.stopping or code is None else code
+        code = self.exit_code() if self.signum is not None or code is None else code
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
