@@ -73,7 +73,8 @@ def add_train_flags(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()
 
 
 def daemon_parser(prog: str, description: str, tables: str) -> argparse.ArgumentParser:
-    """A daemon's parser with ``--version``, ``--config``, ``--log-level``, ``--print-config``."""
+    """A daemon's parser with ``--version``, ``--config``, ``--log-level``, ``--print-config``
+    and ``--allow-readable-key``."""
     p = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -94,6 +95,12 @@ def daemon_parser(prog: str, description: str, tables: str) -> argparse.Argument
         action="store_true",
         help="print the configuration that --config, MOBIUS_* and the flags give (JSON), "
         "and exit without starting",
+    )
+    p.add_argument(
+        "--allow-readable-key",
+        action="store_true",
+        help="only warn about a private key its group or others can read (default: refuse "
+        "to start; env MOBIUS_ALLOW_READABLE_KEY=1; docs/keys.md)",
     )
     return p
 
@@ -404,6 +411,8 @@ def daemon_main(prog: str, parser: argparse.ArgumentParser, run, argv: list[str]
     stop signal arrived, the exit status is the :class:`GracefulStop`'s (0 after a finished
     run, else 128 + signal), whatever the unwinding raised."""
     args = parser.parse_args(argv)
+    if args.allow_readable_key:  # read where the key is checked (transport/tls.py)
+        os.environ["MOBIUS_ALLOW_READABLE_KEY"] = "1"
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from mobius_fed.cli.common import (
@@ -49,12 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="strategy keyword, e.g. server_momentum=0.9; repeatable (default: none; env "
         "MOBIUS_STRATEGY_OPTIONS=KEY=VALUE,...)",
     )
-    own.add_argument(
-        "--allow-readable-key",
-        action="store_true",
-        help="only warn about a private key its group or others can read (default: refuse "
-        "to start; env MOBIUS_ALLOW_READABLE_KEY=1; docs/keys.md)",
-    )
     add_resume_flag(
         own,
         "continue from the newest complete checkpoint manifest; --resume auto: resume when "
@@ -87,8 +80,6 @@ def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
     from mobius_fed.coordinator.server import Coordinator
 
     refuse_unknown()
-    if args.allow_readable_key:  # read where the key is checked (transport/tls.py)
-        os.environ["MOBIUS_ALLOW_READABLE_KEY"] = "1"
     flags = flag_values(args, CoordinatorConfig, flatten=("train",))
     flags["resume"] = args.resume
     if args.strategy_option:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from mobius_fed.cli.common import (
     GracefulStop,
@@ -47,12 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="same as --data-dir (this worker's site directory)",
     )
-    own.add_argument(
-        "--allow-readable-key",
-        action="store_true",
-        help="only warn about a private key its group or others can read (default: refuse "
-        "to start; env MOBIUS_ALLOW_READABLE_KEY=1; docs/keys.md)",
-    )
     add_daemon_train_flags(
         p,
         "training (coordinated: checked against the coordinator's; static: the run's)",
@@ -69,8 +62,6 @@ def run(args: argparse.Namespace, stop: GracefulStop | None = None) -> int:
     from mobius_fed.worker.daemon import run_static_ring
 
     refuse_unknown()
-    if args.allow_readable_key:  # read where the key is checked (transport/tls.py)
-        os.environ["MOBIUS_ALLOW_READABLE_KEY"] = "1"
     flags = flag_values(args, WorkerConfig, flatten=("train",))
     cfg = load_worker_config(config_path(args), flags)
     if args.print_config:
