@@ -29,6 +29,7 @@ from mobius_fed.transport.tls import (
     COORDINATOR_IDENTITY,
     OPERATOR_IDENTITY,
     NodeTLS,
+    certificate_sans,
     identity_name,
     is_reserved_name,
     worker_identity,
@@ -481,10 +482,4 @@ def rotate_ca(root: Path, hosts: Sequence[str] = (), *, days: int = 365) -> Cert
 
 
 def _san_list(cert_path: Path) -> list[x509.GeneralName]:
-    if not cert_path.is_file():
-        return []
-    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-    try:
-        return list(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
-    except x509.ExtensionNotFound:
-        return []
+    return list(certificate_sans(cert_path.read_bytes())) if cert_path.is_file() else []
