@@ -202,7 +202,6 @@ def array_record_to_torch(record: Any, *, expected: Spec | None = None) -> Order
     import torch
 
     validate_array_record(record, expected=expected)
-    out: OrderedDict[str, Any] = OrderedDict()
-    for name, array in record.items():
-        out[name] = torch.from_numpy(array_to_numpy(array, name))
-    return out
+    return OrderedDict(
+        (name, torch.from_numpy(array_to_numpy(a, name))) for name, a in record.items()
+    )
