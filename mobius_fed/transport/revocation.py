@@ -101,11 +101,9 @@ def revoke(ca_dir: Path, targets: Iterable[str], *, days: int = CRL_DAYS) -> dic
     crl = builder.sign(ca_key, hashes.SHA256())
     pem = crl.public_bytes(serialization.Encoding.PEM)
     write_file(path, pem, 0o644)
-    nodes = ca_dir / "nodes"
-    if nodes.is_dir():
-        for bundle in sorted(nodes.iterdir()):
-            if (bundle / "ca.crt").is_file():
-                write_file(bundle / CRL_FILE, pem, 0o644)
+    for bundle_ca in sorted(ca_dir.glob("nodes/*/ca.crt")):
+        if bundle_ca.is_file():
+            write_file(bundle_ca.parent / CRL_FILE, pem, 0o644)
     return added
 
 
