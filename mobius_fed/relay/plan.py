@@ -51,12 +51,7 @@ class RingEntry:
         for key in ("rendezvous", "relay"):
             if kv.get(key) and not is_host_port(kv[key]):
                 raise RingPlanError(f"ring entry {text[:120]!r}: {key} is not host:port")
-        return cls(
-            address,
-            kv.get("reachable", "yes") == "yes",
-            kv.get("rendezvous", ""),
-            kv.get("relay", ""),
-        )
+        return cls(address, kv.pop("reachable", "yes") == "yes", **kv)  # rendezvous, relay
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ clientAuth. :func:`renew_node` keeps the identity; :func:`rotate_ca` replaces ev
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import ipaddress
 import json
 import os
@@ -29,8 +30,10 @@ from mobius_fed.transport.tls import (
     COORDINATOR_IDENTITY,
     OPERATOR_IDENTITY,
     NodeTLS,
+    certificate_sans,
     identity_name,
     is_reserved_name,
+    spki,
     worker_identity,
 )
 
@@ -145,8 +148,7 @@ def extra_name_rule(host: str, node: str | None, *, wildcards: bool = False) -> 
             )
     first = labels[0]
     if (first in ROLE_NAMES or _WORKER_NAME.fullmatch(first)) and first != node:
-        whose = "another node's or a role's name"
-        return f"{whose} ({first}): a certificate names only its own node"
+        return f"another node's or a role's name ({first}): a certificate names only its own node"
     return None
 
 
@@ -170,15 +172,11 @@ def node_sans(name: str, hosts: Sequence[str]) -> list[x509.GeneralName]:
         dns.append(name)
     for h in hosts:
         try:
-            ip = ipaddress.ip_address(h)
+            ips.append(ipaddress.ip_address(h))
         except ValueError:
-            if h not in dns:
-                dns.append(h)
-        else:
-            if ip not in ips:
-                ips.append(ip)
-    sans += [x509.DNSName(d) for d in dns]
-    sans += [x509.IPAddress(ip) for ip in ips]
+            dns.append(h)
+    sans += [x509.DNSName(d) for d in dict.fromkeys(dns)]  # each name once, first place kept
+    sans += [x509.IPAddress(ip) for ip in dict.fromkeys(ips)]
     return sans
 
 
@@ -194,16 +192,9 @@ def leaf_certificate(
     """A leaf for node ``name`` (CN ``name``, SANs ``sans``) signed by the CA: never a CA
     itself, digitalSignature only, serverAuth and clientAuth (a worker is both)."""
     ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     return (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-        .issuer_name(ca_cert.subject)
-        .public_key(public_key)
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(not_after)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(_key_usage(ca=False), critical=True)
+        _builder(subject, ca_cert.subject, public_key, not_before, not_after, ca=False)
         .add_extension(
             x509.ExtendedKeyUsage(
                 [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
@@ -220,8 +211,18 @@ def leaf_certificate(
     )
 
 
-def _key_usage(*, ca: bool) -> x509.KeyUsage:
-    return x509.KeyUsage(
+def _builder(
+    subject: x509.Name,
+    issuer: x509.Name,
+    public_key: PublicKey,
+    not_before: dt.datetime,
+    not_after: dt.datetime,
+    *,
+    ca: bool,
+) -> x509.CertificateBuilder:
+    """What a CA certificate (path length 0, signs certificates and CRLs) and a leaf share:
+    names, key, a random serial, validity, basic constraints and key usage."""
+    usage = x509.KeyUsage(
         digital_signature=True,
         content_commitment=False,
         key_encipherment=False,
@@ -231,6 +232,17 @@ def _key_usage(*, ca: bool) -> x509.KeyUsage:
         crl_sign=ca,
         encipher_only=False,
         decipher_only=False,
+    )
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+        .add_extension(usage, critical=True)
     )
 
 
@@ -242,15 +254,7 @@ def new_ca(
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME)])
     ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
     ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(not_after)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(_key_usage(ca=True), critical=True)
+        _builder(ca_name, ca_name, ca_key.public_key(), not_before, not_after, ca=True)
         .add_extension(ca_ski, critical=False)
         .sign(ca_key, hashes.SHA256())
     )
@@ -268,8 +272,7 @@ def load_ca(ca_cert: Path, ca_key: Path) -> tuple[PrivateKey, x509.Certificate]:
     if not isinstance(key, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey):
         raise ValueError(f"{ca_key} is not an EC or RSA key")
     cert = x509.load_pem_x509_certificate(Path(ca_cert).read_bytes())
-    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
+    if spki(key) != spki(cert):
         raise ValueError(f"{ca_key} is not the key of {ca_cert}")
     return key, cert
 
@@ -287,9 +290,7 @@ def key_fingerprint(public_key: CertificatePublicKeyTypes) -> str:
     der = public_key.public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    digest = hashes.Hash(hashes.SHA256())
-    digest.update(der)
-    return digest.finalize().hex()
+    return hashlib.sha256(der).hexdigest()
 
 
 def read_registry(ca_dir: Path) -> list[dict]:
@@ -312,6 +313,8 @@ def record_issued(ca_dir: Path, name: str, cert: x509.Certificate) -> None:
     entries = read_registry(ca_dir)
     if any(e.get("serial") == str(cert.serial_number) for e in entries):
         return
+    # the issuing CA's key is on record too: entries of an earlier CA stay
+    ca = x509.load_pem_x509_certificate((Path(ca_dir) / "ca.crt").read_bytes())
     entries.append(
         {
             "node": name,
@@ -319,18 +322,12 @@ def record_issued(ca_dir: Path, name: str, cert: x509.Certificate) -> None:
             "serial": str(cert.serial_number),
             "key_sha256": key_fingerprint(cert.public_key()),
             "not_after": cert.not_valid_after_utc.isoformat(),
-            "ca_sha256": key_fingerprint_of_issuer(ca_dir),
+            "ca_sha256": key_fingerprint(ca.public_key()),
         }
     )
     doc = json.dumps({"issued": entries}, indent=1).encode()
     (Path(ca_dir) / KEY_REGISTRY).parent.mkdir(exist_ok=True)
     write_file(Path(ca_dir) / KEY_REGISTRY, doc, 0o644)
-
-
-def key_fingerprint_of_issuer(ca_dir: Path) -> str:
-    """Fingerprint of the CA key of ``ca_dir`` (entries of an earlier CA stay on record)."""
-    ca = x509.load_pem_x509_certificate((Path(ca_dir) / "ca.crt").read_bytes())
-    return key_fingerprint(ca.public_key())
 
 
 def _issue(
@@ -368,10 +365,12 @@ def fresh_dir(out: Path, overwrite: bool, what: str) -> Path:
     return out
 
 
-def validity(days: int) -> tuple[dt.datetime, dt.datetime]:
-    """(not before, not after): from five minutes ago (clock skew) for ``days`` days."""
+def validity(days: int, ca_cert: x509.Certificate | None = None) -> tuple[dt.datetime, dt.datetime]:
+    """(not before, not after): from five minutes ago (clock skew) for ``days`` days, or
+    until ``ca_cert`` ends if that is sooner."""
     now = dt.datetime.now(dt.UTC)
-    return now - dt.timedelta(minutes=5), now + dt.timedelta(days=days)
+    end = now + dt.timedelta(days=days)
+    return now - dt.timedelta(minutes=5), min(end, ca_cert.not_valid_after_utc) if ca_cert else end
 
 
 def init_certs(
@@ -453,8 +452,7 @@ def renew_node(root: Path, name: str, hosts: Sequence[str] = (), *, days: int = 
     uris = [n.value for n in sans if isinstance(n, x509.UniformResourceIdentifier)]
     if uris != [identity_of(name)]:
         raise ValueError(f"{old} carries URIs {uris}, not {identity_of(name)}")
-    not_before, not_after = validity(days)
-    not_after = min(not_after, ca_cert.not_valid_after_utc)
+    not_before, not_after = validity(days, ca_cert)
     if old.is_file():  # its key stays on record: never certified again for another node
         record_issued(layout.root, name, x509.load_pem_x509_certificate(old.read_bytes()))
     bundle = _issue(layout, name, ca_key, ca_cert, sans, not_before, not_after)
@@ -481,10 +479,4 @@ def rotate_ca(root: Path, hosts: Sequence[str] = (), *, days: int = 365) -> Cert
 
 
 def _san_list(cert_path: Path) -> list[x509.GeneralName]:
-    if not cert_path.is_file():
-        return []
-    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-    try:
-        return list(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
-    except x509.ExtensionNotFound:
-        return []
+    return list(certificate_sans(cert_path.read_bytes())) if cert_path.is_file() else []

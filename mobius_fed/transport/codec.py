@@ -481,6 +481,8 @@ class TensorAssembler:
         part = self._check_order(key, frame.chunk, frame.chunks, what)
         if not frame.HasField("tensor"):
             raise FrameError("frame rejected: no tensor")
+        if data is None:
+            data = frame.tensor.data  # upb returns a fresh bytes copy per access: read it once
         if self.codec is not None:
             return self._add_packed(key, part, frame, keep, what, data)
         msg = frame.tensor
@@ -536,8 +538,6 @@ class TensorAssembler:
                 f"frame rejected: chunks {n} for {what} (a tensor of {numel} elements)"
             )
         size = dtype.itemsize
-        if data is None:
-            data = msg.data  # one fresh copy (upb): read once
         start = _piece_start(part, msg, k, n, numel, len(data), size, what)
         _check_crc(data, msg)
         piece = _from_wire(data, dtype)
@@ -587,8 +587,6 @@ class TensorAssembler:
         total = codec.payload_bytes(self.shape)
         if n > total:
             raise FrameError(f"frame rejected: chunks {n} for {what} (a {total}-byte payload)")
-        if data is None:
-            data = msg.data
         start = _piece_start(part, msg, k, n, total, len(data), 1, what)
         _check_crc(data, msg)
         if part is None:

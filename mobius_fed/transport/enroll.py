@@ -37,6 +37,7 @@ from mobius_fed.transport.certs import (
     node_sans,
     read_registry,
     record_issued,
+    validity,
     write_file,
 )
 from mobius_fed.transport.tls import (
@@ -46,6 +47,7 @@ from mobius_fed.transport.tls import (
     check_node_secrets,
     identity_name,
     key_file_problem,
+    node_name_of,
     parse_identity,
     spki,
 )
@@ -66,12 +68,11 @@ class EnrollError(ValueError):
 def node_name(node: str) -> str:
     """``node`` if it is a node name (``worker-<i>``, ``coordinator``, ``operator``)."""
     try:
-        role, index = parse_identity(identity_of(node))
+        canonical = node_name_of(identity_of(node))
     except ValueError:
         raise EnrollError(
             f"unknown node name {node!r}: worker-<i>, coordinator or operator"
         ) from None
-    canonical = role if index is None else f"worker-{index}"
     if canonical != node:
         raise EnrollError(f"node name {node!r} is not canonical; write {canonical!r}")
     return node
@@ -84,8 +85,7 @@ def make_ca(out: Path, *, days: int = 365, overwrite: bool = False) -> Path:
     Writes ``ca.crt``, ``ca.key``, ``operator.crt``/``.key`` and the operator's bundle
     ``nodes/operator/{ca.crt,tls.crt,tls.key}``, laid out as :func:`init_certs` does.
     """
-    layout = new_pki(out, 0, days=days, overwrite=overwrite, what="a CA", names=["operator"])
-    return layout.root
+    return new_pki(out, 0, days=days, overwrite=overwrite, what="a CA", names=["operator"]).root
 
 
 # --------------------------------------------------------------------------- site: request
@@ -337,19 +337,12 @@ def sign_request(
         hosts = check_request(csr, node, ca_dir, wildcards=wildcards)
     except EnrollError as exc:
         raise EnrollError(f"{csr_path}: {exc}") from None
-    now = dt.datetime.now(dt.UTC)
-    if ca_cert.not_valid_after_utc <= now:
+    if ca_cert.not_valid_after_utc <= dt.datetime.now(dt.UTC):
         raise EnrollError(f"the CA certificate {ca_dir / CA_FILE} expired: make a new CA")
-    not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
-    cert = leaf_certificate(
-        cast(PublicKey, csr.public_key()),  # check_request refused any other kind
-        node,
-        node_sans(node, hosts),
-        ca_key,
-        ca_cert,
-        now - dt.timedelta(minutes=5),
-        not_after,
-    )
+    not_before, not_after = validity(days, ca_cert)
+    public_key = cast(PublicKey, csr.public_key())  # check_request refused any other kind
+    sans = node_sans(node, hosts)
+    cert = leaf_certificate(public_key, node, sans, ca_key, ca_cert, not_before, not_after)
     pem = cert.public_bytes(serialization.Encoding.PEM)
     dest = Path(out if out is not None else ca_dir / "signed") / node
     dest.mkdir(parents=True, exist_ok=True)

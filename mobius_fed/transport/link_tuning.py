@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import (
     BaseModel,
@@ -153,13 +153,8 @@ class LinkConfig(BaseModel):
 
     def tuning(self) -> LinkTuning:
         """The gRPC arguments these settings give."""
-        explicit: dict[str, Any] = {
-            "window": self.window,
-            "chunk": self.chunk,
-            "socket_buffer": self.socket_buffer,
-            "bdp_probe": self.bdp_probe,
-            "allocator": self.allocator == "tuned",
-        }
+        explicit = self.model_dump(include={"window", "chunk", "socket_buffer", "bdp_probe"})
+        explicit["allocator"] = self.allocator == "tuned"
         if self.rate is not None and self.rtt is not None:
             return LinkTuning.for_path(parse_rate(self.rate), parse_delay(self.rtt), **explicit)
         return LinkTuning(**{k: v for k, v in explicit.items() if v is not None})

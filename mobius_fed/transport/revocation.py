@@ -11,6 +11,7 @@ older than the one a node holds is ignored (no roll-back).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import threading
@@ -21,7 +22,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from mobius_fed.transport.certs import load_ca, read_registry, write_file
+from mobius_fed.transport.certs import identity_of, load_ca, read_registry, write_file
 from mobius_fed.transport.tls import NodeTLS, set_revoked
 
 log = logging.getLogger(__name__)
@@ -35,24 +36,12 @@ class RevocationError(ValueError):
     """A revocation request or a list that cannot be used (the message says why)."""
 
 
-def _node_certificates(ca_dir: Path, node: str) -> list[x509.Certificate]:
-    """The certificates of ``node`` this CA directory holds: flat, issued/, bundles."""
-    paths = [ca_dir / f"{node}.crt", ca_dir / "issued" / f"{node}.crt"]
-    paths.append(ca_dir / "nodes" / node / "tls.crt")
-    return [x509.load_pem_x509_certificate(p.read_bytes()) for p in paths if p.is_file()]
-
-
 def serials_of(ca_dir: Path, target: str) -> dict[int, str]:
     """Serial → what it is, for ``target``: a node name (every certificate of it on
     record) or a serial number (decimal, or hex with ``0x``). RevocationError if unknown."""
-    from mobius_fed.transport.certs import identity_of
-
     ca_dir = Path(ca_dir)
-    try:
+    with contextlib.suppress(ValueError):
         serial = int(target, 0)
-    except ValueError:
-        serial = None
-    if serial is not None:
         return {serial: f"serial {serial}"}
     try:
         identity = identity_of(target)
@@ -66,8 +55,10 @@ def serials_of(ca_dir: Path, target: str) -> dict[int, str]:
         for e in read_registry(ca_dir)
         if e.get("identity") == identity
     }
-    for cert in _node_certificates(ca_dir, target):
-        found[cert.serial_number] = f"{target} ({identity})"
+    for p in (f"{target}.crt", f"issued/{target}.crt", f"nodes/{target}/tls.crt"):
+        if (ca_dir / p).is_file():  # the certificates it holds: flat, issued/, bundles
+            cert = x509.load_pem_x509_certificate((ca_dir / p).read_bytes())
+            found[cert.serial_number] = f"{target} ({identity})"
     if not found:
         raise RevocationError(f"no certificate of {target} is on record in {ca_dir}")
     return found
@@ -92,11 +83,9 @@ def revoke(ca_dir: Path, targets: Iterable[str], *, days: int = CRL_DAYS) -> dic
     for t in targets:
         added.update(serials_of(ca_dir, t))
     now = dt.datetime.now(dt.UTC)
-    entries: dict[int, dt.datetime] = {}
     path = ca_dir / CRL_FILE
-    if path.is_file():
-        for r in read_crl(path.read_bytes()):
-            entries[r.serial_number] = r.revocation_date_utc
+    old: Iterable[x509.RevokedCertificate] = read_crl(path.read_bytes()) if path.is_file() else []
+    entries = {r.serial_number: r.revocation_date_utc for r in old}
     for serial in added:
         entries.setdefault(serial, now)
     builder = (
@@ -112,11 +101,9 @@ def revoke(ca_dir: Path, targets: Iterable[str], *, days: int = CRL_DAYS) -> dic
     crl = builder.sign(ca_key, hashes.SHA256())
     pem = crl.public_bytes(serialization.Encoding.PEM)
     write_file(path, pem, 0o644)
-    nodes = ca_dir / "nodes"
-    if nodes.is_dir():
-        for bundle in sorted(nodes.iterdir()):
-            if (bundle / "ca.crt").is_file():
-                write_file(bundle / CRL_FILE, pem, 0o644)
+    for bundle_ca in sorted(ca_dir.glob("nodes/*/ca.crt")):
+        if bundle_ca.is_file():
+            write_file(bundle_ca.parent / CRL_FILE, pem, 0o644)
     return added
 
 

@@ -150,10 +150,8 @@ def validate_array_record(
     for name, array in record.items():
         if not isinstance(name, str):
             raise UnsafeArrayError(f"ArrayRecord key {name!r} is not a string")
-        if getattr(array, "stype", None) != NUMPY_STYPE:
-            raise _fail(
-                name, f"serialization {getattr(array, 'stype', None)!r} is not {NUMPY_STYPE!r}"
-            )
+        if (stype := getattr(array, "stype", None)) != NUMPY_STYPE:
+            raise _fail(name, f"serialization {stype!r} is not {NUMPY_STYPE!r}")
         dtype, shape, _, _ = parse_npy(array.data, name)
         if shape != tuple(array.shape) or not _same_dtype(dtype, array.dtype):
             raise _fail(
@@ -202,7 +200,6 @@ def array_record_to_torch(record: Any, *, expected: Spec | None = None) -> Order
     import torch
 
     validate_array_record(record, expected=expected)
-    out: OrderedDict[str, Any] = OrderedDict()
-    for name, array in record.items():
-        out[name] = torch.from_numpy(array_to_numpy(array, name))
-    return out
+    return OrderedDict(
+        (name, torch.from_numpy(array_to_numpy(a, name))) for name, a in record.items()
+    )

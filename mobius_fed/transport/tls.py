@@ -17,7 +17,9 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
+import os
 import re
+import stat
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,29 +265,32 @@ def identity_or_reason(uris: Sequence[str]) -> tuple[str | None, str]:
 
 
 @functools.lru_cache(maxsize=256)
+def certificate_sans(pem: bytes) -> tuple[Any, ...]:
+    """Every SAN (``x509.GeneralName``) of a PEM certificate (ValueError if it cannot be
+    parsed)."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(pem)
+    try:
+        return tuple(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
+    except x509.ExtensionNotFound:
+        return ()
+
+
 def certificate_uris(pem: bytes) -> tuple[str, ...]:
     """Every URI SAN of a PEM certificate (ValueError if it cannot be parsed)."""
     from cryptography import x509
 
-    cert = x509.load_pem_x509_certificate(pem)
-    try:
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except x509.ExtensionNotFound:
-        return ()
-    return tuple(san.get_values_for_type(x509.UniformResourceIdentifier))
+    return tuple(
+        n.value for n in certificate_sans(pem) if isinstance(n, x509.UniformResourceIdentifier)
+    )
 
 
-@functools.lru_cache(maxsize=256)
 def certificate_dns_names(pem: bytes) -> tuple[str, ...]:
     """Every DNS SAN of a PEM certificate (ValueError if it cannot be parsed)."""
     from cryptography import x509
 
-    cert = x509.load_pem_x509_certificate(pem)
-    try:
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except x509.ExtensionNotFound:
-        return ()
-    return tuple(san.get_values_for_type(x509.DNSName))
+    return tuple(n.value for n in certificate_sans(pem) if isinstance(n, x509.DNSName))
 
 
 def foreign_identity_names(identity: str, dns: Sequence[str]) -> list[str]:
@@ -537,9 +542,6 @@ def key_file_problem(path: Path) -> str | None:
     and ``defaultMode: 0440``; the rule PostgreSQL applies to its key). The message names
     the file and the ``chmod`` that fixes it.
     """
-    import os
-    import stat
-
     st = Path(path).stat()
     mode = stat.S_IMODE(st.st_mode)
     if not mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -561,8 +563,6 @@ def key_file_problem(path: Path) -> str | None:
 def check_key_file(path: Path, *, warn_only: bool | None = None) -> None:
     """Refuse (SecretsError) or, with ``warn_only`` (default: ``$MOBIUS_ALLOW_READABLE_KEY``
     set to 1), log a key file others can read (:func:`key_file_problem`)."""
-    import os
-
     problem = key_file_problem(path)
     if problem is None:
         return
