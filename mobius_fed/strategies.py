@@ -98,14 +98,17 @@ BARRIER_SETTINGS = frozenset(
 
 class StrategyWrapper(Strategy):
     """A strategy that wraps another, as Flower's ``DifferentialPrivacy…FixedClipping`` do:
-    every call goes on to ``self.strategy``; a subclass adds its one concern around it."""
+    every call goes on to ``self.strategy``; a subclass adds its one concern around it.
+    ``sent`` is the arrays the round in flight was sent (None before the first round)."""
 
     def __init__(self, strategy: Strategy) -> None:
         self.strategy = strategy
+        self.sent: ArrayRecord | None = None
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        self.sent = arrays
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(
@@ -149,25 +152,16 @@ class ErAveraging(StrategyWrapper):
     carry back exactly those (so a private home layer never reaches the average). One more
     shared tensor is averaged by sending it with the round's arrays: nothing here changes."""
 
-    def __init__(self, strategy: Strategy) -> None:
-        super().__init__(strategy)
-        self.sent: frozenset[str] = frozenset()
-
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        self.sent = frozenset(arrays.keys())
-        return self.strategy.configure_train(server_round, arrays, config, grid)
-
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
+        sent = frozenset(self.sent.keys() if self.sent is not None else ())
         for reply in replies:
             got = frozenset(reply.content[ARRAYS].keys()) if ARRAYS in reply.content else None
-            if got is not None and self.sent and got != self.sent:
+            if got is not None and sent and got != sent:
                 rank = rank_of_node(reply.metadata.src_node_id)
-                odd = sorted(got ^ self.sent)
+                odd = sorted(got ^ sent)
                 raise ValueError(
                     f"round {server_round}: worker-{rank} sent back tensors other than the "
                     f"round's shared ones: {', '.join(odd)}"
@@ -183,20 +177,13 @@ class ErDp(StrategyWrapper):
     def __init__(self, strategy: Strategy, er_privacy: Any, clip_here: bool = True) -> None:
         super().__init__(strategy)
         self.er_privacy, self.clip_here = er_privacy, clip_here
-        self._start: ArrayRecord | None = None
-
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        self._start = arrays
-        return self.strategy.configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
-        if self.clip_here and self._start is not None:
-            self.er_privacy.clip_replies(replies, self._start)
+        if self.clip_here and self.sent is not None:
+            self.er_privacy.clip_replies(replies, self.sent)
         arrays, metrics = self.strategy.aggregate_train(server_round, replies)
         if arrays is not None:
             arrays = self.er_privacy.add_noise(arrays, server_round)
@@ -211,22 +198,20 @@ class SecAggRounds(StrategyWrapper):
     def __init__(self, strategy: Strategy, secagg: Any) -> None:
         super().__init__(strategy)
         self.secagg = secagg
-        self._start: ArrayRecord | None = None
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        self._start = arrays
         self.secagg.fill(config, server_round)
-        return self.strategy.configure_train(server_round, arrays, config, grid)
+        return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
-        if self._start is not None:
+        if self.sent is not None:
             sites = [rank_of_node(r.metadata.src_node_id) for r in replies]
-            mean = self.secagg.unmask(replies, self._start, sites)
+            mean = self.secagg.unmask(replies, self.sent, sites)
             for reply in replies:
                 del reply.content[MASKED]
                 reply.content[ARRAYS] = mean
