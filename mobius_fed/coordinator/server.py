@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from mobius_fed.checkpoint import CheckpointError
 from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.control import ControlService
-from mobius_fed.coordinator.grid import ControlGrid, RunFailed
+from mobius_fed.coordinator.grid import ControlGrid, RunFailed, names
 from mobius_fed.coordinator.recorder import RunRecorder
 from mobius_fed.coordinator.recovery import Recovery
 from mobius_fed.coordinator.replies import validate_reply
@@ -208,9 +208,8 @@ class Coordinator:
             return 0
         missing = self.grid.wait_for_sessions(self.cfg.registration_timeout)
         if missing:
-            names = ", ".join(f"worker-{m}" for m in missing)
             return self._fail(
-                f"workers never joined within {self.cfg.registration_timeout}s: {names}"
+                f"workers never joined within {self.cfg.registration_timeout}s: {names(missing)}"
             )
         self.state.move_phase(Phase.TRAINING)
         log.info("all %d workers joined", self.train.P)
@@ -241,8 +240,7 @@ class Coordinator:
             missing = [r for r in range(self.train.P) if r not in keys]
             if missing:
                 raise RunFailed(
-                    f"{', '.join(f'worker-{r}' for r in missing)} sent no SecAgg "
-                    "public key (privacy.er_secagg is on)"
+                    f"{names(missing)} sent no SecAgg public key (privacy.er_secagg is on)"
                 )
             self.secagg.relay([keys[r] for r in range(self.train.P)], self.recovery.ring_id)
         return make_strategy(
