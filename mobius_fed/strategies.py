@@ -91,11 +91,6 @@ class RoundHooks(Protocol):
     def after_evaluate(self, rnd: int, replies: list[Message]) -> None: ...
 
 
-BARRIER_SETTINGS = frozenset(
-    {"hooks", "er_privacy", "secagg", "state_copy", "keep_checkpoints", "barrier_snapshots"}
-)
-
-
 class StrategyWrapper(Strategy):
     """A strategy that wraps another, as Flower's ``DifferentialPrivacy…FixedClipping`` do:
     every call goes on to ``self.strategy``; a subclass adds its one concern around it.
@@ -324,18 +319,18 @@ def make_strategy(
     plan: RoundPlan,
     options: dict[str, Any] | None = None,
     round_offset: int = 0,
+    *,
+    er_privacy: Any = None,
+    secagg: Any = None,
     **barrier: Any,
 ) -> BarrierRounds:
     """The run's strategy: the Flower strategy ``name`` inside one wrapper per feature,
     ``BarrierRounds(ErDp(SecAggRounds(ErAveraging(flower))))`` (the ones turned on).
 
-    ``barrier``: ``hooks``, ``er_privacy`` (:class:`ErDp`), ``secagg``
-    (:class:`SecAggRounds`), ``state_copy``, ``keep_checkpoints``, ``barrier_snapshots``.
+    ``er_privacy`` turns on :class:`ErDp`, ``secagg`` :class:`SecAggRounds`; ``barrier``
+    goes to :class:`BarrierRounds`: ``hooks``, ``state_copy``, ``keep_checkpoints``,
+    ``barrier_snapshots`` (another name is a TypeError there).
     """
-    unknown = set(barrier) - BARRIER_SETTINGS
-    if unknown:
-        raise TypeError(f"make_strategy: unknown barrier setting(s) {', '.join(sorted(unknown))}")
-    er_privacy, secagg = barrier.pop("er_privacy", None), barrier.pop("secagg", None)
     strategy: Strategy = ErAveraging(flower_strategy(name, P, options))
     if secagg is not None:
         strategy = SecAggRounds(strategy, secagg)
