@@ -101,7 +101,8 @@ class Coordinator:
         if not add_port(self._server, self.cfg.listen, self.cfg.tls()):
             raise OSError(f"cannot listen on {self.cfg.listen}")
         self._server.start()
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        for name in ("", "mobius_fed.control.v1.Control"):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "coordinator listening on %s (run %s, P=%d, %d rounds)",
             self.cfg.listen,
@@ -141,10 +142,6 @@ class Coordinator:
             self.state, host, int(port), tls=None, allowed=None, metrics=True
         ).start()
         log.info("metrics on http://%s:%s/metrics", host, server.port)
-
-    def _set_health(self, status: int) -> None:
-        for name in ("", "mobius_fed.control.v1.Control"):
-            self._health.set(name, status)
 
     def stop(self) -> None:
         for rest in (self.rest, self.metrics_server):
@@ -222,7 +219,6 @@ class Coordinator:
             return self._fail(f"internal error in the coordinator: {exc!r}")
         self.state.finish(Phase.DONE)
         self.recorder.flush()
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.grid.broadcast("stop", "done")
         self._await_workers_leaving(timeout=30)
         log.info(
