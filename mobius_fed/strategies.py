@@ -91,21 +91,19 @@ class RoundHooks(Protocol):
     def after_evaluate(self, rnd: int, replies: list[Message]) -> None: ...
 
 
-BARRIER_SETTINGS = frozenset(
-    {"hooks", "er_privacy", "secagg", "state_copy", "keep_checkpoints", "barrier_snapshots"}
-)
-
-
 class StrategyWrapper(Strategy):
     """A strategy that wraps another, as Flower's ``DifferentialPrivacy…FixedClipping`` do:
-    every call goes on to ``self.strategy``; a subclass adds its one concern around it."""
+    every call goes on to ``self.strategy``; a subclass adds its one concern around it.
+    ``sent`` is the arrays the round in flight was sent (None before the first round)."""
 
     def __init__(self, strategy: Strategy) -> None:
         self.strategy = strategy
+        self.sent: ArrayRecord | None = None
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        self.sent = arrays
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(
@@ -149,25 +147,16 @@ class ErAveraging(StrategyWrapper):
     carry back exactly those (so a private home layer never reaches the average). One more
     shared tensor is averaged by sending it with the round's arrays: nothing here changes."""
 
-    def __init__(self, strategy: Strategy) -> None:
-        super().__init__(strategy)
-        self.sent: frozenset[str] = frozenset()
-
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        self.sent = frozenset(arrays.keys())
-        return self.strategy.configure_train(server_round, arrays, config, grid)
-
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
+        sent = frozenset(self.sent.keys() if self.sent is not None else ())
         for reply in replies:
             got = frozenset(reply.content[ARRAYS].keys()) if ARRAYS in reply.content else None
-            if got is not None and self.sent and got != self.sent:
+            if got is not None and sent and got != sent:
                 rank = rank_of_node(reply.metadata.src_node_id)
-                odd = sorted(got ^ self.sent)
+                odd = sorted(got ^ sent)
                 raise ValueError(
                     f"round {server_round}: worker-{rank} sent back tensors other than the "
                     f"round's shared ones: {', '.join(odd)}"
@@ -183,20 +172,13 @@ class ErDp(StrategyWrapper):
     def __init__(self, strategy: Strategy, er_privacy: Any, clip_here: bool = True) -> None:
         super().__init__(strategy)
         self.er_privacy, self.clip_here = er_privacy, clip_here
-        self._start: ArrayRecord | None = None
-
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        self._start = arrays
-        return self.strategy.configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
-        if self.clip_here and self._start is not None:
-            self.er_privacy.clip_replies(replies, self._start)
+        if self.clip_here and self.sent is not None:
+            self.er_privacy.clip_replies(replies, self.sent)
         arrays, metrics = self.strategy.aggregate_train(server_round, replies)
         if arrays is not None:
             arrays = self.er_privacy.add_noise(arrays, server_round)
@@ -211,22 +193,20 @@ class SecAggRounds(StrategyWrapper):
     def __init__(self, strategy: Strategy, secagg: Any) -> None:
         super().__init__(strategy)
         self.secagg = secagg
-        self._start: ArrayRecord | None = None
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        self._start = arrays
         self.secagg.fill(config, server_round)
-        return self.strategy.configure_train(server_round, arrays, config, grid)
+        return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
-        if self._start is not None:
+        if self.sent is not None:
             sites = [rank_of_node(r.metadata.src_node_id) for r in replies]
-            mean = self.secagg.unmask(replies, self._start, sites)
+            mean = self.secagg.unmask(replies, self.sent, sites)
             for reply in replies:
                 del reply.content[MASKED]
                 reply.content[ARRAYS] = mean
@@ -339,18 +319,18 @@ def make_strategy(
     plan: RoundPlan,
     options: dict[str, Any] | None = None,
     round_offset: int = 0,
+    *,
+    er_privacy: Any = None,
+    secagg: Any = None,
     **barrier: Any,
 ) -> BarrierRounds:
     """The run's strategy: the Flower strategy ``name`` inside one wrapper per feature,
     ``BarrierRounds(ErDp(SecAggRounds(ErAveraging(flower))))`` (the ones turned on).
 
-    ``barrier``: ``hooks``, ``er_privacy`` (:class:`ErDp`), ``secagg``
-    (:class:`SecAggRounds`), ``state_copy``, ``keep_checkpoints``, ``barrier_snapshots``.
+    ``er_privacy`` turns on :class:`ErDp`, ``secagg`` :class:`SecAggRounds`; ``barrier``
+    goes to :class:`BarrierRounds`: ``hooks``, ``state_copy``, ``keep_checkpoints``,
+    ``barrier_snapshots`` (another name is a TypeError there).
     """
-    unknown = set(barrier) - BARRIER_SETTINGS
-    if unknown:
-        raise TypeError(f"make_strategy: unknown barrier setting(s) {', '.join(sorted(unknown))}")
-    er_privacy, secagg = barrier.pop("er_privacy", None), barrier.pop("secagg", None)
     strategy: Strategy = ErAveraging(flower_strategy(name, P, options))
     if secagg is not None:
         strategy = SecAggRounds(strategy, secagg)

@@ -128,7 +128,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             log.error("refused: %s", msg)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
         address = request.listen_address
-        if not _valid_address(address):
+        if not (is_host_port(address) and len(address) < 256):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"worker-{rank}: listen_address {address[:80]!r} is not host:port",
@@ -316,11 +316,6 @@ class ControlService(control_pb2_grpc.ControlServicer):
 
 _UNJOINED = (WorkerState.LOST, WorkerState.EXPECTED)
 _RUNNING = (Phase.TRAINING, Phase.RECOVERING)
-
-
-def _valid_address(address: str) -> bool:
-    host, sep, port = address.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536 and len(address) < 256)
 
 
 _EDGE_NUMBERS = (

@@ -8,6 +8,7 @@ go down: redone steps count too (``mobius_steps_redone_total``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -177,30 +178,27 @@ class CoordinatorMetrics:
     def __init__(self, state: Snapshots) -> None:
         self.state = state
         self.registry = CollectorRegistry(auto_describe=True)
-        ProcessCollector(registry=self.registry)
-        PlatformCollector(registry=self.registry)
-        GCCollector(registry=self.registry)
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)
         self.registry.register(RunStateCollector(state))
-        self.step_seconds = Histogram(
+        histogram = functools.partial(Histogram, registry=self.registry)
+        self.step_seconds = histogram(
             "mobius_step_seconds",
             "Training step wall time per worker (its round's training time / steps).",
             ["run_id", "rank"],
             buckets=STEP_BUCKETS,
-            registry=self.registry,
         )
-        self.round_seconds = Histogram(
+        self.round_seconds = histogram(
             "mobius_round_seconds",
             "Wall time of a training round (step barrier), coordinator clock.",
             ["run_id"],
             buckets=ROUND_BUCKETS,
-            registry=self.registry,
         )
-        self.frame_bytes = Histogram(
+        self.frame_bytes = histogram(
             "mobius_frame_bytes",
             "Ring frame size on the wire (each frame a worker reports, at its round's mean).",
             ["run_id", "rank"],
             buckets=FRAME_BUCKETS,
-            registry=self.registry,
         )
 
     def observe_round(self, seconds: float, steps: int, workers: dict[int, dict]) -> None:

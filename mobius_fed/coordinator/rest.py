@@ -341,13 +341,11 @@ class RestServer:
         # bind here: errors raise in the caller, port 0 resolved
         host = "127.0.0.1" if self.host == "localhost" else self.host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.create_server((host, self.port), family=family, backlog=128)
-        self._sock.setblocking(False)
-        self.port = self._sock.getsockname()[1]
-        self._server = _ThreadServer(config)
+        sock = self._sock = socket.create_server((host, self.port), family=family, backlog=128)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        server = self._server = _ThreadServer(config)
         errors: list[BaseException] = []
-
-        server, sock = self._server, self._sock
 
         def run() -> None:
             try:
@@ -359,7 +357,7 @@ class RestServer:
         self._thread = threading.Thread(target=run, name=f"rest-status:{self.port}", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
-        while not self._server.started:
+        while not server.started:
             if errors or not self._thread.is_alive():
                 self._close_sock()
                 raise RuntimeError(f"REST status server failed to start: {errors[:1]}")

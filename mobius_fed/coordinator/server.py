@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from mobius_fed.checkpoint import CheckpointError
 from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.control import ControlService
-from mobius_fed.coordinator.grid import ControlGrid, RunFailed
+from mobius_fed.coordinator.grid import ControlGrid, RunFailed, names
 from mobius_fed.coordinator.recorder import RunRecorder
 from mobius_fed.coordinator.recovery import Recovery
 from mobius_fed.coordinator.replies import validate_reply
@@ -101,7 +101,8 @@ class Coordinator:
         if not add_port(self._server, self.cfg.listen, self.cfg.tls()):
             raise OSError(f"cannot listen on {self.cfg.listen}")
         self._server.start()
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        for name in ("", "mobius_fed.control.v1.Control"):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "coordinator listening on %s (run %s, P=%d, %d rounds)",
             self.cfg.listen,
@@ -141,10 +142,6 @@ class Coordinator:
             self.state, host, int(port), tls=None, allowed=None, metrics=True
         ).start()
         log.info("metrics on http://%s:%s/metrics", host, server.port)
-
-    def _set_health(self, status: int) -> None:
-        for name in ("", "mobius_fed.control.v1.Control"):
-            self._health.set(name, status)
 
     def stop(self) -> None:
         for rest in (self.rest, self.metrics_server):
@@ -208,9 +205,8 @@ class Coordinator:
             return 0
         missing = self.grid.wait_for_sessions(self.cfg.registration_timeout)
         if missing:
-            names = ", ".join(f"worker-{m}" for m in missing)
             return self._fail(
-                f"workers never joined within {self.cfg.registration_timeout}s: {names}"
+                f"workers never joined within {self.cfg.registration_timeout}s: {names(missing)}"
             )
         self.state.move_phase(Phase.TRAINING)
         log.info("all %d workers joined", self.train.P)
@@ -223,7 +219,6 @@ class Coordinator:
             return self._fail(f"internal error in the coordinator: {exc!r}")
         self.state.finish(Phase.DONE)
         self.recorder.flush()
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.grid.broadcast("stop", "done")
         self._await_workers_leaving(timeout=30)
         log.info(
@@ -241,8 +236,7 @@ class Coordinator:
             missing = [r for r in range(self.train.P) if r not in keys]
             if missing:
                 raise RunFailed(
-                    f"{', '.join(f'worker-{r}' for r in missing)} sent no SecAgg "
-                    "public key (privacy.er_secagg is on)"
+                    f"{names(missing)} sent no SecAgg public key (privacy.er_secagg is on)"
                 )
             self.secagg.relay([keys[r] for r in range(self.train.P)], self.recovery.ring_id)
         return make_strategy(

@@ -119,7 +119,7 @@ class WorkerNode:
         self.executor: RingExecutor | None = None
         self.links: RingLinks | None = None
         self.snapshots = Snapshots(Path(cfg.out_dir) / "checkpoints")
-        # its own state, moved through its machine's table (machines.OWN_WORKER)
+        # its own state (its heartbeats report it), moved through machines.OWN_WORKER's table
         self.own = StateCell(OWN_WORKER, WorkerState.REGISTERED, "this worker")
         self.loss, self.tps = 0.0, 0.0
         self._links_lock = threading.Lock()
@@ -127,11 +127,6 @@ class WorkerNode:
         self._session_end: Callable[[str, str], None] | None = None  # (outcome, reason)
         self.generation = 0  # registrations so far: a reply to an older one is stale
         self.run_key = b""  # signs tunnel introductions (docs/reachability.md)
-
-    @property
-    def state(self) -> WorkerState:
-        """What this worker reports of itself in its heartbeats."""
-        return self.own.state
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
@@ -182,7 +177,7 @@ class WorkerNode:
             try:
                 reply = self.stub.Heartbeat(
                     control_pb2.HeartbeatRequest(
-                        state=self.state,
+                        state=self.own.state,
                         step=self.executor.step if self.executor else 0,
                         last_loss=self.loss,
                         tokens_per_s=self.tps,

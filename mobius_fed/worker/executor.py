@@ -52,9 +52,8 @@ class RingExecutor:
         self, cfg: TrainConfig, rank: int, site: SiteData, run_id: str, peer_timeout: float = 120
     ) -> None:
         self.cfg, self.rank, self.site, self.run_id = cfg, rank, site, run_id
-        mc = cfg.model()
         self.device = resolve_device(cfg.device)
-        self.group = build_group(mc, rank, cfg.seed).to(self.device)
+        self.group = build_group(cfg.model(), rank, cfg.seed).to(self.device)
         self.replica = build_site_replica(cfg, rank, "ring").to(self.device)
         self.group_opts = make_optimizers(self.group, cfg, blocks=True)
         self.replica_opts = make_optimizers(self.replica, cfg, blocks=False)

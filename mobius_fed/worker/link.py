@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -171,18 +171,9 @@ class RingLinks:
 
     def _send_frames(self, key: FrameKey, tensor: torch.Tensor, **encoding: Any) -> None:
         out = self._outgoing(key.direction)
-        for data in encode_frames(
-            run_id=self.rules.run_id,
-            step=key.step,
-            origin=key.origin,
-            tick=key.tick,
-            micro=key.micro,
-            direction=key.direction,
-            phase=key.phase,
-            tensor=tensor,
-            chunk_bytes=self.chunk_bytes,
-            **encoding,
-        ):
+        # the key's fields are the frame header's
+        header = dict(asdict(key), run_id=self.rules.run_id, chunk_bytes=self.chunk_bytes)
+        for data in encode_frames(tensor=tensor, **header, **encoding):
             out.put(data)  # gRPC sends piece k while piece k+1 is built
 
     def _outgoing(self, direction: int) -> Endpoint:

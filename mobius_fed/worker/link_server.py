@@ -59,10 +59,8 @@ class PredecessorServer:
     def __init__(self, cfg: LinkSettings, router: FrameRouter, closing: threading.Event) -> None:
         self.cfg, self.router, self.inbox, self._closing = cfg, router, router.inbox, closing
         self.rank, self.pred = cfg.rank, (cfg.rank - 1) % cfg.P
-        self.edge_in, self.peer_identity = (
-            edge_name(self.pred, self.rank),
-            worker_identity(self.pred),
-        )
+        self.edge_in = edge_name(self.pred, self.rank)
+        self.peer_identity = worker_identity(self.pred)
         self._lock = threading.Lock()
         self._in_ready = threading.Condition(self._lock)
         self.session: Session | None = None

@@ -163,18 +163,15 @@ class Inbox:
         self.describe_links: Callable[[], str] = lambda: ""
 
     def check_new(self, key: FrameKey) -> None:
-        with self._cond:
-            self._check_new(key)
-
-    def _check_new(self, key: FrameKey) -> None:
-        if key in self._items:
-            raise FrameError(f"frame rejected: duplicate {key.describe()} (already queued)")
-        if key in self._consumed:
-            raise FrameError(f"frame rejected: replay of {key.describe()} (already consumed)")
+        with self._cond:  # an RLock: put() holds it already
+            if key in self._items:
+                raise FrameError(f"frame rejected: duplicate {key.describe()} (already queued)")
+            if key in self._consumed:
+                raise FrameError(f"frame rejected: replay of {key.describe()} (already consumed)")
 
     def put(self, key: FrameKey, tensor: torch.Tensor, owner: object = None) -> None:
         with self._cond:
-            self._check_new(key)
+            self.check_new(key)
             self._items[key] = (tensor, owner)
             self._cond.notify_all()
 
