@@ -270,12 +270,9 @@ def _read_parquet(path: Path, text_field: str, skips: Skips | None, start: int) 
         row = 0
         for g in range(pf.num_row_groups):
             n = pf.metadata.row_group(g).num_rows
-            if row + n <= start:  # resume: skip whole row groups unread
-                row += n
-                yield _Skipped(n)
-                continue
+            skip = row + n <= start  # resume: skip whole row groups unread
+            yield _Skipped(n) if skip else pf.read_row_group(g, columns=[text_field])
             row += n
-            yield pf.read_row_group(g, columns=[text_field])
 
     return _rows(path, groups(), text_field, skips, start)
 
