@@ -580,10 +580,14 @@ def _check_digest(path: Path, actual: str, header: dict) -> None:
         )
 
 
-def _check_manifest(path: Path, actual: str, expected: str) -> None:
+def _check_manifest(path: Path, actual: str, expected: str, size: int | None = None) -> None:
+    """Refuse a file whose sha256 is not the manifest's, naming both (and both sizes)."""
     if actual != expected.lower():
+        have = None if size is None else path.stat().st_size
+        sizes = f" ({have} bytes, expected {size})" if have != size else ""
         raise CheckpointError(
-            f"checkpoint {path} does not match its manifest: sha256 {actual}, expected {expected}"
+            f"checkpoint {path} does not match its manifest: sha256 {actual}, expected "
+            f"{expected}{sizes}"
         )
 
 
@@ -714,14 +718,7 @@ def verify_file(path: Path, sha256: str, size: int | None = None) -> None:
     """``path`` matches what a manifest says of it (its sha256, and its size if given);
     else a :class:`CheckpointError` names it, with both sizes when they differ."""
     path = Path(path)
-    actual = sha256_of(path)
-    if actual != sha256.lower():
-        have = path.stat().st_size
-        sizes = f" ({have} bytes, expected {size})" if size is not None and have != size else ""
-        raise CheckpointError(
-            f"checkpoint {path} does not match its manifest: sha256 {actual}, expected "
-            f"{sha256}{sizes}"
-        )
+    _check_manifest(path, sha256_of(path), sha256, size)
 
 
 def sha256_of(path: Path) -> str:
