@@ -34,9 +34,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def _header(count: int, dtype: np.dtype) -> bytes:
     header = np.zeros(HEADER_INTS, dtype="<i4")
     wide = dtype.itemsize == 4
-    header[0], header[1], header[2] = MAGIC, VERSION_WIDE if wide else VERSION, count
-    if wide:
-        header[3] = 4
+    header[:4] = (MAGIC, VERSION_WIDE, count, 4) if wide else (MAGIC, VERSION, count, 0)
     return header.tobytes()
 
 

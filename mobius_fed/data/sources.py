@@ -9,6 +9,7 @@ groups, Arrow by record batches (data §inputs).
 from __future__ import annotations
 
 import codecs
+import contextlib
 import gzip
 import io
 import json
@@ -100,15 +101,11 @@ def expand_inputs(paths: list[Path]) -> list[Path]:
             found = []
             for root, dirs, names in os.walk(path):
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                for name in sorted(names):
+                for name in sorted(n for n in names if not n.startswith(".")):
                     p = Path(root) / name
-                    if name.startswith("."):
-                        continue
-                    try:
+                    with contextlib.suppress(DataError):  # an unsupported file is passed over
                         kind_of(p)
-                    except DataError:
-                        continue
-                    found.append(p)
+                        found.append(p)
             if not found:
                 raise DataError(f"{path}: directory holds no {', '.join(TEXT_SUFFIXES)} files")
             files += found
