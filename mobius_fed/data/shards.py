@@ -38,10 +38,6 @@ def _header(count: int, dtype: np.dtype) -> bytes:
     return header.tobytes()
 
 
-def _tmp_of(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
 class ShardWriter:
     """Append tokens to ``path`` in bounded memory; the shard appears (atomically, by
     rename) only at :meth:`close`, so a crash never leaves a half shard under its name.
@@ -63,7 +59,7 @@ class ShardWriter:
         self.count = 0
         self.sha256 = ""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = _tmp_of(self.path)
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
         self._file.write(_header(0, self.dtype))
         # With the final count known up front (``expect``), the file's hash is built as the

@@ -69,10 +69,6 @@ def kind_of(path: Path) -> tuple[str, str]:
     return fmt_suffix[1:], comp
 
 
-def _is_hf_dataset(directory: Path) -> bool:
-    return (directory / "state.json").is_file() or (directory / "dataset_info.json").is_file()
-
-
 def _hf_arrow_files(directory: Path) -> list[Path]:
     """The .arrow files of a ``datasets`` save_to_disk directory, in the dataset's order."""
     if (directory / "dataset_dict.json").is_file():
@@ -95,7 +91,8 @@ def expand_inputs(paths: list[Path]) -> list[Path]:
     files: list[Path] = []
     for path in paths:
         if path.is_dir():
-            if _is_hf_dataset(path) or (path / "dataset_dict.json").is_file():
+            hf_files = ("state.json", "dataset_info.json", "dataset_dict.json")
+            if any((path / name).is_file() for name in hf_files):  # a datasets directory
                 files += _hf_arrow_files(path)
                 continue
             found = []
