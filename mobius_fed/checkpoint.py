@@ -401,13 +401,6 @@ class _Source:
             raise CheckpointError(f"checkpoint {self.path} changed while being read")
 
 
-def _kind_of(head: bytes) -> str:
-    """What a file that is not a checkpoint is, when it is a pickle or holds one; else ''."""
-    if head.startswith(b"PK\x03\x04"):
-        return "a zip archive (a torch.save file, which holds a pickle)"
-    return "a pickle" if head[:1] == b"\x80" else ""
-
-
 class _Decoder:
     """Rebuilds a state from its tree; ``payload`` gives a value's bytes (format 2: the
     file's tensors, by name, each read into a buffer of its own; format 1: byte ranges of
@@ -553,7 +546,10 @@ def _header(src: _Source) -> tuple[int, dict]:
         raise CheckpointError(f"checkpoint {path} is truncated: {size} bytes")
     head = src.read(8).tobytes()
     hlen = int.from_bytes(head, "little")
-    what = _kind_of(head[:4])
+    # what a file that is not a checkpoint is, when it is a pickle or holds one; else ""
+    what = "a pickle" if head[:1] == b"\x80" else ""
+    if head.startswith(b"PK\x03\x04"):
+        what = "a zip archive (a torch.save file, which holds a pickle)"
     refused = f"checkpoint {path} is {what}: refused, never unpickled" if what else ""
     if hlen > min(MAX_HEADER_BYTES, size - 8):
         raise CheckpointError(
@@ -580,10 +576,14 @@ def _check_digest(path: Path, actual: str, header: dict) -> None:
         )
 
 
-def _check_manifest(path: Path, actual: str, expected: str) -> None:
+def _check_manifest(path: Path, actual: str, expected: str, size: int | None = None) -> None:
+    """Refuse a file whose sha256 is not the manifest's, naming both (and both sizes)."""
     if actual != expected.lower():
+        have = None if size is None else path.stat().st_size
+        sizes = f" ({have} bytes, expected {size})" if have != size else ""
         raise CheckpointError(
-            f"checkpoint {path} does not match its manifest: sha256 {actual}, expected {expected}"
+            f"checkpoint {path} does not match its manifest: sha256 {actual}, expected "
+            f"{expected}{sizes}"
         )
 
 
@@ -714,14 +714,7 @@ def verify_file(path: Path, sha256: str, size: int | None = None) -> None:
     """``path`` matches what a manifest says of it (its sha256, and its size if given);
     else a :class:`CheckpointError` names it, with both sizes when they differ."""
     path = Path(path)
-    actual = sha256_of(path)
-    if actual != sha256.lower():
-        have = path.stat().st_size
-        sizes = f" ({have} bytes, expected {size})" if size is not None and have != size else ""
-        raise CheckpointError(
-            f"checkpoint {path} does not match its manifest: sha256 {actual}, expected "
-            f"{sha256}{sizes}"
-        )
+    _check_manifest(path, sha256_of(path), sha256, size)
 
 
 def sha256_of(path: Path) -> str:

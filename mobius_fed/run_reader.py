@@ -74,12 +74,6 @@ def round_of(manifest: Path) -> int:
     return int(manifest.parent.name.removeprefix("round-"))
 
 
-def out_dir_of(manifest: Path) -> Path:
-    """``<out>`` of ``<out>/checkpoints/round-<r>/manifest.json``: paths in it are relative
-    to it."""
-    return Path(manifest).parent.parent.parent
-
-
 def stored_path(out_dir: Path, file: str | Path) -> str:
     """How a manifest stores ``file``: relative to ``out_dir`` when both lie in the same
     run directory (``out_dir``'s parent, an ``up`` root), so a moved run still reads;
@@ -149,43 +143,31 @@ def find_manifest(path: Path) -> Path | None:
     return None
 
 
-def worker_copies(manifest: Path, rank: int, entry: dict[str, Any]) -> list[tuple[Path, str]]:
-    """Every copy of worker ``rank``'s checkpoint that exists, with what it must match:
-    the coordinator's copy next to the manifest, and the worker's own file (where the
-    manifest says, else where an ``up`` run keeps it)."""
-    out = out_dir_of(manifest)
-    found: list[tuple[Path, str]] = []
-    if entry.get("copy"):
-        copy = manifest.parent / entry["copy"]
-        if copy.is_file():
-            found.append((copy, "copy"))
+def verified_worker_file(manifest: Path, rank: int, entry: dict[str, Any]) -> Path:
+    """Worker ``rank``'s checkpoint once every copy of it that exists was checked against the
+    manifest (sha256; the copy's size too), the first failing file named: the coordinator's
+    copy next to the manifest, and the worker's own file (where the manifest says, else where
+    an ``up`` run keeps it)."""
+    out = manifest.parent.parent.parent  # <out>/checkpoints/round-<r>/: paths are relative to it
+    copy: Path | None = manifest.parent / entry["copy"] if entry.get("copy") else None
     stored = entry.get("file", entry["path"])  # older manifests: the absolute path only
     reported = Path(os.path.normpath(out / stored))
     beside = out.parent / f"worker-{rank}" / "checkpoints" / reported.name
     own = next((f for f in (reported, beside) if f.is_file()), None)
-    if own is not None:
-        found.append((own, "own"))
+    found = [f for f in (copy, own) if f is not None and f.is_file()]
     if not found:
-        tried = [manifest.parent / entry["copy"]] if entry.get("copy") else []
         raise NoCheckpoint(
             f"worker-{rank}'s checkpoint for {manifest} is in none of: "
-            + ", ".join(str(f) for f in [*tried, reported, beside])
+            + ", ".join(str(f) for f in (copy, reported, beside) if f is not None)
             + " (copy the worker's file next to the manifest, or run with --state-copy "
             "coordinator)"
         )
-    return found
-
-
-def verified_worker_file(manifest: Path, rank: int, entry: dict[str, Any]) -> Path:
-    """Worker ``rank``'s checkpoint after every copy of it was checked against the manifest
-    (sha256; the copy's size too): the first failing file is named."""
-    copies = worker_copies(manifest, rank, entry)
-    for file, kind in copies:
-        if kind == "copy":
+    for file in found:
+        if file is copy:
             verify_file(file, entry.get("copy_sha256", entry["sha256"]), entry.get("copy_bytes"))
         else:
             verify_file(file, entry["sha256"])
-    return copies[0][0]
+    return found[0]
 
 
 # ------------------------------------------------------------------------ models

@@ -38,14 +38,12 @@ def _per_origin(prefix: str, values: Any, out: dict[str, float]) -> None:
     if values and isinstance(values[0], list):  # a round line: one list per step, keep the last
         values = values[-1]
     for s, v in enumerate(values or []):
-        if _number(v) is not None:
-            out[f"{prefix}origin/{s}/loss"] = float(v)
+        if (x := _number(v)) is not None:
+            out[f"{prefix}origin/{s}/loss"] = x
 
 
 def _worker(rank: str, fig: dict, out: dict[str, float]) -> None:
-    for k, v in fig.items():
-        if _number(v) is not None:
-            out[f"worker/{rank}/{k}"] = float(v)
+    out.update({f"worker/{rank}/{k}": x for k, v in fig.items() if (x := _number(v)) is not None})
     train, wait = _number(fig.get("train_s")), _number(fig.get("wait_s"))
     if train and wait is not None and "wait_share" not in fig:
         out[f"worker/{rank}/wait_share"] = min(1.0, wait / train)
@@ -69,11 +67,9 @@ def scalars_of(record: dict[str, Any]) -> dict[str, float]:
         elif k == "incidents" and isinstance(v, list):
             out["incidents"] = float(len(v))
         elif k == "privacy" and isinstance(v, dict):
-            for pk, pv in v.items():
-                if _number(pv) is not None:
-                    out[f"privacy/{pk}"] = float(pv)
-        elif _number(v) is not None:
-            out[renames.get(k, k)] = float(v)
+            out.update({f"privacy/{p}": x for p, y in v.items() if (x := _number(y)) is not None})
+        elif (x := _number(v)) is not None:
+            out[renames.get(k, k)] = x
     return out
 
 
@@ -283,10 +279,9 @@ class MetricsFollower:
         """Send the complete lines written since the last call."""
         with self._lock:
             try:
-                size = self.path.stat().st_size
-                skip_below = self.last_step if size < self.offset else -1
-                if size < self.offset:  # rewritten by a resume: its kept rows were sent
-                    self.offset = 0
+                skip_below = -1  # a file rewritten by a resume: its kept rows were sent
+                if self.path.stat().st_size < self.offset:
+                    skip_below, self.offset = self.last_step, 0
                 with open(self.path, "rb") as f:
                     f.seek(self.offset)
                     data = f.read()

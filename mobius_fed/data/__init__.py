@@ -9,27 +9,18 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_WHERE = {
-    "embedded_corpus": "corpus",
-    "DataError": "errors",
-    "SiteData": "loader",
-    "TokenStream": "shards",
-    "batch_seed": "loader",
-    "prepare_sites": "prepare",
-    "prepare_site": "prepare",
-    "read_documents": "sources",
-    "MAGIC": "shards",
-    "VERSION": "shards",
-    "ShardWriter": "shards",
-    "read_shard": "shards",
-    "write_shard": "shards",
-    "ENCODINGS": "tokenizers",
-    "encode_document": "tokenizers",
-    "get_encoding": "tokenizers",
-    "encoding_vocab": "vocab",
-    "encoding_identity": "vocab",
-    "site_identity": "manifest",
+_NAMES = {  # module → the names it defines
+    "corpus": ("embedded_corpus",),
+    "errors": ("DataError",),
+    "loader": ("SiteData", "batch_seed"),
+    "manifest": ("site_identity",),
+    "prepare": ("prepare_sites", "prepare_site"),
+    "shards": ("MAGIC", "VERSION", "ShardWriter", "TokenStream", "read_shard", "write_shard"),
+    "sources": ("read_documents",),
+    "tokenizers": ("ENCODINGS", "encode_document", "get_encoding"),
+    "vocab": ("encoding_vocab", "encoding_identity"),
 }
+_WHERE = {name: module for module, names in _NAMES.items() for name in names}
 
 __all__ = sorted(_WHERE)
 

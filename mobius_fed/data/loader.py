@@ -55,7 +55,7 @@ class SiteData:
             raise DataError(f"{self.directory}: seq_len must be >= 1 (got {seq_len})")
         if not self.directory.is_dir():
             raise DataError(f"{self.directory}: data directory not found")
-        self.meta: dict[str, object] = self._read_meta()
+        self.meta: dict[str, object] = read_meta(self.directory)
         if encoding is not None and not self._same_encoding(encoding):
             raise DataError(
                 f"{self.directory}: encoding mismatch: meta.json says "
@@ -75,9 +75,6 @@ class SiteData:
             return encoding_identity(encoding) == self.meta["tokenizer"]
         except DataError:
             return False
-
-    def _read_meta(self) -> dict[str, object]:
-        return read_meta(self.directory)
 
     def _site_index(self) -> int | None:
         value = self.meta.get("site")

@@ -28,7 +28,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -226,20 +226,12 @@ def _units(
 ) -> Iterator[tuple[int, Unit]]:
     """(source index, unit) from the resume position on; bad files skipped or raised."""
     first = start.source if start else 0
-    for k, path in enumerate(inputs):
-        if k < first:
-            continue
+    counted = skips if opts.skip_bad else None  # bad documents counted, not raised
+    for k, path in enumerate(inputs[first:], first):
         begin = start.unit if start and k == start.source else 0
         try:
-            yield from (
-                (k, u)
-                for u in read_units(
-                    path,
-                    text_field=opts.text_field,
-                    skips=skips if opts.skip_bad else None,
-                    start=begin,
-                )
-            )
+            units = read_units(path, text_field=opts.text_field, skips=counted, start=begin)
+            yield from ((k, u) for u in units)
         except BadInput as exc:
             if not opts.skip_bad:
                 raise
@@ -311,10 +303,7 @@ def _encoded(
         while pending:
             done, result = pending.popleft()
             yield (done, *_result(result))
-    finally:
-        for _, result in pending:
-            if isinstance(result, concurrent.futures.Future):
-                result.cancel()
+    finally:  # tasks not started are dropped: cancelled (threads) or the pool terminated
         if isinstance(pool, concurrent.futures.ThreadPoolExecutor):
             pool.shutdown(wait=True, cancel_futures=True)
         else:
@@ -531,16 +520,11 @@ def _write_site(
     site_dir.mkdir(parents=True)
     vocab = encoding_vocab(opts.encoding)
     dtype = token_dtype(vocab).str
-    train = _emit(stream, lo, lo + n_train, "train", site_dir, dtype, opts.shard_tokens)
-    val = _emit(
-        stream,
-        lo + n_train,
-        lo + n_train + n_val,
-        "val",
-        site_dir,
-        dtype,
-        opts.shard_tokens,
-    )
+    bounds = {"train": (lo, lo + n_train), "val": (lo + n_train, lo + n_train + n_val)}
+    shards = {
+        split: _emit(stream, a, b, split, site_dir, dtype, opts.shard_tokens)
+        for split, (a, b) in bounds.items()
+    }
     write_json(
         site_dir / "meta.json",
         {
@@ -554,19 +538,26 @@ def _write_site(
             "sources": stream.sources,
             "skipped": stream.skips.count,
             "skipped_examples": stream.skips.examples,
-            "shards": {"train": train, "val": val},
+            "shards": shards,
         },
     )
     return site_dir
 
 
-def _check_options(out: Path, opts: PrepareOptions) -> None:
+def _checked_inputs(
+    out: Path, inputs: Sequence[Path] | None, text: str | None, opts: PrepareOptions
+) -> list[Path]:
+    """The input files as paths, once the options are valid and there is something to read."""
     if not 0.0 < opts.val_fraction < 1.0:
         raise DataError(f"{out}: val_fraction must be in (0, 1) (got {opts.val_fraction})")
     if opts.shard_tokens < 1:
         raise DataError(f"{out}: shard_tokens must be >= 1 (got {opts.shard_tokens})")
     if opts.workers < 1:
         raise DataError(f"{out}: workers must be >= 1 (got {opts.workers})")
+    files = [Path(p) for p in inputs or ()]
+    if not files and text is None:
+        raise DataError(f"{out}: no input files and no text given")
+    return files
 
 
 def _refuse_existing(site_dir: Path, opts: PrepareOptions) -> None:
@@ -590,12 +581,9 @@ def prepare_site(
     recording ``site`` (which enters every batch seed), the tokenizer and every shard."""
     opts = options or PrepareOptions()
     out = Path(out)
-    _check_options(out, opts)
     if site < 0:
         raise DataError(f"{out}: site must be >= 0 (got {site})")
-    inputs = [Path(p) for p in inputs or ()]
-    if not inputs and text is None:
-        raise DataError(f"{out}: no input files and no text given")
+    inputs = _checked_inputs(out, inputs, text, opts)
     site_dir = out / f"site-{site}"
     _refuse_existing(site_dir, opts)
     work = out / f".prepare-site-{site}"
@@ -629,21 +617,13 @@ def prepare_sites(
     ``options`` (when given) supplies everything but ``encoding``/``val_fraction``/``overwrite``.
     """
     opts = options or PrepareOptions()
-    opts = PrepareOptions(
-        **{
-            **vars(opts),
-            "encoding": encoding,
-            "val_fraction": val_fraction,
-            "overwrite": overwrite or opts.overwrite,
-        }
+    opts = replace(
+        opts, encoding=encoding, val_fraction=val_fraction, overwrite=overwrite or opts.overwrite
     )
     out = Path(out)
-    inputs = [Path(p) for p in inputs or ()]
     if sites < 1:
         raise DataError(f"{out}: sites must be >= 1 (got {sites})")
-    _check_options(out, opts)
-    if not inputs and text is None:
-        raise DataError(f"{out}: no input files and no text given")
+    inputs = _checked_inputs(out, inputs, text, opts)
     if only is not None and not 0 <= only < sites:
         raise DataError(f"{out}: site {only} out of range for {sites} sites")
     wanted = range(sites) if only is None else (only,)

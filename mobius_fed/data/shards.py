@@ -34,14 +34,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def _header(count: int, dtype: np.dtype) -> bytes:
     header = np.zeros(HEADER_INTS, dtype="<i4")
     wide = dtype.itemsize == 4
-    header[0], header[1], header[2] = MAGIC, VERSION_WIDE if wide else VERSION, count
-    if wide:
-        header[3] = 4
+    header[:4] = (MAGIC, VERSION_WIDE, count, 4) if wide else (MAGIC, VERSION, count, 0)
     return header.tobytes()
-
-
-def _tmp_of(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
 class ShardWriter:
@@ -65,7 +59,7 @@ class ShardWriter:
         self.count = 0
         self.sha256 = ""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = _tmp_of(self.path)
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
         self._file.write(_header(0, self.dtype))
         # With the final count known up front (``expect``), the file's hash is built as the

@@ -9,6 +9,7 @@ groups, Arrow by record batches (data §inputs).
 from __future__ import annotations
 
 import codecs
+import contextlib
 import gzip
 import io
 import json
@@ -68,10 +69,6 @@ def kind_of(path: Path) -> tuple[str, str]:
     return fmt_suffix[1:], comp
 
 
-def _is_hf_dataset(directory: Path) -> bool:
-    return (directory / "state.json").is_file() or (directory / "dataset_info.json").is_file()
-
-
 def _hf_arrow_files(directory: Path) -> list[Path]:
     """The .arrow files of a ``datasets`` save_to_disk directory, in the dataset's order."""
     if (directory / "dataset_dict.json").is_file():
@@ -94,21 +91,18 @@ def expand_inputs(paths: list[Path]) -> list[Path]:
     files: list[Path] = []
     for path in paths:
         if path.is_dir():
-            if _is_hf_dataset(path) or (path / "dataset_dict.json").is_file():
+            hf_files = ("state.json", "dataset_info.json", "dataset_dict.json")
+            if any((path / name).is_file() for name in hf_files):  # a datasets directory
                 files += _hf_arrow_files(path)
                 continue
             found = []
             for root, dirs, names in os.walk(path):
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                for name in sorted(names):
+                for name in sorted(n for n in names if not n.startswith(".")):
                     p = Path(root) / name
-                    if name.startswith("."):
-                        continue
-                    try:
+                    with contextlib.suppress(DataError):  # an unsupported file is passed over
                         kind_of(p)
-                    except DataError:
-                        continue
-                    found.append(p)
+                        found.append(p)
             if not found:
                 raise DataError(f"{path}: directory holds no {', '.join(TEXT_SUFFIXES)} files")
             files += found
@@ -270,12 +264,9 @@ def _read_parquet(path: Path, text_field: str, skips: Skips | None, start: int) 
         row = 0
         for g in range(pf.num_row_groups):
             n = pf.metadata.row_group(g).num_rows
-            if row + n <= start:  # resume: skip whole row groups unread
-                row += n
-                yield _Skipped(n)
-                continue
+            skip = row + n <= start  # resume: skip whole row groups unread
+            yield _Skipped(n) if skip else pf.read_row_group(g, columns=[text_field])
             row += n
-            yield pf.read_row_group(g, columns=[text_field])
 
     return _rows(path, groups(), text_field, skips, start)
 

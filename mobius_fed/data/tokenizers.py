@@ -15,7 +15,7 @@ from typing import Any, Protocol, cast
 import tiktoken
 
 from mobius_fed.data.errors import DataError
-from mobius_fed.data.vocab import BUILTIN_VOCAB, TIKTOKEN_VOCAB, check_encoding_name, hf_path
+from mobius_fed.data.vocab import BUILTIN_VOCAB, TIKTOKEN_VOCAB, check_encoding_name, hf_file
 
 ENCODINGS = tuple(BUILTIN_VOCAB)
 EOT = "<|endoftext|>"
@@ -135,11 +135,7 @@ def get_encoding(name: str) -> Tokenizer:
         return _bytes_encoding()
     if name in TIKTOKEN_VOCAB:
         return _tiktoken_encoding(name)
-    path = hf_path(name)
-    assert path is not None
-    if not path.is_file():
-        raise DataError(f"{path}: tokenizer.json not found (encoding {name!r})")
-    return _hf_tokenizer(path.resolve(), path.stat().st_mtime_ns)
+    return _hf_tokenizer(*hf_file(name))
 
 
 def encode_document(enc: Tokenizer, text: str) -> list[int]:

@@ -72,22 +72,23 @@ def _hf_summary(path: Path, mtime_ns: int) -> tuple[int, str]:
     return max(ids) + 1, "hf:" + hashlib.sha256(raw).hexdigest()[:16]
 
 
-def _hf(name: str) -> tuple[int, str]:
+def hf_file(name: str) -> tuple[Path, int]:
+    """The resolved tokenizer.json of an ``hf:`` name and its mtime (the caches' key)."""
     path = hf_path(name)
     assert path is not None
     if not path.is_file():
         raise DataError(f"{path}: tokenizer.json not found (encoding {name!r})")
-    return _hf_summary(path.resolve(), path.stat().st_mtime_ns)
+    return path.resolve(), path.stat().st_mtime_ns
 
 
 def encoding_vocab(name: str) -> int:
     """Number of token ids of the encoding (largest id + 1)."""
     check_encoding_name(name)
-    return BUILTIN_VOCAB[name] if name in BUILTIN_VOCAB else _hf(name)[0]
+    return BUILTIN_VOCAB[name] if name in BUILTIN_VOCAB else _hf_summary(*hf_file(name))[0]
 
 
 def encoding_identity(name: str) -> str:
     """What two sites must agree on: the name for bytes/tiktoken, ``hf:<sha256 prefix>`` of
     the tokenizer.json's bytes for a Hugging Face tokenizer (paths may differ per host)."""
     check_encoding_name(name)
-    return name if name in BUILTIN_VOCAB else _hf(name)[1]
+    return name if name in BUILTIN_VOCAB else _hf_summary(*hf_file(name))[1]

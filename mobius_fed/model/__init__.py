@@ -9,15 +9,12 @@ import importlib
 
 from mobius_fed.model.config import PRESETS, ModelConfig, make_model_config
 
-# name → the module (importing torch) that defines it
-_LAZY = {
-    "BlockGroup": "group",
-    "Replica": "replica",
-    "is_private": "replica",
-    "build_group": "groups",
-    "build_replica": "groups",
-    "count_parameters": "groups",
+_NAMES = {  # module (importing torch) → the names it defines
+    "group": ("BlockGroup",),
+    "replica": ("Replica", "is_private"),
+    "groups": ("build_group", "build_replica", "count_parameters"),
 }
+_LAZY = {name: module for module, names in _NAMES.items() for name in names}
 __all__ = ["PRESETS", "ModelConfig", "make_model_config", *sorted(_LAZY)]
 
 
