@@ -31,13 +31,13 @@ from mobius_fed.model.training import make_optimizers
 from mobius_fed.privacy.attacks import (
     cluster_targets,
     group_purity,
-    inversion_accuracy,
     recover_targets,
     recover_targets_linear,
     recover_targets_matching,
     recover_targets_through,
     train_inverter,
 )
+from mobius_fed.privacy.input_attacks import TOP, recovery
 from mobius_fed.privacy.observer import Observer
 
 
@@ -318,8 +318,9 @@ class Audit:
             noise=cfg.privacy.input_noise,
             seed=cfg.seed,
         )
-        inv.exact, inv.top5 = inversion_accuracy(model, received, tokens)
-        inv.tokens = tokens.numel()
+        with torch.no_grad():
+            r = recovery(model(received).topk(TOP, -1).indices.reshape(-1, TOP), tokens)
+        inv.exact, inv.top5, inv.tokens = r.exact, r.top5, r.tokens
         common = torch.bincount(own.flatten(), minlength=vocab).argmax()
         inv.frequency_baseline = (tokens == common).float().mean().item()
 
