@@ -157,13 +157,9 @@ class TrainConfig(BaseModel):
         arrive exactly."""
         pc = self.privacy
         defences = [
-            f"privacy.{name} = {value!r}"
-            for name, value, off in (
-                ("home_input", pc.home_input, "off"),
-                ("input_noise", pc.input_noise, 0.0),
-                ("decorrelation", pc.decorrelation, 0.0),
-            )
-            if value != off
+            f"privacy.{name} = {getattr(pc, name)!r}"
+            for name in ("home_input", "input_noise", "decorrelation")
+            if getattr(pc, name) != PrivacyConfig.model_fields[name].default
         ]
         if defences:
             raise ValueError(

@@ -176,11 +176,9 @@ class PrivacyConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _expand_preset(cls, data: object) -> object:
-        if not isinstance(data, dict):
-            return data
-        name = data.get("preset", "off")
-        if name in (None, "off") or name not in PRIVACY_PRESETS:
-            return data  # an unknown name is refused by the field's own check
+        if not isinstance(data, dict) or data.get("preset") not in PRIVACY_PRESETS:
+            return data  # no preset, "off", or an unknown name (refused by the field's check)
+        name = data["preset"]
         if data.get("noise_key_dir") is None:
             raise ValueError(
                 f"privacy.preset {name!r} needs privacy.noise_key_dir (one secret per site): "

@@ -256,10 +256,9 @@ def layered_config(
     for dest, value in (flags or {}).items():
         if value is None:
             continue
-        found = by_dest.get(dest)
-        if found is None:
+        if dest not in by_dest:
             raise ConfigError(f"no setting named {dest!r}")
-        s = found
+        s = by_dest[dest]
         if isinstance(value, str):
             value = _parsed(s, value, f"{s.flag} {value!r}")
         if isinstance(value, dict) and isinstance(_get(data, s.path), dict):

@@ -71,19 +71,12 @@ def _input_block(cfg: TrainConfig, step: int) -> dict[str, Any]:
         run = input_epsilon_spent(pc, cfg.steps, cfg.model().seq_len)
     except PrivacyExtraMissing as exc:
         return {**out, "epsilon_position": None, "epsilon_sequence": None, "error": str(exc)}
-    for unit, value in eps.items():
-        out[f"epsilon_{unit}"] = value if math.isfinite(value) else None
-    for unit, value in run.items():
-        out[f"epsilon_{unit}_whole_run"] = value if math.isfinite(value) else None
+    for suffix, spent in (("", eps), ("_whole_run", run)):
+        for unit, value in spent.items():
+            out[f"epsilon_{unit}{suffix}"] = value if math.isfinite(value) else None
     # every site sends each of its streams' first hop once per step, with its own key
-    out["per_site"] = [
-        {
-            "site": s,
-            "epsilon_position": out["epsilon_position"],
-            "epsilon_sequence": out["epsilon_sequence"],
-        }
-        for s in range(cfg.P)
-    ]
+    per_step = {k: out[k] for k in ("epsilon_position", "epsilon_sequence")}
+    out["per_site"] = [{"site": s, **per_step} for s in range(cfg.P)]
     return out
 
 

@@ -23,16 +23,12 @@ from mobius_fed.model.layers import rms_norm
 from mobius_fed.model.replica import Replica
 
 
-def _head_weight(head: Replica) -> Tensor:
-    return head.wte.weight if head.lm_head is None else head.lm_head.weight
-
-
 @torch.no_grad()
 def candidate_gradients(h: Tensor, head: Replica) -> tuple[Tensor, Tensor]:
     """Per token of h [N, d]: the model's softmax p [N, V] and the gradient of that token's
     own CE with respect to h for every candidate target, [N, V, d]."""
     h = h.float()
-    W = _head_weight(head).float()  # [V, d]
+    W = (head.wte.weight if head.lm_head is None else head.lm_head.weight).float()  # [V, d]
     d = h.size(-1)
     eps = torch.finfo(h.dtype).eps
     r = (h.square().mean(-1, keepdim=True) + eps).sqrt()  # [N, 1]
@@ -126,16 +122,6 @@ def train_inverter(
         loss.backward()
         opt.step()
     return model.eval()
-
-
-@torch.no_grad()
-def inversion_accuracy(model: Inverter, received: Tensor, tokens: Tensor) -> tuple[float, float]:
-    """(exact-token, top-5) accuracy of ``model`` on received hidden states."""
-    logits = model(received)
-    top5 = logits.topk(5, -1).indices
-    exact = (top5[..., 0] == tokens).float().mean().item()
-    in5 = (top5 == tokens.unsqueeze(-1)).any(-1).float().mean().item()
-    return exact, in5
 
 
 @torch.no_grad()

@@ -31,13 +31,13 @@ from mobius_fed.model.training import make_optimizers
 from mobius_fed.privacy.attacks import (
     cluster_targets,
     group_purity,
-    inversion_accuracy,
     recover_targets,
     recover_targets_linear,
     recover_targets_matching,
     recover_targets_through,
     train_inverter,
 )
+from mobius_fed.privacy.input_attacks import TOP, recovery
 from mobius_fed.privacy.observer import Observer
 
 
@@ -182,6 +182,16 @@ def first_hop_attacker(cfg: TrainConfig, s: int) -> tuple[int, int] | None:
     return slot, schedule.consumer(path, s, slot)
 
 
+def held_out(
+    engine: ReferenceEngine, obs: Observer, victim: int, slot: int
+) -> tuple[Tensor, Tensor]:
+    """(what ``obs`` received at ``slot`` of stream ``victim`` in the final evaluation,
+    the victim's held-out tokens it carries)."""
+    micro = [mb for b in range(engine.cfg.eval_batches) for mb in engine._micro("val", victim, b)]
+    got = [obs.received[("eval", engine.step, victim, slot, j)] for j in range(len(micro))]
+    return torch.cat(got), torch.cat([x for x, _ in micro])
+
+
 class Audit:
     """One audited training run on the reference engine."""
 
@@ -297,16 +307,7 @@ class Audit:
         if self.first_hop is None:
             return
         cfg, inv = self.cfg, self.inversion
-        count = cfg.eval_batches * cfg.micro_batches
-        micro = [
-            mb for b in range(cfg.eval_batches) for mb in self.engine._micro("val", inv.victim, b)
-        ]
-        got = [
-            self.first_hop.received[("eval", self.engine.step, inv.victim, inv.slot, j)]
-            for j in range(count)
-        ]
-        received = torch.cat(got)
-        tokens = torch.cat([x for x, _ in micro])
+        received, tokens = held_out(self.engine, self.first_hop, inv.victim, inv.slot)
         feats, own = self._attacker_features(inv.slot, inv.attacker)
         vocab = cfg.model().vocab_size
         model = train_inverter(
@@ -317,8 +318,9 @@ class Audit:
             noise=cfg.privacy.input_noise,
             seed=cfg.seed,
         )
-        inv.exact, inv.top5 = inversion_accuracy(model, received, tokens)
-        inv.tokens = tokens.numel()
+        with torch.no_grad():
+            r = recovery(model(received).topk(TOP, -1).indices.reshape(-1, TOP), tokens)
+        inv.exact, inv.top5, inv.tokens = r.exact, r.top5, r.tokens
         common = torch.bincount(own.flatten(), minlength=vocab).argmax()
         inv.frequency_baseline = (tokens == common).float().mean().item()
 

@@ -129,11 +129,7 @@ def best_over_clusters(
 ) -> tuple[Recovery, int]:
     """The best exact recovery of ``attack(k)`` over the cluster counts of ``sweep`` (and
     its k): what an attacker who chooses k well gets."""
-    best: tuple[Recovery, int] | None = None
-    for k in sweep:
-        r = recovery(attack(k), tokens)
-        if best is None or r.exact > best[0].exact:
-            best = (r, k)
-    if best is None:
+    tried = [(recovery(attack(k), tokens), k) for k in sweep]
+    if not tried:
         raise ValueError("the cluster sweep is empty")
-    return best
+    return max(tried, key=lambda rk: rk[0].exact)  # the first k of equal recoveries

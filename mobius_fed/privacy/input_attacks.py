@@ -119,6 +119,15 @@ def cluster_frequency(
     return ranked[ranks]
 
 
+def _positions(h: Tensor, tokens: Tensor, known: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(states [N, d] in fp32, tokens [N], known mask [N]) of the positions of ``h`` [..., d];
+    a mask of another length is refused."""
+    x, t, known = h.reshape(-1, h.size(-1)).float(), tokens.reshape(-1), known.reshape(-1)
+    if known.numel() != t.numel():
+        raise ValueError(f"known mask has {known.numel()} entries for {t.numel()} positions")
+    return x, t, known
+
+
 @torch.no_grad()
 def known_plaintext(
     h: Tensor,
@@ -133,11 +142,7 @@ def known_plaintext(
     residual stream starts as E(x), so A = I is the attacker's prior), then take the
     nearest row of E to h·A at every unknown position. Returns (top-5 guesses, true
     tokens) of the unknown positions."""
-    x = h.reshape(-1, h.size(-1)).float()
-    t = tokens.reshape(-1)
-    known = known.reshape(-1)
-    if known.numel() != t.numel():
-        raise ValueError(f"known mask has {known.numel()} entries for {t.numel()} positions")
+    x, t, known = _positions(h, tokens, known)
     n_known = int(known.sum())
     if n_known == 0:
         raise ValueError(
@@ -160,11 +165,8 @@ def known_codebook(h: Tensor, tokens: Tensor, known: Tensor) -> tuple[Tensor, Te
     """Each unknown position of ``h`` [..., d] takes the distinct tokens of its nearest
     ``known`` positions by cosine, nearest first (padded with its first guess). Returns
     (top-5 guesses, true tokens) of the unknown positions."""
-    x = h.reshape(-1, h.size(-1)).float()
+    x, t, known = _positions(h, tokens, known)
     x = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    t, known = tokens.reshape(-1), known.reshape(-1)
-    if known.numel() != t.numel():
-        raise ValueError(f"known mask has {known.numel()} entries for {t.numel()} positions")
     if not bool(known.any()) or bool(known.all()):
         raise ValueError("the codebook needs some known and some unknown positions")
     order = (x[~known] @ x[known].T).argsort(-1, descending=True)
@@ -183,10 +185,7 @@ def known_class_means(h: Tensor, tokens: Tensor, known: Tensor) -> tuple[Tensor,
     pooled within tokens, and the known tokens' frequencies π_v; each unknown position takes
     the tokens of highest log π_v − ‖h − μ_v‖² / 2s². Returns (top-5 guesses, true tokens)
     of the unknown positions."""
-    x = h.reshape(-1, h.size(-1)).float()
-    t, known = tokens.reshape(-1), known.reshape(-1)
-    if known.numel() != t.numel():
-        raise ValueError(f"known mask has {known.numel()} entries for {t.numel()} positions")
+    x, t, known = _positions(h, tokens, known)
     if not bool(known.any()) or bool(known.all()):
         raise ValueError("the class means need some known and some unknown positions")
     xk, tk = x[known], t[known]

@@ -17,7 +17,7 @@ from pathlib import Path
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.privacy.leakage import LeakageAudit
-from mobius_fed.privacy.pareto import read_runs, write_runs
+from mobius_fed.privacy.pareto import read_runs, select_named, write_runs
 
 VARIANTS: dict[str, dict] = {
     "none": {},
@@ -54,13 +54,7 @@ class DefenceRun:
 
 def select_variants(names: str | None) -> dict[str, dict]:
     """The variants named (comma-separated), or all; an unknown name is refused."""
-    if not names:
-        return dict(VARIANTS)
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown variant {unknown[0]!r}: expected one of {', '.join(VARIANTS)}")
-    return {n: VARIANTS[n] for n in wanted}
+    return select_named(VARIANTS, names, "variant")
 
 
 def measure(

@@ -29,7 +29,7 @@ from mobius_fed.engine.reference import ReferenceEngine
 from mobius_fed.model.training import average_parameters
 from mobius_fed.privacy import er_attacks, input_attacks
 from mobius_fed.privacy.attacks import train_inverter
-from mobius_fed.privacy.audit import check_victim, ensure_home_layers, own_text
+from mobius_fed.privacy.audit import check_victim, ensure_home_layers, held_out, own_text
 from mobius_fed.privacy.input_attacks import TOP, recovery
 from mobius_fed.privacy.leakage_report import HopRow, LeakageReport, UpdateRow
 from mobius_fed.privacy.observer import Observer
@@ -169,16 +169,13 @@ class LeakageAudit:
         return ev.loss
 
     # ----------------------------------------------------------------- input
-    def _own_text(self, attacker: int) -> Tensor:
-        return own_text(self.cfg, self.sites[attacker], self.attacker_batches)
-
     @torch.no_grad()
     def _own_stream(self, slot: int, attacker: int) -> tuple[Tensor, Tensor]:
         """(hidden states, tokens) of the attacker's own text through what it holds: E and
         its own group, applied ``slot`` times as a stand-in for the groups it lacks (the
         first time as the stream's origin, then as a remote group), through the run's
         stream maps, and rebuilt as a receiver rebuilds a hop (:meth:`_lift`)."""
-        eng, x = self.engine, self._own_text(attacker)
+        eng, x = self.engine, own_text(self.cfg, self.sites[attacker], self.attacker_batches)
         entry = eng.maps.enter(eng.replicas[attacker].embed(x), grad=False)
         h = entry.slot0
         for t in range(slot):  # only the first application adds the origin's own b
@@ -200,27 +197,20 @@ class LeakageAudit:
         return wte if basis is None else basis.expand(basis.coords(wte))
 
     def _received(self, obs: Observer, slot: int, stage: str) -> tuple[Tensor, Tensor]:
-        cfg, eng = self.cfg, self.engine
-        if stage == "step 0":
-            micro = eng._micro("train", self.victim, 0)
-            phase, step = "train", 0
-        else:
-            micro = [
-                mb for b in range(cfg.eval_batches) for mb in eng._micro("val", self.victim, b)
-            ]
-            phase, step = "eval", eng.step
-        got = [obs.received[(phase, step, self.victim, slot, j)] for j in range(len(micro))]
+        if stage != "step 0":
+            h, x = held_out(self.engine, obs, self.victim, slot)
+            return self._lift(h), x
+        micro = self.engine._micro("train", self.victim, 0)
+        got = [obs.received[("train", 0, self.victim, slot, j)] for j in range(len(micro))]
         return self._lift(torch.cat(got)), torch.cat([x for x, _ in micro])
 
     def _attack_hop(
         self, slot: int, attacker: int, stage: str, h: Tensor, x: Tensor
     ) -> list[HopRow]:
         cfg, vocab = self.cfg, self.cfg.model().vocab_size
-        if stage == "step 0":
-            wte = self.start_wte[attacker]
-        else:
-            wte = self.engine.replicas[attacker].wte.weight.detach()
-        public = self._own_text(attacker)
+        trained = self.engine.replicas[attacker].wte.weight.detach()
+        wte = self.start_wte[attacker] if stage == "step 0" else trained
+        public = own_text(cfg, self.sites[attacker], self.attacker_batches)
         floor = input_attacks.frequency_floor(public, x.numel(), vocab)
         nearest = input_attacks.nearest_row(h, self._rows(wte))
         clusters = input_attacks.cluster_frequency(h, public, vocab, seed=cfg.seed)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from mobius_fed.plotting import pyplot
+from mobius_fed.plotting import pyplot, save_figure
 
 R = TypeVar("R")
 
@@ -56,15 +56,21 @@ class SettingRun:
     floor: float | None = None  # the largest per-victim floor of the run
 
 
+def select_named(table: dict[str, dict], names: str | None, what: str) -> dict[str, dict]:
+    """The entries of ``table`` named (comma-separated), or all; an unknown name is refused
+    (the error calls an entry a ``what``)."""
+    if not names:
+        return dict(table)
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in table]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown[0]!r}: expected one of {', '.join(table)}")
+    return {n: table[n] for n in wanted}
+
+
 def select(names: str | None) -> dict[str, dict]:
     """The settings named (comma-separated), or all; an unknown name is refused."""
-    if not names:
-        return dict(SETTINGS)
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in SETTINGS]
-    if unknown:
-        raise ValueError(f"unknown setting {unknown[0]!r}: expected one of {', '.join(SETTINGS)}")
-    return {n: SETTINGS[n] for n in wanted}
+    return select_named(SETTINGS, names, "setting")
 
 
 def _delta(runs: Sequence[SettingRun], setting: str, preset: str) -> tuple[float, float, int]:
@@ -150,11 +156,8 @@ def figure(runs: Sequence[SettingRun], path: Path, preset: str) -> Path | None:
     ax.set_ylabel("worst victim: best attack − floor (points)")
     ax.set_title("Input defences against a patient neighbour (grey: today's options)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_runs(runs: Sequence[Any], out: Path, stem: str, table: str) -> list[Path]:

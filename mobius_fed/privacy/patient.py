@@ -30,13 +30,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from mobius_fed import schedule
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
-from mobius_fed.defences.stages import first_remote_slot
 from mobius_fed.engine.reference import ReferenceEngine
 from mobius_fed.privacy import input_attacks as ia
-from mobius_fed.privacy.audit import ensure_home_layers, own_text
+from mobius_fed.privacy.audit import ensure_home_layers, first_hop_attacker, own_text
 from mobius_fed.privacy.decipher import CLUSTER_SWEEP, best_over_clusters, decipher
 from mobius_fed.privacy.observer import Observer
 
@@ -151,11 +149,10 @@ class PatientAudit:
         self.hops: dict[int, tuple[int, int]] = {}
         self.observers: dict[int, Observer] = {}
         for s in range(cfg.P):
-            slot = first_remote_slot(cfg, s)
-            if slot is None:
+            first = first_hop_attacker(cfg, s)
+            if first is None:
                 continue
-            receiver = schedule.consumer(schedule.path(cfg.order, s, cfg.P, cfg.loops), s, slot)
-            self.hops[s] = (slot, receiver)
+            slot, receiver = self.hops[s] = first
             obs = Observer(
                 rank=receiver, forward_slots={s: slot}, phases=("train",), train_steps=steps
             )

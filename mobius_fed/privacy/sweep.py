@@ -70,8 +70,7 @@ def sweep(
     rows = []
     for label, order, privacy in grid:
         pc = {**base.privacy.model_dump(), **privacy, "noise_key_dir": noise_key_dir}
-        cfg = base.model_copy(update={"order": order, "privacy": type(base.privacy)(**pc)})
-        cfg = TrainConfig.model_validate(cfg.model_dump())
+        cfg = TrainConfig.model_validate({**base.model_dump(), "order": order, "privacy": pc})
         victim = 1 if order == "ordered" and cfg.P > 1 else 0
         report = Audit(cfg, sites, victim=victim, inverter_steps=inverter_steps).run()
         log(f"{label}: {one_line(report)}")

@@ -104,7 +104,7 @@ class Supervisor:
                 continue
             for dep, cond in svc.depends_on.items():
                 self._await(dep, cond, name, deadline)
-            self._start(svc)
+            self._table.start(name, svc.argv)
         failed = {n: rc for n, rc in self.failed().items() if n in order}
         if failed:
             raise TestbedError(self.describe_failure(failed))
@@ -131,9 +131,6 @@ class Supervisor:
                 out.add(s)
                 todo.extend(self.project.services[s].depends_on)
         return out
-
-    def _start(self, svc: Service) -> None:
-        self._table.start(svc.name, svc.argv)
 
     def _spawn(self, child: Child, log: BinaryIO) -> subprocess.Popen:
         if self._stopping.is_set():

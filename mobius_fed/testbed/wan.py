@@ -121,15 +121,8 @@ def wan_tools_missing(shapes: Iterable[WanShape]) -> str | None:
     """None when the tools these shapes need are installed, else which are missing and how
     to install them (a rate needs ``tc``, a delay ``iptables`` for the delay-line redirect)."""
     shapes = list(shapes)
-    need = [
-        t
-        for t, used in (
-            ("tc", any(s.rate for s in shapes)),
-            ("iptables", any(s.delay > 0 for s in shapes)),
-        )
-        if used
-    ]
-    missing = [t for t in need if shutil.which(t) is None]
+    need = {"tc": any(s.rate for s in shapes), "iptables": any(s.delay > 0 for s in shapes)}
+    missing = [t for t, used in need.items() if used and shutil.which(t) is None]
     if not missing:
         return None
     pkgs = " ".join(sorted({WAN_TOOLS[t] for t in missing}))
@@ -298,7 +291,10 @@ def probe(host: str, port: int, seconds: float = 3.0, pings: int = 10) -> dict[s
         while time.perf_counter() - t0 < seconds:
             s.sendall(data)
         s.shutdown(socket.SHUT_WR)
-        total, span = struct.unpack("!Qd", _recv_exact(s, 16))
+        answer = s.recv(16, socket.MSG_WAITALL)
+    if len(answer) < 16:
+        raise WanError("probe: the server closed the connection early")
+    total, span = struct.unpack("!Qd", answer)
     return {"rtt_ms": rtts[len(rtts) // 2] * 1e3, "mbit_s": total * 8 / span / 1e6}
 
 
@@ -315,16 +311,6 @@ def _pings(host: str, port: int, count: int) -> list[float]:
             rtts.append(time.perf_counter() - t)
         s.sendall(b".")
     return sorted(rtts)
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        got = s.recv(n - len(out))
-        if not got:
-            raise WanError("probe: the server closed the connection early")
-        out += got
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
