@@ -21,6 +21,7 @@ from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.codec import FrameError, TensorAssembler, encode_frames, parse_frame
 from mobius_fed.worker.frames import FrameRules
 from tests.ring_harness import Ring
+from tests.test_export import val_losses
 
 
 def test_basis_is_orthonormal_seeded_and_checked():
@@ -330,20 +331,6 @@ def test_bytes_and_projection_count_the_coordinates():
         wan.parse_rate_bps("1gbps")
 
 
-def _val_losses(models: list, sites: list, cfg: TrainConfig) -> list[float]:
-    """Each exported model's mean validation loss on its own site's batches."""
-    got = []
-    for s, model in enumerate(models):
-        losses = []
-        for b in range(cfg.eval_batches):
-            x, y = sites[s].batch("val", seed=cfg.seed, step=b, batch_size=cfg.batch_size)
-            with torch.no_grad():
-                logits = model(x)
-            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
-        got.append(float(torch.stack(losses).mean()))
-    return got
-
-
 def test_tokens_mode_exports_and_generates(site_dirs: list[Path], tmp_path: Path):
     """Mode tokens in the exported model: after the final barrier every E is the same, so
     the file's one E rebuilds b at every group and its loss equals the run's evaluation;
@@ -365,7 +352,7 @@ def test_tokens_mode_exports_and_generates(site_dirs: list[Path], tmp_path: Path
     dirs = export_run(tmp_path / "run", tmp_path / "models")
     assert json.loads((dirs[0] / "config.json").read_text())["subspace_mode"] == "tokens"
     models = [load(d) for d in dirs]
-    assert _val_losses(models, sites, cfg) == pytest.approx(want, abs=1e-5)
+    assert val_losses(models, sites, cfg) == pytest.approx(want, abs=1e-5)
     ids = list(b"The ship sails at dawn")
     with torch.no_grad():
         full = models[1](torch.tensor([ids]))[0]
@@ -444,7 +431,7 @@ def test_learned_u_exports_and_generates(site_dirs: list[Path], tmp_path: Path):
     learned = engine.replicas[0].subspace.U.detach()
     assert torch.equal(models[0].subspace_basis, learned)
     assert not torch.equal(learned, build_basis(cfg.model(), cfg.seed))
-    assert _val_losses(models, sites, cfg) == pytest.approx(want, abs=1e-5)
+    assert val_losses(models, sites, cfg) == pytest.approx(want, abs=1e-5)
     ids = list(b"The ship")
     assert len(generate_ids(models[1], ids, max_new_tokens=6, seed=1)) == 6
 

@@ -23,6 +23,7 @@ from mobius_fed.cli import status as status_cli
 from mobius_fed.cli import worker as worker_cli
 from mobius_fed.config import read_toml
 from mobius_fed.coordinator import config as coord_config
+from mobius_fed.coordinator import rest_client
 from mobius_fed.transport.certs import CertLayout
 from mobius_fed.transport.tls import COORDINATOR_IDENTITY, identity_name
 from mobius_fed.worker import config as worker_config
@@ -211,8 +212,8 @@ def test_code_defaults_are_the_deployment_ports() -> None:
     assert _port(status_cli.DEFAULT_COORDINATOR) == GRPC_PORT
     # The dialler checks the coordinator's reserved identity name, which `certs init` writes
     # into the coordinator's certificate beside its host name (docs/security.md).
-    assert identity_name(COORDINATOR_IDENTITY) == status_cli.COORDINATOR_NAME
-    assert status_cli.COORDINATOR_NAME == "coordinator.id.mobius.invalid"
+    assert identity_name(COORDINATOR_IDENTITY) == rest_client.COORDINATOR_NAME
+    assert rest_client.COORDINATOR_NAME == "coordinator.id.mobius.invalid"
     assert set(BUNDLE_FILES.values()) == {"ca.crt", "tls.crt", "tls.key"}
     assert BUNDLE.bundle("worker-3").cert.parent.relative_to(BUNDLE.root) == Path("nodes/worker-3")
 

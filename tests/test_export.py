@@ -32,7 +32,7 @@ def _cfg(**kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
-def _val_losses(models: list, sites: list[SiteData], cfg: TrainConfig, hf: bool = False):
+def val_losses(models: list, sites: list[SiteData], cfg: TrainConfig, hf: bool = False):
     """Each origin's mean validation loss on the batches the run evaluates (Eq. 8's terms)."""
     out = []
     for s, model in enumerate(models):
@@ -89,9 +89,9 @@ def test_local_run_export_equals_the_engines_evaluation(
     conf = json.loads((dirs[1] / "config.json").read_text())
     assert conf["source_groups"] == [1, 0] and conf["path"] == [0, 1, 0, 1]
     assert conf["encoding"] == "bytes" and conf["eos_token_id"] == 256
-    got = _val_losses([load(d) for d in dirs], sites, cfg)
+    got = val_losses([load(d) for d in dirs], sites, cfg)
     assert got == pytest.approx(want, abs=1e-5)
-    assert _val_losses(_hf_models(dirs), sites, cfg, hf=True) == pytest.approx(want, abs=1e-5)
+    assert val_losses(_hf_models(dirs), sites, cfg, hf=True) == pytest.approx(want, abs=1e-5)
 
 
 def test_one_origin_goes_to_out_itself_and_bad_origins_are_named(
@@ -256,9 +256,9 @@ def test_coordinated_run_export_equals_the_rings_evaluation(tmp_path: Path) -> N
     manifest = tmp_path / "up" / "coordinator" / "checkpoints" / "round-000004" / "manifest.json"
     sites = analyze.sites_for(train, manifest, None, tmp_path / "an")
     want = last["origin_losses"]
-    assert _val_losses([load(d) for d in dirs], sites, train) == pytest.approx(want, abs=1e-5)
+    assert val_losses([load(d) for d in dirs], sites, train) == pytest.approx(want, abs=1e-5)
     hf = _hf_models(dirs)
-    assert _val_losses(hf, sites, train, hf=True) == pytest.approx(want, abs=1e-5)
+    assert val_losses(hf, sites, train, hf=True) == pytest.approx(want, abs=1e-5)
     worker = Path(json.loads(manifest.read_text())["workers"]["1"]["path"])
     raw = bytearray(worker.read_bytes())
     raw[-1] ^= 0x01

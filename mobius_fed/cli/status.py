@@ -25,7 +25,6 @@ from rich.table import Table
 
 from mobius_fed.cli.common import CliError, add_run_flag, run_endpoints
 from mobius_fed.coordinator.endpoints import Endpoints
-from mobius_fed.coordinator.rest_client import COORDINATOR_NAME as COORDINATOR_NAME
 from mobius_fed.coordinator.rest_client import get_status
 from mobius_fed.machines import EdgeState as E
 from mobius_fed.machines import IncidentState, Phase
