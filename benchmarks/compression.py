@@ -110,6 +110,44 @@ def parse_subspace(text: str) -> dict:
     return out
 
 
+def parse_privacy(text: str) -> dict:
+    """``off`` or ``FIELD=VALUE[,FIELD=VALUE…]`` of ``TrainConfig.privacy`` (numbers and
+    true/false read as such), e.g. ``preset=private-wire`` or ``home_input=mlp,input_noise=1``."""
+    if text == "off":
+        return {}
+    out: dict = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if not value:
+            raise ValueError(f"--privacy {text!r}: {item!r} is not FIELD=VALUE")
+        try:
+            out[name] = json.loads(value)
+        except json.JSONDecodeError:
+            out[name] = value
+    return out
+
+
+def with_privacy(cfg, privacy: str, keys: Path):
+    """``cfg`` with the privacy fields of ``privacy`` and one key per site in ``keys``. The
+    keys are derived from the seed (a benchmark's arms must repeat; a real site's key is a
+    random secret, ``write_site_keys``)."""
+    import hashlib
+
+    from mobius_fed.config import TrainConfig
+
+    keys.mkdir(parents=True, exist_ok=True)
+    for name in [f"site-{s}.key" for s in range(cfg.P)] + ["coordinator.key"]:
+        seed = f"benchmark key {cfg.seed} {name}".encode()
+        (keys / name).write_bytes(hashlib.blake2b(seed, digest_size=32).digest())
+    raw = cfg.model_dump(mode="json", exclude_unset=True)
+    raw["privacy"] = {
+        **raw.get("privacy", {}),
+        "noise_key_dir": str(keys),
+        **parse_privacy(privacy),
+    }
+    return TrainConfig(**raw)
+
+
 def _pin_threads_and_kernels(device: str) -> None:
     """One torch thread; on cuda deterministic kernels (a repeated arm gives the same Eq. 8)."""
     import os
@@ -135,6 +173,7 @@ def run_arm(
     device: str = "cpu",
     precision: str = "bf16",
     subspace: str = "off",
+    privacy: str = "off",
 ) -> dict:
     _pin_threads_and_kernels(device)
     from mobius_fed.config import TrainConfig
@@ -158,6 +197,8 @@ def run_arm(
     )
     mc = cfg.model()
     with tempfile.TemporaryDirectory() as tmp:
+        if privacy != "off":
+            cfg = with_privacy(cfg, privacy, Path(tmp) / "keys")
         dirs = prepare_sites(None, Path(tmp), cfg.P, cfg.encoding, text=embedded_corpus())
         sites = [SiteData(d, mc.seq_len, cfg.encoding) for d in dirs]
         engine = ReferenceEngine(cfg, sites)
@@ -172,6 +213,7 @@ def run_arm(
         "loops": loops,
         "wire": wire,
         "subspace": subspace,
+        "privacy": privacy,
         "steps": steps,
         "preset": preset,
         "seed": seed,
@@ -239,7 +281,17 @@ def _arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--figure", help="with --width-law: write Δ vs d per scheme here (png)")
     p.add_argument(
-        "--one", nargs=5, metavar=("ORDER", "L", "WIRE", "SEED", "SUB"), help=argparse.SUPPRESS
+        "--privacy",
+        nargs="+",
+        default=["off"],
+        help="off or FIELD=VALUE[,…] of TrainConfig.privacy (site keys derived from the seed), "
+        "e.g. preset=private-wire; each × each --subspace and --wire",
+    )
+    p.add_argument(
+        "--one",
+        nargs=6,
+        metavar=("ORDER", "L", "WIRE", "SEED", "SUB", "PRIV"),
+        help=argparse.SUPPRESS,
     )
     return p
 
@@ -250,7 +302,7 @@ def main() -> int:
         print(width_law(args.width_law, args.figure))
         return 0
     if args.one:
-        order, loops, wire, seed, sub = args.one
+        order, loops, wire, seed, sub, priv = args.one
         row = run_arm(
             order,
             int(loops),
@@ -261,6 +313,7 @@ def main() -> int:
             args.device,
             args.precision,
             sub,
+            priv,
         )
         print(json.dumps(row))
         return 0
@@ -273,18 +326,22 @@ def main() -> int:
     done = [r for r in done if (r.get("device", "cpu"), r.get("precision", "fp32")) == where]
     for r in done:
         r.setdefault("subspace", "off")
+        r.setdefault("privacy", "off")
 
-    def key(o: str, L: int | str, w: str, seed: int | str, sub: str) -> tuple:
-        return (o, int(L), w, int(seed), sub, args.steps, args.preset)
+    def key(o: str, L: int | str, w: str, seed: int | str, sub: str, priv: str) -> tuple:
+        return (o, int(L), w, int(seed), sub, priv, args.steps, args.preset)
 
-    have = {key(r["order"], r["loops"], r["wire"], r["seed"], r["subspace"]) for r in done}
+    have = {
+        key(r["order"], r["loops"], r["wire"], r["seed"], r["subspace"], r["privacy"]) for r in done
+    }
     todo = [
-        (o, L, w, str(seed), sub)
+        (o, L, w, str(seed), sub, priv)
         for seed in args.seeds
+        for priv in args.privacy
         for sub in args.subspace
         for w in args.wire
         for o, L in (a.split(":") for a in args.arms)
-        if key(o, L, w, seed, sub) not in have
+        if key(o, L, w, seed, sub, priv) not in have
     ]
     if args.table:
         todo = []
@@ -298,9 +355,12 @@ def main() -> int:
     ]
     if args.table:  # every row of --out for these steps, preset and seeds
         rows = [r for r in rows if f"{r['order']}:{r['loops']}" in args.arms]
-    if all(r["subspace"] == "off" for r in rows):
+    if all(r["subspace"] == "off" and r["privacy"] == "off" for r in rows):
         print(table(rows))
-    else:
+    else:  # a defended arm is its own subspace row: "<subspace>; <privacy>"
+        for r in rows:
+            if r["privacy"] != "off":
+                r["subspace"] = f"{r['subspace']}; {r['privacy']}"
         print(subspace_table(rows))
     return 0
 
@@ -400,14 +460,15 @@ def _k(row: dict, d: int) -> str:
 def _scheme(row: dict, d: int) -> str:
     """A scheme comparable across widths: mode, writes, the ratio class on the wire, U, wire."""
     sub = parse_subspace(row["subspace"])
+    priv = "" if row.get("privacy", "off") == "off" else f", {row['privacy']}"
     if not sub:
-        return f"off; {row['wire']}"
+        return f"off{priv}; {row['wire']}"
     u = ""  # a fixed U (the seed's); a learned one is its own scheme, lr and schedule named
     if sub.get("learn"):
         sched = "" if sub.get("schedule", "run") == "run" else f", {sub['schedule']}"
         u = f", learned U (lr {sub.get('lr', 1e-3):g}{sched})"
     cls = ratio_class(row["ratio"])
-    return f"{sub['mode']}, {sub.get('writes', 'basis')}, {cls}{u}; {row['wire']}"
+    return f"{sub['mode']}, {sub.get('writes', 'basis')}, {cls}{u}{priv}; {row['wire']}"
 
 
 def _tokens_per_parameter(row: dict) -> float:

@@ -21,8 +21,10 @@ and the Eq. 8 price against "none" on the same seed (input_defence.md / .json in
     python benchmarks/privacy_audit.py --input-defence --preset cpu-tiny --steps 60 \
         --seeds 0,1,2 --out runs/input-defence
 ``--patient`` runs the patient neighbour's attacks (docs/privacy.md §4i) on every site's
-first remote hop, pooled over a window of steps at the start and the end of training,
-against every setting of :data:`mobius_fed.privacy.pareto.SETTINGS` (or ``--variants``);
+first remote hop, over every window an attacker may choose (``--windows`` lengths, each from
+step 0, mid-run and at the end; ``--known`` fractions, ``--mask-seeds``; linear map, codebook,
+class means and an MLP decoder), against every setting of
+:data:`mobius_fed.privacy.pareto.SETTINGS` (or ``--variants``);
 ``--price-only`` trains without attacking (Eq. 8 only, e.g. at cpu-small). Each run is
 appended to pareto.json in --out; ``--merge`` joins pareto.json files and draws the front:
 
@@ -69,7 +71,16 @@ def run() -> int:
     p.add_argument("--variants", default=None, help="with --input-defence: a subset of rows")
     p.add_argument("--patient", action="store_true", help="the patient neighbour's attacks")
     p.add_argument("--price-only", action="store_true", help="with --patient: Eq. 8 only")
-    p.add_argument("--window", type=int, default=32, help="with --patient: steps pooled")
+    p.add_argument(
+        "--windows", default="1,2,4,8,16,32", help="with --patient: window lengths (steps)"
+    )
+    p.add_argument("--known", default="0.01,0.05", help="with --patient: known fractions")
+    p.add_argument("--mask-seeds", default="0", help="with --patient: known-mask seeds")
+    p.add_argument("--no-decoder", action="store_true", help="with --patient: skip the MLP")
+    p.add_argument(
+        "--subspace", default="off", help="with --patient: rank=K[,mode=…] (compression.py)"
+    )
+    p.add_argument("--wire", default="none", help="with --patient: the wire codecs")
     p.add_argument(
         "--public",
         default="../shared/data/tinyshakespeare.txt",
@@ -147,6 +158,11 @@ def input_defence(a: argparse.Namespace) -> int:
     return 0
 
 
+def ints(text: str) -> list[int]:
+    """A comma-separated list of integers."""
+    return [int(x) for x in text.split(",")]
+
+
 def patient(a: argparse.Namespace) -> int:
     """``--patient``: each setting × seed attacked (or priced), pareto.json after every run."""
     import time
@@ -160,7 +176,12 @@ def patient(a: argparse.Namespace) -> int:
     from mobius_fed.engine.reference import ReferenceEngine
     from mobius_fed.privacy import pareto
     from mobius_fed.privacy.patient import PatientAudit, public_tokens, write_report
+    from mobius_fed.transport.wire_config import WireConfig
 
+    sys.path.insert(0, str(Path(__file__).parent))
+    from compression import parse_subspace
+
+    wire = WireConfig(**WireConfig.parse_flag(a.wire)) if a.wire != "none" else WireConfig()
     out = Path(a.out)
     if a.merge:
         runs = pareto.load([Path(x) for x in a.merge])
@@ -180,6 +201,7 @@ def patient(a: argparse.Namespace) -> int:
             cfg = TrainConfig(
                 preset=a.preset, workers=a.workers, steps=a.steps, batch_size=a.batch_size,
                 eval_every=0, seed=seed, privacy={"noise_key_dir": str(keys), **fields},
+                subspace=parse_subspace(a.subspace), wire=wire,
             )  # fmt: skip
             sites = resolve_sites(cfg, None, out)
             t0 = time.perf_counter()
@@ -190,9 +212,10 @@ def patient(a: argparse.Namespace) -> int:
                 run = pareto.SettingRun(name, a.preset, seed, eng.evaluate().loss)
             else:
                 report = PatientAudit(
-                    cfg, sites, public, window=a.window,
-                    cluster_sweep=[int(k) for k in a.cluster_sweep.split(",")],
-                    decipher_sweep=[int(k) for k in a.decipher_sweep.split(",")],
+                    cfg, sites, public, windows=ints(a.windows),
+                    known=[float(f) for f in a.known.split(",")],
+                    mask_seeds=ints(a.mask_seeds), decoder=not a.no_decoder,
+                    cluster_sweep=ints(a.cluster_sweep), decipher_sweep=ints(a.decipher_sweep),
                 ).run()  # fmt: skip
                 tag = name.replace(" ", "_").replace("=", "").replace("+", "")
                 write_report(report, out / "reports", f"{tag}-seed{seed}")

@@ -9,6 +9,7 @@ import torch
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+from mobius_fed.defences.stages import write_site_keys
 from mobius_fed.privacy.decipher import BigramModel, best_over_clusters, decipher
 from mobius_fed.privacy.input_attacks import frequency_floor, recovery
 from mobius_fed.privacy.patient import FLOOR, PatientAudit, load_report, write_report
@@ -65,24 +66,29 @@ def test_cluster_sweep_keeps_the_best_count_and_bad_input_is_refused():
 
 
 def test_every_patient_attack_reads_an_undefended_first_hop_well_above_the_floor(sites, tmp_path):
-    """Two steps pooled, every site a victim: nearest row and pooled known plaintext each
-    read the undefended first hop far above the floor, swept clusters and the decipher
-    above it; the report keeps every victim and its worst one, and survives a round trip
-    through JSON."""
+    """Windows of 1 and 2 steps at every place, every site a victim: nearest row, pooled
+    known plaintext and the MLP decoder each read the undefended first hop far above the
+    floor, swept clusters and the decipher above it; the report keeps every victim, its worst
+    case with the window and attack that achieved it, and survives a round trip through JSON."""
     cfg = TrainConfig(**BASE)
     audit = PatientAudit(
-        cfg, sites, corpus_bytes(0, 100_000), window=2, cluster_sweep=(48, 64),
-        decipher_sweep=(64,), known=(0.25,),
+        cfg, sites, corpus_bytes(0, 100_000), windows=(1, 2), cluster_sweep=(48, 64),
+        decipher_sweep=(64,), known=(0.05,),
     )  # fmt: skip
     report = audit.run()
     assert sorted({r.victim for r in report.rows}) == [0, 1, 2, 3]
-    assert {r.stage for r in report.rows} == {"early", "trained"}
+    # 2 steps: the 1-step windows sit at steps 0 (early), 0 (mid: the same, attacked once)
+    # and 1 (trained); the 2-step window starts at 0 at every place
+    assert {(r.stage, r.window, r.start) for r in report.rows} == {
+        ("early", 1, 0), ("trained", 1, 1), ("early", 2, 0),
+    }  # fmt: skip
     worst = report.worst()
     for stage in ("early", "trained"):
         for attack in (
             "nearest row of E",
-            "known plaintext 25 % pooled + linear map",
-            "known plaintext 25 % pooled as a codebook",
+            "known plaintext 5 % pooled + linear map",
+            "known plaintext 5 % pooled as a codebook",
+            "known plaintext 5 % pooled: MLP decoder",
         ):
             assert worst[stage][attack] >= 0.3, (stage, attack, worst[stage])
     floors = [r.exact for r in report.rows if r.attack == FLOOR]
@@ -91,8 +97,31 @@ def test_every_patient_attack_reads_an_undefended_first_hop_well_above_the_floor
     # tests above hold them to their work), but the worst victim is still read above its floor
     assert worst["early"]["clusters + own frequencies (best k)"] > 0.0, worst
     assert worst["early"]["decipher: clusters + public bigrams (best k)"] > 0.0, worst
+    per_victim = report.worst_per_victim()
+    assert [w.victim for w in per_victim] == [0, 1, 2, 3]
+    assert all(w.margin >= 0.3 and w.window in (1, 2) for w in per_victim), per_victim
     write_report(report, tmp_path)
     again = load_report(tmp_path / "patient.json")
-    assert again.worst() == worst and "worst victim exact" in (tmp_path / "patient.md").read_text()
-    with pytest.raises(ValueError, match="window must be"):
-        PatientAudit(cfg, sites, corpus_bytes(0, 100), window=0)
+    assert again.worst() == worst and again.worst_per_victim() == per_victim
+    assert "worst − floor | place | window | attack" in (tmp_path / "patient.md").read_text()
+    with pytest.raises(ValueError, match="every window must be"):
+        PatientAudit(cfg, sites, corpus_bytes(0, 100), windows=(0, 2))
+
+
+def test_the_audit_at_the_attackers_strength_reads_the_old_preset_far_above_the_floor(
+    sites, tmp_path
+):
+    """The setting the old audit passed (a private mlp input layer behind RMS-relative noise
+    σ = 1, which a 32-step pooled attack held within 4 points of the floor) does not hold
+    when the attacker chooses a short early window: its worst victim is read ≥ 25 points
+    above the floor."""
+    keys = tmp_path / "keys"
+    write_site_keys(keys, P)
+    priv = {"noise_key_dir": str(keys), "home_input": "mlp", "input_noise": 1.0}
+    cfg = TrainConfig(**{**BASE, "steps": 4, "batch_size": 8, "privacy": priv})
+    report = PatientAudit(
+        cfg, sites, corpus_bytes(0, 100_000), windows=(1, 4), unsupervised=False
+    ).run()
+    assert report.worst_margin() >= 0.25, report.table()
+    early = report.worst()["early"]
+    assert max(v for k, v in early.items() if k.startswith("known plaintext")) >= 0.25, early

@@ -1,22 +1,26 @@
-"""The patient neighbour: every site's first remote hop, attacked with pooled windows of steps.
+"""The patient neighbour: every site's first remote hop, attacked over every window an
+attacker would choose.
 
 One training run on the reference engine (it hands on exactly the tensors a ring
 exchanges). For **every** stream s an observer keeps what the worker receiving s's first
-remote hop sees during two windows of ``window`` training steps: the first steps
-("early": from step 0) and the last ("trained"). On each window, per victim, run:
+remote hop sees during the run. The attacker then chooses its window: every length of
+``windows`` (1, 2, 4, 8, 16, 32 steps) starting at step 0 ("early"), centred mid-run ("mid")
+and ending at the last step ("trained"). On each window, per victim and per known fraction
+f (1 % and 5 % of the window's positions) and mask seed, it runs:
 
 * floor: the attacker's most frequent own tokens, ignoring the states;
-* nearest row of E (the attacker's replica);
-* clusters + own frequencies, with the best cluster count of a sweep (an upper bound on an
-  attacker who picks k well);
-* known plaintext pooled over the window: a fraction ``f`` of the window's positions is
-  known; a linear map, a codebook and Gaussian class means fitted on all of them read the
-  rest;
-* decipher: clusters + an HMM with the bigram statistics of a public text the attacker
-  holds (:mod:`mobius_fed.privacy.decipher`), best k of its sweep.
+* nearest row of E (the attacker's replica at the window's start);
+* known plaintext pooled over the window: a linear map onto E, a codebook, Gaussian class
+  means, and a small nonlinear decoder (an MLP fitted on the known pairs only, its capacity
+  chosen on held-out known pairs);
 
-The report keeps every (stage, victim, attack) and the worst victim per attack: the largest
-exact recovery above that victim's floor (docs/privacy.md §4i).
+and on the longest window of each place the unsupervised attacks, which need many
+positions: clusters + own frequencies and the decipher (clusters + an HMM with the bigrams of
+a public text, :mod:`mobius_fed.privacy.decipher`), best k of their sweeps.
+
+The report keeps every (place, window, victim, attack) and, per victim, the worst over all
+of them with the window and attack that achieved it: the largest exact recovery above that
+victim's floor for that window (docs/privacy.md §4i).
 """
 
 from __future__ import annotations
@@ -40,69 +44,128 @@ from mobius_fed.privacy.observer import Observer
 
 FLOOR = "floor: most frequent tokens"
 DECIPHER_SWEEP = (48, 64, 96)
+WINDOWS = (1, 2, 4, 8, 16, 32)  # steps pooled: every length an attacker may choose
+PLACES = ("early", "mid", "trained")  # where a window sits: from step 0, mid-run, at the end
+KNOWN = (0.01, 0.05)  # fractions of a window's (position, token) pairs the attacker knows
+UNSUPERVISED = (
+    "clusters + own frequencies (best k)",
+    "decipher: clusters + public bigrams (best k)",
+)
+
+
+def known_attack(f: float, how: str) -> str:
+    """The name of a known-plaintext attack with fraction ``f``."""
+    return f"known plaintext {100 * f:g} % pooled{how}"
 
 
 @dataclass
 class PatientRow:
     """One attack on one victim's first remote hop over one window of steps."""
 
-    stage: str
+    stage: str  # the window's place: early, mid or trained
     victim: int
     attacker: int
     attack: str
     exact: float
     top5: float
     tokens: int
-    clusters: int | None = None  # the best k of a swept attack
+    clusters: int | None = None  # the best k of a swept attack (the width of a decoder)
+    window: int = 0  # the window's length in steps
+    start: int = 0  # its first step
+    mask_seed: int = 0  # the known-plaintext mask's seed
+
+
+@dataclass
+class Worst:
+    """A victim's worst case: the largest exact recovery above its window's floor."""
+
+    victim: int
+    margin: float
+    exact: float
+    floor: float
+    stage: str
+    window: int
+    start: int
+    attack: str
 
 
 @dataclass
 class PatientReport:
     preset: str
     steps: int
-    window: int
+    window: int  # the longest window swept
     privacy: dict
     eval_loss: float
     rows: list[PatientRow] = field(default_factory=list)
     seconds: float = 0.0
 
-    def floor(self, stage: str, victim: int) -> float:
+    def floor_of(self, row: PatientRow) -> float:
+        """The floor of ``row``'s victim over ``row``'s window."""
         return next(
             r.exact
             for r in self.rows
-            if r.stage == stage and r.victim == victim and r.attack == FLOOR
+            if r.attack == FLOOR
+            and (r.stage, r.victim, r.window, r.start)
+            == (row.stage, row.victim, row.window, row.start)
         )
 
+    def margins(self) -> list[tuple[PatientRow, float]]:
+        """Every attack row with its margin above its own window's floor."""
+        return [(r, r.exact - self.floor_of(r)) for r in self.rows if r.attack != FLOOR]
+
     def worst(self) -> dict[str, dict[str, float]]:
-        """{stage: attack: largest exact − floor over victims} (the worst victim's margin)."""
+        """{place: attack: largest exact − floor over victims, windows and mask seeds}."""
         out: dict[str, dict[str, float]] = {}
-        for r in self.rows:
-            if r.attack == FLOOR:
-                continue
-            margin = r.exact - self.floor(r.stage, r.victim)
+        for r, margin in self.margins():
             cell = out.setdefault(r.stage, {})
             cell[r.attack] = max(cell.get(r.attack, -1.0), margin)
         return out
 
+    def worst_per_victim(self) -> list[Worst]:
+        """Per victim, the worst over every window, known fraction, attack and seed."""
+        best: dict[int, Worst] = {}
+        for r, margin in self.margins():
+            if r.victim not in best or margin > best[r.victim].margin:
+                best[r.victim] = Worst(
+                    r.victim, margin, r.exact, r.exact - margin, r.stage, r.window, r.start,
+                    r.attack,
+                )  # fmt: skip
+        return [best[v] for v in sorted(best)]
+
+    def worst_margin(self) -> float:
+        """The largest margin above the floor of any victim, window and attack."""
+        return max(w.margin for w in self.worst_per_victim())
+
     def table(self) -> str:
-        """Markdown: per stage and attack, mean and worst-victim exact recovery and floor."""
+        """Markdown: per victim its worst case, then per place and attack the worst margin
+        over victims and windows, with the window that gave it."""
         lines = [
-            "| stage | attack | mean exact | worst victim exact | its floor | worst − floor | k |",
+            "| victim | worst exact | its floor | worst − floor | place | window | attack |",
             "|---|---|---|---|---|---|---|",
         ]
+        for w in self.worst_per_victim():
+            lines.append(
+                f"| site {w.victim} | {100 * w.exact:.1f} % | {100 * w.floor:.1f} % | "
+                f"{100 * w.margin:+.1f} | {w.stage} | {w.window} (steps {w.start}–"
+                f"{w.start + w.window - 1}) | {w.attack} |"
+            )
+        lines += [
+            "",
+            "| place | attack | mean exact | worst − floor | its victim | its window | k |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        margins = self.margins()
         for stage in dict.fromkeys(r.stage for r in self.rows):
-            for attack in dict.fromkeys(r.attack for r in self.rows):
-                sel = [r for r in self.rows if r.stage == stage and r.attack == attack]
+            for attack in dict.fromkeys(r.attack for r in self.rows if r.attack != FLOOR):
+                sel = [(r, m) for r, m in margins if r.stage == stage and r.attack == attack]
                 if not sel:
                     continue
-                mean = sum(r.exact for r in sel) / len(sel)
-                worst = max(sel, key=lambda r: r.exact - self.floor(stage, r.victim))
-                fl = self.floor(stage, worst.victim)
-                k = "" if worst.clusters is None else str(worst.clusters)
+                mean = sum(r.exact for r, _ in sel) / len(sel)
+                r, m = max(sel, key=lambda rm: rm[1])
+                k = "" if r.clusters is None else str(r.clusters)
                 lines.append(
-                    f"| {stage} | {attack} | {100 * mean:.1f} % | {100 * worst.exact:.1f} % "
-                    f"(site {worst.victim}) | {100 * fl:.1f} % | "
-                    f"{100 * (worst.exact - fl):+.1f} | {k} |"
+                    f"| {stage} | {attack} | {100 * mean:.1f} % | {100 * m:+.1f} | "
+                    f"site {r.victim} | {r.window} from step {r.start} | {k} |"
                 )
         return "\n".join(lines)
 
@@ -114,8 +177,14 @@ def public_tokens(path: Path, limit: int = 400_000) -> Tensor:
     return torch.tensor(list(path.read_bytes()[:limit]), dtype=torch.long)
 
 
+def window_starts(steps: int, length: int) -> dict[str, int]:
+    """The first step of a window of ``length`` steps at each place of a run of ``steps``."""
+    return {"early": 0, "mid": max(0, (steps - length) // 2), "trained": steps - length}
+
+
 class PatientAudit:
-    """One training run with every stream's first remote hop observed in two windows."""
+    """One training run with every stream's first remote hop observed, attacked over every
+    window of ``windows`` at every place."""
 
     def __init__(
         self,
@@ -123,10 +192,13 @@ class PatientAudit:
         sites: Sequence[SiteData],
         public: Tensor,
         *,
-        window: int = 32,
-        known: Sequence[float] = (0.05, 0.25),
+        windows: Sequence[int] = WINDOWS,
+        known: Sequence[float] = KNOWN,
+        mask_seeds: Sequence[int] = (0,),
         cluster_sweep: Sequence[int] = CLUSTER_SWEEP,
         decipher_sweep: Sequence[int] = DECIPHER_SWEEP,
+        decoder: bool = True,
+        unsupervised: bool = True,
         attacker_batches: int = 64,
         log: Callable[[str], None] | None = None,
     ) -> None:
@@ -134,16 +206,27 @@ class PatientAudit:
             raise ValueError(
                 "the patient audit's public corpus is read as bytes: use encoding bytes"
             )
-        if window < 1:
-            raise ValueError(f"window must be ≥ 1 step, not {window}")
+        if not windows or min(windows) < 1:
+            raise ValueError(f"every window must be ≥ 1 step, not {tuple(windows)}")
         self.cfg, self.sites, self.public = cfg, list(sites), public
-        self.known, self.cluster_sweep = tuple(known), tuple(cluster_sweep)
-        self.decipher_sweep, self.attacker_batches = tuple(decipher_sweep), attacker_batches
+        self.known, self.mask_seeds = tuple(known), tuple(mask_seeds)
+        self.cluster_sweep, self.decipher_sweep = tuple(cluster_sweep), tuple(decipher_sweep)
+        self.decoder, self.unsupervised = decoder, unsupervised
+        self.attacker_batches = attacker_batches
         self.log = log or (lambda _msg: None)
-        w = min(window, cfg.steps)
-        self.windows = {"early": range(0, w), "trained": range(cfg.steps - w, cfg.steps)}
-        self.window = w
-        steps = frozenset(s for r in self.windows.values() for s in r)
+        lengths = sorted({min(w, cfg.steps) for w in windows})
+        self.window = lengths[-1]
+        seen: set[tuple[int, int]] = set()
+        self.windows: list[
+            tuple[str, int, int]
+        ] = []  # (place, length, start), each (length, start) once
+        for length in lengths:
+            for place, start in window_starts(cfg.steps, length).items():
+                if (length, start) not in seen:
+                    seen.add((length, start))
+                    self.windows.append((place, length, start))
+        steps = frozenset(n for _, length, a in self.windows for n in range(a, a + length))
+        self.starts = frozenset(a for _, _, a in self.windows)
         self.engine = ReferenceEngine(cfg, self.sites)
         ensure_home_layers(self.engine)
         self.hops: dict[int, tuple[int, int]] = {}
@@ -160,15 +243,16 @@ class PatientAudit:
             self.observers[s] = obs
         if not self.hops:
             raise ValueError("no stream leaves its home (P = 1): nothing to attack")
-        self.start_wte = {
-            w: r.wte.weight.detach().clone() for w, r in enumerate(self.engine.replicas)
-        }
+        self.wte: dict[int, list[Tensor]] = {}  # step → every replica's E at its start
 
-    def _window(self, s: int, steps: range) -> tuple[Tensor, Tensor]:
-        """(received states [n, T, d], tokens [n, T]) of stream s over ``steps``."""
+    def _snapshot(self) -> None:
+        self.wte[self.engine.step] = [r.wte.weight.detach().clone() for r in self.engine.replicas]
+
+    def _window(self, s: int, start: int, length: int) -> tuple[Tensor, Tensor]:
+        """(received states [n, T, d], tokens [n, T]) of stream s over ``length`` steps."""
         slot, _ = self.hops[s]
         hs, xs = [], []
-        for n in steps:
+        for n in range(start, start + length):
             micro = self.engine._micro("train", s, n)
             for m, (x, _) in enumerate(micro):
                 h = self.observers[s].received[("train", n, s, slot, m)]
@@ -177,60 +261,69 @@ class PatientAudit:
                 xs.append(x)
         return torch.cat(hs).float(), torch.cat(xs)
 
-    def _attack(self, stage: str, s: int) -> list[PatientRow]:
+    def _attack(self, place: str, length: int, start: int, s: int) -> list[PatientRow]:
         cfg, vocab = self.cfg, self.cfg.model().vocab_size
         _, attacker = self.hops[s]
-        h, x = self._window(s, self.windows[stage])
+        h, x = self._window(s, start, length)
         flat = h.reshape(-1, h.size(-1))
         tok = x.reshape(-1)
-        wte = (
-            self.start_wte[attacker]
-            if stage == "early"
-            else self.engine.replicas[attacker].wte.weight.detach()
-        )
+        wte = self.wte[start][attacker]
         own = own_text(cfg, self.sites[attacker], self.attacker_batches)
         rows: list[PatientRow] = []
 
-        def add(name: str, r: ia.Recovery, k: int | None = None) -> None:
-            rows.append(PatientRow(stage, s, attacker, name, r.exact, r.top5, r.tokens, k))
+        def add(name: str, r: ia.Recovery, k: int | None = None, seed: int = 0) -> None:
+            rows.append(
+                PatientRow(
+                    place, s, attacker, name, r.exact, r.top5, r.tokens, k, length, start, seed
+                )
+            )
 
         add(FLOOR, ia.recovery(ia.frequency_floor(own, tok.numel(), vocab), tok))
         add("nearest row of E", ia.recovery(ia.nearest_row(flat, wte), tok))
-        r, k = best_over_clusters(
-            lambda k: ia.cluster_frequency(flat, own, vocab, clusters=k, seed=cfg.seed),
-            tok,
-            self.cluster_sweep,
-        )
-        add("clusters + own frequencies (best k)", r, k)
-        for f in self.known:
-            mask = ia.known_mask(tok.numel(), f, cfg.seed)
-            g, rest = ia.known_plaintext(flat, tok, wte, mask)
-            add(f"known plaintext {100 * f:g} % pooled + linear map", ia.recovery(g, rest))
-            g, rest = ia.known_codebook(flat, tok, mask)
-            add(f"known plaintext {100 * f:g} % pooled as a codebook", ia.recovery(g, rest))
-            g, rest = ia.known_class_means(flat, tok, mask)
-            add(f"known plaintext {100 * f:g} % pooled: class means", ia.recovery(g, rest))
-        r, k = best_over_clusters(
-            lambda k: decipher(h, self.public, vocab, clusters=k, seed=cfg.seed),
-            tok,
-            self.decipher_sweep,
-        )
-        add("decipher: clusters + public bigrams (best k)", r, k)
+        for seed in self.mask_seeds:
+            for f in self.known:
+                mask = ia.known_mask(tok.numel(), f, cfg.seed + seed)
+                if int(mask.sum()) < 2:
+                    continue  # too few positions for this fraction
+                g, rest = ia.known_plaintext(flat, tok, wte, mask)
+                add(known_attack(f, " + linear map"), ia.recovery(g, rest), seed=seed)
+                g, rest = ia.known_codebook(flat, tok, mask)
+                add(known_attack(f, " as a codebook"), ia.recovery(g, rest), seed=seed)
+                g, rest = ia.known_class_means(flat, tok, mask)
+                add(known_attack(f, ": class means"), ia.recovery(g, rest), seed=seed)
+                if self.decoder:
+                    g, rest, width = ia.known_decoder(flat, tok, mask, seed=cfg.seed + seed)
+                    add(known_attack(f, ": MLP decoder"), ia.recovery(g, rest), width, seed)
+        if self.unsupervised and length == self.window:
+            r, k = best_over_clusters(
+                lambda k: ia.cluster_frequency(flat, own, vocab, clusters=k, seed=cfg.seed),
+                tok,
+                self.cluster_sweep,
+            )
+            add(UNSUPERVISED[0], r, k)
+            r, k = best_over_clusters(
+                lambda k: decipher(h, self.public, vocab, clusters=k, seed=cfg.seed),
+                tok,
+                self.decipher_sweep,
+            )
+            add(UNSUPERVISED[1], r, k)
         return rows
 
     def run(self) -> PatientReport:
         cfg, t0 = self.cfg, time.perf_counter()
         for _ in range(cfg.steps):
+            if self.engine.step in self.starts:
+                self._snapshot()
             self.engine.train_step()
         loss = self.engine.evaluate().loss
         self.log(f"eval loss (Eq. 8) {loss:.4f}")
         report = PatientReport(
             cfg.preset, cfg.steps, self.window, cfg.privacy.model_dump(mode="json"), loss
         )
-        for stage in self.windows:
+        for place, length, start in self.windows:
+            self.log(f"attacking every first hop: {place} window of {length} from step {start}")
             for s in self.hops:
-                self.log(f"attacking site {s}'s first hop ({stage})")
-                report.rows.extend(self._attack(stage, s))
+                report.rows.extend(self._attack(place, length, start, s))
         report.seconds = time.perf_counter() - t0
         return report
 
@@ -246,5 +339,7 @@ def write_report(report: PatientReport, out: Path, name: str = "patient") -> lis
 
 def load_report(path: Path) -> PatientReport:
     raw = json.loads(Path(path).read_text())
+    if raw["rows"] and "window" not in raw["rows"][0]:
+        raise ValueError(f"{path}: a report of the earlier two-window audit; run it again")
     rows = [PatientRow(**r) for r in raw.pop("rows")]
     return PatientReport(**raw, rows=rows)
