@@ -43,7 +43,9 @@ Every Δ in the table is measured against the no-defence row of the same run.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from pathlib import Path
 
 from mobius_fed.cli.main import main
 
@@ -163,25 +165,47 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
-def patient(a: argparse.Namespace) -> int:
-    """``--patient``: each setting × seed attacked (or priced), pareto.json after every run."""
-    import time
-    from pathlib import Path
-
-    import torch
-
-    from mobius_fed.cli.common import resolve_sites
+def setting_config(a: argparse.Namespace, fields: dict, seed: int, keys):
+    """The TrainConfig of one setting: its privacy fields, and its wire (``wire``,
+    ``subspace`` with rank=d/N read as d_model / N; else --wire and --subspace)."""
     from mobius_fed.config import TrainConfig
-    from mobius_fed.defences.stages import write_site_keys
-    from mobius_fed.engine.reference import ReferenceEngine
-    from mobius_fed.privacy import pareto
-    from mobius_fed.privacy.patient import PatientAudit, public_tokens, write_report
+    from mobius_fed.model.config import PRESETS
+    from mobius_fed.privacy.pareto import WIRE_KEYS
     from mobius_fed.transport.wire_config import WireConfig
 
     sys.path.insert(0, str(Path(__file__).parent))
     from compression import parse_subspace
 
-    wire = WireConfig(**WireConfig.parse_flag(a.wire)) if a.wire != "none" else WireConfig()
+    privacy = {k: v for k, v in fields.items() if k not in WIRE_KEYS}
+    wire_text, sub_text = fields.get("wire", a.wire), fields.get("subspace", a.subspace)
+    d = PRESETS[a.preset]["d_model"]
+    sub_text = re.sub(r"rank=d/(\d+)", lambda m: f"rank={d // int(m.group(1))}", sub_text)
+    extra: dict = {}
+    if wire_text != "none":
+        extra["wire"] = WireConfig.parse_flag(wire_text)
+    if sub_text != "off":
+        extra["subspace"] = parse_subspace(sub_text)
+    return TrainConfig(
+        preset=a.preset, workers=a.workers, steps=a.steps, batch_size=a.batch_size,
+        eval_every=0, seed=seed, privacy={"noise_key_dir": str(keys), **privacy}, **extra,
+    )  # fmt: skip
+
+
+def patient(a: argparse.Namespace) -> int:
+    """``--patient``: each setting × seed attacked (or priced), pareto.json after every run."""
+    import time
+
+    import torch
+
+    from mobius_fed.cli.common import resolve_sites
+    from mobius_fed.defences.stages import write_site_keys
+    from mobius_fed.engine.reference import ReferenceEngine
+    from mobius_fed.privacy import pareto
+    from mobius_fed.privacy.patient import PatientAudit, public_tokens, write_report
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from compression import step_bytes
+
     out = Path(a.out)
     if a.merge:
         runs = pareto.load([Path(x) for x in a.merge])
@@ -196,16 +220,15 @@ def patient(a: argparse.Namespace) -> int:
         write_site_keys(keys, a.workers)
     public = None if a.price_only else public_tokens(Path(a.public))
     runs = pareto.load([out / "pareto.json"]) if (out / "pareto.json").exists() else []
-    for seed in [int(x) for x in a.seeds.split(",")]:
+    for seed in ints(a.seeds):
         for name, fields in pareto.select(a.variants).items():
-            cfg = TrainConfig(
-                preset=a.preset, workers=a.workers, steps=a.steps, batch_size=a.batch_size,
-                eval_every=0, seed=seed, privacy={"noise_key_dir": str(keys), **fields},
-                subspace=parse_subspace(a.subspace), wire=wire,
-            )  # fmt: skip
+            cfg = setting_config(a, fields, seed, keys)
             sites = resolve_sites(cfg, None, out)
+            sent, fp32 = step_bytes(cfg)
+            ids = cfg.subspace.on and cfg.subspace.mode == "tokens"
+            sends = "hidden states + token ids" if ids else "hidden states"
             t0 = time.perf_counter()
-            if public is None:
+            if public is None or ids:  # token ids in the clear: nothing for an attack to read
                 eng = ReferenceEngine(cfg, sites)
                 for _ in range(cfg.steps):
                     eng.train_step()
@@ -217,14 +240,15 @@ def patient(a: argparse.Namespace) -> int:
                     mask_seeds=ints(a.mask_seeds), decoder=not a.no_decoder,
                     cluster_sweep=ints(a.cluster_sweep), decipher_sweep=ints(a.decipher_sweep),
                 ).run()  # fmt: skip
-                tag = name.replace(" ", "_").replace("=", "").replace("+", "")
+                tag = name.replace(" ", "_").replace("=", "").replace("+", "").replace("/", "")
                 write_report(report, out / "reports", f"{tag}-seed{seed}")
                 worst = {f"{st}: {k}": v for st, d in report.worst().items() for k, v in d.items()}
                 floor = max(r.exact for r in report.rows if r.attack.startswith("floor"))
                 run = pareto.SettingRun(name, a.preset, seed, report.eval_loss, worst, floor)
+            run.ratio, run.sends = fp32 / sent, sends
             runs.append(run)
             pareto.save(runs, out)
-            print(f"{name} seed {seed}: Eq. 8 {run.eval_loss:.4f} "
+            print(f"{name} seed {seed}: Eq. 8 {run.eval_loss:.4f}, {run.ratio:.1f}× "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
     print((out / "pareto.md").read_text(), end="")
     return 0

@@ -95,6 +95,31 @@ class TrainConfig(BaseModel):
     subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_states_only(cls, data: object) -> object:
+        """``privacy.preset = states-only`` fills the wire it names where left unset: a
+        home-mode subspace of rank d/4 with full-width writes, and int8/int4 stochastic
+        codecs (:data:`STATES_ONLY`)."""
+        if not isinstance(data, dict):
+            return data
+        privacy = data.get("privacy")
+        name = (
+            privacy.get("preset") if isinstance(privacy, dict) else getattr(privacy, "preset", None)
+        )
+        if name != "states-only":
+            return data
+        out = dict(data)
+        d = PRESETS.get(str(out.get("preset", "cpu-small")), PRESETS["cpu-small"])["d_model"]
+        sub = out.get("subspace")
+        if sub is None or isinstance(sub, dict):
+            fill = {"rank": int(d) // STATES_ONLY["rank_divisor"], **STATES_ONLY["subspace"]}
+            out["subspace"] = {**fill, **(sub or {})}
+        wire = out.get("wire")
+        if wire is None or isinstance(wire, dict):
+            out["wire"] = {**STATES_ONLY["wire"], **(wire or {})}
+        return out
+
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, v: str) -> str:
@@ -146,10 +171,29 @@ class TrainConfig(BaseModel):
                 "would reach the groups before its origin's with no input (its embedding "
                 "stays home); use mode 'stream'"
             )
+        if self.privacy.preset == "states-only":
+            self._check_states_only()
         if self.subspace.on and self.subspace.mode == "tokens":
             self._check_tokens_mode()
         self.model()  # raises on layers not divisible by P (and a rank above d_model)
         return self
+
+    def _check_states_only(self) -> None:
+        """The private wire mode refuses what would send ids or undo its defence."""
+        pc, sub = self.privacy, self.subspace
+        why = None
+        if not sub.on or sub.mode != "home":
+            why = (
+                "it needs a home-mode subspace (subspace mode 'home', rank > 0): mode 'tokens' "
+                "sends the token ids, mode 'stream' and no subspace send E(x) itself"
+                f" (got rank {sub.rank}, mode {sub.mode!r})"
+            )
+        elif pc.input_noise <= 0:
+            why = "privacy.input_noise = 0 turns off the noise on the first send"
+        elif pc.home_input == "off":
+            why = "privacy.home_input = 'off' sends the shared E(x)'s image through U"
+        if why:
+            raise ValueError(f"privacy.preset 'states-only' refused: {why}")
 
     def _check_tokens_mode(self) -> None:
         """Subspace mode ``tokens`` sends each micro-batch's token ids to every group on its
@@ -238,6 +282,13 @@ class TrainConfig(BaseModel):
         blob = json.dumps(doc, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+
+# privacy.preset = states-only: the wire it fills where a configuration leaves it unset.
+STATES_ONLY: dict[str, Any] = {
+    "rank_divisor": 4,  # k = d / 4
+    "subspace": {"mode": "home", "writes": "full"},
+    "wire": {"fwd": "int8", "bwd": "int4", "rounding": "stochastic"},
+}
 
 # (sub-config, field) → default of the settings added after manifests were first written.
 LATER_SETTINGS: dict[tuple[str, str], Any] = {

@@ -7,13 +7,22 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Named sets of input-defence fields (docs/privacy.md §4i). A preset fills the fields a
-# configuration leaves unset; a field set explicitly wins.
+# configuration leaves unset; a field set explicitly wins. ``states-only`` also sets the wire
+# (TrainConfig: a home-mode subspace and int8/int4 codecs, see STATES_ONLY in config.py).
 PRIVACY_PRESETS: dict[str, dict[str, object]] = {
-    # every attack of the patient-neighbour audit within 5 points of the floor for the
-    # worst victim, early and trained (cpu-tiny, P = 4, 60 steps), at the lowest price
-    # measured at cpu-small: +0.26 Eq. 8 (1 seed; +0.23 at cpu-tiny, 3 seeds); RMS-relative
-    # noise behind a private input layer, so no ε
-    "patient-neighbour": {"home_input": "mlp", "input_noise": 1.0},
+    # only hidden states and gradients travel (no token ids), compressed, with a private
+    # input layer and RMS-relative noise on the k coordinates of the first send; its measured
+    # price and audited margin: docs/privacy.md §4j
+    "states-only": {"home_input": "mlp", "input_noise": 1.0},
+}
+# Presets that were removed, and why: a name must not promise what the audit cannot show.
+REMOVED_PRESETS: dict[str, str] = {
+    "patient-neighbour": (
+        "the audit at the attacker's strength (short early windows, docs/privacy.md §4i) "
+        "reads its worst victim far above the floor, so the name promised what it does not "
+        "hold; set privacy.home_input = 'mlp' and privacy.input_noise = 1 to keep its "
+        "fields, or use preset 'states-only'"
+    ),
 }
 
 
@@ -22,13 +31,14 @@ class PrivacyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    preset: Literal["off", "patient-neighbour"] = Field(
+    preset: Literal["off", "states-only"] = Field(
         "off",
         description=(
-            "a named set of input-defence fields (docs/privacy.md §4i), filling the fields "
-            "left unset: patient-neighbour = the cheapest setting measured to keep every "
-            "attack of the patient-neighbour audit within 5 points of the floor "
-            "(home_input mlp, input_noise 1); needs noise_key_dir; off = none"
+            "a named private wire mode (docs/privacy.md §4j), filling the fields left unset: "
+            "states-only = only hidden states travel (no token ids), in a home-mode subspace "
+            "of rank d/4 with int8/int4 codecs, behind a private input layer (mlp) and noise "
+            "on the coordinates of the first send (input_noise 1); needs noise_key_dir; "
+            "off = none"
         ),
     )
     label_noise: float = Field(
@@ -176,6 +186,9 @@ class PrivacyConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _expand_preset(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("preset") in REMOVED_PRESETS:
+            name = data["preset"]
+            raise ValueError(f"privacy.preset {name!r} was removed: {REMOVED_PRESETS[name]}")
         if not isinstance(data, dict) or data.get("preset") not in PRIVACY_PRESETS:
             return data  # no preset, "off", or an unknown name (refused by the field's check)
         name = data["preset"]

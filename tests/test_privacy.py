@@ -156,15 +156,38 @@ def test_input_epsilon_is_stated_for_what_it_covers_and_an_unmeetable_target_is_
 def test_privacy_preset_fills_unset_fields_and_needs_site_keys(keys):
     from mobius_fed.privacy_config import PRIVACY_PRESETS
 
-    named = PRIVACY_PRESETS["patient-neighbour"]
-    pc = TrainConfig(privacy={"preset": "patient-neighbour", "noise_key_dir": keys}).privacy
-    assert {k: getattr(pc, k) for k in named} == named
-    mine = {"preset": "patient-neighbour", "noise_key_dir": keys, "input_noise": 9.0}
-    assert TrainConfig(privacy=mine).privacy.input_noise == 9.0  # an explicit field wins
+    named = PRIVACY_PRESETS["states-only"]
+    cfg = TrainConfig(privacy={"preset": "states-only", "noise_key_dir": keys})
+    assert {k: getattr(cfg.privacy, k) for k in named} == named
+    assert (cfg.subspace.rank, cfg.subspace.mode, cfg.subspace.writes) == (24, "home", "full")
+    assert (cfg.wire.fwd, cfg.wire.bwd) == ("int8", "int4")
+    mine = {"preset": "states-only", "noise_key_dir": keys, "input_noise": 9.0}
+    again = TrainConfig(privacy=mine, subspace={"rank": 12, "mode": "home"})
+    assert again.privacy.input_noise == 9.0 and again.subspace.rank == 12  # explicit wins
+    assert TrainConfig(**cfg.model_dump(mode="json")).fingerprint() == cfg.fingerprint()
     with pytest.raises(ValidationError, match=r"needs privacy\.noise_key_dir"):
-        TrainConfig(privacy={"preset": "patient-neighbour"})
+        TrainConfig(privacy={"preset": "states-only"})
     with pytest.raises(ValidationError, match=r"privacy\.preset"):
         TrainConfig(privacy={"preset": "paranoid"})
+    with pytest.raises(ValidationError, match="'patient-neighbour' was removed: the audit"):
+        TrainConfig(privacy={"preset": "patient-neighbour", "noise_key_dir": keys})
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ({"subspace": {"rank": 8, "mode": "tokens"}}, "mode 'tokens' sends the token ids"),
+        ({"subspace": {"rank": 8, "mode": "stream"}}, "mode 'stream' and no subspace send E"),
+        ({"privacy": {"input_noise": 0.0}}, "input_noise = 0 turns off the noise"),
+        ({"privacy": {"home_input": "off"}}, "home_input = 'off'"),
+    ],
+)
+def test_states_only_refuses_what_would_send_ids_or_undo_its_defence(keys, extra, reason):
+    raw: dict = {"privacy": {"preset": "states-only", "noise_key_dir": keys}}
+    for section, fields in extra.items():
+        raw[section] = {**raw.get(section, {}), **fields}
+    with pytest.raises(ValidationError, match=f"preset 'states-only' refused: .*{reason}"):
+        TrainConfig(**raw)
 
 
 def test_missing_key_file_and_bad_settings_are_named(tmp_path):

@@ -73,20 +73,25 @@ def test_ring_with_label_noise_input_noise_and_nopeek_equals_reference_bit_for_b
     assert plain_losses[-1] != [ref[cfg.steps - 1, s] for s in range(3)]
 
 
-def test_ring_with_the_patient_neighbour_preset_equals_reference_bit_for_bit(tmp_path: Path):
-    """``--privacy-preset patient-neighbour`` reaches every worker as the fields it names
-    (a private input layer and first-send noise, keyed per site), and the ring still equals
-    the reference exactly."""
+def test_ring_with_the_states_only_preset_equals_reference_bit_for_bit(tmp_path: Path):
+    """``--privacy-preset states-only`` reaches every worker as the wire and fields it names
+    (a home-mode subspace of rank d/4 with int8/int4 stochastic codecs, a private input layer
+    and noise on the first send's coordinates, keyed per site; no token ids travel), and the
+    ring still equals the reference exactly, in training and in evaluation."""
     keys = tmp_path / "keys"
     write_site_keys(keys, 3)
     train = dict(preset="cpu-tiny", steps=2, batch_size=4, sync_every=0, eval_every=0)
     ring = PrivateRing(tmp_path, 3, train)
-    ring.privacy = {"preset": "patient-neighbour", "noise_key_dir": str(keys)}
-    pc = ring.config().privacy
-    named = PRIVACY_PRESETS["patient-neighbour"]
-    assert {k: getattr(pc, k) for k in named} == named
+    ring.privacy = {"preset": "states-only", "noise_key_dir": str(keys)}
+    cfg = ring.config()
+    named = PRIVACY_PRESETS["states-only"]
+    assert {k: getattr(cfg.privacy, k) for k in named} == named
+    assert (cfg.subspace.rank, cfg.subspace.mode) == (cfg.model().d_model // 4, "home")
+    assert (cfg.wire.fwd, cfg.wire.bwd, cfg.wire.rounding) == ("int8", "int4", "stochastic")
     ring.prepare().start().wait()
-    ref, _ = ring.reference()
+    ref, ref_eval = ring.reference()
     got = ring.losses()
     assert set(got) == set(ref)
     assert max(abs(got[k] - ref[k]) for k in ref) == 0.0, "ring must equal the reference exactly"
+    ring_eval = ring.eval_losses()
+    assert all(ring_eval[s] == v for s, v in enumerate(ref_eval))

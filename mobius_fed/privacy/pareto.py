@@ -19,7 +19,10 @@ from mobius_fed.plotting import pyplot, save_figure
 
 R = TypeVar("R")
 
-TODAY = ("none", "block", "mlp", "clipped σ=4", "block + noise σ=1")
+TODAY = ("none", "block", "mlp", "clipped σ=4", "block + noise σ=1", "mlp + noise σ=1")
+CODEC = "fwd=int8,bwd=int4,rounding=stochastic"
+# A setting is a set of ``privacy`` fields, plus optionally the wire it runs on: ``wire`` (a
+# --wire value) and ``subspace`` (compression.py's rank=…,mode=…; rank=d/N is d_model / N).
 SETTINGS: dict[str, dict] = {
     "none": {},
     "block": {"home_input": "block"},
@@ -40,7 +43,30 @@ SETTINGS: dict[str, dict] = {
     "block + noise σ=2": {"home_input": "block", "input_noise": 2.0},
     "noise σ=2 + NoPeek 1": {"input_noise": 2.0, "decorrelation": 1.0},
     "block + clipped σ=2": {"home_input": "block", "input_noise": 2.0, "input_clip": 4.0},
+    # the wire: what each mode sends (docs/privacy.md §4j)
+    "codec": {"wire": CODEC},
+    "tokens d/8 + codec": {"subspace": "rank=d/8,mode=tokens,writes=full", "wire": CODEC},
+    "home d/4 + codec": {"subspace": "rank=d/4,mode=home,writes=full", "wire": CODEC},
+    "home d/2 + codec": {"subspace": "rank=d/2,mode=home,writes=full", "wire": CODEC},
+    "codec + mlp + noise σ=1": {"wire": CODEC, "home_input": "mlp", "input_noise": 1.0},
+    "codec + mlp + noise σ=2": {"wire": CODEC, "home_input": "mlp", "input_noise": 2.0},
+    "home d/4 + codec + mlp": {
+        "subspace": "rank=d/4,mode=home,writes=full",
+        "wire": CODEC,
+        "home_input": "mlp",
+    },
+    "states-only σ=0.25": {"preset": "states-only", "input_noise": 0.25},
+    "states-only σ=0.5": {"preset": "states-only", "input_noise": 0.5},
+    "states-only σ=1": {"preset": "states-only"},
+    "states-only σ=2": {"preset": "states-only", "input_noise": 2.0},
+    "states-only σ=4": {"preset": "states-only", "input_noise": 4.0},
+    "states-only d/2 σ=2": {
+        "preset": "states-only",
+        "input_noise": 2.0,
+        "subspace": "rank=d/2,mode=home,writes=full",
+    },
 }
+WIRE_KEYS = ("wire", "subspace")  # a setting's keys that are not privacy fields
 
 
 @dataclass
@@ -54,6 +80,8 @@ class SettingRun:
     eval_loss: float
     worst: dict[str, float] = field(default_factory=dict)
     floor: float | None = None  # the largest per-victim floor of the run
+    ratio: float | None = None  # bytes on the wire: fp32 hidden states / this setting's
+    sends: str = ""  # what crosses a hop: "hidden states" or "hidden states + token ids"
 
 
 def select_named(table: dict[str, dict], names: str | None, what: str) -> dict[str, dict]:
@@ -87,61 +115,79 @@ def _delta(runs: Sequence[SettingRun], setting: str, preset: str) -> tuple[float
     return statistics.fmean(paired), spread, len(paired)
 
 
+PLACES = ("early", "mid", "trained")
+
+
 def front(runs: Sequence[SettingRun]) -> list[dict]:
-    """Per setting: Δ Eq. 8 per preset, and the worst margin per attack over attacked runs."""
+    """Per setting: the wire ratio, Δ Eq. 8 per preset, and the worst margin per "place:
+    attack" over attacked runs (every seed and victim), with its largest and the attack."""
     settings = list(dict.fromkeys(r.setting for r in runs))
     presets = list(dict.fromkeys(r.preset for r in runs))
     out = []
     for s in settings:
+        mine = [r for r in runs if r.setting == s]
         row: dict = {"setting": s, "today": s in TODAY, "delta": {}}
+        row["ratio"] = next((r.ratio for r in mine if r.ratio is not None), None)
+        row["sends"] = next((r.sends for r in mine if r.sends), "")
         for p in presets:
             mean, spread, n = _delta(runs, s, p)
             if n:
                 row["delta"][p] = (mean, spread, n)
-        attacked = [r for r in runs if r.setting == s and r.worst]
+        attacked = [r for r in mine if r.worst]
         worst: dict[str, float] = {}
         for r in attacked:
             for k, v in r.worst.items():
                 worst[k] = max(worst.get(k, -1.0), v)
         row["worst"] = worst
+        row["seeds_attacked"] = sorted({(r.preset, r.seed) for r in attacked})
         row["max_margin"] = max(worst.values()) if worst else None
+        row["max_attack"] = max(worst, key=lambda k: worst[k]) if worst else None
         row["floor"] = max((r.floor for r in attacked if r.floor is not None), default=None)
         out.append(row)
     return out
 
 
 def table(runs: Sequence[SettingRun]) -> str:
-    """Markdown: Δ Eq. 8 (mean ± std, n seeds) per preset and the worst-victim margin above
-    the floor (percentage points) of every attack, early / trained."""
+    """Markdown, the three-way front: wire ratio, Δ Eq. 8 (mean ± std, n seeds) per preset,
+    and the worst victim's margin above its floor (percentage points, the worst over every
+    attack and window at each place, every attacked seed), with the attack that achieved
+    the largest."""
     rows = front(runs)
     presets = list(dict.fromkeys(r.preset for r in runs))
-    attacks = list(dict.fromkeys(k.split(": ", 1)[1] for r in runs for k in r.worst))
-    head = ["setting"] + [f"Δ Eq. 8 {p}" for p in presets] + attacks + ["max", "floor"]
+    head = ["setting", "sends", "wire ratio", *(f"Δ Eq. 8 {p}" for p in presets)]
+    head += [f"worst − floor, {place}" for place in PLACES]
+    head += ["max", "by", "attacked (preset: seeds)"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for row in rows:
-        cells = [row["setting"] + (" (today)" if row["today"] else "")]
+        cells = [row["setting"] + (" (today)" if row["today"] else ""), row["sends"] or "—"]
+        cells.append("—" if row["ratio"] is None else f"{row['ratio']:.1f}×")
         for p in presets:
             if p in row["delta"]:
                 m, sd, n = row["delta"][p]
                 cells.append(f"{m:+.3f} ± {sd:.3f} ({n})")
             else:
                 cells.append("—")
-        for a in attacks:
-            e, t = row["worst"].get(f"early: {a}"), row["worst"].get(f"trained: {a}")
-            cells.append("—" if e is None else f"{100 * e:+.1f} / {100 * (t or 0):+.1f}")
+        for place in PLACES:
+            got = [v for k, v in row["worst"].items() if k.startswith(f"{place}: ")]
+            cells.append(f"{100 * max(got):+.1f}" if got else "—")
         mm = row["max_margin"]
         cells.append("—" if mm is None else f"{100 * mm:+.1f}")
-        cells.append("—" if row["floor"] is None else f"{100 * row['floor']:.1f} %")
+        cells.append(row["max_attack"] or "—")
+        by: dict[str, list[int]] = {}
+        for p, seed in row["seeds_attacked"]:
+            by.setdefault(p, []).append(seed)
+        cells.append("; ".join(f"{p}: {','.join(map(str, v))}" for p, v in by.items()) or "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def figure(runs: Sequence[SettingRun], path: Path, preset: str) -> Path | None:
-    """Cost (Δ Eq. 8 at ``preset``) against the worst margin over attacks and stages."""
+    """The three-way front: cost (Δ Eq. 8 at ``preset``) against the worst margin over
+    attacks, windows and places, each point labelled with its wire ratio."""
     plt = pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for row in front(runs):
         if preset not in row["delta"] or row["max_margin"] is None:
             continue
@@ -149,12 +195,15 @@ def figure(runs: Sequence[SettingRun], path: Path, preset: str) -> Path | None:
         y = 100 * row["max_margin"]
         colour = "tab:grey" if row["today"] else "tab:blue"
         ax.errorbar(m, y, xerr=sd, fmt="o", color=colour)
-        ax.annotate(row["setting"], (m, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ratio = "" if row["ratio"] is None else f" ({row['ratio']:.0f}×)"
+        ax.annotate(
+            row["setting"] + ratio, (m, y), fontsize=7, xytext=(3, 3), textcoords="offset points"
+        )
     ax.axhline(5, color="tab:red", ls="--", lw=1, label="target: floor + 5 points")
     ax.axvline(0.05, color="tab:red", ls=":", lw=1, label="target: +0.05 Eq. 8")
     ax.set_xlabel(f"Δ Eq. 8 validation loss vs none ({preset}, mean ± std over seeds)")
     ax.set_ylabel("worst victim: best attack − floor (points)")
-    ax.set_title("Input defences against a patient neighbour (grey: today's options)")
+    ax.set_title("Wire ratio × price × worst margin (grey: settings that shipped before)")
     ax.legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
     return save_figure(fig, path)
