@@ -54,6 +54,7 @@ PLUGINS: dict[str, tuple[str, ...]] = {
     "certs": ("certs",),
     "export": ("export", "generate", "eval"),
     "relay": ("relay",),
+    "plan": ("plan",),
 }
 
 

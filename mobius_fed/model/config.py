@@ -140,7 +140,7 @@ def split_problem(split: tuple[int, ...] | list[int] | None, n_layer: int, group
             return (
                 f"n_layer={n_layer} is not divisible by P={groups} workers: an even split needs "
                 f"the same number of layers in every group; give the split with "
-                f"--layers-per-group (e.g. {show_split(_near_even(n_layer, groups))})"
+                f"--layers-per-group (e.g. {show_split(near_even_split(n_layer, groups))})"
             )
         return ""
     shown = show_split(split)
@@ -162,7 +162,8 @@ def split_problem(split: tuple[int, ...] | list[int] | None, n_layer: int, group
     return ""
 
 
-def _near_even(n_layer: int, groups: int) -> tuple[int, ...]:
+def near_even_split(n_layer: int, groups: int) -> tuple[int, ...]:
+    """The even split, or the nearest one where ``groups`` does not divide ``n_layer``."""
     q, r = divmod(n_layer, groups)
     return tuple(q + (i < r) for i in range(groups))
 
