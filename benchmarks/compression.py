@@ -45,23 +45,11 @@ ARMS = (("cyclic", 1), ("ordered", 1), ("cyclic", 2), ("ordered", 2))
 
 
 def hop_bytes(cfg) -> tuple[int, int]:
-    """(forward, backward) bytes of one remote hop of one micro-batch: the codec's payload
-    (``wire_dtype`` where a direction has none) of what a slot carries (k-wide coordinates
-    with the subspace on)."""
-    from mobius_fed.engine.wire_stages import codecs
+    """(forward, backward) bytes of one remote hop of one micro-batch
+    (:func:`mobius_fed.ops.plan.hop_bytes`, imported when used)."""
+    from mobius_fed.ops.plan import hop_bytes as payload
 
-    mc = cfg.model()
-    shape = (cfg.batch_size // cfg.micro_batches, mc.seq_len, mc.subspace_rank or mc.d_model)
-    # mode tokens: a forward slot carries one more channel, the token ids (16-bit with a
-    # codec, a channel of the wire dtype without one)
-    tokens = cfg.subspace.on and cfg.subspace.mode == "tokens"
-    fwd_shape = (*shape[:-1], shape[-1] + 1) if tokens else shape
-    item = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.wire_dtype]
-    fwd, bwd = codecs(cfg)
-    return tuple(
-        item * math.prod(sh) if c.lossless else c.payload_bytes(sh)
-        for c, sh in ((fwd, fwd_shape), (bwd, shape))
-    )
+    return payload(cfg)
 
 
 def step_bytes(cfg) -> tuple[int, int]:

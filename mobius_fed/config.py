@@ -17,6 +17,8 @@ from mobius_fed.model.config import (
     Precision,
     SubspaceConfig,
     make_model_config,
+    show_split,
+    split_problem,
 )
 from mobius_fed.model.knobs import LoopKnobs
 from mobius_fed.privacy_config import PrivacyConfig
@@ -51,6 +53,11 @@ class TrainConfig(BaseModel):
     batch_size: int = Field(8, ge=1, description="sequences per origin per step")
     seq_len: int | None = Field(None, ge=2, description="tokens per sequence; unset: the preset's")
     n_layer: int | None = Field(None, ge=1, description="transformer blocks; unset: the preset's")
+    layers_per_group: list[int] | None = Field(
+        None,
+        description="blocks of each group F_0..F_{P-1}, e.g. 4,4,2,2 (a slow site holds "
+        "fewer); unset: n_layer / P each",
+    )
     micro_batches: int = Field(
         1, ge=1, description="micro-batches per stream (overlap sending and computing)"
     )
@@ -144,8 +151,24 @@ class TrainConfig(BaseModel):
             )
         return v
 
+    @field_validator("layers_per_group", mode="before")
+    @classmethod
+    def _split_text(cls, v: object) -> object:
+        if isinstance(v, str):  # "4,4,2,2", as the flag and an environment variable write it
+            try:
+                return [int(p) for p in v.replace(" ", "").split(",") if p]
+            except ValueError:
+                raise ValueError(f"layers_per_group {v!r}: expected counts like 4,4,2,2") from None
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
+        n_layer = self.n_layer or PRESETS[self.preset]["n_layer"]
+        problem = split_problem(self.layers_per_group, n_layer, self.workers)
+        if problem:
+            raise ValueError(problem)
+        if self.layers_per_group and len(set(self.layers_per_group)) == 1:
+            self.layers_per_group = None  # the even split, written out: the same run
         if self.batch_size % self.micro_batches:
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by "
@@ -175,7 +198,7 @@ class TrainConfig(BaseModel):
             self._check_states_only()
         if self.subspace.on and self.subspace.mode == "tokens":
             self._check_tokens_mode()
-        self.model()  # raises on layers not divisible by P (and a rank above d_model)
+        self.model()  # raises on a rank above d_model
         return self
 
     def _check_states_only(self) -> None:
@@ -241,6 +264,7 @@ class TrainConfig(BaseModel):
             subspace_learn=self.subspace.learn,
             loss_chunk=self.memory.loss_chunk,
             home_input=self.privacy.home_input,
+            split=tuple(self.layers_per_group) if self.layers_per_group else None,
         )
 
     @property
@@ -271,14 +295,34 @@ class TrainConfig(BaseModel):
             mode="json", exclude={"steps", "eval_every", "eval_batches", "device", "precision"}
         )
 
+    @property
+    def split(self) -> str:
+        """``4,4,2,2``: the blocks of each group (the even split included)."""
+        return show_split(self.model().group_layers)
+
+    def difference(self, saved: TrainConfig) -> str:
+        """Why a checkpoint written under ``saved`` cannot continue this run ("" when its
+        training math is this run's); a different split is named with both splits."""
+        if saved.training_math() == self.training_math():
+            return ""
+        if saved.split != self.split:
+            return (
+                f"it was written with layers_per_group {saved.split}, this run has "
+                f"layers_per_group {self.split}"
+            )
+        return "it was written with a different configuration"
+
     def fingerprint(self) -> str:
         """Hash of the whole config; peers refuse a run whose hash differs. A setting added
         after a release (``LATER_SETTINGS``) counts only when it differs from its default,
         so that manifests written before it existed still resume."""
         doc = self.model_dump(mode="json")
-        for (section, key), default in LATER_SETTINGS.items():
-            if doc[section].get(key) == default:
-                del doc[section][key]
+        for (*sections, key), default in LATER_SETTINGS.items():
+            table = doc
+            for section in sections:
+                table = table[section]
+            if table.get(key) == default:
+                del table[key]
         blob = json.dumps(doc, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -290,8 +334,9 @@ STATES_ONLY: dict[str, Any] = {
     "wire": {"fwd": "int8", "bwd": "int4", "rounding": "stochastic"},
 }
 
-# (sub-config, field) → default of the settings added after manifests were first written.
-LATER_SETTINGS: dict[tuple[str, str], Any] = {
+# (sub-config, …, field) → default of the settings added after manifests were first written.
+LATER_SETTINGS: dict[tuple[str, ...], Any] = {
+    ("layers_per_group",): None,
     ("subspace", "writes"): "basis",
     ("subspace", "learn"): False,
     ("subspace", "lr"): 1e-3,

@@ -225,7 +225,7 @@ def read_engine_checkpoint(file: Path, name: str) -> Model:
         raise RunError(f"{file} is not a reference-engine checkpoint (no groups/replicas)")
     cfg = TrainConfig.model_validate(state["config"])
     mc = cfg.model()
-    groups = [BlockGroup(mc, build_basis(mc, cfg.seed)) for _ in range(cfg.P)]
+    groups = [BlockGroup(mc, build_basis(mc, cfg.seed), i) for i in range(cfg.P)]
     replicas = [Replica(mc, cfg.privacy.home_layer) for _ in range(cfg.P)]  # home layers too
     for module, sd in zip(groups + replicas, state["groups"] + state["replicas"], strict=True):
         _load(module, sd, file)
@@ -254,7 +254,7 @@ def read_manifest(manifest: Path) -> Model:
         state = load_checkpoint(file, entry["sha256"])
         if state.get("rank") != rank or "group" not in state or "replica" not in state:
             raise RunError(f"{file} is not worker-{rank}'s checkpoint")
-        group = BlockGroup(mc, build_basis(mc, cfg.seed))
+        group = BlockGroup(mc, build_basis(mc, cfg.seed), rank)
         replica = build_replica(mc, cfg.seed, cfg.privacy.home_layer)
         _load(group, state["group"], file)
         _load(replica, state["replica"], file)  # the site's home layer, if any

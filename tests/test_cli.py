@@ -59,6 +59,7 @@ def cli(tmp_path, monkeypatch, capsys):
     ("args", "expected"),
     [
         (["local", *TINY, "--workers", "5"], "not divisible by P=5"),
+        (["local", *TINY, "--layers-per-group", "4,4,2,1,1"], "more groups than sites"),
         (["local", *TINY, "--loops", "0"], "loops"),
         (["local", *TINY, "--preset", "gpt5"], "invalid choice: 'gpt5'"),
         (["local", *TINY, "--order", "zigzag"], "invalid choice: 'zigzag'"),

@@ -285,3 +285,33 @@ def test_fingerprint_of_older_runs_is_stable() -> None:
     assert TrainConfig().fingerprint() == "91b524307e57102c"  # the default config's, 2026-12
     full = TrainConfig(subspace={"rank": 8, "writes": "full"})
     assert full.fingerprint() != TrainConfig(subspace={"rank": 8}).fingerprint()
+
+
+def test_layers_per_group_from_text_and_the_even_split_written_out() -> None:
+    """``--layers-per-group 4,4,2,2`` (flag, env and TOML text alike); the even split
+    written out is the default run (same fingerprint), an uneven one is another run."""
+    uneven = TrainConfig(preset="cpu-tiny", layers_per_group="4, 4,2,2")
+    assert uneven.layers_per_group == [4, 4, 2, 2] and uneven.split == "4,4,2,2"
+    even = TrainConfig(preset="cpu-tiny", layers_per_group=[3, 3, 3, 3])
+    assert even.layers_per_group is None and even.split == "3,3,3,3"
+    assert even.fingerprint() == TrainConfig(preset="cpu-tiny").fingerprint()
+    assert uneven.fingerprint() != even.fingerprint()
+    assert even.difference(uneven) == (
+        "it was written with layers_per_group 4,4,2,2, this run has layers_per_group 3,3,3,3"
+    )
+    with pytest.raises(ValueError, match="expected counts like 4,4,2,2"):
+        TrainConfig(layers_per_group="4;4;4")
+    with pytest.raises(ValueError, match="names 6 groups, more groups than sites"):
+        TrainConfig(workers=4, layers_per_group="2,2,2,2,2,2")
+
+
+def test_a_manifest_of_another_split_is_named_on_resume() -> None:
+    from mobius_fed.coordinator.rounds import split_difference
+
+    even = TrainConfig(preset="cpu-tiny")
+    saved = TrainConfig(preset="cpu-tiny", layers_per_group="2,2,4,4")
+    assert split_difference(saved.model_dump(mode="json"), even) == (
+        ": it was written with layers_per_group 2,2,4,4, this run has layers_per_group 3,3,3,3"
+    )
+    assert split_difference(even.model_dump(mode="json"), even) == ""
+    assert split_difference(None, even) == ""

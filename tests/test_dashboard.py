@@ -122,6 +122,11 @@ def test_metrics_and_history_on_disk(fed: LocalFederation) -> None:
     assert {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r} == evals
     history = json.loads((out / "history.json").read_text())
     assert history["steps"] == hist["steps"] and history["status"]["phase"] == "done"
+    # each site measured: its group's blocks, its compute per block, the slowest named
+    status = fed.rest("/v1/status")
+    assert all(w["layers"] == 6 and w["block_s"] > 0 for w in status["workers"])
+    assert status["pace"]["slowest"] in ("worker-0", "worker-1")
+    assert 0 < status["pace"]["share"] <= 1
 
 
 # --------------------------------------------------------------------------- dashboard
@@ -198,6 +203,8 @@ def test_dashboard_renders_in_chromium(fed: LocalFederation) -> None:
     (field,) = dom.where(**{"data-field": "eval_loss"})
     assert float(field["data-value"]) == status["eval_loss"]
     assert dom.where(**{"data-key": "train.steps"}), "the run's config is shown"
+    (pace,) = dom.where(id="pace")  # the slowest site, named
+    assert pace["data-slowest"] == status["pace"]["slowest"]
     assert shot.is_file() and shot.stat().st_size > 10_000
     print(f"dashboard screenshot: {shot}")
 

@@ -153,6 +153,18 @@ def test_checkpoint_from_a_different_config_is_refused(site_dirs, tmp_path) -> N
     assert longer.step == 1
 
 
+def test_checkpoint_of_another_split_is_refused_naming_both(site_dirs, tmp_path) -> None:
+    uneven = _engine(site_dirs, layers_per_group="4,4,2,2")
+    ckpt = uneven.save(tmp_path / "c.pt")
+    with pytest.raises(ValueError) as err:
+        _engine(site_dirs).load(ckpt)
+    assert str(err.value) == (
+        "checkpoint cannot continue this run: it was written with layers_per_group 4,4,2,2, "
+        "this run has layers_per_group 3,3,3,3"
+    )
+    _engine(site_dirs, layers_per_group=[4, 4, 2, 2]).load(ckpt)  # the same split resumes
+
+
 def test_missing_checkpoint_raises(site_dirs, tmp_path) -> None:
     with pytest.raises(FileNotFoundError):
         _engine(site_dirs).load(tmp_path / "nope.pt")

@@ -65,6 +65,7 @@ def _hf_models(dirs: list[Path]) -> list:
             "privacy": {"home_input": "mlp"},
         },
         {"subspace": {"rank": 8, "mode": "stream"}},
+        {"layers_per_group": [8, 4]},
     ],
     ids=[
         "paper",
@@ -72,6 +73,7 @@ def _hf_models(dirs: list[Path]) -> list:
         "loop-knobs",
         "subspace-home-full-input-mlp",
         "subspace-stream",
+        "uneven-split",
     ],
 )
 def test_local_run_export_equals_the_engines_evaluation(
@@ -89,6 +91,8 @@ def test_local_run_export_equals_the_engines_evaluation(
     conf = json.loads((dirs[1] / "config.json").read_text())
     assert conf["source_groups"] == [1, 0] and conf["path"] == [0, 1, 0, 1]
     assert conf["encoding"] == "bytes" and conf["eos_token_id"] == 256
+    # an uneven split: one count per group of the path, origin 1's F1 (4 blocks) first
+    assert conf["layers_per_group"] == ([4, 8] if cfg.layers_per_group else 6)
     got = val_losses([load(d) for d in dirs], sites, cfg)
     assert got == pytest.approx(want, abs=1e-5)
     assert val_losses(_hf_models(dirs), sites, cfg, hf=True) == pytest.approx(want, abs=1e-5)
@@ -138,6 +142,9 @@ def test_loader_names_missing_and_mismatched_files(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="unknown subspace_mode 'hom'"):
         load(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**conf, "layers_per_group": [2, 2, 2]}))
+    with pytest.raises(ValueError, match="layers_per_group names 3 groups, groups_in_path is 2"):
+        load(tmp_path)
 
 
 def _tiny_config(**kw) -> dict:
@@ -160,8 +167,15 @@ SUBSPACE = {"subspace_rank": 8, "subspace_mode": "home", "origin": 1, "source_gr
 
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"home_layer": "mlp"}, {"home_layer": "block"}, {"depth_embedding": True}, SUBSPACE],
-    ids=["paper", "home-mlp", "home-block", "depth-embedding", "subspace-home"],
+    [
+        {},
+        {"home_layer": "mlp"},
+        {"home_layer": "block"},
+        {"depth_embedding": True},
+        SUBSPACE,
+        {"layers_per_group": [3, 1]},
+    ],
+    ids=["paper", "home-mlp", "home-block", "depth-embedding", "subspace-home", "uneven"],
 )
 def test_kv_cache_logits_equal_the_full_forward(kw: dict) -> None:
     model = _random_model(residual_epsilon=0.5, **kw)

@@ -7,7 +7,9 @@ import re
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
 
+from mobius_fed.cli.status import render_status
 from mobius_fed.coordinator.state import RunState
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy/monitoring/grafana/dashboards"
@@ -51,3 +53,36 @@ def test_counters_histograms_and_values() -> None:
     share = {s.labels["rank"]: s.value for s in fams["mobius_worker_wait_share"].samples}
     assert share == {"0": 0.2}  # worker-1 reported no wait time
     assert fams["mobius_eval_loss"].samples[0].value == 3.6
+
+
+def test_the_slowest_site_and_its_cost_in_status_and_metrics() -> None:
+    """Each worker's compute per step and per block application (its group's size known
+    from the split), the slowest named with the share of the others' pace it leaves."""
+    st = RunState(
+        run_id="r", P=3, steps=4, strategy="fedavg", num_rounds=2, layers=(6, 4, 2), loops=2
+    )
+    assert st.status_doc()["pace"] is None  # nothing measured yet
+    figures = {0: {"compute_s": 1.2}, 1: {"compute_s": 2.4}, 2: {"compute_s": 0.6}}
+    st.record_round(1, 1.5, 1.4, workers={r: {"train_s": 1.4, **f} for r, f in figures.items()},
+                    steps=2)  # fmt: skip
+    doc = st.status_doc()
+    w1 = doc["workers"][1]
+    assert w1["layers"] == 4 and w1["step_compute_s"] == 1.2
+    assert w1["block_s"] == 1.2 / (2 * 3 * 4)  # L · P applications of 4 blocks per step
+    assert doc["pace"] == {
+        "slowest": "worker-1",
+        "share": 0.5,
+        "step_compute_s": 1.2,
+        "others_s": 0.6,
+        "summary": "worker-1 holds the ring to 0.50 of the others' pace",
+    }
+    fams = {f.name: f for f in text_string_to_metric_families(st.prometheus())}
+    (pace,) = fams["mobius_ring_pace_share"].samples
+    assert pace.labels["slowest"] == "worker-1" and pace.value == 0.5
+    blocks = {s.labels["rank"]: s.value for s in fams["mobius_worker_block_seconds"].samples}
+    assert blocks["2"] == 0.3 / (2 * 3 * 2)
+    console = Console(record=True, width=200)
+    render_status(doc, console)
+    text = console.export_text()
+    assert "pace: worker-1 holds the ring to 0.50 of the others' pace" in text
+    assert "ms/block" in text and "50" in text  # worker-1: 1.2 s / 24 applications

@@ -20,7 +20,7 @@ def _tiny(groups: int = 4, **kw):
 
 def test_gpt2_small_parameter_count_matches_the_paper() -> None:
     mc = make_model_config("gpt2-small", groups=4, vocab_size=50257)
-    assert mc.layers_per_group == 3
+    assert mc.group_layers == (3, 3, 3, 3) and mc.even
     n = count_parameters(mc)
     assert abs(n - 123.6e6) <= 0.5e6, n
 
@@ -34,6 +34,33 @@ def test_untied_head_adds_vocab_times_width() -> None:
 def test_parameter_count_is_independent_of_the_split() -> None:
     counts = {P: count_parameters(_tiny(P)) for P in (1, 2, 3, 4, 6, 12)}
     assert len(set(counts.values())) == 1, counts
+
+
+def test_an_uneven_split_sizes_each_group_and_keeps_the_parameter_count() -> None:
+    mc = _tiny(split=(4, 4, 2, 2))
+    assert mc.group_layers == (4, 4, 2, 2) and not mc.even
+    assert [len(build_group(mc, i, seed=0).blocks) for i in range(4)] == [4, 4, 2, 2]
+    assert count_parameters(mc) == count_parameters(_tiny())
+    # F_i's first blocks are drawn as in the even split: the split adds or drops blocks
+    even, a = build_group(_tiny(), 3, seed=0), build_group(mc, 3, seed=0)
+    assert torch.equal(
+        even.state_dict()["blocks.1.mlp.fc.weight"], a.state_dict()["blocks.1.mlp.fc.weight"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("split", "words"),
+    [
+        ((4, 4, 2, 1), "sums to 11 layers, not n_layer=12"),
+        ((6, 6, 0, 0), "at least one layer, not 0"),
+        ((7, 6, -1, 0), "at least one layer, not -1"),
+        ((4, 4, 2, 1, 1), "names 5 groups, more groups than sites: the run has P=4"),
+        ((6, 4, 2), "names 3 groups, but the run has P=4"),
+    ],
+)
+def test_a_bad_split_is_refused_naming_the_problem(split: tuple, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        _tiny(split=split)
 
 
 def test_presets_resolve() -> None:

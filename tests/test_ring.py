@@ -54,6 +54,28 @@ def test_ring_equals_reference(tmp_path: Path, P: int, order: str, optimizer: st
     assert_matches_reference(ring)
 
 
+@pytest.mark.parametrize(
+    ("P", "order", "loops", "split"),
+    [
+        (4, "cyclic", 2, "4,4,2,2"),
+        (4, "ordered", 1, "4,4,2,2"),
+        (3, "cyclic", 1, "2,6,4"),
+        (3, "ordered", 2, "1,4,7"),
+    ],
+)
+def test_ring_with_uneven_groups_equals_reference(
+    tmp_path: Path, P: int, order: str, loops: int, split: str
+):
+    """Groups sized to their sites (``--layers-per-group``): every worker builds its own
+    F_i from the split, and the ring's train and eval losses equal the reference's bit for
+    bit (docs/ring.md, "Sites of unequal speed")."""
+    train = {**BASE, "steps": 4, "order": order, "loops": loops, "layers_per_group": split}
+    train.update(optimizer="adamw", eval_batches=1)
+    ring = Ring(tmp_path, P, train).prepare().start()
+    ring.wait()
+    assert assert_matches_reference(ring, tol=0.0) == 0.0
+
+
 def test_ring_with_muon_equals_reference_and_no_raw_data_leaves_home(tmp_path: Path):
     """Muon (bf16 Newton–Schulz) too: the ring feeds every kernel the same fp32 inputs in
     the same accumulation order as the reference, so gradients are bitwise equal and even

@@ -54,6 +54,7 @@ PLUGINS: dict[str, tuple[str, ...]] = {
     "certs": ("certs",),
     "export": ("export", "generate", "eval"),
     "relay": ("relay",),
+    "plan": ("plan",),
 }
 
 
@@ -70,7 +71,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     engine = ReferenceEngine(cfg, sites)
     mc = cfg.model()
     console.print(
-        f"[bold]mobius-fed local[/]: {cfg.preset} ({mc.n_layer} layers, d={mc.d_model}), "
+        f"[bold]mobius-fed local[/]: {cfg.preset} ({mc.n_layer} layers as {cfg.split}, "
+        f"d={mc.d_model}), "
         f"P={cfg.P} L={cfg.loops} K={cfg.K} order={cfg.order}, {cfg.steps} steps, "
         f"{threads} thread(s), data: {', '.join(str(s.directory) for s in sites)}"
     )

@@ -373,12 +373,33 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
             _num(w.get("tokens_per_s"), "{:,.0f}"),
         )
     console.print(workers)
+    if pace := doc.get("pace"):
+        console.print(_pace_table(doc.get("workers", [])))
+        console.print(
+            f"pace: {pace['summary']} (compute per step {pace['step_compute_s']:.3g} s, the "
+            f"next slowest {pace['others_s']:.3g} s)",
+            highlight=False,
+        )
     if doc.get("ring"):
         console.print(_ring_table(doc["ring"]))
     if doc.get("incidents"):
         console.print(_incident_table(doc["incidents"]))
     if doc.get("privacy"):
         console.print(_privacy_table(doc["privacy"]))
+
+
+def _pace_table(workers: list[dict[str, Any]]) -> Table:
+    """Each site measured: its group's blocks, compute per step and per block application."""
+    sites = _table("sites", ("rank", "blocks", "compute/step (s)", "ms/block"))
+    for w in workers:
+        block_s = w.get("block_s")
+        sites.add_row(
+            str(w.get("rank", "?")),
+            str(w.get("layers") or "-"),
+            _num(w.get("step_compute_s"), "{:.3g}"),
+            _num(None if block_s is None else block_s * 1e3, "{:.3g}"),
+        )
+    return sites
 
 
 def _table(title: str, columns: tuple[str, ...], overflow: OverflowMethod = "fold") -> Table:

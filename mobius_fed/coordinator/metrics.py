@@ -83,6 +83,14 @@ _WORKER_FIGURES: tuple[tuple[str, str, Callable[[WorkerModel], float | None], st
     ("mobius_worker_wait_share",
      "Share of the latest round the worker spent waiting for frames.",
      lambda w: w.wait_share, "g"),
+    ("mobius_worker_layers", "Blocks of the worker's group F_i (the split).",
+     lambda w: w.layers, "g"),
+    ("mobius_worker_step_compute_seconds",
+     "Compute seconds per training step in the latest round (the site's pace).",
+     lambda w: w.step_compute_s, "g"),
+    ("mobius_worker_block_seconds",
+     "Compute seconds per block application (forward and backward) in the latest round.",
+     lambda w: w.block_s, "g"),
     ("mobius_worker_train_seconds", "Seconds spent training steps.",
      lambda w: w.train_s_total, "c"),
     ("mobius_worker_wait_seconds",
@@ -112,6 +120,14 @@ class RunStateCollector(Collector):
         yield g
         yield from self._losses(status)
         yield from self._workers(status)
+        if status.pace is not None:
+            g = _gauge(
+                "mobius_ring_pace_share",
+                "The next slowest worker's compute per step over the slowest's (1: no cost).",
+                ("slowest",),
+            )
+            g.add_metric([run, status.pace.slowest], status.pace.share)
+            yield g
         yield from self._edges(status)
         incidents = status.incidents
         totals = {

@@ -23,6 +23,7 @@ from mobius_fed.checkpoint import (
     sha256_of,
     write_bytes_atomic,
 )
+from mobius_fed.config import TrainConfig
 from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.grid import RunFailed
 from mobius_fed.coordinator.recorder import HISTORY_FILE, METRICS_FILE, RunRecorder
@@ -43,6 +44,15 @@ from mobius_fed.transport.flower_wire import rank_of_node
 from mobius_fed.transport.tls import worker_identity
 
 log = logging.getLogger("mobius.coordinator")
+
+
+def split_difference(saved: dict[str, Any] | None, train: TrainConfig) -> str:
+    """``: it was written with layers_per_group 3,3,3,3, …`` when the splits differ."""
+    try:
+        old = TrainConfig.model_validate(saved)
+    except ValueError:
+        return ""
+    return f": {train.difference(old)}" if old.split != train.split else ""
 
 
 @dataclass
@@ -68,8 +78,10 @@ class RoundStore:
                 f"--resume: no complete checkpoint manifest under {checkpoint_dir(cfg.out_dir)}"
             )
         for path in self.manifests:
-            if json.loads(path.read_text())["fingerprint"] != cfg.train.fingerprint():
-                raise ValueError(f"--resume: {path} was written by a different train config")
+            doc = json.loads(path.read_text())
+            if doc["fingerprint"] != cfg.train.fingerprint():
+                why = split_difference(doc.get("train"), cfg.train)
+                raise ValueError(f"--resume: {path} was written by a different train config{why}")
         self.snapshots: dict[int, RoundState] = {}
         self.fresh = False  # a fresh start: workers set an earlier run's files aside
         self.last_manifest_round = 0

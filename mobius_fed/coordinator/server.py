@@ -64,6 +64,8 @@ class Coordinator:
             steps=cfg.train.steps,
             strategy=cfg.strategy,
             num_rounds=self.plan.num_rounds,
+            layers=cfg.train.model().group_layers,
+            loops=cfg.train.loops,
         )
         self.state.config = run_config_doc(cfg)
         self.state.privacy = privacy_source(cfg.train)

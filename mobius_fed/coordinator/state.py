@@ -49,6 +49,8 @@ class RunState:
     incidents: list[IncidentModel] = field(default_factory=list)
     config: dict[str, Any] | None = None  # the run's configuration, for status and dashboard
     privacy: Callable[[int], dict[str, Any] | None] | None = None  # step → status block
+    layers: tuple[int, ...] | None = None  # the split: blocks of each worker's group
+    loops: int = 1  # L: a worker applies its group L·P times per step
     totals: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(
             ("rounds", "evaluations", "tokens", "heartbeats"), 0.0
@@ -59,7 +61,9 @@ class RunState:
 
     def __post_init__(self) -> None:
         for i in range(self.P):
-            self.workers.setdefault(i, WorkerModel(rank=i, identity=f"mobius://worker/{i}"))
+            layers = self.layers[i] if self.layers else None
+            model = WorkerModel(rank=i, identity=f"mobius://worker/{i}", layers=layers)
+            self.workers.setdefault(i, model)
 
     # ------------------------------------------------------------- updates
     def update_worker(self, rank: int, **fields: Any) -> None:
@@ -137,6 +141,11 @@ class RunState:
                 train_s = fig.get("train_s")
                 w.train_s, w.wait_s = train_s, fig.get("wait_s")
                 w.compute_s = fig.get("compute_s")
+                w.step_compute_s = w.block_s = None
+                if w.compute_s is not None and steps:
+                    w.step_compute_s = w.compute_s / steps
+                    if w.layers:
+                        w.block_s = w.step_compute_s / (self.loops * self.P * w.layers)
                 w.wait_share = w.bytes_per_s = None
                 if train_s:
                     if w.wait_s is not None:
@@ -226,6 +235,7 @@ class RunState:
                 "ring": self._ring_doc(),
                 "incidents": [i.model_dump() for i in self.incidents],
                 "config": self.config,
+                "pace": self._pace(),
                 "privacy": self._privacy_block(),
                 "train_loss": self._train_loss(),
                 "workers": [
@@ -238,6 +248,22 @@ class RunState:
                     for w in (self.workers[i] for i in sorted(self.workers))
                 ],
             }
+
+    def _pace(self) -> dict[str, Any] | None:
+        """The slowest worker by compute per step, and the next slowest's share of it."""
+        per = {r: w.step_compute_s for r, w in self.workers.items()}
+        if self.P < 2 or any(v is None or v <= 0 for v in per.values()):
+            return None
+        ranked = sorted(per, key=lambda r: (-(per[r] or 0.0), r))
+        slow, slow_s, next_s = ranked[0], per[ranked[0]] or 0.0, per[ranked[1]] or 0.0
+        share = next_s / slow_s
+        return {
+            "slowest": f"worker-{slow}",
+            "share": share,
+            "step_compute_s": slow_s,
+            "others_s": next_s,
+            "summary": f"worker-{slow} holds the ring to {share:.2f} of the others' pace",
+        }
 
     def _privacy_block(self) -> dict[str, Any] | None:
         if self.privacy is None:

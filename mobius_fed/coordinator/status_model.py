@@ -48,6 +48,15 @@ class WorkerModel(BaseModel):
     bytes_per_s: float | None = Field(
         None, description="bytes it sent per training second (if reported)"
     )
+    layers: int | None = Field(None, description="blocks of its group F_i (the split)")
+    step_compute_s: float | None = Field(
+        None, description="compute seconds per training step, its latest round (its pace)"
+    )
+    block_s: float | None = Field(
+        None,
+        description="compute seconds per block application, forward and backward, on a "
+        "home batch (its home work shared in), its latest round",
+    )
     train_s_total: float = Field(0.0, description="training seconds over the run")
     wait_s_total: float = Field(0.0, description="wait seconds over the run")
     bytes_sent_total: float = Field(0.0, description="bytes sent over the run (if reported)")
@@ -74,6 +83,19 @@ class EdgeModel(BaseModel):
     tunnel_bytes_per_s: float | None = Field(
         None, description="bytes/s through its tunnel (reversed or relayed edges only)"
     )
+
+
+class PaceModel(BaseModel):
+    """The ring moves at its slowest member's pace: who that is and what it costs."""
+
+    slowest: str = Field(description="'worker-<i>': the most compute seconds per step")
+    share: float = Field(
+        description="the next slowest worker's compute per step over the slowest's: the "
+        "share of the others' pace the ring keeps (1: no cost)"
+    )
+    step_compute_s: float = Field(description="the slowest worker's compute seconds per step")
+    others_s: float = Field(description="the next slowest worker's compute seconds per step")
+    summary: str = Field(description="e.g. 'worker-2 holds the ring to 0.41 of the others' pace'")
 
 
 class IncidentModel(BaseModel):
@@ -118,6 +140,9 @@ class StatusModel(BaseModel):
     incidents: list[IncidentModel] = Field(default_factory=list)
     train_loss: float | None = Field(
         None, description="training loss of the latest step every origin reported (mean)"
+    )
+    pace: PaceModel | None = Field(
+        None, description="the slowest site and its cost (once every worker reported a round)"
     )
     config: dict[str, Any] | None = Field(None, description="the run's configuration")
     privacy: dict[str, Any] | None = Field(

@@ -233,8 +233,9 @@ class ReferenceEngine:
 
     def load_state_dict(self, state: dict) -> None:
         saved = TrainConfig.model_validate(state["config"])
-        if saved.training_math() != self.cfg.training_math():
-            raise ValueError("checkpoint was written with a different configuration")
+        why = self.cfg.difference(saved)
+        if why:
+            raise ValueError(f"checkpoint cannot continue this run: {why}")
         self.step = state["step"]
         for mod, sd in zip(self.groups + self.replicas, state["groups"] + state["replicas"]):
             mod.load_state_dict(sd)

@@ -51,7 +51,10 @@ def origin_config(model: Model, s: int) -> dict:
         "n_head": mc.n_head,
         "head_dim": mc.head_dim,
         "seq_len": mc.seq_len,
-        "layers_per_group": mc.layers_per_group,
+        # an int when every group holds as many blocks, else one count per source group
+        "layers_per_group": (
+            mc.group_layers[0] if mc.even else [mc.group_layers[i] for i in in_path]
+        ),
         "mlp_ratio": mc.mlp_ratio,
         "logit_cap": mc.logit_cap,
         "tied": mc.tied,

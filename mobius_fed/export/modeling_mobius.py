@@ -105,12 +105,19 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x)), kv
 
 
+def group_layers(cfg: dict) -> list[int]:
+    """Blocks of each stored group j: ``layers_per_group`` is one count for all, or a list
+    (an uneven split: one count per group of ``source_groups``)."""
+    n = cfg["layers_per_group"]
+    return list(n) if isinstance(n, list) else [n] * cfg["groups_in_path"]
+
+
 class BlockGroup(nn.Module):
     """F_i: consecutive blocks, an optional depth table [K, d] and a residual scale ε."""
 
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: dict, layers: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg["layers_per_group"]))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(layers))
         self.epsilon = float(cfg.get("residual_epsilon", 1.0))
         K = len(cfg["path"])
         self.depth_embedding = (
@@ -174,6 +181,15 @@ def check_config(cfg: dict) -> None:
         raise ValueError(f"config.json: unknown home_input {cfg['home_input']!r}")
     if any(not 0 <= j < cfg["groups_in_path"] for j in cfg["path"]):
         raise ValueError("config.json: path names a group outside groups_in_path")
+    n = cfg["layers_per_group"]
+    counts = n if isinstance(n, list) else [n]
+    if not all(isinstance(c, int) and c >= 1 for c in counts):
+        raise ValueError(f"config.json: layers_per_group {n!r} must be counts ≥ 1")
+    if isinstance(n, list) and len(n) != cfg["groups_in_path"]:
+        raise ValueError(
+            f"config.json: layers_per_group names {len(n)} groups, groups_in_path is "
+            f"{cfg['groups_in_path']}"
+        )
     k, mode = cfg.get("subspace_rank", 0), cfg.get("subspace_mode", "stream")
     if not (isinstance(k, int) and 0 <= k <= cfg["d_model"]):
         raise ValueError(f"config.json: subspace_rank {k!r} outside 0..d_model={cfg['d_model']}")
@@ -231,7 +247,7 @@ class MobiusCore:
         self.wte = nn.Embedding(cfg["vocab_size"], cfg["d_model"])
         tied = cfg.get("tied", True)
         self.lm_head = None if tied else nn.Linear(cfg["d_model"], cfg["vocab_size"], bias=False)
-        self.groups = nn.ModuleList(BlockGroup(cfg) for _ in range(cfg["groups_in_path"]))
+        self.groups = nn.ModuleList(BlockGroup(cfg, n) for n in group_layers(cfg))
         kind = cfg.get("home_layer", "off")
         self.home = HomeMLP(cfg) if kind == "mlp" else HomeBlock(cfg) if kind == "block" else None
         entry = INPUT_LAYERS.get(cfg.get("home_input", "off"))
@@ -258,11 +274,13 @@ class MobiusCore:
         """Final hidden states [B, T, d] of the tokens ``idx`` that follow ``past``, and the
         keys/values of all of them."""
         h, entry_kv = self.embed(idx, past)
-        per_group = self.mobius["layers_per_group"]
+        layers = group_layers(self.mobius)
         hop = Hops(self, h)
         cache: KVCache = []
+        start = 0  # the cache holds each application's blocks in turn
         for t, j in enumerate(self.mobius["path"]):
-            group_past = None if past is None else past[t * per_group : (t + 1) * per_group]
+            group_past = None if past is None else past[start : start + layers[j]]
+            start += layers[j]
             cache.extend(hop.apply(self.groups[j], j, t, group_past))
         if entry_kv is not None:
             cache.append(entry_kv)
@@ -324,8 +342,8 @@ else:
             super().__init__(**kwargs)
             self.hidden_size = kwargs.get("d_model")
             self.num_attention_heads = kwargs.get("n_head")
-            path, per_group = kwargs.get("path") or [], kwargs.get("layers_per_group") or 0
-            self.num_hidden_layers = len(path) * per_group
+            path, n = kwargs.get("path") or [], kwargs.get("layers_per_group") or 0
+            self.num_hidden_layers = sum(n[j] if isinstance(n, list) else n for j in path)
 
     class MobiusForCausalLM(PreTrainedModel, GenerationMixin, MobiusCore):
         """``AutoModelForCausalLM`` of an export: forward(input_ids, labels=…) → logits and

@@ -42,14 +42,15 @@ class ModelConfig(BaseModel):
     subspace_learn: bool = Field(False, description="U trains (each replica holds W, U = orth(W))")
     loss_chunk: int = Field(0, ge=0, description="tokens per head cross-entropy chunk; 0 = off")
     home_input: HomeInput = Field("off", description="each origin's private input layer")
+    split: tuple[int, ...] | None = Field(
+        None, description="blocks of each group F_0..F_{P-1}; None: n_layer / P each"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
-        if self.n_layer % self.groups:
-            raise ValueError(
-                f"n_layer={self.n_layer} is not divisible by P={self.groups} workers: "
-                "every block group needs the same number of layers"
-            )
+        problem = split_problem(self.split, self.n_layer, self.groups)
+        if problem:
+            raise ValueError(problem)
         if self.subspace_rank > self.d_model:
             raise ValueError(f"subspace rank {self.subspace_rank} exceeds d_model={self.d_model}")
         if self.head_dim % 2:
@@ -57,8 +58,13 @@ class ModelConfig(BaseModel):
         return self
 
     @property
-    def layers_per_group(self) -> int:
-        return self.n_layer // self.groups
+    def group_layers(self) -> tuple[int, ...]:
+        """Blocks of each group F_0..F_{P-1} (the split; even unless ``split`` is set)."""
+        return self.split or (self.n_layer // self.groups,) * self.groups
+
+    @property
+    def even(self) -> bool:
+        return len(set(self.group_layers)) == 1
 
     @property
     def applications(self) -> int:
@@ -119,6 +125,49 @@ class SubspaceConfig(BaseModel):
         return self.rank > 0
 
 
+def show_split(split: tuple[int, ...] | list[int]) -> str:
+    """``4,4,2,2``: a split as the flag writes it."""
+    return ",".join(map(str, split))
+
+
+def split_problem(split: tuple[int, ...] | list[int] | None, n_layer: int, groups: int) -> str:
+    """Why ``split`` (blocks per group; None: even) cannot hold ``n_layer`` blocks in
+    ``groups`` groups, or "" when it can."""
+    if split is None:
+        if n_layer < groups:
+            return f"n_layer={n_layer} is fewer than P={groups} workers: a group needs a layer"
+        if n_layer % groups:
+            return (
+                f"n_layer={n_layer} is not divisible by P={groups} workers: an even split needs "
+                f"the same number of layers in every group; give the split with "
+                f"--layers-per-group (e.g. {show_split(near_even_split(n_layer, groups))})"
+            )
+        return ""
+    shown = show_split(split)
+    bad = [n for n in split if n < 1]
+    if bad:
+        return f"layers_per_group {shown}: every group needs at least one layer, not {bad[0]}"
+    if len(split) > groups:
+        return (
+            f"layers_per_group {shown} names {len(split)} groups, more groups than sites: "
+            f"the run has P={groups} workers, one group each"
+        )
+    if len(split) < groups:
+        return (
+            f"layers_per_group {shown} names {len(split)} groups, but the run has P={groups} "
+            f"workers: give one count per worker"
+        )
+    if sum(split) != n_layer:
+        return f"layers_per_group {shown} sums to {sum(split)} layers, not n_layer={n_layer}"
+    return ""
+
+
+def near_even_split(n_layer: int, groups: int) -> tuple[int, ...]:
+    """The even split, or the nearest one where ``groups`` does not divide ``n_layer``."""
+    q, r = divmod(n_layer, groups)
+    return tuple(q + (i < r) for i in range(groups))
+
+
 # vocab_size None = derived from the encoding (padded to a multiple of 64).
 PRESETS: dict[str, dict] = {
     # The paper's 124M model: 12 layers, width 768, 6 heads × 128, 4 groups × 3 layers.
@@ -160,6 +209,7 @@ def make_model_config(
     subspace_learn: bool = False,
     loss_chunk: int = 0,
     home_input: HomeInput = "off",
+    split: tuple[int, ...] | None = None,
 ) -> ModelConfig:
     """Resolve a preset name into a ModelConfig; unknown names raise ValueError.
 
@@ -190,5 +240,6 @@ def make_model_config(
         subspace_learn=subspace_learn,
         loss_chunk=loss_chunk,
         home_input=home_input,
+        split=split,
         **spec,
     )

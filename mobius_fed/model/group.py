@@ -14,7 +14,7 @@ LOOP_PARAMETERS = ("depth_embedding",)
 
 
 class BlockGroup(nn.Module):
-    """F_i: ``layers_per_group`` consecutive blocks, owned by worker i.
+    """F_i: ``cfg.group_layers[i]`` consecutive blocks, owned by worker i.
 
     With the loop knobs on (``ModelConfig.depth_embedding`` / ``residual_scale``) the group
     also owns a ``[K, d]`` table of depth vectors and scales each visit's update; both are
@@ -23,7 +23,7 @@ class BlockGroup(nn.Module):
     unless ``subspace_writes`` is "full" (then only the hops are projected, by the engine).
     """
 
-    def __init__(self, cfg: ModelConfig, basis: Tensor | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, basis: Tensor | None = None, index: int = 0) -> None:
         super().__init__()
         if cfg.subspace_rank and (basis is None or basis.shape != (cfg.d_model, cfg.subspace_rank)):
             raise ValueError(
@@ -31,7 +31,8 @@ class BlockGroup(nn.Module):
                 f"({cfg.d_model}, {cfg.subspace_rank}) (see model.subspace.subspace_basis)"
             )
         basis = basis if cfg.subspace_rank and cfg.subspace_writes == "basis" else None
-        self.blocks = nn.ModuleList(Block(cfg, basis) for _ in range(cfg.layers_per_group))
+        layers = cfg.group_layers[index]
+        self.blocks = nn.ModuleList(Block(cfg, basis) for _ in range(layers))
         self.applications = cfg.applications
         self.epsilon = residual_epsilon(cfg.residual_scale, cfg.loops)
         self.depth_embedding = (

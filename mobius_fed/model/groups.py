@@ -31,7 +31,7 @@ def build_group(cfg: ModelConfig, index: int, seed: int) -> BlockGroup:
     basis = build_basis(cfg, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(seed, "group", index))
-        return BlockGroup(cfg, basis)
+        return BlockGroup(cfg, basis, index)
 
 
 def build_replica(cfg: ModelConfig, seed: int, home_layer: str | None = None) -> Replica:
@@ -55,5 +55,7 @@ def count_parameters(cfg: ModelConfig) -> int:
     home and input layers, which belong to the sites)."""
     with torch.device("meta"):
         basis = torch.empty(cfg.d_model, cfg.subspace_rank) if cfg.subspace_rank else None
-        groups = sum(p.numel() for p in BlockGroup(cfg, basis).parameters()) * cfg.groups
+        groups = sum(
+            p.numel() for i in range(cfg.groups) for p in BlockGroup(cfg, basis, i).parameters()
+        )
         return groups + sum(p.numel() for p in Replica(cfg).shared_parameters())

@@ -249,8 +249,9 @@ class RingExecutor:
         if state["rank"] != self.rank:
             raise ValueError(f"checkpoint is for worker {state['rank']}, not {self.rank}")
         saved = TrainConfig.model_validate(state["config"])
-        if saved.training_math() != self.cfg.training_math():
-            raise ValueError("worker checkpoint was written with a different configuration")
+        why = self.cfg.difference(saved)
+        if why:
+            raise ValueError(f"worker checkpoint cannot continue this run: {why}")
         self.step = state["step"]
         self.group.load_state_dict(state["group"])
         self.replica.load_state_dict(state["replica"])

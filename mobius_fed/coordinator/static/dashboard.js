@@ -219,11 +219,16 @@ function render(status, history) {
       cells: [e.edge, e.path || "direct", { v: e.state, cls: `state-${e.state}` },
         e.bytes_per_s, e.tunnel_bytes_per_s, e.reconnects] })));
   table(document.getElementById("workers"),
-    ["rank", "state", "step", "loss", "tokens/s", "train s", "wait share"],
+    ["rank", "state", "step", "loss", "tokens/s", "train s", "wait share", "blocks",
+      "ms/block"],
     status.workers.map((w) => ({ attrs: { class: "worker-row", "data-rank": w.rank },
       cells: [w.rank, { v: w.state, cls: `state-${w.state}` }, w.step, w.last_loss,
         w.tokens_per_s, w.train_s, w.wait_share === null ? null
-          : `${Math.round(w.wait_share * 100)}%`] })));
+          : `${Math.round(w.wait_share * 100)}%`, w.layers,
+        w.block_s === null || w.block_s === undefined ? null : w.block_s * 1000] })));
+  const pace = document.getElementById("pace");  // the slowest site and what it costs
+  pace.textContent = status.pace ? `pace: ${status.pace.summary}` : "pace: not measured yet";
+  pace.dataset.slowest = status.pace ? status.pace.slowest : "";
   table(document.getElementById("incidents"),
     ["#", "state", "what", "detected (s)", "recovered (s)", "rollback", "redone"],
     status.incidents.map((i) => ({ attrs: { class: "incident", "data-id": i.id,
