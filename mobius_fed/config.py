@@ -44,7 +44,22 @@ class TrainConfig(BaseModel):
         description="model preset (layers, width, heads, sequence length)",
         json_schema_extra={"choices": list(PRESETS)},
     )
-    workers: int = Field(4, ge=1, description="P: workers = block groups = origins")
+    workers: int = Field(
+        4, ge=1, description="worker processes = sites = origins (R·P; with one ring, P)"
+    )
+    rings: int = Field(
+        1, ge=1, description="R: rings of P = workers / R block groups each (docs/rings.md)"
+    )
+    ring_sync_every: int = Field(
+        1, ge=1, description="H: average each block group across the R rings every H steps"
+    )
+    ring_outer: Literal["fedavg", "diloco"] = Field(
+        "fedavg",
+        description="outer step of a ring sync: fedavg (the average) or diloco (Nesterov "
+        "SGD on the pseudo-gradient, arXiv 2311.08105)",
+    )
+    outer_lr: float = Field(0.7, gt=0, description="diloco: outer learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: outer Nesterov momentum")
     loops: int = Field(1, ge=1, description="L: complete passes over the P groups")
     order: Order = Field("cyclic", description="cyclic (Möbius) or ordered (the baseline)")
     steps: int = Field(120, ge=1, description="optimizer steps")
@@ -148,8 +163,35 @@ class TrainConfig(BaseModel):
             )
         if self.subspace.on and self.subspace.mode == "tokens":
             self._check_tokens_mode()
+        self._check_rings()
         self.model()  # raises on layers not divisible by P (and a rank above d_model)
         return self
+
+    def _check_rings(self) -> None:
+        """R rings of P groups (docs/rings.md): workers = R·P, ring syncs at E/R barriers."""
+        R = self.rings
+        if self.workers % R:
+            raise ValueError(
+                f"rings={R} does not divide workers={self.workers}: R rings of P block groups "
+                f"need workers = R·P (e.g. workers={R * max(1, self.workers // R)})"
+            )
+        if R == 1:
+            return
+        if self.sync_every < 1 or self.ring_sync_every % self.sync_every:
+            raise ValueError(
+                f"ring_sync_every={self.ring_sync_every} must be a multiple of "
+                f"sync_every={self.sync_every} (≥ 1): a ring sync happens at an E/R barrier"
+            )
+        clash = [
+            name
+            for name, on in (
+                ("privacy.er_secagg", self.privacy.er_secagg),
+                ("subspace.learn", self.subspace.learn),
+            )
+            if on
+        ]
+        if clash:
+            raise ValueError(f"rings > 1 cannot be combined with {', '.join(clash)} yet")
 
     def _check_tokens_mode(self) -> None:
         """Subspace mode ``tokens`` sends each micro-batch's token ids to every group on its
@@ -184,7 +226,7 @@ class TrainConfig(BaseModel):
     def model(self) -> ModelConfig:
         return make_model_config(
             self.preset,
-            groups=self.workers,
+            groups=self.P,
             vocab_size=encoding_vocab(self.encoding),
             tied=self.tied,
             seq_len=self.seq_len,
@@ -201,11 +243,12 @@ class TrainConfig(BaseModel):
 
     @property
     def P(self) -> int:
-        return self.workers
+        """Block groups per ring (= workers with one ring)."""
+        return self.workers // self.rings
 
     @property
     def K(self) -> int:
-        return self.workers * self.loops
+        return self.P * self.loops
 
     @property
     def tokens_per_step(self) -> int:
@@ -233,14 +276,21 @@ class TrainConfig(BaseModel):
         so that manifests written before it existed still resume."""
         doc = self.model_dump(mode="json")
         for (section, key), default in LATER_SETTINGS.items():
-            if doc[section].get(key) == default:
-                del doc[section][key]
+            table = doc if section is None else doc[section]
+            if table.get(key) == default:
+                del table[key]
         blob = json.dumps(doc, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-# (sub-config, field) → default of the settings added after manifests were first written.
-LATER_SETTINGS: dict[tuple[str, str], Any] = {
+# (sub-config or None for the top level, field) → default of the settings added after
+# manifests were first written.
+LATER_SETTINGS: dict[tuple[str | None, str], Any] = {
+    (None, "rings"): 1,
+    (None, "ring_sync_every"): 1,
+    (None, "ring_outer"): "fedavg",
+    (None, "outer_lr"): 0.7,
+    (None, "outer_momentum"): 0.9,
     ("subspace", "writes"): "basis",
     ("subspace", "learn"): False,
     ("subspace", "lr"): 1e-3,

@@ -8,11 +8,13 @@ FedAvgM's momentum is computed by the same Flower code in both.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
     FedAdagrad,
@@ -25,12 +27,70 @@ from flwr.serverapp.strategy import (
     FedYogi,
     Strategy,
 )
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from mobius_fed.checkpoint import ARRAYS_TAG
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.defences.secagg import MASKED
-from mobius_fed.messages import ARRAYS, STEP_END, STEP_START, TrainOrder  # noqa: F401 - engine reads STEP_START here
+from mobius_fed.messages import (  # noqa: F401 - engine reads STEP_START here
+    ARRAYS,
+    GROUP,
+    METRICS,
+    STEP_END,
+    STEP_START,
+    TrainOrder,
+)
 from mobius_fed.transport.flower_wire import rank_of_node
+
+Arrays = list[np.ndarray]
+
+
+def nesterov_step(
+    current: ArrayRecord, average: ArrayRecord, momentum: Arrays | None, lr: float, mu: float
+) -> tuple[ArrayRecord, Arrays]:
+    """DiLoCo's outer step (arXiv 2311.08105), torch's SGD with Nesterov momentum on the
+    pseudo-gradient Δ = θ − mean(θ_k) of the round: b ← μ·b + Δ (b = Δ at the first
+    step), θ ← θ − lr·(Δ + μ·b). Returns the new θ and b."""
+    names = list(average.keys())
+    theta = [current[n].numpy() for n in names]
+    delta = [t - a.numpy() for t, a in zip(theta, average.values(), strict=True)]
+    if momentum is None:
+        buf = [d.copy() for d in delta]
+    else:
+        buf = [mu * b + d for b, d in zip(momentum, delta, strict=True)]
+    new = [t - lr * (d + mu * b) for t, d, b in zip(theta, delta, buf, strict=True)]
+    return ArrayRecord({n: Array(np.asarray(v)) for n, v in zip(names, new)}), buf
+
+
+class DiLoCo(FedAvgM):
+    """Flower's FedAvgM with DiLoCo's outer step instead of heavy-ball momentum: the
+    replies' FedAvg average, then :func:`nesterov_step` (defaults lr 0.7, μ 0.9). With the
+    E/R under it and ``ring_outer = diloco``, P = 1 with R sites is DiLoCo of the whole
+    model (docs/rings.md)."""
+
+    def __init__(
+        self, server_learning_rate: float = 0.7, server_momentum: float = 0.9, **kw: Any
+    ) -> None:
+        super().__init__(
+            server_learning_rate=server_learning_rate, server_momentum=server_momentum, **kw
+        )
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        average, metrics = FedAvg.aggregate_train(self, server_round, replies)
+        if average is None or self.current_arrays is None:
+            return average, metrics
+        arrays, self.momentum_vector = nesterov_step(
+            self.current_arrays,
+            average,
+            self.momentum_vector,
+            self.server_learning_rate,
+            self.server_momentum,
+        )
+        self.current_arrays = arrays
+        return arrays, metrics
+
 
 STRATEGIES: dict[str, type[FedAvg]] = {
     "fedavg": FedAvg,
@@ -41,9 +101,11 @@ STRATEGIES: dict[str, type[FedAvg]] = {
     "fedprox": FedProx,
     "fedmedian": FedMedian,
     "fedtrimmedavg": FedTrimmedAvg,
+    "diloco": DiLoCo,
 }
 # Server-side state a strategy keeps between rounds (saved in checkpoints).
 SERVER_STATE_ATTRS = ("current_arrays", "momentum_vector", "m_t", "v_t")
+RING_STATE = "ring_sync"  # RingSync's synced groups and outer state (R > 1)
 W = TypeVar("W", bound="StrategyWrapper")
 
 
@@ -298,6 +360,133 @@ class BarrierRounds(StrategyWrapper):
         return metrics
 
 
+@dataclass(frozen=True)
+class RingPlan:
+    """R rings of P groups (docs/rings.md): every H steps (and at the end) each group F_i is
+    averaged over the R rings, then the outer step ``outer`` (fedavg: the average; diloco:
+    :func:`nesterov_step` from the global F_i of the previous sync). ``initial(i)``: F_i's
+    weights at step 0, the first global weights of a DiLoCo outer step."""
+
+    P: int
+    R: int
+    H: int
+    steps: int
+    outer: str = "fedavg"
+    lr: float = 0.7
+    momentum: float = 0.9
+    initial: Callable[[int], ArrayRecord] | None = None
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> RingPlan | None:
+        """The plan of ``cfg`` (None with one ring); F_i's initial weights built from the seed."""
+        if cfg.rings == 1:
+            return None
+
+        def initial(i: int) -> ArrayRecord:
+            from mobius_fed.model import build_group  # torch model code: only when needed
+
+            return group_arrays(build_group(cfg.model(), i, cfg.seed))
+
+        return cls(
+            cfg.P,
+            cfg.rings,
+            cfg.ring_sync_every,
+            cfg.steps,
+            cfg.ring_outer,
+            cfg.outer_lr,
+            cfg.outer_momentum,
+            initial,
+        )
+
+    def syncs(self, step_end: int) -> bool:
+        """Whether the round that ends at ``step_end`` ends with a ring sync."""
+        return step_end % self.H == 0 or step_end == self.steps
+
+
+def group_arrays(group: Any) -> ArrayRecord:
+    """The arrays of block group ``group`` (a torch module) that a ring sync averages."""
+    return ArrayRecord({k: v.detach().clone() for k, v in group.named_parameters()})
+
+
+class RingSync(StrategyWrapper):
+    """R rings of P groups: on a ring-sync round each worker sends its group F_i back
+    (``GROUP``); this wrapper takes those out of the replies, averages F_i over the R
+    workers r·P + i with Flower's own weighted average, applies the plan's outer step, and
+    sends the synced F_i with the next evaluate and train messages. The E/R go on to the
+    strategy inside, which averages them over all R·P sites."""
+
+    def __init__(self, strategy: Strategy, plan: RingPlan) -> None:
+        super().__init__(strategy)
+        self.plan = plan
+        self.pending: dict[int, ArrayRecord] = {}  # synced groups not yet sent for training
+        self.globals: dict[int, ArrayRecord] = {}  # diloco: global F_i of the last sync
+        self.momentum: dict[int, Arrays] = {}  # diloco: F_i's outer momentum
+
+    def _attach(self, messages: Iterable[Message]) -> list[Message]:
+        messages = list(messages)
+        for msg in messages:
+            group = self.pending.get(rank_of_node(msg.metadata.dst_node_id) % self.plan.P)
+            if group is not None:
+                msg.content[GROUP] = group
+        return messages
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        order = TrainOrder.of(config)
+        if self.plan.syncs(order.step_end):
+            dataclasses.replace(order, ring_sync=True).fill(config)
+        messages = self._attach(super().configure_train(server_round, arrays, config, grid))
+        self.pending.clear()  # a worker loads a synced group once, before training on
+        return messages
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self._attach(super().configure_evaluate(server_round, arrays, config, grid))
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        groups: dict[int, list[RecordDict]] = {}
+        for reply in sorted(replies, key=lambda m: m.metadata.src_node_id):
+            if not reply.has_error() and GROUP in reply.content:
+                rank = rank_of_node(reply.metadata.src_node_id)
+                record = RecordDict({ARRAYS: reply.content[GROUP], METRICS: reply.content[METRICS]})
+                groups.setdefault(rank % self.plan.P, []).append(record)
+                del reply.content[GROUP]
+        for i, records in sorted(groups.items()):
+            if len(records) != self.plan.R:
+                raise ValueError(
+                    f"round {server_round}: group F_{i} came back from {len(records)} of "
+                    f"{self.plan.R} rings"
+                )
+            self.pending[i] = self._outer(i, aggregate_arrayrecords(records, "num-examples"))
+        return super().aggregate_train(server_round, replies)
+
+    def _outer(self, i: int, average: ArrayRecord) -> ArrayRecord:
+        plan = self.plan
+        if plan.outer == "fedavg":
+            return average
+        if i not in self.globals:
+            if plan.initial is None:
+                raise ValueError("a diloco ring sync needs the groups' initial weights")
+            self.globals[i] = plan.initial(i)
+        new, self.momentum[i] = nesterov_step(
+            self.globals[i], average, self.momentum.get(i), plan.lr, plan.momentum
+        )
+        self.globals[i] = new
+        return new
+
+    def state(self) -> dict[str, Any]:
+        return {"pending": self.pending, "globals": self.globals, "momentum": self.momentum}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.pending, self.globals = dict(state["pending"]), dict(state["globals"])
+        self.momentum = dict(state["momentum"])
+
+
 def flower_strategy(name: str, P: int, options: dict[str, Any] | None = None) -> Strategy:
     """The Flower strategy ``name`` (fedavg, fedavgm, …) that waits for and trains all P."""
     key = name.lower()
@@ -322,12 +511,15 @@ def make_strategy(
     *,
     er_privacy: Any = None,
     secagg: Any = None,
+    rings: RingPlan | None = None,
     **barrier: Any,
 ) -> BarrierRounds:
     """The run's strategy: the Flower strategy ``name`` inside one wrapper per feature,
-    ``BarrierRounds(ErDp(SecAggRounds(ErAveraging(flower))))`` (the ones turned on).
+    ``BarrierRounds(RingSync(ErDp(SecAggRounds(ErAveraging(flower)))))`` (the ones turned
+    on). ``P``: the number of workers (all R·P sites with several rings).
 
-    ``er_privacy`` turns on :class:`ErDp`, ``secagg`` :class:`SecAggRounds`; ``barrier``
+    ``er_privacy`` turns on :class:`ErDp`, ``secagg`` :class:`SecAggRounds`, ``rings``
+    :class:`RingSync`; ``barrier``
     goes to :class:`BarrierRounds`: ``hooks``, ``state_copy``, ``keep_checkpoints``,
     ``barrier_snapshots`` (another name is a TypeError there).
     """
@@ -336,18 +528,27 @@ def make_strategy(
         strategy = SecAggRounds(strategy, secagg)
     if er_privacy is not None:  # under SecAgg the sites clip their own updates
         strategy = ErDp(strategy, er_privacy, clip_here=secagg is None)
+    if rings is not None:
+        strategy = RingSync(strategy, rings)
     return BarrierRounds(strategy, plan, round_offset, **barrier)
 
 
 def server_state(strategy: Strategy) -> dict[str, Any]:
     """A copy of the strategy's between-round state (momentum, moments, current arrays)."""
     inner = unwrapped(strategy)
-    return copy.deepcopy({k: getattr(inner, k) for k in SERVER_STATE_ATTRS if hasattr(inner, k)})
+    state = {k: getattr(inner, k) for k in SERVER_STATE_ATTRS if hasattr(inner, k)}
+    rings = wrapper_of(strategy, RingSync)
+    if rings is not None:
+        state[RING_STATE] = rings.state()
+    return copy.deepcopy(state)
 
 
 def restore_server_state(strategy: Strategy, state: dict[str, Any]) -> None:
-    inner = unwrapped(strategy)
-    for k, v in copy.deepcopy(state).items():
+    inner, state = unwrapped(strategy), copy.deepcopy(state)
+    rings, ring_state = wrapper_of(strategy, RingSync), state.pop(RING_STATE, None)
+    if rings is not None and ring_state is not None:
+        rings.load_state(ring_state)
+    for k, v in state.items():
         setattr(inner, k, v)
 
 
