@@ -426,16 +426,15 @@ class RingSync(StrategyWrapper):
         messages = list(messages)
         for msg in messages:
             group = self.pending.get(rank_of_node(msg.metadata.dst_node_id) % self.plan.P)
-            if group is not None:
-                msg.content[GROUP] = group
+            if group is not None:  # Flower's messages share one RecordDict: give it its own
+                msg.content = RecordDict({**dict(msg.content.items()), GROUP: group})
         return messages
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        order = TrainOrder.of(config)
-        if self.plan.syncs(order.step_end):
-            dataclasses.replace(order, ring_sync=True).fill(config)
+        order = TrainOrder.of(config)  # every round says it (Flower reuses the config record)
+        dataclasses.replace(order, ring_sync=self.plan.syncs(order.step_end)).fill(config)
         messages = self._attach(super().configure_train(server_round, arrays, config, grid))
         self.pending.clear()  # a worker loads a synced group once, before training on
         return messages

@@ -22,6 +22,7 @@ from mobius_fed.machines import (
     Phase,
     WorkerState,
 )
+from mobius_fed.schedule import ring_successor
 
 log = logging.getLogger("mobius.coordinator")
 
@@ -31,10 +32,11 @@ class RunState:
     """Everything the status endpoints report; mutate only through the methods."""
 
     run_id: str
-    P: int
+    P: int  # workers: all R·P sites
     steps: int
     strategy: str
     num_rounds: int = 0
+    rings: int = 1  # R rings of P / R groups each (docs/rings.md)
     phase: Phase = Phase.WAITING
     round: int = 0
     step: int = 0
@@ -59,7 +61,9 @@ class RunState:
 
     def __post_init__(self) -> None:
         for i in range(self.P):
-            self.workers.setdefault(i, WorkerModel(rank=i, identity=f"mobius://worker/{i}"))
+            self.workers.setdefault(
+                i, WorkerModel(rank=i, ring=self.ring_of(i), identity=f"mobius://worker/{i}")
+            )
 
     # ------------------------------------------------------------- updates
     def update_worker(self, rank: int, **fields: Any) -> None:
@@ -223,6 +227,7 @@ class RunState:
                 "eval_loss": last_eval["loss"] if last_eval else None,
                 "eval_origin_losses": last_eval["origin_losses"] if last_eval else None,
                 "server_time": now,
+                "rings": self.rings,
                 "ring": self._ring_doc(),
                 "incidents": [i.model_dump() for i in self.incidents],
                 "config": self.config,
@@ -248,6 +253,14 @@ class RunState:
             log.warning("privacy status block failed: %r", exc)
             return {"error": f"privacy report failed: {exc!r}"}
 
+    @property
+    def ring_size(self) -> int:
+        """Block groups (workers) per ring."""
+        return self.P // self.rings
+
+    def ring_of(self, rank: int) -> int:
+        return rank // self.ring_size
+
     def _train_loss(self) -> float | None:
         """Mean over origins of the latest step every origin reported."""
         for n in sorted(self.losses, reverse=True):
@@ -260,7 +273,7 @@ class RunState:
         """Each ring edge i → i+1 as its sender reports it (unknown until it does)."""
         edges = []
         for i in range(self.P):
-            w, j = self.workers[i], (i + 1) % self.P
+            w, j = self.workers[i], ring_successor(i, self.ring_size)
             lost = w.state in DOWN_STATES or self.workers[j].state in DOWN_STATES
             out = w.edges.get("out", {}) if w.state not in DOWN_STATES else {}
             state = EdgeState.DOWN if lost else out.get("state", EdgeState.UNKNOWN)

@@ -19,6 +19,7 @@ class WorkerModel(BaseModel):
     """One worker as the coordinator sees it."""
 
     rank: int = Field(description="ring position (0-based)")
+    ring: int = Field(0, description="its ring (R rings of P: rank // P; docs/rings.md)")
     identity: str = Field(description="certificate identity, mobius://worker/<rank>")
     address: str = Field("", description="host:port of its ring link ('' until registered)")
     state: WorkerState = Field(
@@ -114,6 +115,7 @@ class StatusModel(BaseModel):
     eval_loss: float | None = Field(None, description="latest validation loss (Eq. 8)")
     eval_origin_losses: list[float | None] | None = None
     server_time: float | None = Field(None, description="coordinator clock at this reply")
+    rings: int = Field(1, description="R: rings of P workers each (docs/rings.md)")
     ring: list[EdgeModel] = Field(default_factory=list, description="every ring edge")
     incidents: list[IncidentModel] = Field(default_factory=list)
     train_loss: float | None = Field(

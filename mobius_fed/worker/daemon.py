@@ -47,6 +47,7 @@ def make_links(cfg: WorkerConfig, executor: RingExecutor, run_key: bytes = b"") 
         link_grace=cfg.link_grace,
         tuning=cfg.link.tuning(),
         tunnels=tunnels,
+        ring_base=(cfg.rank or 0) - executor.rank,  # R rings: site r·P + i runs F_i
     )
 
 

@@ -33,6 +33,7 @@ from mobius_fed.machines import WorkerState
 from mobius_fed.messages import (
     ARRAYS,
     CONFIG,
+    GROUP,
     METRICS,
     Checkpoint,
     RestoreOrder,
@@ -71,6 +72,28 @@ def load_replica(executor: RingExecutor, arrays: ArrayRecord) -> None:
     state = array_record_to_torch(arrays, expected=spec)
     with torch.no_grad():
         for name, p in executor.replica.shared_state_dict().items():
+            p.copy_(state[name])
+
+
+def group_arrays(executor: RingExecutor) -> ArrayRecord:
+    """F_i's arrays for a ring sync (R > 1): every parameter of this worker's group."""
+    return ArrayRecord({k: v.detach().clone() for k, v in executor.group.named_parameters()})
+
+
+def load_group(executor: RingExecutor, msg: Message) -> None:
+    """Load the synced F_i a ring sync sent (R > 1), if this message carries it: exactly the
+    group's names and shapes, any float dtype, cast as the reference engine casts."""
+    if GROUP not in msg.content:
+        return
+    own = dict(executor.group.named_parameters())
+    arrays = msg.content.array_records[GROUP]
+    spec = spec_of(own)
+    for name, array in arrays.items():
+        if name in spec and str(array.dtype) in _FLOATS:
+            spec[name] = (spec[name][0], str(array.dtype))
+    state = array_record_to_torch(arrays, expected=spec)
+    with torch.no_grad():
+        for name, p in own.items():
             p.copy_(state[name])
 
 
@@ -195,6 +218,7 @@ class WorkerHandlers:
             )
         masks = None if self.secagg is None else Round.of(msg.content[CONFIG], executor.cfg.P)
         load_replica(executor, msg.content.array_records[ARRAYS])
+        load_group(executor, msg)
         self.on_state(WorkerState.TRAINING)
         report = self._train_steps(start, end)
         t0 = time.perf_counter()  # the barrier snapshot's cost on the critical path
@@ -210,6 +234,8 @@ class WorkerHandlers:
                 replica_arrays(executor), msg.content.array_records[ARRAYS], masks
             )
             reply = RecordDict({MASKED: masked, METRICS: report.to_record()})
+        if order.ring_sync:  # R > 1: F_i goes back to be averaged across the rings
+            reply[GROUP] = group_arrays(executor)
         if order.checkpoint:
             reply["checkpoint"] = self._checkpoint(order, snap).to_record()
             self.snapshots.prune_disk(order.keep_checkpoints)
@@ -262,6 +288,7 @@ class WorkerHandlers:
 
     def evaluate(self, msg: Message) -> Message:
         load_replica(self.executor, msg.content.array_records[ARRAYS])
+        load_group(self.executor, msg)
         self.on_state(WorkerState.EVALUATING)
         t0 = time.perf_counter()
         loss = self.executor.evaluate()
