@@ -254,6 +254,14 @@ class TrainConfig(BaseModel):
     def tokens_per_step(self) -> int:
         return self.workers * self.batch_size * self.model().seq_len
 
+    def ring_settings(self) -> str:
+        """The settings every site of a run of rings must share, as a refusal names them."""
+        text = f"workers={self.workers} rings={self.rings} ring_sync_every={self.ring_sync_every}"
+        text += f" sync_every={self.sync_every} ring_outer={self.ring_outer}"
+        if self.ring_outer == "diloco":
+            text += f" outer_lr={self.outer_lr} outer_momentum={self.outer_momentum}"
+        return text
+
     def lr_multiplier(self, step: int) -> float:
         """Warmup / stable / linear cooldown, evaluated at 0-based ``step``."""
         if self.warmup_steps and step < self.warmup_steps:

@@ -139,3 +139,46 @@ def _four(root: Path) -> list[Path]:
     from mobius_fed.data import embedded_corpus, prepare_sites
 
     return prepare_sites(None, root / "sites", 4, text=embedded_corpus()[:60_000])
+
+
+def test_a_rings_links_admit_only_that_rings_neighbours(tmp_path: Path) -> None:
+    """Ring 1 of (R, P) = (2, 2) is workers 2 and 3: they link up under their own
+    (global) identities, and worker-3 refuses a stream from ring 0's worker-0, which holds
+    the same group slot one ring over: a certificate names the ring through the rank."""
+    import grpc
+
+    from mobius_fed.transport.certs import init_certs
+    from mobius_fed.transport.tls import open_channel
+    from mobius_fed.worker.frames import FrameRules
+    from mobius_fed.worker.link import RingLinks
+
+    certs = init_certs(tmp_path / "certs", workers=4)
+    cfg = TrainConfig(preset="cpu-tiny", workers=4, rings=2)
+    links = [
+        RingLinks(
+            FrameRules(cfg, i, "rings", lambda: 0),
+            listen="127.0.0.1:0",
+            successor="",
+            tls=certs.bundle(f"worker-{2 + i}"),
+            peer_timeout=20,
+            ring_base=2,
+        )
+        for i in range(2)
+    ]
+    ports = [link.start_server() for link in links]
+    try:
+        for i, link in enumerate(links):
+            link.successor_addr = f"127.0.0.1:{ports[1 - i]}"
+        for link in links:
+            link.connect()
+        assert [link.edge_states()["out"]["state"] for link in links] == ["up", "up"]
+        ch = open_channel(f"127.0.0.1:{ports[1]}", certs.bundle("worker-0"), target_name="worker-3")
+        with ch, pytest.raises(grpc.RpcError) as err:
+            call = ch.stream_stream("/mobius_fed.ring.v1.RingLink/Stream")
+            for _ in call(iter([]), timeout=20, metadata=(("mobius-run", "rings"),)):
+                pass
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "only from its predecessor mobius://worker/2" in err.value.details()
+    finally:
+        for link in links:
+            link.close()

@@ -57,8 +57,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
         fingerprint: str,
         run_spec: Callable[[int], control_pb2.RunSpec],
         crl: Callable[[], bytes] = bytes,
+        settings: str = "",
     ) -> None:
         self.state, self.grid, self.fingerprint = state, grid, fingerprint
+        self.settings = settings  # named in a config-mismatch refusal (e.g. the rings')
         self.crl = crl  # the revocation list every heartbeat reply carries
         self.run_spec, self.P = run_spec, state.P
         self._registered: dict[int, str] = {}
@@ -124,6 +126,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             msg = (
                 f"config mismatch: worker-{rank} runs config {request.config_fingerprint}, "
                 f"the coordinator runs {self.fingerprint}"
+                + (f" ({self.settings})" if self.settings else "")
             )
             log.error("refused: %s", msg)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)

@@ -94,6 +94,7 @@ class Coordinator:
             fingerprint=cfg.train.fingerprint(),
             run_spec=self._run_spec,
             crl=lambda: self.crl.data,
+            settings=cfg.train.ring_settings(),
         )
         self.recovery = Recovery(cfg, self.state, self.grid, self.service, self.store)
         self.strategy: Any = None

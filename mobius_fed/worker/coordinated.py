@@ -89,7 +89,10 @@ def register(
                 rejoin or time.monotonic() < duplicate_until
             )
             if exc.code() in _FATAL and not retry:
-                raise ConfigError(f"coordinator refused registration: {exc.details()}") from exc
+                mine = f" (this worker: {cfg.train.ring_settings()})" if own else ""
+                raise ConfigError(
+                    f"coordinator refused registration: {exc.details()}{mine}"
+                ) from exc
             if time.monotonic() > deadline:
                 raise RunStopped(
                     f"coordinator {cfg.coordinator} unreachable after "
