@@ -200,7 +200,13 @@ def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
         + (f" ({train.rings} rings of {train.P})" if train.rings > 1 else "")
         + " on 127.0.0.1, "
         f"{train.preset}, L={train.loops} {train.order}, {train.steps} steps, "
-        f"{args.strategy} every {train.sync_every} step(s); logs in {fed.logs}"
+        f"{args.strategy} every {train.sync_every} step(s)"
+        + (
+            f", groups synced across rings every {train.ring_sync_every} ({train.ring_outer})"
+            if train.rings > 1
+            else ""
+        )
+        + f"; logs in {fed.logs}"
     )
     fed.start()
     fed.write_endpoints()
