@@ -182,10 +182,14 @@ class TrainConfig(BaseModel):
                 f"ring_sync_every={self.ring_sync_every} must be a multiple of "
                 f"sync_every={self.sync_every} (≥ 1): a ring sync happens at an E/R barrier"
             )
+        pc = self.privacy  # site-keyed features would key ring r's site i as site i
         clash = [
             name
             for name, on in (
-                ("privacy.er_secagg", self.privacy.er_secagg),
+                ("privacy.er_secagg", pc.er_secagg),
+                ("privacy.home_layer", pc.home_layer != "off"),
+                ("privacy.home_input", pc.home_input != "off"),
+                ("privacy.noise_key_dir", pc.noise_key_dir is not None),
                 ("subspace.learn", self.subspace.learn),
             )
             if on
