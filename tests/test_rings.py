@@ -126,7 +126,7 @@ def test_bad_ring_settings_are_refused_with_the_reason(tmp_path: Path) -> None:
         TrainConfig(workers=4, rings=3)
     with pytest.raises(ValidationError, match="must be a multiple of sync_every=2"):
         TrainConfig(workers=4, rings=2, sync_every=2, ring_sync_every=3)
-    with pytest.raises(ValidationError, match="cannot be combined with privacy.home_layer"):
+    with pytest.raises(ValidationError, match=r"cannot be combined with privacy\.home_layer"):
         TrainConfig(workers=4, rings=2, privacy={"home_layer": "mlp"})
     with pytest.raises(ValidationError, match="needs a coordinator"):
         WorkerConfig(
