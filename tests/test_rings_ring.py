@@ -8,12 +8,14 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.federated import train_with_strategy
 from mobius_fed.engine.rings import make_engine
 from mobius_fed.ops.federation import LocalFederation
+from mobius_fed.run_reader import read_run
 from mobius_fed.strategies import RingPlan, RoundPlan, make_strategy
 
 pytestmark = pytest.mark.slow
@@ -21,12 +23,16 @@ logging.getLogger("flwr").setLevel(logging.WARNING)
 BASE = dict(preset="cpu-tiny", batch_size=4, optimizer="adamw", eval_every=2)
 
 
-def reference(fed: LocalFederation, strategy: str) -> tuple[dict, dict]:
-    """(step, site) → loss and (step, site) → eval loss of the reference under Flower."""
+def reference(fed: LocalFederation, strategy: str, engine: list | None = None) -> tuple[dict, dict]:
+    """(step, site) → loss and (step, site) → eval loss of the reference under Flower
+    (the engine appended to ``engine``, if given)."""
     cfg = fed.train
     sites = [SiteData(fed.sites / f"site-{g}", cfg.model().seq_len) for g in range(cfg.workers)]
     flower = make_strategy(strategy, cfg.workers, RoundPlan.of(cfg), rings=RingPlan.of(cfg))
-    grid = train_with_strategy(make_engine(cfg, sites), flower)
+    rings = make_engine(cfg, sites)
+    grid = train_with_strategy(rings, flower)
+    if engine is not None:
+        engine.append(rings)
     losses = {(r.step, g): v for r in grid.steps for g, v in enumerate(r.origin_losses)}
     return losses, {(e.step, g): v for e in grid.evals for g, v in enumerate(e.origin_losses)}
 
@@ -68,13 +74,18 @@ def test_rings_equal_the_reference_exactly(
     )
     fed = LocalFederation(tmp_path, train, strategy=outer, threads=1)
     got, got_evals, final = ring(fed)
-    ref, ref_evals = reference(fed, outer)
+    engines: list = []
+    ref, ref_evals = reference(fed, outer, engines)
     assert set(got) == set(ref) and set(got_evals) == set(ref_evals)
     assert max(abs(got[k] - ref[k]) for k in ref) == 0
     assert max(abs(got_evals[k] - ref_evals[k]) for k in ref_evals) == 0
     assert final["rings"] == R and [w["ring"] for w in final["workers"]] == [
         g // P for g in range(R * P)
     ]
+    model = read_run(fed.coordinator_out)  # the synced groups, as export reads them
+    for got_group, ref_group in zip(model.groups, engines[0].rings[0].groups, strict=True):
+        ref_params = dict(ref_group.named_parameters())
+        assert all(torch.equal(p, ref_params[k]) for k, p in got_group.named_parameters())
     first = [e["edge"] for e in final["ring"]][: P + 1]  # ring 0 closes on itself
     assert (
         first[P - 1] == f"worker-{P - 1} → worker-0" and first[P] == f"worker-{P} → worker-{P + 1}"
