@@ -29,7 +29,7 @@ from mobius_fed.settings import (  # noqa: F401 - re-exported: the config API li
     read_toml,
     settings_of,
 )
-from mobius_fed.transport.wire_config import WireConfig
+from mobius_fed.transport.wire_config import CodecName, WireConfig
 
 ENCODING_VOCAB = BUILTIN_VOCAB  # plus hf:<tokenizer.json> (data §tokenizers)
 
@@ -57,6 +57,11 @@ class TrainConfig(BaseModel):
         "fedavg",
         description="outer step of a ring sync: fedavg (the average) or diloco (Nesterov "
         "SGD on the pseudo-gradient, arXiv 2311.08105)",
+    )
+    ring_codec: CodecName = Field(
+        "none",
+        description="codec of the pseudo-gradients a ring sync sends (int8, int4, ...; "
+        "none: the groups travel in fp32)",
     )
     outer_lr: float = Field(0.7, gt=0, description="diloco: outer learning rate")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: outer Nesterov momentum")
@@ -262,6 +267,7 @@ class TrainConfig(BaseModel):
         """The settings every site of a run of rings must share, as a refusal names them."""
         text = f"workers={self.workers} rings={self.rings} ring_sync_every={self.ring_sync_every}"
         text += f" sync_every={self.sync_every} ring_outer={self.ring_outer}"
+        text += f" ring_codec={self.ring_codec}"
         if self.ring_outer == "diloco":
             text += f" outer_lr={self.outer_lr} outer_momentum={self.outer_momentum}"
         return text
@@ -301,6 +307,7 @@ LATER_SETTINGS: dict[tuple[str | None, str], Any] = {
     (None, "rings"): 1,
     (None, "ring_sync_every"): 1,
     (None, "ring_outer"): "fedavg",
+    (None, "ring_codec"): "none",
     (None, "outer_lr"): 0.7,
     (None, "outer_momentum"): 0.9,
     ("subspace", "writes"): "basis",

@@ -29,6 +29,9 @@ ARRAYS, METRICS, CONFIG = "arrays", "metrics", "config"
 # R > 1: a worker's block group F_i (train reply of a ring sync), or the synced F_i
 # (the next train or evaluate message): docs/rings.md
 GROUP = "group"
+# R > 1 with a ring codec: the global F_i a worker's pseudo-gradient is taken against, sent
+# with the first train message of a strategy (a fresh run, or after a rollback)
+GROUP_BASE = "group-base"
 _W = TypeVar("_W", bound="_Wire")
 _CASTS = {"int": int, "bool": bool, "str": str, "bytes": bytes, "float": float}
 

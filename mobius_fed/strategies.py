@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
@@ -35,11 +36,13 @@ from mobius_fed.defences.secagg import MASKED
 from mobius_fed.messages import (  # noqa: F401 - engine reads STEP_START here
     ARRAYS,
     GROUP,
+    GROUP_BASE,
     METRICS,
     STEP_END,
     STEP_START,
     TrainOrder,
 )
+from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.flower_wire import rank_of_node
 
 Arrays = list[np.ndarray]
@@ -52,13 +55,26 @@ def nesterov_step(
     pseudo-gradient Δ = θ − mean(θ_k) of the round: b ← μ·b + Δ (b = Δ at the first
     step), θ ← θ − lr·(Δ + μ·b). Returns the new θ and b."""
     names = list(average.keys())
+    delta = [current[n].numpy() - a.numpy() for n, a in zip(names, average.values(), strict=True)]
+    return nesterov_delta(current, dict(zip(names, delta, strict=True)), momentum, lr, mu)
+
+
+def nesterov_delta(
+    current: ArrayRecord,
+    delta: dict[str, np.ndarray],
+    momentum: Arrays | None,
+    lr: float,
+    mu: float,
+) -> tuple[ArrayRecord, Arrays]:
+    """:func:`nesterov_step` from the pseudo-gradient ``delta`` itself (a ring codec's)."""
+    names = list(delta)
     theta = [current[n].numpy() for n in names]
-    delta = [t - a.numpy() for t, a in zip(theta, average.values(), strict=True)]
+    delta_list = [delta[n] for n in names]
     if momentum is None:
-        buf = [d.copy() for d in delta]
+        buf = [d.copy() for d in delta_list]
     else:
-        buf = [mu * b + d for b, d in zip(momentum, delta, strict=True)]
-    new = [t - lr * (d + mu * b) for t, d, b in zip(theta, delta, buf, strict=True)]
+        buf = [mu * b + d for b, d in zip(momentum, delta_list, strict=True)]
+    new = [t - lr * (d + mu * b) for t, d, b in zip(theta, delta_list, buf, strict=True)]
     return ArrayRecord({n: Array(np.asarray(v)) for n, v in zip(names, new)}), buf
 
 
@@ -375,6 +391,7 @@ class RingPlan:
     lr: float = 0.7
     momentum: float = 0.9
     initial: Callable[[int], ArrayRecord] | None = None
+    codec: str = "none"  # the pseudo-gradients' wire codec (none: F_i itself, fp32)
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> RingPlan | None:
@@ -396,6 +413,7 @@ class RingPlan:
             cfg.outer_lr,
             cfg.outer_momentum,
             initial,
+            cfg.ring_codec,
         )
 
     def syncs(self, step_end: int) -> bool:
@@ -406,6 +424,28 @@ class RingPlan:
 def group_arrays(group: Any) -> ArrayRecord:
     """The arrays of block group ``group`` (a torch module) that a ring sync averages."""
     return ArrayRecord({k: v.detach().clone() for k, v in group.named_parameters()})
+
+
+def encode_delta(group: Any, base: dict[str, torch.Tensor], codec: str) -> ArrayRecord:
+    """What a worker sends on a ring sync with a codec: per tensor the pseudo-gradient
+    δ = base − θ (base: the global F_i of the last sync) as the codec's uint8 payload."""
+    c = Codec(codec)
+    out = {}
+    for name, p in group.named_parameters():
+        delta = base[name].detach().cpu().float() - p.detach().cpu().float()
+        out[name] = Array(c.encode(delta).numpy())
+    return ArrayRecord(out)
+
+
+def decode_delta(record: ArrayRecord, like: ArrayRecord, codec: str) -> ArrayRecord:
+    """The fp32 pseudo-gradient a :func:`encode_delta` payload stands for (shapes of ``like``)."""
+    c = Codec(codec)
+    return ArrayRecord(
+        {
+            name: Array(c.decode(torch.from_numpy(a.numpy()), tuple(like[name].shape)).numpy())
+            for name, a in record.items()
+        }
+    )
 
 
 class RingSync(StrategyWrapper):
@@ -421,22 +461,39 @@ class RingSync(StrategyWrapper):
         self.pending: dict[int, ArrayRecord] = {}  # synced groups not yet sent for training
         self.globals: dict[int, ArrayRecord] = {}  # diloco: global F_i of the last sync
         self.momentum: dict[int, Arrays] = {}  # diloco: F_i's outer momentum
+        # with a codec, a worker's pseudo-gradient is taken against the global F_i: it gets
+        # that with the first train message of this strategy (a fresh run, a rollback)
+        self.send_base = plan.codec != "none"
 
-    def _attach(self, messages: Iterable[Message]) -> list[Message]:
+    def _attach(self, messages: Iterable[Message], train: bool = False) -> list[Message]:
         messages = list(messages)
         for msg in messages:
-            group = self.pending.get(rank_of_node(msg.metadata.dst_node_id) % self.plan.P)
-            if group is not None:  # Flower's messages share one RecordDict: give it its own
-                msg.content = RecordDict({**dict(msg.content.items()), GROUP: group})
+            i = rank_of_node(msg.metadata.dst_node_id) % self.plan.P
+            extra = {}
+            if i in self.pending:
+                extra[GROUP] = self.pending[i]
+            elif train and self.send_base:
+                extra[GROUP_BASE] = self._global(i)
+            if extra:  # Flower's messages share one RecordDict: give each its own
+                msg.content = RecordDict({**dict(msg.content.items()), **extra})
         return messages
+
+    def _global(self, i: int) -> ArrayRecord:
+        """F_i's global weights at the last sync (the seed's before the first)."""
+        if i not in self.globals:
+            if self.plan.initial is None:
+                raise ValueError("this ring sync needs the groups' initial weights")
+            self.globals[i] = self.plan.initial(i)
+        return self.globals[i]
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         order = TrainOrder.of(config)  # every round says it (Flower reuses the config record)
         dataclasses.replace(order, ring_sync=self.plan.syncs(order.step_end)).fill(config)
-        messages = self._attach(super().configure_train(server_round, arrays, config, grid))
+        messages = self._attach(super().configure_train(server_round, arrays, config, grid), True)
         self.pending.clear()  # a worker loads a synced group once, before training on
+        self.send_base = False
         return messages
 
     def configure_evaluate(
@@ -461,20 +518,38 @@ class RingSync(StrategyWrapper):
                     f"round {server_round}: group F_{i} came back from {len(records)} of "
                     f"{self.plan.R} rings"
                 )
-            self.pending[i] = self._outer(i, aggregate_arrayrecords(records, "num-examples"))
+            if self.plan.codec == "none":
+                self.pending[i] = self._outer(i, aggregate_arrayrecords(records, "num-examples"))
+            else:
+                self.pending[i] = self._outer_delta(i, records)
         return super().aggregate_train(server_round, replies)
 
     def _outer(self, i: int, average: ArrayRecord) -> ArrayRecord:
         plan = self.plan
         if plan.outer == "fedavg":
             return average
-        if i not in self.globals:
-            if plan.initial is None:
-                raise ValueError("a diloco ring sync needs the groups' initial weights")
-            self.globals[i] = plan.initial(i)
         new, self.momentum[i] = nesterov_step(
-            self.globals[i], average, self.momentum.get(i), plan.lr, plan.momentum
+            self._global(i), average, self.momentum.get(i), plan.lr, plan.momentum
         )
+        self.globals[i] = new
+        return new
+
+    def _outer_delta(self, i: int, records: list[RecordDict]) -> ArrayRecord:
+        """With a codec: decode each ring's pseudo-gradient, average them (Flower's weighted
+        average), then θ − mean δ (fedavg) or the Nesterov step on mean δ (diloco)."""
+        plan, theta = self.plan, self._global(i)
+        for record in records:
+            record[ARRAYS] = decode_delta(record.array_records[ARRAYS], theta, plan.codec)
+        mean = aggregate_arrayrecords(records, "num-examples")
+        delta = {name: a.numpy() for name, a in mean.items()}
+        if plan.outer == "fedavg":
+            new = ArrayRecord(
+                {n: Array(np.asarray(theta[n].numpy() - d)) for n, d in delta.items()}
+            )
+        else:
+            new, self.momentum[i] = nesterov_delta(
+                theta, delta, self.momentum.get(i), plan.lr, plan.momentum
+            )
         self.globals[i] = new
         return new
 

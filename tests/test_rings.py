@@ -184,3 +184,26 @@ def test_a_rings_links_admit_only_that_rings_neighbours(tmp_path: Path) -> None:
     finally:
         for link in links:
             link.close()
+
+
+def test_a_ring_codec_sends_the_pseudo_gradient_as_the_codec_rounds_it() -> None:
+    """With ``ring_codec`` a worker sends δ = base − θ as the codec's payload (int8: about
+    3.9× fewer bytes than fp32), and the coordinator reads exactly the codec's roundtrip."""
+    from mobius_fed.model import build_group
+    from mobius_fed.strategies import decode_delta, encode_delta, group_arrays
+    from mobius_fed.transport.compress import Codec
+
+    mc = TrainConfig(preset="cpu-tiny", workers=4, rings=2).model()
+    base, group = build_group(mc, 0, 0), build_group(mc, 0, 1)
+    base_state = {k: v.detach() for k, v in base.named_parameters()}
+    for codec in ("int8", "int4"):
+        sent = encode_delta(group, base_state, codec)
+        got = decode_delta(sent, group_arrays(base), codec)
+        for name, p in group.named_parameters():
+            delta = base_state[name] - p.detach()
+            want = Codec(codec).roundtrip(delta)
+            assert torch.equal(torch.from_numpy(got[name].numpy()), want)
+            assert sent[name].numpy().nbytes == Codec(codec).payload_bytes(tuple(p.shape))
+    fp32 = sum(p.numel() * 4 for p in group.parameters())
+    int8 = sum(a.numpy().nbytes for a in encode_delta(group, base_state, "int8").values())
+    assert 3.5 < fp32 / int8 < 4

@@ -54,23 +54,37 @@ def ring(fed: LocalFederation) -> tuple[dict, dict, dict]:
 
 
 @pytest.mark.parametrize(
-    ("R", "P", "H", "outer", "steps"),
+    ("R", "P", "H", "outer", "steps", "codec"),
     [
-        pytest.param(2, 2, 1, "fedavg", 4, id="R2-P2-H1-fedavg"),
-        pytest.param(2, 2, 2, "diloco", 5, id="R2-P2-H2-diloco"),
-        pytest.param(2, 4, 1, "fedavg", 4, id="R2-P4-H1-fedavg", marks=pytest.mark.long),
-        pytest.param(2, 4, 3, "diloco", 7, id="R2-P4-H3-diloco", marks=pytest.mark.long),
+        pytest.param(2, 2, 1, "fedavg", 4, "none", id="R2-P2-H1-fedavg"),
+        pytest.param(2, 2, 2, "diloco", 5, "none", id="R2-P2-H2-diloco"),
+        pytest.param(2, 4, 1, "fedavg", 4, "none", id="R2-P4-H1-fedavg", marks=pytest.mark.long),
+        pytest.param(2, 4, 3, "diloco", 7, "none", id="R2-P4-H3-diloco", marks=pytest.mark.long),
+        pytest.param(
+            2, 2, 2, "fedavg", 5, "int8", id="R2-P2-H2-fedavg-int8", marks=pytest.mark.long
+        ),
+        pytest.param(
+            2, 4, 2, "diloco", 4, "int4", id="R2-P4-H2-diloco-int4", marks=pytest.mark.long
+        ),
     ],
 )
 def test_rings_equal_the_reference_exactly(
-    tmp_path: Path, R: int, P: int, H: int, outer: str, steps: int
+    tmp_path: Path, R: int, P: int, H: int, outer: str, steps: int, codec: str
 ) -> None:
     """Every (step, site) loss and every site's held-out loss equal the reference's, bit
     for bit: per step all R rings train, every H steps (and at the end) each F_i is synced
     across the rings (DiLoCo's outer step for the E/R and the groups in the diloco run,
-    whose last sync, at step 5 or 7, falls off the H grid)."""
+    whose last sync, at step 5 or 7, falls off the H grid; with a codec, each worker sends its
+    pseudo-gradient as int8 or int4 and the coordinator decodes the same bytes the reference
+    encodes)."""
     train = TrainConfig(
-        workers=R * P, rings=R, ring_sync_every=H, ring_outer=outer, steps=steps, **BASE
+        workers=R * P,
+        rings=R,
+        ring_sync_every=H,
+        ring_outer=outer,
+        ring_codec=codec,
+        steps=steps,
+        **BASE,
     )
     fed = LocalFederation(tmp_path, train, strategy=outer, threads=1)
     got, got_evals, final = ring(fed)
@@ -94,16 +108,23 @@ def test_rings_equal_the_reference_exactly(
 
 @pytest.mark.long
 def test_a_killed_worker_of_one_ring_heals_to_the_same_losses(tmp_path: Path) -> None:
-    """worker-3 (ring 1) is SIGKILLed mid-run, between DiLoCo ring syncs: the supervisor
-    restarts it, every worker rolls back to the last barrier, the coordinator restores the
-    synced groups and outer momentum not yet sent, and the run ends with the reference's
-    losses, bit for bit; the incident names ring 1's edges."""
+    """worker-3 (ring 1) is SIGKILLed mid-run, between DiLoCo ring syncs whose
+    pseudo-gradients travel as int8: the supervisor restarts it, every worker rolls back to
+    the last barrier, the coordinator restores the synced groups and outer state and sends
+    each worker the global F_i its pseudo-gradient is taken against, and the run ends with
+    the reference's losses, bit for bit; the incident names ring 1's edges."""
     import os
     import signal
     import time
 
     train = TrainConfig(
-        workers=4, rings=2, ring_sync_every=3, ring_outer="diloco", steps=12, **BASE
+        workers=4,
+        rings=2,
+        ring_sync_every=3,
+        ring_outer="diloco",
+        ring_codec="int8",
+        steps=12,
+        **BASE,
     )
     opts = dict(checkpoint_every=2, heartbeat_timeout=3.0, max_restarts=3, threads=1)
     fed = LocalFederation(tmp_path, train, strategy="diloco", **opts)

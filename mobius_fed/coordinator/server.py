@@ -44,6 +44,7 @@ from mobius_fed.strategies import (
     restore_server_state,
     server_state,
 )
+from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.flower_wire import COORDINATOR_NODE_ID, set_task_identity
 from mobius_fed.transport.revocation import CrlSource
 from mobius_fed.transport.safe_arrays import spec_of
@@ -333,13 +334,20 @@ class Coordinator:
 
 
 def group_specs(train: TrainConfig) -> Callable[[int], Any] | None:
-    """R > 1: worker ``rank``'s F_i names, shapes and dtypes (what its ring sync sends)."""
+    """R > 1: worker ``rank``'s F_i names, shapes and dtypes (what its ring sync sends:
+    with a ring codec, each tensor's uint8 payload of the codec's exact size)."""
     if train.rings == 1:
         return None
     model = train.model()
     specs = [
         spec_of(dict(build_group(model, i, train.seed).named_parameters())) for i in range(train.P)
     ]
+    if train.ring_codec != "none":
+        codec = Codec(train.ring_codec)
+        specs = [
+            {n: ((codec.payload_bytes(shape),), "uint8") for n, (shape, _) in spec.items()}
+            for spec in specs
+        ]
     return lambda rank: specs[rank % train.P]
 
 

@@ -20,9 +20,9 @@ from flwr.serverapp.strategy import Strategy
 from mobius_fed.defences.secagg import MASKED, Round, SiteMasker
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
 from mobius_fed.engine.rings import RingsEngine
-from mobius_fed.messages import GROUP
+from mobius_fed.messages import GROUP, GROUP_BASE
 from mobius_fed.model import Replica
-from mobius_fed.strategies import STEP_END, STEP_START, TrainOrder, group_arrays
+from mobius_fed.strategies import STEP_END, STEP_START, TrainOrder, encode_delta, group_arrays
 from mobius_fed.transport.flower_wire import (
     COORDINATOR_NODE_ID,
     RunGrid,
@@ -47,6 +47,7 @@ class EngineGrid(RunGrid):
         self.evals: list[EvalResult] = []
         cfg = engine.cfg  # Secure Aggregation: each site masks its update as a worker does
         self.maskers = [SiteMasker(cfg, s) for s in range(cfg.P)] if cfg.privacy.er_secagg else None
+        self.bases: dict[int, dict[str, torch.Tensor]] = {}  # R > 1, a ring codec: global F_i
 
     def get_node_ids(self) -> Iterable[int]:
         return [worker_node_id(s) for s in range(self.engine.cfg.workers)]
@@ -70,7 +71,9 @@ class EngineGrid(RunGrid):
             state = msg.content.array_records["arrays"].to_torch_state_dict()
             self.engine.replicas[rank].load_shared_state_dict(state)
             if GROUP in msg.content and isinstance(self.engine, RingsEngine):
-                load_group(self.engine, rank, msg.content.array_records[GROUP])
+                self.bases[rank] = load_group(self.engine, rank, msg.content.array_records[GROUP])
+            if GROUP_BASE in msg.content:
+                self.bases[rank] = msg.content.array_records[GROUP_BASE].to_torch_state_dict()
         kind = messages[0].metadata.message_type
         conf = messages[0].content.config_records["config"]
         replies = []
@@ -90,7 +93,12 @@ class EngineGrid(RunGrid):
                 )
                 update = self._update(rank, msg.content.array_records["arrays"], conf)
                 if TrainOrder.of(conf).ring_sync and isinstance(self.engine, RingsEngine):
-                    update[GROUP] = group_arrays(self.engine.group(rank))
+                    group, codec = self.engine.group(rank), self.engine.cfg.ring_codec
+                    update[GROUP] = (
+                        group_arrays(group)
+                        if codec == "none"
+                        else encode_delta(group, self.bases[rank], codec)
+                    )
                 replies.append(self._reply(msg, RecordDict({**update, "metrics": metrics})))
         else:
             ev = self.engine.evaluate()
@@ -115,8 +123,8 @@ class EngineGrid(RunGrid):
         return Message(content, reply_to=msg)
 
 
-def load_group(engine: RingsEngine, site: int, arrays: ArrayRecord) -> None:
-    """Load the synced F_i a ring sync sent site ``site`` (cast as a worker casts)."""
+def load_group(engine: RingsEngine, site: int, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    """Load the synced F_i a ring sync sent site ``site`` (cast as a worker casts); return it."""
     state = arrays.to_torch_state_dict()
     own = dict(engine.group(site).named_parameters())
     if set(state) != set(own):
@@ -124,6 +132,7 @@ def load_group(engine: RingsEngine, site: int, arrays: ArrayRecord) -> None:
     with torch.no_grad():
         for name, p in own.items():
             p.copy_(state[name])
+    return state
 
 
 def train_with_strategy(engine: ReferenceEngine | RingsEngine, strategy: Strategy) -> EngineGrid:
