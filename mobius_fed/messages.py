@@ -97,6 +97,7 @@ OPTIONAL_FIGURES = {  # a train report's wire key → its field, for figures a w
     "compute-seconds": "compute_s",
     "bytes-sent": "bytes_sent",
     "frames-sent": "frames_sent",
+    "sync-bytes": "sync_bytes",
 }
 
 
@@ -113,6 +114,7 @@ class TrainReport(_Wire):
     compute_s: float | None = None
     bytes_sent: float | None = None
     frames_sent: float | None = None
+    sync_bytes: float | None = None  # R > 1: what a ring sync's F_i (or δ) took, on its round
 
     def items(self) -> dict[str, Any]:
         return {**super().items(), "loss": self.losses[-1]}

@@ -17,6 +17,7 @@ from mobius_fed.engine.rings import make_engine
 from mobius_fed.ops.federation import LocalFederation
 from mobius_fed.run_reader import read_run
 from mobius_fed.strategies import RingPlan, RoundPlan, make_strategy
+from mobius_fed.transport.compress import Codec
 
 pytestmark = pytest.mark.slow
 logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -37,8 +38,8 @@ def reference(fed: LocalFederation, strategy: str, engine: list | None = None) -
     return losses, {(e.step, g): v for e in grid.evals for g, v in enumerate(e.origin_losses)}
 
 
-def ring(fed: LocalFederation) -> tuple[dict, dict, dict]:
-    """The ring's (step, site) losses and eval losses, and its final status."""
+def ring(fed: LocalFederation) -> tuple[dict, dict, dict, list]:
+    """The ring's (step, site) losses and eval losses, its final status and its rounds."""
     fed.prepare().start()
     try:
         final = fed.wait(timeout=300)
@@ -50,7 +51,7 @@ def ring(fed: LocalFederation) -> tuple[dict, dict, dict]:
         (row["step"], g): v for row in hist["steps"] for g, v in enumerate(row["origin_losses"])
     }
     evals = {(e["step"], g): v for e in hist["evals"] for g, v in enumerate(e["origin_losses"])}
-    return losses, evals, final
+    return losses, evals, final, hist["rounds"]
 
 
 @pytest.mark.parametrize(
@@ -87,7 +88,7 @@ def test_rings_equal_the_reference_exactly(
         **BASE,
     )
     fed = LocalFederation(tmp_path, train, strategy=outer, threads=1)
-    got, got_evals, final = ring(fed)
+    got, got_evals, final, rounds = ring(fed)
     engines: list = []
     ref, ref_evals = reference(fed, outer, engines)
     assert set(got) == set(ref) and set(got_evals) == set(ref_evals)
@@ -100,6 +101,17 @@ def test_rings_equal_the_reference_exactly(
     for got_group, ref_group in zip(model.groups, engines[0].rings[0].groups, strict=True):
         ref_params = dict(ref_group.named_parameters())
         assert all(torch.equal(p, ref_params[k]) for k, p in got_group.named_parameters())
+    # each sync's bytes, counted apart from the ring links: F_i in fp32, or its encoded δ
+    synced = [r["round"] for r in rounds if r["round"] % H == 0 or r["round"] == steps]
+    codec = None if codec == "none" else Codec(codec)
+    for r in rounds:
+        for g, w in r["workers"].items():
+            params = engines[0].group(int(g)).parameters()
+            want = sum(
+                p.numel() * 4 if codec is None else codec.payload_bytes(tuple(p.shape))
+                for p in params
+            )
+            assert w.get("sync_bytes") == (want if r["round"] in synced else None), (r, g)
     first = [e["edge"] for e in final["ring"]][: P + 1]  # ring 0 closes on itself
     assert (
         first[P - 1] == f"worker-{P - 1} → worker-0" and first[P] == f"worker-{P} → worker-{P + 1}"

@@ -52,6 +52,9 @@ class WorkerModel(BaseModel):
     train_s_total: float = Field(0.0, description="training seconds over the run")
     wait_s_total: float = Field(0.0, description="wait seconds over the run")
     bytes_sent_total: float = Field(0.0, description="bytes sent over the run (if reported)")
+    sync_bytes_total: float = Field(
+        0.0, description="R > 1: bytes of its ring syncs (F_i or its encoded δ) over the run"
+    )
 
 
 class EdgeModel(BaseModel):
@@ -155,7 +158,7 @@ class RoundModel(BaseModel):
     workers: dict[str, dict[str, float | None]] = Field(
         default_factory=dict,
         description="rank → its figures: train_s, and where reported wait_s, compute_s, "
-        "bytes_sent, frames_sent",
+        "bytes_sent, frames_sent, sync_bytes (R > 1, a ring-sync round)",
     )
 
 

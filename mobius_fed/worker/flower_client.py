@@ -251,6 +251,10 @@ class WorkerHandlers:
         if not order.checkpoint and order.barrier_snapshot:
             self.snapshots.write_barrier(rnd, snap)
         report = dataclasses.replace(report, snapshot_s=time.perf_counter() - t0)
+        group = self._group_reply() if order.ring_sync else None  # R > 1: F_i goes back
+        if group is not None:  # the ring sync's bytes, counted apart from the ring links'
+            sync = sum(a.numpy().nbytes for a in group.values())
+            report = dataclasses.replace(report, sync_bytes=float(sync))
         if masks is None:  # SecAgg off
             reply = RecordDict({ARRAYS: replica_arrays(executor), METRICS: report.to_record()})
         else:  # only the masked update leaves: the coordinator can read just the sum
@@ -259,8 +263,8 @@ class WorkerHandlers:
                 replica_arrays(executor), msg.content.array_records[ARRAYS], masks
             )
             reply = RecordDict({MASKED: masked, METRICS: report.to_record()})
-        if order.ring_sync:  # R > 1: F_i goes back to be averaged across the rings
-            reply[GROUP] = self._group_reply()
+        if group is not None:  # to be averaged across the rings
+            reply[GROUP] = group
         if order.checkpoint:
             reply["checkpoint"] = self._checkpoint(order, snap).to_record()
             self.snapshots.prune_disk(order.keep_checkpoints)
