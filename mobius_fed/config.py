@@ -31,7 +31,7 @@ from mobius_fed.settings import (  # noqa: F401 - re-exported: the config API li
     read_toml,
     settings_of,
 )
-from mobius_fed.transport.wire_config import WireConfig
+from mobius_fed.transport.wire_config import CodecName, WireConfig
 
 ENCODING_VOCAB = BUILTIN_VOCAB  # plus hf:<tokenizer.json> (data §tokenizers)
 
@@ -46,7 +46,27 @@ class TrainConfig(BaseModel):
         description="model preset (layers, width, heads, sequence length)",
         json_schema_extra={"choices": list(PRESETS)},
     )
-    workers: int = Field(4, ge=1, description="P: workers = block groups = origins")
+    workers: int = Field(
+        4, ge=1, description="worker processes = sites = origins (R·P; with one ring, P)"
+    )
+    rings: int = Field(
+        1, ge=1, description="R: rings of P = workers / R block groups each (docs/rings.md)"
+    )
+    ring_sync_every: int = Field(
+        1, ge=1, description="H: average each block group across the R rings every H steps"
+    )
+    ring_outer: Literal["fedavg", "diloco"] = Field(
+        "fedavg",
+        description="outer step of a ring sync: fedavg (the average) or diloco (Nesterov "
+        "SGD on the pseudo-gradient, arXiv 2311.08105)",
+    )
+    ring_codec: CodecName = Field(
+        "none",
+        description="codec of the pseudo-gradients a ring sync sends (int8, int4, ...; "
+        "none: the groups travel in fp32)",
+    )
+    outer_lr: float = Field(0.7, gt=0, description="diloco: outer learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: outer Nesterov momentum")
     loops: int = Field(1, ge=1, description="L: complete passes over the P groups")
     order: Order = Field("cyclic", description="cyclic (Möbius) or ordered (the baseline)")
     steps: int = Field(120, ge=1, description="optimizer steps")
@@ -164,7 +184,7 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         n_layer = self.n_layer or PRESETS[self.preset]["n_layer"]
-        problem = split_problem(self.layers_per_group, n_layer, self.workers)
+        problem = split_problem(self.layers_per_group, n_layer, self.P)
         if problem:
             raise ValueError(problem)
         if self.layers_per_group and len(set(self.layers_per_group)) == 1:
@@ -198,6 +218,7 @@ class TrainConfig(BaseModel):
             self._check_states_only()
         if self.subspace.on and self.subspace.mode == "tokens":
             self._check_tokens_mode()
+        self._check_rings()
         self.model()  # raises on a rank above d_model
         return self
 
@@ -217,6 +238,36 @@ class TrainConfig(BaseModel):
             why = "privacy.home_input = 'off' sends the shared E(x)'s image through U"
         if why:
             raise ValueError(f"privacy.preset 'states-only' refused: {why}")
+
+    def _check_rings(self) -> None:
+        """R rings of P groups (docs/rings.md): workers = R·P, ring syncs at E/R barriers."""
+        R = self.rings
+        if self.workers % R:
+            raise ValueError(
+                f"rings={R} does not divide workers={self.workers}: R rings of P block groups "
+                f"need workers = R·P (e.g. workers={R * max(1, self.workers // R)})"
+            )
+        if R == 1:
+            return
+        if self.sync_every < 1 or self.ring_sync_every % self.sync_every:
+            raise ValueError(
+                f"ring_sync_every={self.ring_sync_every} must be a multiple of "
+                f"sync_every={self.sync_every} (≥ 1): a ring sync happens at an E/R barrier"
+            )
+        pc = self.privacy  # site-keyed features would key ring r's site i as site i
+        clash = [
+            name
+            for name, on in (
+                ("privacy.er_secagg", pc.er_secagg),
+                ("privacy.home_layer", pc.home_layer != "off"),
+                ("privacy.home_input", pc.home_input != "off"),
+                ("privacy.noise_key_dir", pc.noise_key_dir is not None),
+                ("subspace.learn", self.subspace.learn),
+            )
+            if on
+        ]
+        if clash:
+            raise ValueError(f"rings > 1 cannot be combined with {', '.join(clash)} yet")
 
     def _check_tokens_mode(self) -> None:
         """Subspace mode ``tokens`` sends each micro-batch's token ids to every group on its
@@ -251,7 +302,7 @@ class TrainConfig(BaseModel):
     def model(self) -> ModelConfig:
         return make_model_config(
             self.preset,
-            groups=self.workers,
+            groups=self.P,
             vocab_size=encoding_vocab(self.encoding),
             tied=self.tied,
             seq_len=self.seq_len,
@@ -269,15 +320,25 @@ class TrainConfig(BaseModel):
 
     @property
     def P(self) -> int:
-        return self.workers
+        """Block groups per ring (= workers with one ring)."""
+        return self.workers // self.rings
 
     @property
     def K(self) -> int:
-        return self.workers * self.loops
+        return self.P * self.loops
 
     @property
     def tokens_per_step(self) -> int:
         return self.workers * self.batch_size * self.model().seq_len
+
+    def ring_settings(self) -> str:
+        """The settings every site of a run of rings must share, as a refusal names them."""
+        text = f"workers={self.workers} rings={self.rings} ring_sync_every={self.ring_sync_every}"
+        text += f" sync_every={self.sync_every} ring_outer={self.ring_outer}"
+        text += f" ring_codec={self.ring_codec}"
+        if self.ring_outer == "diloco":
+            text += f" outer_lr={self.outer_lr} outer_momentum={self.outer_momentum}"
+        return text
 
     def lr_multiplier(self, step: int) -> float:
         """Warmup / stable / linear cooldown, evaluated at 0-based ``step``."""
@@ -337,6 +398,12 @@ STATES_ONLY: dict[str, Any] = {
 # (sub-config, …, field) → default of the settings added after manifests were first written.
 LATER_SETTINGS: dict[tuple[str, ...], Any] = {
     ("layers_per_group",): None,
+    ("rings",): 1,
+    ("ring_sync_every",): 1,
+    ("ring_outer",): "fedavg",
+    ("ring_codec",): "none",
+    ("outer_lr",): 0.7,
+    ("outer_momentum",): 0.9,
     ("subspace", "writes"): "basis",
     ("subspace", "learn"): False,
     ("subspace", "lr"): 1e-3,

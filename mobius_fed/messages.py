@@ -7,7 +7,9 @@ its name with ``-`` for ``_`` (``_s`` as ``-seconds``); a field that is None is 
 message type       coordinator → worker        worker → coordinator
 =================  ==========================  =======================================
 ``train``          E/R arrays + TrainOrder     E/R arrays + TrainReport (+ Checkpoint)
+                   (+ synced group, R > 1)     (+ its group on a ring sync, R > 1)
 ``evaluate``       E/R arrays + round/step     EvalReport
+                   (+ synced group, R > 1)
 ``query.state``    (empty)                     StateReply
 ``query.restore``  RestoreOrder                RestoreReply
 ``query.ring``     RingOrder                   ``ok``
@@ -24,6 +26,12 @@ from flwr.app import ConfigRecord, MetricRecord
 # Keys of the ConfigRecord a train/evaluate message carries.
 STEP_START, STEP_END = "step-start", "step-end"
 ARRAYS, METRICS, CONFIG = "arrays", "metrics", "config"
+# R > 1: a worker's block group F_i (train reply of a ring sync), or the synced F_i
+# (the next train or evaluate message): docs/rings.md
+GROUP = "group"
+# R > 1 with a ring codec: the global F_i a worker's pseudo-gradient is taken against, sent
+# with the first train message of a strategy (a fresh run, or after a rollback)
+GROUP_BASE = "group-base"
 _W = TypeVar("_W", bound="_Wire")
 _CASTS = {"int": int, "bool": bool, "str": str, "bytes": bytes, "float": float}
 
@@ -77,6 +85,7 @@ class TrainOrder(_Wire):
     state_copy: bool = False
     keep_checkpoints: int = 0  # checkpoint files the worker keeps (0: all)
     barrier_snapshot: bool = False
+    ring_sync: bool | None = None  # R > 1: send this worker's group back (a ring sync)
 
     def fill(self, config: ConfigRecord) -> ConfigRecord:
         config.update(self.items())
@@ -88,6 +97,7 @@ OPTIONAL_FIGURES = {  # a train report's wire key → its field, for figures a w
     "compute-seconds": "compute_s",
     "bytes-sent": "bytes_sent",
     "frames-sent": "frames_sent",
+    "sync-bytes": "sync_bytes",
 }
 
 
@@ -104,6 +114,7 @@ class TrainReport(_Wire):
     compute_s: float | None = None
     bytes_sent: float | None = None
     frames_sent: float | None = None
+    sync_bytes: float | None = None  # R > 1: what a ring sync's F_i (or δ) took, on its round
 
     def items(self) -> dict[str, Any]:
         return {**super().items(), "loss": self.losses[-1]}

@@ -36,6 +36,7 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.model import BlockGroup, Replica
 from mobius_fed.model.config import ModelConfig
 from mobius_fed.model.groups import build_basis, build_replica
+from mobius_fed.strategies import RING_STATE
 
 log = logging.getLogger("mobius.runs")
 MANIFEST = "manifest.json"
@@ -244,7 +245,9 @@ def read_manifest(manifest: Path) -> Model:
     cfg = TrainConfig.model_validate(doc["train"])
     mc = cfg.model()
     er_file = manifest.parent / doc["er"]
-    shared = _er_arrays(er_file, load_checkpoint(er_file, doc.get("er_sha256")))
+    saved = load_checkpoint(er_file, doc.get("er_sha256"))
+    shared = _er_arrays(er_file, saved)
+    synced = _synced_groups(er_file, saved, cfg, doc["round"])
     groups, replicas = [], []
     for rank in range(cfg.P):
         entry = doc["workers"].get(str(rank))
@@ -256,7 +259,7 @@ def read_manifest(manifest: Path) -> Model:
             raise RunError(f"{file} is not worker-{rank}'s checkpoint")
         group = BlockGroup(mc, build_basis(mc, cfg.seed), rank)
         replica = build_replica(mc, cfg.seed, cfg.privacy.home_layer)
-        _load(group, state["group"], file)
+        _load(group, state["group"] if synced is None else synced[rank], file)
         _load(replica, state["replica"], file)  # the site's home layer, if any
         want = replica.shared_state_dict()
         if set(shared) != set(want):
@@ -275,6 +278,25 @@ def _load(module: torch.nn.Module, state: dict[str, Any], file: Path, strict: bo
         module.load_state_dict(state, strict=strict)
     except RuntimeError as exc:
         raise RunError(f"{file} does not fit the run's model: {exc}") from None
+
+
+def _synced_groups(
+    file: Path, saved: dict[str, Any], cfg: TrainConfig, rnd: int
+) -> list[dict[str, Any]] | None:
+    """R > 1: the P groups of the ring sync that ended round ``rnd`` (the coordinator keeps
+    them until they are sent; a worker's file holds its ring's F_i from before the sync).
+    None with one ring; a round between ring syncs, whose rings differ, is refused."""
+    if cfg.rings == 1:
+        return None
+    pending = (saved.get("server_state") or {}).get(RING_STATE, {}).get("pending", {})
+    found = [pending.get(i, pending.get(str(i))) for i in range(cfg.P)]
+    if any(not isinstance(g, dict) or set(g) != {ARRAYS_TAG} for g in found):
+        raise RunError(
+            f"{file}: round {rnd} of a run of {cfg.rings} rings ended between ring syncs, so "
+            "its rings' groups differ; use the manifest of a ring-sync round (the last "
+            "round always is one)"
+        )
+    return [dict(g[ARRAYS_TAG]) for g in found]
 
 
 def _er_arrays(file: Path, saved: dict[str, Any]) -> dict[str, Any]:

@@ -95,6 +95,17 @@ def worker_schedule(order: Order, i: int, P: int, L: int) -> list[tuple[int, int
     return [(t, s) for t, row in enumerate(tick_table(order, P, L)) for s in row[i]]
 
 
+def ring_successor(site: int, P: int) -> int:
+    """The site after ``site`` on its own ring: with R rings of P, site g = r·P + i is
+    followed by r·P + (i + 1) mod P (one ring: (g + 1) mod P)."""
+    return site - site % P + (site + 1) % P
+
+
+def ring_predecessor(site: int, P: int) -> int:
+    """The site before ``site`` on its own ring (see :func:`ring_successor`)."""
+    return site - site % P + (site - 1) % P
+
+
 def ring_route(src: int, dst: int, P: int) -> list[int]:
     """Workers visited moving forward on the ring from src to dst (both included)."""
     return [(src + k) % P for k in range((dst - src) % P + 1)]

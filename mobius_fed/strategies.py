@@ -8,11 +8,14 @@ FedAvgM's momentum is computed by the same Flower code in both.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
     FedAdagrad,
@@ -25,12 +28,85 @@ from flwr.serverapp.strategy import (
     FedYogi,
     Strategy,
 )
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from mobius_fed.checkpoint import ARRAYS_TAG
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.defences.secagg import MASKED
-from mobius_fed.messages import ARRAYS, STEP_END, STEP_START, TrainOrder  # noqa: F401 - engine reads STEP_START here
+from mobius_fed.messages import (  # noqa: F401 - engine reads STEP_START here
+    ARRAYS,
+    GROUP,
+    GROUP_BASE,
+    METRICS,
+    STEP_END,
+    STEP_START,
+    TrainOrder,
+)
+from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.flower_wire import rank_of_node
+
+Arrays = list[np.ndarray]
+
+
+def nesterov_step(
+    current: ArrayRecord, average: ArrayRecord, momentum: Arrays | None, lr: float, mu: float
+) -> tuple[ArrayRecord, Arrays]:
+    """DiLoCo's outer step (arXiv 2311.08105), torch's SGD with Nesterov momentum on the
+    pseudo-gradient Δ = θ − mean(θ_k) of the round: b ← μ·b + Δ (b = Δ at the first
+    step), θ ← θ − lr·(Δ + μ·b). Returns the new θ and b."""
+    names = list(average.keys())
+    delta = [current[n].numpy() - a.numpy() for n, a in zip(names, average.values(), strict=True)]
+    return nesterov_delta(current, dict(zip(names, delta, strict=True)), momentum, lr, mu)
+
+
+def nesterov_delta(
+    current: ArrayRecord,
+    delta: dict[str, np.ndarray],
+    momentum: Arrays | None,
+    lr: float,
+    mu: float,
+) -> tuple[ArrayRecord, Arrays]:
+    """:func:`nesterov_step` from the pseudo-gradient ``delta`` itself (a ring codec's)."""
+    names = list(delta)
+    theta = [current[n].numpy() for n in names]
+    delta_list = [delta[n] for n in names]
+    if momentum is None:
+        buf = [d.copy() for d in delta_list]
+    else:
+        buf = [mu * b + d for b, d in zip(momentum, delta_list, strict=True)]
+    new = [t - lr * (d + mu * b) for t, d, b in zip(theta, delta_list, buf, strict=True)]
+    return ArrayRecord({n: Array(np.asarray(v)) for n, v in zip(names, new)}), buf
+
+
+class DiLoCo(FedAvgM):
+    """Flower's FedAvgM with DiLoCo's outer step instead of heavy-ball momentum: the
+    replies' FedAvg average, then :func:`nesterov_step` (defaults lr 0.7, μ 0.9). With the
+    E/R under it and ``ring_outer = diloco``, P = 1 with R sites is DiLoCo of the whole
+    model (docs/rings.md)."""
+
+    def __init__(
+        self, server_learning_rate: float = 0.7, server_momentum: float = 0.9, **kw: Any
+    ) -> None:
+        super().__init__(
+            server_learning_rate=server_learning_rate, server_momentum=server_momentum, **kw
+        )
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        average, metrics = FedAvg.aggregate_train(self, server_round, replies)
+        if average is None or self.current_arrays is None:
+            return average, metrics
+        arrays, self.momentum_vector = nesterov_step(
+            self.current_arrays,
+            average,
+            self.momentum_vector,
+            self.server_learning_rate,
+            self.server_momentum,
+        )
+        self.current_arrays = arrays
+        return arrays, metrics
+
 
 STRATEGIES: dict[str, type[FedAvg]] = {
     "fedavg": FedAvg,
@@ -41,9 +117,11 @@ STRATEGIES: dict[str, type[FedAvg]] = {
     "fedprox": FedProx,
     "fedmedian": FedMedian,
     "fedtrimmedavg": FedTrimmedAvg,
+    "diloco": DiLoCo,
 }
 # Server-side state a strategy keeps between rounds (saved in checkpoints).
 SERVER_STATE_ATTRS = ("current_arrays", "momentum_vector", "m_t", "v_t")
+RING_STATE = "ring_sync"  # RingSync's synced groups and outer state (R > 1)
 W = TypeVar("W", bound="StrategyWrapper")
 
 
@@ -298,6 +376,191 @@ class BarrierRounds(StrategyWrapper):
         return metrics
 
 
+@dataclass(frozen=True)
+class RingPlan:
+    """R rings of P groups (docs/rings.md): every H steps (and at the end) each group F_i is
+    averaged over the R rings, then the outer step ``outer`` (fedavg: the average; diloco:
+    :func:`nesterov_step` from the global F_i of the previous sync). ``initial(i)``: F_i's
+    weights at step 0, the first global weights of a DiLoCo outer step."""
+
+    P: int
+    R: int
+    H: int
+    steps: int
+    outer: str = "fedavg"
+    lr: float = 0.7
+    momentum: float = 0.9
+    initial: Callable[[int], ArrayRecord] | None = None
+    codec: str = "none"  # the pseudo-gradients' wire codec (none: F_i itself, fp32)
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> RingPlan | None:
+        """The plan of ``cfg`` (None with one ring); F_i's initial weights built from the seed."""
+        if cfg.rings == 1:
+            return None
+
+        def initial(i: int) -> ArrayRecord:
+            from mobius_fed.model import build_group  # torch model code: only when needed
+
+            return group_arrays(build_group(cfg.model(), i, cfg.seed))
+
+        return cls(
+            cfg.P,
+            cfg.rings,
+            cfg.ring_sync_every,
+            cfg.steps,
+            cfg.ring_outer,
+            cfg.outer_lr,
+            cfg.outer_momentum,
+            initial,
+            cfg.ring_codec,
+        )
+
+    def syncs(self, step_end: int) -> bool:
+        """Whether the round that ends at ``step_end`` ends with a ring sync."""
+        return step_end % self.H == 0 or step_end == self.steps
+
+
+def group_arrays(group: Any) -> ArrayRecord:
+    """The arrays of block group ``group`` (a torch module) that a ring sync averages."""
+    return ArrayRecord({k: v.detach().clone() for k, v in group.named_parameters()})
+
+
+def encode_delta(group: Any, base: dict[str, torch.Tensor], codec: str) -> ArrayRecord:
+    """What a worker sends on a ring sync with a codec: per tensor the pseudo-gradient
+    δ = base − θ (base: the global F_i of the last sync) as the codec's uint8 payload."""
+    c = Codec(codec)
+    out = {}
+    for name, p in group.named_parameters():
+        delta = base[name].detach().cpu().float() - p.detach().cpu().float()
+        out[name] = Array(c.encode(delta).numpy())
+    return ArrayRecord(out)
+
+
+def decode_delta(record: ArrayRecord, like: ArrayRecord, codec: str) -> ArrayRecord:
+    """The fp32 pseudo-gradient a :func:`encode_delta` payload stands for (shapes of ``like``)."""
+    c = Codec(codec)
+    return ArrayRecord(
+        {
+            name: Array(c.decode(torch.from_numpy(a.numpy()), tuple(like[name].shape)).numpy())
+            for name, a in record.items()
+        }
+    )
+
+
+class RingSync(StrategyWrapper):
+    """R rings of P groups: on a ring-sync round each worker sends its group F_i back
+    (``GROUP``); this wrapper takes those out of the replies, averages F_i over the R
+    workers r·P + i with Flower's own weighted average, applies the plan's outer step, and
+    sends the synced F_i with the next evaluate and train messages. The E/R go on to the
+    strategy inside, which averages them over all R·P sites."""
+
+    def __init__(self, strategy: Strategy, plan: RingPlan) -> None:
+        super().__init__(strategy)
+        self.plan = plan
+        self.pending: dict[int, ArrayRecord] = {}  # synced groups not yet sent for training
+        self.globals: dict[int, ArrayRecord] = {}  # diloco: global F_i of the last sync
+        self.momentum: dict[int, Arrays] = {}  # diloco: F_i's outer momentum
+        # with a codec, a worker's pseudo-gradient is taken against the global F_i: it gets
+        # that with the first train message of this strategy (a fresh run, a rollback)
+        self.send_base = plan.codec != "none"
+
+    def _attach(self, messages: Iterable[Message], train: bool = False) -> list[Message]:
+        messages = list(messages)
+        for msg in messages:
+            i = rank_of_node(msg.metadata.dst_node_id) % self.plan.P
+            extra = {}
+            if i in self.pending:
+                extra[GROUP] = self.pending[i]
+            elif train and self.send_base:
+                extra[GROUP_BASE] = self._global(i)
+            if extra:  # Flower's messages share one RecordDict: give each its own
+                msg.content = RecordDict({**dict(msg.content.items()), **extra})
+        return messages
+
+    def _global(self, i: int) -> ArrayRecord:
+        """F_i's global weights at the last sync (the seed's before the first)."""
+        if i not in self.globals:
+            if self.plan.initial is None:
+                raise ValueError("this ring sync needs the groups' initial weights")
+            self.globals[i] = self.plan.initial(i)
+        return self.globals[i]
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        order = TrainOrder.of(config)  # every round says it (Flower reuses the config record)
+        dataclasses.replace(order, ring_sync=self.plan.syncs(order.step_end)).fill(config)
+        messages = self._attach(super().configure_train(server_round, arrays, config, grid), True)
+        self.pending.clear()  # a worker loads a synced group once, before training on
+        self.send_base = False
+        return messages
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self._attach(super().configure_evaluate(server_round, arrays, config, grid))
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        groups: dict[int, list[RecordDict]] = {}
+        for reply in sorted(replies, key=lambda m: m.metadata.src_node_id):
+            if not reply.has_error() and GROUP in reply.content:
+                rank = rank_of_node(reply.metadata.src_node_id)
+                record = RecordDict({ARRAYS: reply.content[GROUP], METRICS: reply.content[METRICS]})
+                groups.setdefault(rank % self.plan.P, []).append(record)
+                del reply.content[GROUP]
+        for i, records in sorted(groups.items()):
+            if len(records) != self.plan.R:
+                raise ValueError(
+                    f"round {server_round}: group F_{i} came back from {len(records)} of "
+                    f"{self.plan.R} rings"
+                )
+            if self.plan.codec == "none":
+                self.pending[i] = self._outer(i, aggregate_arrayrecords(records, "num-examples"))
+            else:
+                self.pending[i] = self._outer_delta(i, records)
+        return super().aggregate_train(server_round, replies)
+
+    def _outer(self, i: int, average: ArrayRecord) -> ArrayRecord:
+        plan = self.plan
+        if plan.outer == "fedavg":
+            return average
+        new, self.momentum[i] = nesterov_step(
+            self._global(i), average, self.momentum.get(i), plan.lr, plan.momentum
+        )
+        self.globals[i] = new
+        return new
+
+    def _outer_delta(self, i: int, records: list[RecordDict]) -> ArrayRecord:
+        """With a codec: decode each ring's pseudo-gradient, average them (Flower's weighted
+        average), then θ − mean δ (fedavg) or the Nesterov step on mean δ (diloco)."""
+        plan, theta = self.plan, self._global(i)
+        for record in records:
+            record[ARRAYS] = decode_delta(record.array_records[ARRAYS], theta, plan.codec)
+        mean = aggregate_arrayrecords(records, "num-examples")
+        delta = {name: a.numpy() for name, a in mean.items()}
+        if plan.outer == "fedavg":
+            new = ArrayRecord(
+                {n: Array(np.asarray(theta[n].numpy() - d)) for n, d in delta.items()}
+            )
+        else:
+            new, self.momentum[i] = nesterov_delta(
+                theta, delta, self.momentum.get(i), plan.lr, plan.momentum
+            )
+        self.globals[i] = new
+        return new
+
+    def state(self) -> dict[str, Any]:
+        return {"pending": self.pending, "globals": self.globals, "momentum": self.momentum}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.pending, self.globals = dict(state["pending"]), dict(state["globals"])
+        self.momentum = dict(state["momentum"])
+
+
 def flower_strategy(name: str, P: int, options: dict[str, Any] | None = None) -> Strategy:
     """The Flower strategy ``name`` (fedavg, fedavgm, …) that waits for and trains all P."""
     key = name.lower()
@@ -322,12 +585,15 @@ def make_strategy(
     *,
     er_privacy: Any = None,
     secagg: Any = None,
+    rings: RingPlan | None = None,
     **barrier: Any,
 ) -> BarrierRounds:
     """The run's strategy: the Flower strategy ``name`` inside one wrapper per feature,
-    ``BarrierRounds(ErDp(SecAggRounds(ErAveraging(flower))))`` (the ones turned on).
+    ``BarrierRounds(RingSync(ErDp(SecAggRounds(ErAveraging(flower)))))`` (the ones turned
+    on). ``P``: the number of workers (all R·P sites with several rings).
 
-    ``er_privacy`` turns on :class:`ErDp`, ``secagg`` :class:`SecAggRounds`; ``barrier``
+    ``er_privacy`` turns on :class:`ErDp`, ``secagg`` :class:`SecAggRounds`, ``rings``
+    :class:`RingSync`; ``barrier``
     goes to :class:`BarrierRounds`: ``hooks``, ``state_copy``, ``keep_checkpoints``,
     ``barrier_snapshots`` (another name is a TypeError there).
     """
@@ -336,18 +602,27 @@ def make_strategy(
         strategy = SecAggRounds(strategy, secagg)
     if er_privacy is not None:  # under SecAgg the sites clip their own updates
         strategy = ErDp(strategy, er_privacy, clip_here=secagg is None)
+    if rings is not None:
+        strategy = RingSync(strategy, rings)
     return BarrierRounds(strategy, plan, round_offset, **barrier)
 
 
 def server_state(strategy: Strategy) -> dict[str, Any]:
     """A copy of the strategy's between-round state (momentum, moments, current arrays)."""
     inner = unwrapped(strategy)
-    return copy.deepcopy({k: getattr(inner, k) for k in SERVER_STATE_ATTRS if hasattr(inner, k)})
+    state = {k: getattr(inner, k) for k in SERVER_STATE_ATTRS if hasattr(inner, k)}
+    rings = wrapper_of(strategy, RingSync)
+    if rings is not None:
+        state[RING_STATE] = rings.state()
+    return copy.deepcopy(state)
 
 
 def restore_server_state(strategy: Strategy, state: dict[str, Any]) -> None:
-    inner = unwrapped(strategy)
-    for k, v in copy.deepcopy(state).items():
+    inner, state = unwrapped(strategy), copy.deepcopy(state)
+    rings, ring_state = wrapper_of(strategy, RingSync), state.pop(RING_STATE, None)
+    if rings is not None and ring_state is not None:
+        rings.load_state(ring_state)
+    for k, v in state.items():
         setattr(inner, k, v)
 
 

@@ -276,13 +276,15 @@ def test_strangers_cannot_register_or_read_status(tmp_path: Path):
             ),
         )
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "mismatch" in err.details()
-        proc = subprocess.run(
-            [*fed.worker_cmd(1), "--preset", "cpu-small", "--workers", "4"],
+        proc = subprocess.run(  # a site with another H for its rings: both sides named
+            [*fed.worker_cmd(1), "--rings", "2", "--ring-sync-every", "2"],
             capture_output=True,
             text=True,
             timeout=60,
         )
         assert proc.returncode != 0 and "config mismatch" in proc.stderr, proc.stderr[-2000:]
+        assert "rings=1 ring_sync_every=1" in proc.stderr  # the coordinator's
+        assert "(this worker: workers=4 rings=2 ring_sync_every=2" in proc.stderr
 
         # duplicate rank: a second worker-0 while the first waits registered for its peers
         def register_and_wait() -> None:

@@ -360,11 +360,16 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         str(doc.get("error") or "-"),
     )
     console.print(run)
-    workers = Table(title="workers", show_header=True, header_style="bold")
-    for col in ("rank", "address", "state", "heartbeat age (s)", "last loss", "tokens/s"):
+    rings = int(doc.get("rings") or 1)
+    title = "workers" if rings == 1 else f"workers: {rings} rings"
+    workers = Table(title=title, show_header=True, header_style="bold")
+    cols = ("rank", "address", "state", "heartbeat age (s)", "last loss", "tokens/s")
+    for col in ("ring", *cols) if rings > 1 else cols:
         workers.add_column(col, justify="left" if col in ("address", "state") else "right")
     for w in doc.get("workers", []):
+        ring = [str(w.get("ring", "?"))] if rings > 1 else []
         workers.add_row(
+            *ring,
             str(w.get("rank", "?")),
             str(w.get("address") or "-"),
             _styled(str(w.get("state", "?")), _STATE_STYLE),

@@ -76,7 +76,7 @@ def up_main(args: argparse.Namespace) -> int:
         strategy_options=strategy_options,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume or False,
-        threads=threads_from(args, train.P),
+        threads=threads_from(args, train.workers),
         data=args.data,
         rejoin_timeout=args.rejoin_timeout,
         max_incidents=args.max_incidents,
@@ -196,9 +196,17 @@ def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
     fed.write_endpoints("starting")  # `status` finds the run before certs, data, processes
     fed.prepare()
     console.print(
-        f"[bold]mobius-fed up[/]: coordinator + {train.P} workers on 127.0.0.1, "
+        f"[bold]mobius-fed up[/]: coordinator + {train.workers} workers"
+        + (f" ({train.rings} rings of {train.P})" if train.rings > 1 else "")
+        + " on 127.0.0.1, "
         f"{train.preset}, L={train.loops} {train.order}, {train.steps} steps, "
-        f"{args.strategy} every {train.sync_every} step(s); logs in {fed.logs}"
+        f"{args.strategy} every {train.sync_every} step(s)"
+        + (
+            f", groups synced across rings every {train.ring_sync_every} ({train.ring_outer})"
+            if train.rings > 1
+            else ""
+        )
+        + f"; logs in {fed.logs}"
     )
     fed.start()
     fed.write_endpoints()

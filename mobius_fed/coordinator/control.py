@@ -57,8 +57,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
         fingerprint: str,
         run_spec: Callable[[int], control_pb2.RunSpec],
         crl: Callable[[], bytes] = bytes,
+        settings: str = "",
     ) -> None:
         self.state, self.grid, self.fingerprint = state, grid, fingerprint
+        self.settings = settings  # named in a config-mismatch refusal (e.g. the rings')
         self.crl = crl  # the revocation list every heartbeat reply carries
         self.run_spec, self.P = run_spec, state.P
         self._registered: dict[int, str] = {}
@@ -124,6 +126,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             msg = (
                 f"config mismatch: worker-{rank} runs config {request.config_fingerprint}, "
                 f"the coordinator runs {self.fingerprint}"
+                + (f" ({self.settings})" if self.settings else "")
             )
             log.error("refused: %s", msg)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
@@ -169,8 +172,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
     def _check_edges(self, rank: int, entry: str, context: grpc.ServicerContext) -> None:
         """Refuse an entry that leaves an edge to a registered neighbour unconnectable."""
         peers = [entry if i == rank else self._registered.get(i, "") for i in range(self.P)]
+        first = rank - rank % self.state.ring_size  # its own ring's entries (R rings)
         try:
-            check_known_edges(peers)
+            check_known_edges(peers[first : first + self.state.ring_size])
         except RingPlanError as exc:
             log.error("refused worker-%d: %s", rank, exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -287,7 +291,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             training = self.state.phase == Phase.TRAINING  # recovering: no round in flight
             in_flight = self.state.round + 1 if training else 0
             raised.opened = self.state.lose_worker(
-                rank, raised.fields(self.P, in_flight) if running else None
+                rank, raised.fields(self.state.ring_size, in_flight) if running else None
             )
         log.error(reason)
         if running:

@@ -19,6 +19,7 @@ from typing import Any
 from flwr.app import Message
 
 from mobius_fed.proto import control_pb2
+from mobius_fed.schedule import ring_predecessor, ring_successor
 from mobius_fed.transport.flower_wire import (
     ERROR_FATAL,
     ERROR_RING,
@@ -83,10 +84,11 @@ def names(ranks) -> str:
 
 
 def edges_of(ranks, P: int) -> str:
-    """The ring edges that touch ``ranks``."""
+    """The ring edges that touch ``ranks`` (P: groups per ring, each ring its own edges)."""
     edges = []
     for r in ranks:
-        edges += [f"worker-{(r - 1) % P} → worker-{r}", f"worker-{r} → worker-{(r + 1) % P}"]
+        pred, succ = ring_predecessor(r, P), ring_successor(r, P)
+        edges += [f"worker-{pred} → worker-{r}", f"worker-{r} → worker-{succ}"]
     return ", ".join(dict.fromkeys(edges))
 
 

@@ -67,7 +67,7 @@ class Recovery:
         store: RoundStore,
     ) -> None:
         self.cfg, self.state, self.grid, self.service, self.store = cfg, state, grid, service, store
-        self.P, self.plan = cfg.train.P, store.plan
+        self.P, self.plan = cfg.train.workers, store.plan  # workers: all R·P sites
         self.in_flight = 0  # the train round in flight (0: none)
         self.ring_epoch = 0
         self.ring_id = ""  # the ring incarnation training runs on (SecAgg's attempt label)
@@ -113,14 +113,16 @@ class Recovery:
                 gone = sorted(set(missing) | set(lost))
                 raise RunFailed(
                     f"{names(gone)} did not rejoin within {self.cfg.rejoin_timeout:.0f}s after: "
-                    f"{raised.what} (ring edges {edges_of(gone, self.P)})"
+                    f"{raised.what} (ring edges {edges_of(gone, self.state.ring_size)})"
                 )
 
     def _record(self, raised: IncidentRaised) -> Incident:
         """Record ``raised`` (unless its raiser opened it with the loss); abort its round."""
         incident = raised.opened
         if incident is None:
-            incident = self.state.open_incident(**raised.fields(self.P, self.in_flight))
+            incident = self.state.open_incident(
+                **raised.fields(self.state.ring_size, self.in_flight)
+            )
         else:
             self.state.update_incident(incident, round=self.in_flight)
         log.error("incident %d: %s (round %d in flight)", incident.id, raised.what, self.in_flight)

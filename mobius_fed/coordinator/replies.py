@@ -9,15 +9,18 @@ from flwr.app import Message
 
 from mobius_fed.coordinator.grid import RunFailed
 from mobius_fed.defences.secagg import SecAggError, check_masked
-from mobius_fed.messages import OPTIONAL_FIGURES
+from mobius_fed.messages import GROUP, OPTIONAL_FIGURES
 from mobius_fed.transport.safe_arrays import UnsafeArrayError, validate_array_record
 from mobius_fed.transport.tls import worker_identity
 
 
-def validate_reply(rank: int, reply: Message, replica_spec: Any, secagg: Any = None) -> None:
+def validate_reply(
+    rank: int, reply: Message, replica_spec: Any, secagg: Any = None, group_spec: Any = None
+) -> None:
     """E/R arrays exactly the replica's names, shapes and dtypes (with ``secagg``, a train
-    reply carries only the masked update instead); losses finite; the records each message
-    type needs. RunFailed names the worker."""
+    reply carries only the masked update instead); a ring sync's F_i exactly its group's
+    (``group_spec(rank)``, R > 1; a group from a run without rings is refused); losses
+    finite; the records each message type needs. RunFailed names the worker."""
     who = f"worker-{rank} ({worker_identity(rank)})"
     content = reply.content
     if secagg is not None and reply.metadata.message_type == "train":
@@ -31,6 +34,13 @@ def validate_reply(rank: int, reply: Message, replica_spec: Any, secagg: Any = N
             validate_array_record(content["arrays"], expected=replica_spec)
         except UnsafeArrayError as exc:
             raise RunFailed(f"{who} sent bad arrays: {exc}") from None
+    if GROUP in content:
+        if group_spec is None:
+            raise RunFailed(f"{who} sent a block group, but this run has one ring")
+        try:
+            validate_array_record(content[GROUP], expected=group_spec(rank))
+        except UnsafeArrayError as exc:
+            raise RunFailed(f"{who} sent a bad block group: {exc}") from None
     problem = reply_problem(reply.metadata.message_type, content)
     if problem:
         raise RunFailed(f"{who} sent an unusable {reply.metadata.message_type} reply: {problem}")

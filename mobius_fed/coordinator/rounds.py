@@ -191,8 +191,10 @@ class RoundStore:
         A write error names the path and fails the run; the previous manifest stays."""
         rdir = round_dir(self.cfg.out_dir, rnd)
         workers = {str(rank): entry for rank, entry in self._worker_entries(rnd, replies, rdir)}
-        if len(workers) != self.train.P:
-            raise RunFailed(f"only {len(workers)} of {self.train.P} workers confirmed round {rnd}")
+        if len(workers) != self.train.workers:
+            raise RunFailed(
+                f"only {len(workers)} of {self.train.workers} workers confirmed round {rnd}"
+            )
         er = save_checkpoint(
             rdir / ER_FILE,
             {

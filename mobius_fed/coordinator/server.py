@@ -13,6 +13,7 @@ import copy
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mobius_fed.checkpoint import CheckpointError
+from mobius_fed.config import TrainConfig
 from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.control import ControlService
 from mobius_fed.coordinator.grid import ControlGrid, RunFailed, names
@@ -33,9 +35,16 @@ from mobius_fed.defences.er_dp import ErPrivacy
 from mobius_fed.defences.report import status_block
 from mobius_fed.defences.secagg import SecAgg
 from mobius_fed.machines import LIVE_PHASES, IncidentState, Phase
-from mobius_fed.model import build_replica
+from mobius_fed.model import build_group, build_replica
 from mobius_fed.proto import control_pb2, control_pb2_grpc
-from mobius_fed.strategies import RoundPlan, make_strategy, restore_server_state, server_state
+from mobius_fed.strategies import (
+    RingPlan,
+    RoundPlan,
+    make_strategy,
+    restore_server_state,
+    server_state,
+)
+from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.flower_wire import COORDINATOR_NODE_ID, set_task_identity
 from mobius_fed.transport.revocation import CrlSource
 from mobius_fed.transport.safe_arrays import spec_of
@@ -60,8 +69,9 @@ class Coordinator:
         self.secagg = SecAgg.of(cfg.train)  # only the sum of the sites' E/R updates
         self.state = RunState(
             run_id=cfg.run_id,
-            P=cfg.train.P,
+            P=cfg.train.workers,
             steps=cfg.train.steps,
+            rings=cfg.train.rings,
             strategy=cfg.strategy,
             num_rounds=self.plan.num_rounds,
             layers=cfg.train.model().group_layers,
@@ -72,9 +82,12 @@ class Coordinator:
         self.state.metrics  # noqa: B018 - histograms exist before the first round ends
         replica = build_replica(cfg.train.model(), cfg.train.seed)
         spec = spec_of(replica.shared_state_dict())  # no private home layer
+        groups = group_specs(cfg.train)
         self.grid = ControlGrid(
-            cfg.train.P,
-            validate_reply=lambda rank, reply: validate_reply(rank, reply, spec, self.secagg),
+            cfg.train.workers,
+            validate_reply=lambda rank, reply: validate_reply(
+                rank, reply, spec, self.secagg, groups
+            ),
         )
         self.store = RoundStore(cfg, self.plan, self.state)
         self.recorder = RunRecorder(cfg.out_dir, self.state, self.plan)
@@ -84,6 +97,7 @@ class Coordinator:
             fingerprint=cfg.train.fingerprint(),
             run_spec=self._run_spec,
             crl=lambda: self.crl.data,
+            settings=cfg.train.ring_settings(),
         )
         self.recovery = Recovery(cfg, self.state, self.grid, self.service, self.store)
         self.strategy: Any = None
@@ -96,7 +110,7 @@ class Coordinator:
     def start(self) -> None:
         logging.getLogger("flwr").setLevel(logging.WARNING)  # our own log says what matters
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=4 * self.train.P + 8), options=GRPC_OPTIONS
+            futures.ThreadPoolExecutor(max_workers=4 * self.train.workers + 8), options=GRPC_OPTIONS
         )
         control_pb2_grpc.add_ControlServicer_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -106,9 +120,11 @@ class Coordinator:
         for name in ("", "mobius_fed.control.v1.Control"):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "coordinator listening on %s (run %s, P=%d, %d rounds)",
+            "coordinator listening on %s (run %s, %d workers: R=%d rings of P=%d, %d rounds)",
             self.cfg.listen,
             self.cfg.run_id,
+            self.train.workers,
+            self.train.rings,
             self.train.P,
             self.plan.num_rounds,
         )
@@ -211,7 +227,7 @@ class Coordinator:
                 f"workers never joined within {self.cfg.registration_timeout}s: {names(missing)}"
             )
         self.state.move_phase(Phase.TRAINING)
-        log.info("all %d workers joined", self.train.P)
+        log.info("all %d workers joined", self.train.workers)
         try:
             self.recovery.drive(self._run_strategy)
         except (RunFailed, CheckpointError) as exc:
@@ -235,7 +251,7 @@ class Coordinator:
         """The run's Flower strategy from round ``rnd`` on, wired to this coordinator."""
         if self.secagg is not None:  # this ring incarnation's keys; its id keeps masks fresh
             keys = self.recovery.public_keys
-            missing = [r for r in range(self.train.P) if r not in keys]
+            missing = [r for r in range(self.train.workers) if r not in keys]
             if missing:
                 raise RunFailed(
                     f"{names(missing)} sent no SecAgg public key (privacy.er_secagg is on)"
@@ -243,13 +259,14 @@ class Coordinator:
             self.secagg.relay([keys[r] for r in range(self.train.P)], self.recovery.ring_id)
         return make_strategy(
             self.cfg.strategy,
-            self.train.P,
+            self.train.workers,
             self.plan,
             self.cfg.strategy_options,
             round_offset=rnd,
             hooks=self,
             er_privacy=self.er_privacy,
             secagg=self.secagg,
+            rings=RingPlan.of(self.train),
             state_copy=self.cfg.state_copy == "coordinator",
             barrier_snapshots=self.cfg.barrier_snapshots,
             # One more file than manifests: a worker writes round r before its manifest commits.
@@ -316,6 +333,24 @@ class Coordinator:
 
     def after_evaluate(self, rnd: int, replies: list[Message]) -> None:
         self.recorder.record_eval(rnd, replies)
+
+
+def group_specs(train: TrainConfig) -> Callable[[int], Any] | None:
+    """R > 1: worker ``rank``'s F_i names, shapes and dtypes (what its ring sync sends:
+    with a ring codec, each tensor's uint8 payload of the codec's exact size)."""
+    if train.rings == 1:
+        return None
+    model = train.model()
+    specs = [
+        spec_of(dict(build_group(model, i, train.seed).named_parameters())) for i in range(train.P)
+    ]
+    if train.ring_codec != "none":
+        codec = Codec(train.ring_codec)
+        specs = [
+            {n: ((codec.payload_bytes(shape),), "uint8") for n, (shape, _) in spec.items()}
+            for spec in specs
+        ]
+    return lambda rank: specs[rank % train.P]
 
 
 def run_config_doc(cfg: CoordinatorConfig) -> dict[str, Any]:

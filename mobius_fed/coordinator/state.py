@@ -22,6 +22,7 @@ from mobius_fed.machines import (
     Phase,
     WorkerState,
 )
+from mobius_fed.schedule import ring_successor
 
 log = logging.getLogger("mobius.coordinator")
 
@@ -31,10 +32,11 @@ class RunState:
     """Everything the status endpoints report; mutate only through the methods."""
 
     run_id: str
-    P: int
+    P: int  # workers: all R·P sites
     steps: int
     strategy: str
     num_rounds: int = 0
+    rings: int = 1  # R rings of P / R groups each (docs/rings.md)
     phase: Phase = Phase.WAITING
     round: int = 0
     step: int = 0
@@ -62,7 +64,9 @@ class RunState:
     def __post_init__(self) -> None:
         for i in range(self.P):
             layers = self.layers[i] if self.layers else None
-            model = WorkerModel(rank=i, identity=f"mobius://worker/{i}", layers=layers)
+            model = WorkerModel(
+                rank=i, ring=self.ring_of(i), identity=f"mobius://worker/{i}", layers=layers
+            )
             self.workers.setdefault(i, model)
 
     # ------------------------------------------------------------- updates
@@ -155,6 +159,7 @@ class RunState:
                 w.train_s_total += train_s or 0.0
                 w.wait_s_total += w.wait_s or 0.0
                 w.bytes_sent_total += fig.get("bytes_sent") or 0.0
+                w.sync_bytes_total += fig.get("sync_bytes") or 0.0
         if self._metrics is not None:
             self._metrics.observe_round(seconds, steps, workers)
 
@@ -232,6 +237,7 @@ class RunState:
                 "eval_loss": last_eval["loss"] if last_eval else None,
                 "eval_origin_losses": last_eval["origin_losses"] if last_eval else None,
                 "server_time": now,
+                "rings": self.rings,
                 "ring": self._ring_doc(),
                 "incidents": [i.model_dump() for i in self.incidents],
                 "config": self.config,
@@ -274,6 +280,14 @@ class RunState:
             log.warning("privacy status block failed: %r", exc)
             return {"error": f"privacy report failed: {exc!r}"}
 
+    @property
+    def ring_size(self) -> int:
+        """Block groups (workers) per ring."""
+        return self.P // self.rings
+
+    def ring_of(self, rank: int) -> int:
+        return rank // self.ring_size
+
     def _train_loss(self) -> float | None:
         """Mean over origins of the latest step every origin reported."""
         for n in sorted(self.losses, reverse=True):
@@ -286,7 +300,7 @@ class RunState:
         """Each ring edge i → i+1 as its sender reports it (unknown until it does)."""
         edges = []
         for i in range(self.P):
-            w, j = self.workers[i], (i + 1) % self.P
+            w, j = self.workers[i], ring_successor(i, self.ring_size)
             lost = w.state in DOWN_STATES or self.workers[j].state in DOWN_STATES
             out = w.edges.get("out", {}) if w.state not in DOWN_STATES else {}
             state = EdgeState.DOWN if lost else out.get("state", EdgeState.UNKNOWN)

@@ -19,6 +19,7 @@ class WorkerModel(BaseModel):
     """One worker as the coordinator sees it."""
 
     rank: int = Field(description="ring position (0-based)")
+    ring: int = Field(0, description="its ring (R rings of P: rank // P; docs/rings.md)")
     identity: str = Field(description="certificate identity, mobius://worker/<rank>")
     address: str = Field("", description="host:port of its ring link ('' until registered)")
     state: WorkerState = Field(
@@ -60,6 +61,9 @@ class WorkerModel(BaseModel):
     train_s_total: float = Field(0.0, description="training seconds over the run")
     wait_s_total: float = Field(0.0, description="wait seconds over the run")
     bytes_sent_total: float = Field(0.0, description="bytes sent over the run (if reported)")
+    sync_bytes_total: float = Field(
+        0.0, description="R > 1: bytes of its ring syncs (F_i or its encoded δ) over the run"
+    )
 
 
 class EdgeModel(BaseModel):
@@ -136,6 +140,7 @@ class StatusModel(BaseModel):
     eval_loss: float | None = Field(None, description="latest validation loss (Eq. 8)")
     eval_origin_losses: list[float | None] | None = None
     server_time: float | None = Field(None, description="coordinator clock at this reply")
+    rings: int = Field(1, description="R: rings of P workers each (docs/rings.md)")
     ring: list[EdgeModel] = Field(default_factory=list, description="every ring edge")
     incidents: list[IncidentModel] = Field(default_factory=list)
     train_loss: float | None = Field(
@@ -178,7 +183,7 @@ class RoundModel(BaseModel):
     workers: dict[str, dict[str, float | None]] = Field(
         default_factory=dict,
         description="rank → its figures: train_s, and where reported wait_s, compute_s, "
-        "bytes_sent, frames_sent",
+        "bytes_sent, frames_sent, sync_bytes (R > 1, a ring-sync round)",
     )
 
 

@@ -41,7 +41,7 @@ class ErPrivacy:
         if pc.er_noise <= 0:
             return None
         key = coordinator_key(pc.noise_key_dir, cfg.seed)
-        return cls(pc.er_noise, pc.er_clip, cfg.P, cfg.seed, key)
+        return cls(pc.er_noise, pc.er_clip, cfg.workers, cfg.seed, key)  # every site
 
     def clip_replies(self, replies: list[Message], start: ArrayRecord) -> None:
         """Replace every reply's arrays by ``start`` + its update clipped to C (in place)."""

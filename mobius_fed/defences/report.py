@@ -76,7 +76,7 @@ def _input_block(cfg: TrainConfig, step: int) -> dict[str, Any]:
             out[f"epsilon_{unit}{suffix}"] = value if math.isfinite(value) else None
     # every site sends each of its streams' first hop once per step, with its own key
     per_step = {k: out[k] for k in ("epsilon_position", "epsilon_sequence")}
-    out["per_site"] = [{"site": s, **per_step} for s in range(cfg.P)]
+    out["per_site"] = [{"site": s, **per_step} for s in range(cfg.workers)]
     return out
 
 

@@ -13,13 +13,16 @@ import uuid
 from collections.abc import Iterable
 from typing import cast
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import Strategy
 
 from mobius_fed.defences.secagg import MASKED, Round, SiteMasker
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
+from mobius_fed.engine.rings import RingsEngine
+from mobius_fed.messages import GROUP, GROUP_BASE
 from mobius_fed.model import Replica
-from mobius_fed.strategies import STEP_END, STEP_START
+from mobius_fed.strategies import STEP_END, STEP_START, TrainOrder, encode_delta, group_arrays
 from mobius_fed.transport.flower_wire import (
     COORDINATOR_NODE_ID,
     RunGrid,
@@ -35,17 +38,19 @@ def _arrays(replica: Replica) -> ArrayRecord:
 
 
 class EngineGrid(RunGrid):
-    """P in-process nodes backed by one ReferenceEngine (replica averaging left to Flower)."""
+    """In-process nodes backed by one engine, one per site (replica averaging left to
+    Flower); with R rings (a :class:`RingsEngine`) a node also sends and loads its F_i."""
 
-    def __init__(self, engine: ReferenceEngine) -> None:
+    def __init__(self, engine: ReferenceEngine | RingsEngine) -> None:
         self.engine = engine
         self.steps: list[StepResult] = []
         self.evals: list[EvalResult] = []
         cfg = engine.cfg  # Secure Aggregation: each site masks its update as a worker does
         self.maskers = [SiteMasker(cfg, s) for s in range(cfg.P)] if cfg.privacy.er_secagg else None
+        self.bases: dict[int, dict[str, torch.Tensor]] = {}  # R > 1, a ring codec: global F_i
 
     def get_node_ids(self) -> Iterable[int]:
-        return [worker_node_id(s) for s in range(self.engine.cfg.P)]
+        return [worker_node_id(s) for s in range(self.engine.cfg.workers)]
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         raise NotImplementedError("EngineGrid answers synchronously in send_and_receive")
@@ -65,6 +70,10 @@ class EngineGrid(RunGrid):
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
             state = msg.content.array_records["arrays"].to_torch_state_dict()
             self.engine.replicas[rank].load_shared_state_dict(state)
+            if GROUP in msg.content and isinstance(self.engine, RingsEngine):
+                self.bases[rank] = load_group(self.engine, rank, msg.content.array_records[GROUP])
+            if GROUP_BASE in msg.content:
+                self.bases[rank] = msg.content.array_records[GROUP_BASE].to_torch_state_dict()
         kind = messages[0].metadata.message_type
         conf = messages[0].content.config_records["config"]
         replies = []
@@ -77,12 +86,19 @@ class EngineGrid(RunGrid):
                 losses = [r.origin_losses[rank] for r in results]
                 metrics = MetricRecord(
                     {
-                        "num-examples": results[0].tokens // self.engine.cfg.P * len(results),
+                        "num-examples": results[0].tokens // self.engine.cfg.workers * len(results),
                         "loss": losses[-1],
                         "losses": losses,
                     }
                 )
                 update = self._update(rank, msg.content.array_records["arrays"], conf)
+                if TrainOrder.of(conf).ring_sync and isinstance(self.engine, RingsEngine):
+                    group, codec = self.engine.group(rank), self.engine.cfg.ring_codec
+                    update[GROUP] = (
+                        group_arrays(group)
+                        if codec == "none"
+                        else encode_delta(group, self.bases[rank], codec)
+                    )
                 replies.append(self._reply(msg, RecordDict({**update, "metrics": metrics})))
         else:
             ev = self.engine.evaluate()
@@ -107,7 +123,19 @@ class EngineGrid(RunGrid):
         return Message(content, reply_to=msg)
 
 
-def train_with_strategy(engine: ReferenceEngine, strategy: Strategy) -> EngineGrid:
+def load_group(engine: RingsEngine, site: int, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    """Load the synced F_i a ring sync sent site ``site`` (cast as a worker casts); return it."""
+    state = arrays.to_torch_state_dict()
+    own = dict(engine.group(site).named_parameters())
+    if set(state) != set(own):
+        raise ValueError(f"group arrays for site {site}: names differ from F_{site % engine.cfg.P}")
+    with torch.no_grad():
+        for name, p in own.items():
+            p.copy_(state[name])
+    return state
+
+
+def train_with_strategy(engine: ReferenceEngine | RingsEngine, strategy: Strategy) -> EngineGrid:
     """Train ``engine`` to ``cfg.steps`` with ``strategy`` doing every replica average."""
     engine.average_replicas = False  # averaging is the strategy's job here
     if engine.cfg.privacy.er_noise > 0 and getattr(strategy, "er_privacy", None) is None:

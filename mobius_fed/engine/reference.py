@@ -57,6 +57,12 @@ class ReferenceEngine:
     """All block groups F_0..F_{P-1} and per-origin replicas (E_s, R_s) in one process."""
 
     def __init__(self, cfg: TrainConfig, sites: Sequence[SiteData]) -> None:
+        if cfg.rings > 1:
+            raise ConfigError(
+                f"rings={cfg.rings}: this engine (and mobius-fed local) trains one ring; "
+                "train rings with mobius-fed up --rings R, or in one process with "
+                "mobius_fed.engine.rings.make_engine under train_with_strategy (docs/rings.md)"
+            )
         if len(sites) != cfg.workers:
             raise ValueError(f"need one site per worker: P={cfg.workers}, got {len(sites)} sites")
         self.cfg, self.sites = cfg, list(sites)

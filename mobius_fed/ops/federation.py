@@ -112,7 +112,7 @@ class LocalFederation:
         self.certs = self.root / "certs"
         self.sites = self.root / "sites"
         self.logs = self.root / "logs"
-        ports = free_ports(self.train.P + 3)
+        ports = free_ports(self.train.workers + 3)
         self.coord_port, self.rest_port, self.metrics_port, *self.worker_ports = ports
         self._env: dict[str, str] = {}
         self._table = ProcessTable(self.logs, self._popen, self._policy)
@@ -146,7 +146,7 @@ class LocalFederation:
     def prepare(self) -> LocalFederation:
         from mobius_fed.transport.certs import init_certs
 
-        P = self.train.P
+        P = self.train.workers  # all R·P sites
         nodes = ["coordinator", *(f"worker-{i}" for i in range(P))]
         every = [self.operator_tls(), *(self.bundle(n) for n in nodes)]
         if not all(p.is_file() for tls in every for p in (tls.ca, tls.cert, tls.key)):
@@ -222,14 +222,14 @@ class LocalFederation:
             "--ca": tls.ca,
             "--cert": tls.cert,
             "--key": tls.key,
-            "--threads": self.threads or default_threads(self.train.P),
+            "--threads": self.threads or default_threads(self.train.workers),
         }
         return [sys.executable, "-m", "mobius_fed.cli.worker", *flag_args(flags)]
 
     def start(self, workers: bool = True) -> LocalFederation:
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self._spawn("coordinator", self.coordinator_cmd())
-        for i in range(self.train.P) if workers else ():
+        for i in range(self.train.workers) if workers else ():
             self._spawn(f"worker-{i}", self.worker_cmd(i))
         return self
 

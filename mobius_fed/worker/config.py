@@ -98,6 +98,11 @@ class WorkerConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> WorkerConfig:
         if self.coordinator is None:
+            if self.train.rings > 1:
+                raise ValueError(
+                    f"rings={self.train.rings} needs a coordinator (--coordinator): the "
+                    "ring syncs are its Flower rounds"
+                )
             if self.rank is None or not self.peers:
                 raise ValueError("give --coordinator, or a static ring with --rank and --peers")
             if len(self.peers) != self.train.workers:

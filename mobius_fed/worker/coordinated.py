@@ -89,7 +89,10 @@ def register(
                 rejoin or time.monotonic() < duplicate_until
             )
             if exc.code() in _FATAL and not retry:
-                raise ConfigError(f"coordinator refused registration: {exc.details()}") from exc
+                mine = f" (this worker: {cfg.train.ring_settings()})" if own else ""
+                raise ConfigError(
+                    f"coordinator refused registration: {exc.details()}{mine}"
+                ) from exc
             if time.monotonic() > deadline:
                 raise RunStopped(
                     f"coordinator {cfg.coordinator} unreachable after "
@@ -213,10 +216,19 @@ class WorkerNode:
         self.cfg = self.cfg.model_copy(
             update={"rank": spec.rank, "train": train, "run_id": spec.run_id}
         )
-        log.info("worker-%d joined run %s: P=%d", spec.rank, spec.run_id, train.P)
+        log.info(
+            "worker-%d joined run %s: ring %d of %d, P=%d",
+            spec.rank,
+            spec.run_id,
+            spec.rank // train.P,
+            train.rings,
+            train.P,
+        )
         self.own.who = f"worker-{spec.rank}"
         site = SiteData(self.cfg.data_dir, train.model().seq_len, train.encoding)
-        self.executor = RingExecutor(train, spec.rank, site, spec.run_id, self.cfg.peer_timeout)
+        # R rings: worker g = r·P + i runs F_i of ring r (its executor's rank is i)
+        i = spec.rank % train.P
+        self.executor = RingExecutor(train, i, site, spec.run_id, self.cfg.peer_timeout)
         set_task_identity(worker_node_id(spec.rank))
 
     # ----------------------------------------------------------------- ring
@@ -226,7 +238,9 @@ class WorkerNode:
         aborts = self._aborts
         self.close_links()
         self.executor.set_run_id(ring_id)
-        self.cfg = self.cfg.model_copy(update={"peers": peers})
+        P = self.executor.cfg.P  # R rings: the peers of this worker's own ring
+        base = (self.cfg.rank or 0) - self.executor.rank
+        self.cfg = self.cfg.model_copy(update={"peers": peers[base : base + P]})
         links = make_links(self.cfg, self.executor, self.run_key)
         if links is None:
             return
@@ -285,7 +299,7 @@ class WorkerNode:
         app = make_client_app(worker)
         context = Context(
             run_id=FLOWER_RUN_ID,
-            node_id=worker_node_id(executor.rank),
+            node_id=worker_node_id(self.cfg.rank or 0),
             node_config={},
             state=RecordDict(),
             run_config={},

@@ -28,7 +28,7 @@ def make_links(cfg: WorkerConfig, executor: RingExecutor, run_key: bytes = b"") 
     """The ring links of ``executor`` for ``cfg`` (not started; None when P = 1).
 
     Peers given as ring entries (relay/plan.py) get tunnels on the edges that need them."""
-    if cfg.train.workers == 1:
+    if cfg.train.P == 1:
         return None
     tunnels = None
     if any(";" in p for p in cfg.peers):
@@ -47,6 +47,7 @@ def make_links(cfg: WorkerConfig, executor: RingExecutor, run_key: bytes = b"") 
         link_grace=cfg.link_grace,
         tuning=cfg.link.tuning(),
         tunnels=tunnels,
+        ring_base=(cfg.rank or 0) - executor.rank,  # R rings: site r·P + i runs F_i
     )
 
 

@@ -33,6 +33,8 @@ from mobius_fed.machines import WorkerState
 from mobius_fed.messages import (
     ARRAYS,
     CONFIG,
+    GROUP,
+    GROUP_BASE,
     METRICS,
     Checkpoint,
     RestoreOrder,
@@ -42,6 +44,7 @@ from mobius_fed.messages import (
     TrainOrder,
     TrainReport,
 )
+from mobius_fed.strategies import encode_delta
 from mobius_fed.transport.safe_arrays import array_record_to_torch, spec_of
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
 
@@ -72,6 +75,36 @@ def load_replica(executor: RingExecutor, arrays: ArrayRecord) -> None:
     with torch.no_grad():
         for name, p in executor.replica.shared_state_dict().items():
             p.copy_(state[name])
+
+
+def group_arrays(executor: RingExecutor) -> ArrayRecord:
+    """F_i's arrays for a ring sync (R > 1): every parameter of this worker's group."""
+    return ArrayRecord({k: v.detach().clone() for k, v in executor.group.named_parameters()})
+
+
+def load_group(executor: RingExecutor, msg: Message) -> dict[str, torch.Tensor] | None:
+    """Load the synced F_i a ring sync sent (R > 1), if this message carries it: exactly the
+    group's names and shapes, any float dtype, cast as the reference engine casts. Returns
+    the global F_i this message names (the synced one, or a ``GROUP_BASE``), if any."""
+    own = dict(executor.group.named_parameters())
+    if GROUP_BASE in msg.content:
+        return _group_state(own, msg.content.array_records[GROUP_BASE])
+    if GROUP not in msg.content:
+        return None
+    state = _group_state(own, msg.content.array_records[GROUP])
+    with torch.no_grad():
+        for name, p in own.items():
+            p.copy_(state[name])
+    return state
+
+
+def _group_state(own: dict[str, torch.Tensor], arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    """``arrays`` as tensors, exactly F_i's names and shapes (any float dtype)."""
+    spec = spec_of(own)
+    for name, array in arrays.items():
+        if name in spec and str(array.dtype) in _FLOATS:
+            spec[name] = (spec[name][0], str(array.dtype))
+    return dict(array_record_to_torch(arrays, expected=spec))
 
 
 def checkpoint_path(directory: Path, rnd: int) -> Path:
@@ -185,6 +218,21 @@ class WorkerHandlers:
         self.tokens_per_step = cfg.batch_size * cfg.model().seq_len
         # Secure Aggregation: a fresh key pair per process; the E/R update leaves masked.
         self.secagg = SiteMasker(cfg, executor.rank) if cfg.privacy.er_secagg else None
+        self.group_base: dict[str, torch.Tensor] | None = None  # R > 1 with a ring codec
+
+    def _take_group(self, msg: Message) -> None:
+        base = load_group(self.executor, msg)
+        if base is not None:
+            self.group_base = base
+
+    def _group_reply(self) -> ArrayRecord:
+        """F_i for a ring sync: itself, or with a ring codec its encoded pseudo-gradient."""
+        codec = self.executor.cfg.ring_codec
+        if codec == "none":
+            return group_arrays(self.executor)
+        if self.group_base is None:
+            raise RuntimeError("a ring sync with a codec, but no global F_i was ever sent")
+        return encode_delta(self.executor.group, self.group_base, codec)
 
     def train(self, msg: Message) -> Message:
         order, executor = TrainOrder.of(msg.content[CONFIG]), self.executor
@@ -195,6 +243,7 @@ class WorkerHandlers:
             )
         masks = None if self.secagg is None else Round.of(msg.content[CONFIG], executor.cfg.P)
         load_replica(executor, msg.content.array_records[ARRAYS])
+        self._take_group(msg)
         self.on_state(WorkerState.TRAINING)
         report = self._train_steps(start, end)
         t0 = time.perf_counter()  # the barrier snapshot's cost on the critical path
@@ -202,6 +251,10 @@ class WorkerHandlers:
         if not order.checkpoint and order.barrier_snapshot:
             self.snapshots.write_barrier(rnd, snap)
         report = dataclasses.replace(report, snapshot_s=time.perf_counter() - t0)
+        group = self._group_reply() if order.ring_sync else None  # R > 1: F_i goes back
+        if group is not None:  # the ring sync's bytes, counted apart from the ring links'
+            sync = sum(a.numpy().nbytes for a in group.values())
+            report = dataclasses.replace(report, sync_bytes=float(sync))
         if masks is None:  # SecAgg off
             reply = RecordDict({ARRAYS: replica_arrays(executor), METRICS: report.to_record()})
         else:  # only the masked update leaves: the coordinator can read just the sum
@@ -210,6 +263,8 @@ class WorkerHandlers:
                 replica_arrays(executor), msg.content.array_records[ARRAYS], masks
             )
             reply = RecordDict({MASKED: masked, METRICS: report.to_record()})
+        if group is not None:  # to be averaged across the rings
+            reply[GROUP] = group
         if order.checkpoint:
             reply["checkpoint"] = self._checkpoint(order, snap).to_record()
             self.snapshots.prune_disk(order.keep_checkpoints)
@@ -262,6 +317,7 @@ class WorkerHandlers:
 
     def evaluate(self, msg: Message) -> Message:
         load_replica(self.executor, msg.content.array_records[ARRAYS])
+        self._take_group(msg)
         self.on_state(WorkerState.EVALUATING)
         t0 = time.perf_counter()
         loss = self.executor.evaluate()

@@ -76,6 +76,7 @@ class RingLinks:
         tuning: LinkTuning | None = None,
         ack_every: int = ACK_EVERY,
         tunnels: EdgeTunnels | None = None,
+        ring_base: int = 0,
     ) -> None:
         if tuning is None:
             refuse_renamed_variables(os.environ)  # a stale MOBIUS_LINK_<X> must not be ignored
@@ -102,6 +103,7 @@ class RingLinks:
             timers=timers or LinkTimers(),
             tuning=tuning,
             max_message=max_message_bytes(chunk_bytes),
+            base=ring_base,
         )
         self.listen, self.tunnels = listen, tunnels  # a tunnelled out-edge dials its forwarder
         self.inbox = Inbox(rules.current_step, frozenset(range(s.P)) - {s.rank})

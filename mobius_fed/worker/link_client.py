@@ -56,7 +56,7 @@ class SuccessorClient:
         self.rank, self.succ = cfg.rank, (cfg.rank + 1) % cfg.P
         self.edge_out = edge_name(self.rank, self.succ)
         self.address, self.tunnels = address, tunnels  # a tunnelled edge dials its forwarder
-        self.peer_identity = worker_identity(self.succ)
+        self.peer_identity = worker_identity(cfg.base + self.succ)  # its own ring's
         self.session = router.new_session(self.peer_identity, BACKWARD)
         self.session.token = ""  # the successor's server hands the token out
         self.state = EdgeState.DOWN

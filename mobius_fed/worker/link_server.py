@@ -60,7 +60,7 @@ class PredecessorServer:
         self.cfg, self.router, self.inbox, self._closing = cfg, router, router.inbox, closing
         self.rank, self.pred = cfg.rank, (cfg.rank - 1) % cfg.P
         self.edge_in = edge_name(self.pred, self.rank)
-        self.peer_identity = worker_identity(self.pred)
+        self.peer_identity = worker_identity(cfg.base + self.pred)  # its own ring's
         self._lock = threading.Lock()
         self._in_ready = threading.Condition(self._lock)
         self.session: Session | None = None
@@ -97,7 +97,7 @@ class PredecessorServer:
     # ------------------------------------------------------------------- RPCs
     def Ping(self, request: ring_pb2.PingRequest, context: grpc.ServicerContext) -> Any:
         return ring_pb2.PingReply(
-            identity=worker_identity(self.rank), peer=peer_identity(context) or ""
+            identity=worker_identity(self.cfg.base + self.rank), peer=peer_identity(context) or ""
         )
 
     def Stream(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Any:

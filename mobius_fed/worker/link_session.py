@@ -93,6 +93,7 @@ class LinkSettings:
     timers: LinkTimers
     tuning: LinkTuning
     max_message: int  # sent and received alike (see RingLinks)
+    base: int = 0  # R rings: the global rank of this ring's worker 0 (identities are global)
 
     def grpc_options(self, keepalive_ms: int) -> list[tuple[str, int | str]]:
         """What both ends of a link set: message sizes, tuning, pings every ``keepalive_ms``."""
