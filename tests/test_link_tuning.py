@@ -96,7 +96,7 @@ def test_set_values_reach_both_ends_of_the_link(tmp_path: Path) -> None:
     }
     cfg = _load(env, flags={"link__bdp_probe": False})
     rules = FrameRules(cfg.train, 0, cfg.run_id, lambda: 0)
-    links = make_links(cfg, SimpleNamespace(rules=rules))  # what the daemon builds
+    links = make_links(cfg, SimpleNamespace(rules=rules, rank=0))  # what the daemon builds
     assert links is not None
     expected = {
         ("grpc.http2.lookahead_bytes", 2 * 5_000_000),

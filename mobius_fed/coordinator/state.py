@@ -63,7 +63,7 @@ class RunState:
 
     def __post_init__(self) -> None:
         for i in range(self.P):
-            layers = self.layers[i] if self.layers else None
+            layers = self.layers[i % self.ring_size] if self.layers else None
             model = WorkerModel(
                 rank=i, ring=self.ring_of(i), identity=f"mobius://worker/{i}", layers=layers
             )
