@@ -9,6 +9,7 @@ Eq. 8 with "none" on the same preset and seed (docs/privacy.md §4i).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from mobius_fed.plotting import pyplot, save_figure
+from mobius_fed.stats import ci95
 
 R = TypeVar("R")
 
@@ -101,8 +103,11 @@ def select(names: str | None) -> dict[str, dict]:
     return select_named(SETTINGS, names, "setting")
 
 
-def _delta(runs: Sequence[SettingRun], setting: str, preset: str) -> tuple[float, float, int]:
-    """Mean and sample std of Eq. 8 − "none" (same preset and seed), and the pair count."""
+def _delta(
+    runs: Sequence[SettingRun], setting: str, preset: str
+) -> tuple[float, float, int, float]:
+    """Mean and sample std of Eq. 8 − "none" (same preset and seed), the pair count, and
+    the half-width of its 95 % Student-t interval (nan for one seed)."""
     base = {r.seed: r.eval_loss for r in runs if r.setting == "none" and r.preset == preset}
     paired = [
         r.eval_loss - base[r.seed]
@@ -110,9 +115,9 @@ def _delta(runs: Sequence[SettingRun], setting: str, preset: str) -> tuple[float
         if r.setting == setting and r.preset == preset and r.seed in base
     ]
     if not paired:
-        return float("nan"), float("nan"), 0
+        return float("nan"), float("nan"), 0, float("nan")
     spread = statistics.stdev(paired) if len(paired) > 1 else 0.0
-    return statistics.fmean(paired), spread, len(paired)
+    return statistics.fmean(paired), spread, len(paired), ci95(paired)[1]
 
 
 PLACES = ("early", "mid", "trained")
@@ -130,9 +135,9 @@ def front(runs: Sequence[SettingRun]) -> list[dict]:
         row["ratio"] = next((r.ratio for r in mine if r.ratio is not None), None)
         row["sends"] = next((r.sends for r in mine if r.sends), "")
         for p in presets:
-            mean, spread, n = _delta(runs, s, p)
+            mean, spread, n, half = _delta(runs, s, p)
             if n:
-                row["delta"][p] = (mean, spread, n)
+                row["delta"][p] = (mean, spread, n, half)
         attacked = [r for r in mine if r.worst]
         worst: dict[str, float] = {}
         for r in attacked:
@@ -148,7 +153,8 @@ def front(runs: Sequence[SettingRun]) -> list[dict]:
 
 
 def table(runs: Sequence[SettingRun]) -> str:
-    """Markdown, the three-way front: wire ratio, Δ Eq. 8 (mean ± std, n seeds) per preset,
+    """Markdown, the three-way front: wire ratio, Δ Eq. 8 per preset (mean, its 95 %
+    t-interval [low, high] over n paired seeds; one seed: the value alone),
     and the worst victim's margin above its floor (percentage points, the worst over every
     attack and window at each place, every attacked seed), with the attack that achieved
     the largest."""
@@ -163,8 +169,11 @@ def table(runs: Sequence[SettingRun]) -> str:
         cells.append("—" if row["ratio"] is None else f"{row['ratio']:.1f}×")
         for p in presets:
             if p in row["delta"]:
-                m, sd, n = row["delta"][p]
-                cells.append(f"{m:+.3f} ± {sd:.3f} ({n})")
+                m, _, n, half = row["delta"][p]
+                if math.isnan(half):
+                    cells.append(f"{m:+.3f} (1)")
+                else:
+                    cells.append(f"{m:+.3f} [{m - half:+.3f}, {m + half:+.3f}] ({n})")
             else:
                 cells.append("—")
         for place in PLACES:
@@ -191,17 +200,17 @@ def figure(runs: Sequence[SettingRun], path: Path, preset: str) -> Path | None:
     for row in front(runs):
         if preset not in row["delta"] or row["max_margin"] is None:
             continue
-        m, sd, _ = row["delta"][preset]
+        m, _, _, half = row["delta"][preset]
         y = 100 * row["max_margin"]
         colour = "tab:grey" if row["today"] else "tab:blue"
-        ax.errorbar(m, y, xerr=sd, fmt="o", color=colour)
+        ax.errorbar(m, y, xerr=0.0 if math.isnan(half) else half, fmt="o", color=colour)
         ratio = "" if row["ratio"] is None else f" ({row['ratio']:.0f}×)"
         ax.annotate(
             row["setting"] + ratio, (m, y), fontsize=7, xytext=(3, 3), textcoords="offset points"
         )
     ax.axhline(5, color="tab:red", ls="--", lw=1, label="target: floor + 5 points")
     ax.axvline(0.05, color="tab:red", ls=":", lw=1, label="target: +0.05 Eq. 8")
-    ax.set_xlabel(f"Δ Eq. 8 validation loss vs none ({preset}, mean ± std over seeds)")
+    ax.set_xlabel(f"Δ Eq. 8 validation loss vs none ({preset}, mean and 95 % interval over seeds)")
     ax.set_ylabel("worst victim: best attack − floor (points)")
     ax.set_title("Wire ratio × price × worst margin (grey: settings that shipped before)")
     ax.legend(fontsize=7)
