@@ -180,7 +180,10 @@ def test_a_rings_links_admit_only_that_rings_neighbours(tmp_path: Path) -> None:
             for _ in call(iter([]), timeout=20, metadata=(("mobius-run", "rings"),)):
                 pass
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert "only from its predecessor mobius://worker/2" in err.value.details()
+        assert err.value.details() == (
+            "worker-3 accepts ring frames only from its predecessor mobius://worker/2, not "
+            "mobius://worker/0 (its certificate is ring 0's; this is ring 1's worker-3)"
+        )
     finally:
         for link in links:
             link.close()
