@@ -296,6 +296,8 @@ def test_dashboard_shows_each_ring_and_its_health(tmp_path: Path) -> None:
     assert labels == {"0": "healthy", "1": "stalled"}
     workers = {a["data-rank"]: a["data-ring"] for a in dom.where(**{"class": "worker"})}
     assert workers == {"0": "0", "1": "0", "2": "1", "3": "1"}
+    rows = {a["data-rank"]: a["data-ring"] for a in dom.where(**{"class": "worker-row"})}
+    assert rows == workers
     edges = {a["data-edge"]: a for a in dom.where(**{"class": "edge"})}
     assert edges["worker-1 → worker-0"]["data-ring"] == "0"
     assert edges["worker-3 → worker-2"]["data-state"] == "down"

@@ -132,6 +132,17 @@ def test_bad_ring_settings_are_refused_with_the_reason(tmp_path: Path) -> None:
         WorkerConfig(
             data_dir=tmp_path, rank=0, peers=["a:1", "b:2"], train=TrainConfig(workers=4, rings=2)
         )
+    # a certificate whose rank is past the run's R·P workers: refused at registration,
+    # naming the ring that rank would be in (the message the coordinator aborts with)
+    from mobius_fed.coordinator.control import not_enrolled
+
+    assert not_enrolled("mobius://worker/5", "", 4, rings=2) == (
+        "identity mobius://worker/5 is not an enrolled worker of this run (P=4: workers 0–3, "
+        "2 rings of 2; its certificate's rank 5 would be ring 2, which this run does not have)"
+    )
+    assert not_enrolled("mobius://worker/6", "", 4) == (
+        "identity mobius://worker/6 is not an enrolled worker of this run (P=4)"
+    )
     cfg = TrainConfig(workers=4, rings=2, **BASE)
     with pytest.raises(Exception, match="ring syncs are Flower rounds"):
         RingsEngine(cfg, [SiteData(tmp, 64) for tmp in _four(tmp_path)]).train_step()

@@ -248,12 +248,14 @@ function render(status, history) {
       "data-path": e.path ?? "" },
       cells: [e.edge, e.path || "direct", { v: e.state, cls: `state-${e.state}` },
         e.bytes_per_s, e.tunnel_bytes_per_s, e.reconnects] })));
+  const ringCol = rings > 1;  // a ring column with R rings only
   table(document.getElementById("workers"),
-    ["rank", "ring", "state", "step", "loss", "tokens/s", "train s", "wait share", "blocks",
-      "ms/block"],
-    status.workers.map((w) => ({ attrs: { class: "worker-row", "data-rank": w.rank },
-      cells: [w.rank, w.ring ?? 0, { v: w.state, cls: `state-${w.state}` }, w.step, w.last_loss,
-        w.tokens_per_s, w.train_s, w.wait_share === null ? null
+    ["rank", ...(ringCol ? ["ring"] : []), "state", "step", "loss", "tokens/s", "train s",
+      "wait share", "blocks", "ms/block"],
+    status.workers.map((w) => ({ attrs: { class: "worker-row", "data-rank": w.rank,
+      "data-ring": w.ring ?? 0 },
+      cells: [w.rank, ...(ringCol ? [w.ring ?? 0] : []), { v: w.state, cls: `state-${w.state}` },
+        w.step, w.last_loss, w.tokens_per_s, w.train_s, w.wait_share === null ? null
           : `${Math.round(w.wait_share * 100)}%`, w.layers,
         w.block_s === null || w.block_s === undefined ? null : w.block_s * 1000] })));
   const pace = document.getElementById("pace");  // the slowest site and what it costs
