@@ -9,7 +9,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from mobius_fed.cli.status import render_status
+from mobius_fed.cli.status import render_status, ring_summary
 from mobius_fed.coordinator.state import RunState
 from mobius_fed.machines import Phase
 
@@ -129,11 +129,14 @@ def test_each_rings_health_in_status_metrics_and_the_cli() -> None:
     render_status(json.loads(json.dumps(doc)), console)
     text = console.export_text()
     assert "workers: 2 rings" in text and re.search(r"│ 1\s+│ 2–3\s+│ stalled\s+│ 5\s+│ 0/2", text)
+    # the progress line of `up` and `testbed up`: only the rings that are not healthy
+    assert ring_summary(doc) == f"ring 1 stalled ({ring1['reason']})"
     st.update_worker(3, state="rejoining")
     st.update_worker(3, state="restoring")
     assert [h["state"] for h in st.status_doc()["ring_health"]] == ["healthy", "restoring"]
     st.update_worker(3, state="recovered")
     assert [h["state"] for h in st.status_doc()["ring_health"]] == ["healthy", "healthy"]
+    assert ring_summary(st.status_doc()) == ""
     st.set(phase="training")
     st.finish(Phase.DONE)
     assert [h["state"] for h in st.status_doc()["ring_health"]] == ["ended", "ended"]
@@ -145,4 +148,4 @@ def test_one_ring_reports_its_health_without_a_rings_table() -> None:
     assert h["ring"] == 0 and h["workers"] == [0, 1] and h["edges"] == 2
     console = Console(record=True, width=200)
     render_status(json.loads(json.dumps(st.status_doc(), default=str)), console)
-    assert " rings " not in console.export_text()
+    assert " rings " not in console.export_text() and ring_summary(st.status_doc()) == ""

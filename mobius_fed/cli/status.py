@@ -424,6 +424,19 @@ def _table(title: str, columns: tuple[str, ...], overflow: OverflowMethod = "fol
     return table
 
 
+def ring_summary(doc: dict[str, Any]) -> str:
+    """With R > 1, the rings that are not healthy, e.g. 'ring 1 stalled (worker-3 lost)';
+    '' with one ring, or when every ring is healthy (or the run ended)."""
+    if int(doc.get("rings") or 1) < 2:
+        return ""
+    quiet = (RingState.HEALTHY, RingState.ENDED)
+    return "; ".join(
+        f"ring {h['ring']} {h['state']}" + (f" ({h['reason']})" if h.get("reason") else "")
+        for h in doc.get("ring_health") or []
+        if h.get("state") not in quiet
+    )
+
+
 def _rings_table(rings: list[dict[str, Any]]) -> Table:
     """Each ring's health (R > 1): its workers, state, least step, edges up, what holds it."""
     table = _table("rings", ("ring", "workers", "state", "step", "edges up", "why"))

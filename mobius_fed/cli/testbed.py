@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mobius_fed.cli.common import CliError, console
-from mobius_fed.cli.status import render_status
+from mobius_fed.cli.status import render_status, ring_summary
 
 DEFAULT_COMPOSE = "docker/compose.yaml"
 
@@ -88,15 +88,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, _raise_interrupt)
     logging.basicConfig(level=logging.INFO, format="testbed: %(message)s", stream=sys.stderr)
     t0 = time.monotonic()
-    last: list[tuple[Any, Any] | None] = [None]
+    last: list[tuple[Any, Any, str] | None] = [None]
 
     def progress(doc: dict[str, Any]) -> None:
-        key = (doc.get("phase"), doc.get("step"))
+        key = (doc.get("phase"), doc.get("step"), ring_summary(doc))
         if key != last[0]:
             last[0] = key
+            rings = ring_summary(doc)  # R > 1: the rings that are not healthy
             console.print(
                 f"[{time.monotonic() - t0:6.1f}s] phase {doc.get('phase')} "
-                f"step {doc.get('step', 0)}/{doc.get('steps', 0)}",
+                f"step {doc.get('step', 0)}/{doc.get('steps', 0)}"
+                + (f"  {rings}" if rings else ""),
                 highlight=False,
             )
 
