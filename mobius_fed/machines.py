@@ -59,6 +59,18 @@ class EdgeState(StrEnum):
     UNKNOWN = "unknown"
 
 
+class RingState(StrEnum):
+    """One ring's health in the status document (R rings of P; docs/rings.md): derived
+    from its workers' and its edges' states, worst first."""
+
+    STALLED = "stalled"  # a worker of the ring lost (or rejoining), or one of its edges down
+    RESTORING = "restoring"  # a worker of the ring loading the rollback state
+    WAITING = "waiting"  # a worker of the ring not registered yet
+    RECONNECTING = "reconnecting"  # an edge of the ring reconnecting within its grace
+    HEALTHY = "healthy"
+    ENDED = "ended"  # the run ended
+
+
 S = TypeVar("S", bound=StrEnum)
 
 

@@ -216,3 +216,89 @@ def test_proxy_refuses_foreign_hosts_and_writes(fed: LocalFederation) -> None:
         evil = httpx.get(proxy.url, headers={"host": "evil.example:80"}, timeout=5)
         assert evil.status_code == 403
         assert httpx.post(proxy.url + "v1/status", timeout=5).status_code == 405
+
+
+def test_dashboard_shows_each_ring_and_its_health(tmp_path: Path) -> None:
+    """R = 2 rings of 2 with worker-3 lost: the page draws each ring apart (edge g from
+    worker g to its successor in its own ring), a ring column in the workers table, and a
+    rings table with ring 0 healthy and ring 1 stalled. The status is served as the
+    coordinator serves it, from a RunState, by a plain local server."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from mobius_fed.coordinator.state import RunState, json_safe
+
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no chromium: apt-get install -y chromium (.ci/run installs it)")
+    st = RunState(run_id="rings", P=4, steps=4, strategy="fedavg", num_rounds=4, rings=2)
+    st.set(phase="training")
+    for g in range(4):
+        st.update_worker(g, state="registered")
+        st.update_worker(g, state="training", step=2, edges={"out": {"state": "up"}})
+    incident = dict(kind="worker lost", what="w3", rank=3, edge=None, round=1, detected_at=0.0,
+                    detection_s=0.1)  # fmt: skip
+    st.lose_worker(3, incident)
+    docs = {
+        "/v1/status": json.dumps(json_safe(st.status_doc()), default=str).encode(),
+        "/v1/history": json.dumps(json_safe(st.history_doc()), default=str).encode(),
+    }
+    static = REPO / "mobius_fed" / "coordinator" / "static"
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?")[0]
+            if path in docs:
+                body, kind = docs[path], "application/json"
+            elif path == "/":
+                body, kind = (static / "index.html").read_bytes(), "text/html"
+            elif path.startswith("/static/") and (static / path[8:]).is_file():
+                kind = "text/css" if path.endswith(".css") else "text/javascript"
+                body = (static / path[8:]).read_bytes()
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/"
+        flags = [browser, "--headless", "--no-sandbox", "--disable-gpu",
+                 "--disable-dev-shm-usage", "--no-first-run", "--virtual-time-budget=5000",
+                 "--window-size=1280,1700", f"--user-data-dir={tmp_path / 'profile'}"]  # fmt: skip
+        run = subprocess.run(
+            [*flags, "--enable-logging=stderr", "--v=0", "--dump-dom", url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        server.shutdown()
+    assert run.returncode == 0, run.stderr[-2000:]
+    console = [ln for ln in run.stderr.splitlines() if "CONSOLE" in ln]
+    assert not [ln for ln in console if re.search(r"error|uncaught|warn", ln, re.I)], console
+    dom = _Attrs()
+    dom.feed(run.stdout)
+    (body,) = dom.where(**{"data-ready": "1"})
+    assert body["data-errors"] == "0"
+    rows = {a["data-ring"]: a for a in dom.where(**{"class": "ring-row"})}
+    assert rows["0"]["data-state"] == "healthy" and rows["0"]["data-healthy"] == "1"
+    assert rows["1"]["data-state"] == "stalled" and rows["1"]["data-healthy"] == "0"
+    labels = {a["data-ring"]: a["data-state"] for a in dom.where(**{"class": "ring-label"})}
+    assert labels == {"0": "healthy", "1": "stalled"}
+    workers = {a["data-rank"]: a["data-ring"] for a in dom.where(**{"class": "worker"})}
+    assert workers == {"0": "0", "1": "0", "2": "1", "3": "1"}
+    rows = {a["data-rank"]: a["data-ring"] for a in dom.where(**{"class": "worker-row"})}
+    assert rows == workers
+    edges = {a["data-edge"]: a for a in dom.where(**{"class": "edge"})}
+    assert edges["worker-1 → worker-0"]["data-ring"] == "0"
+    assert edges["worker-3 → worker-2"]["data-state"] == "down"
+    assert [a for a in dom.where(id="rings") if "hidden" not in a]

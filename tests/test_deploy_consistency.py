@@ -274,6 +274,28 @@ def test_compose_builds_the_image_once() -> None:
 
 
 # ----------------------------------------------------------------------------- compose
+def test_compose_runs_rings_of_its_workers_or_refuses_with_the_reason() -> None:
+    """``MOBIUS_RINGS=2`` (or ``testbed up --rings 2``): the 4 compose workers form 2 rings
+    of 2; a ring count that does not divide them is refused with the reason, by the
+    coordinator's config and by ``testbed up --rings`` before anything starts."""
+    from mobius_fed.cli.common import CliError
+    from mobius_fed.cli.testbed import rings_override
+    from mobius_fed.settings import ConfigError
+
+    P = _num_workers()
+    cfg = coord_config.load_coordinator_config(
+        None, {}, {}, environ=_coordinator_env({"MOBIUS_RINGS": "2"})
+    )
+    assert (cfg.train.workers, cfg.train.rings, cfg.train.P) == (P, 2, P // 2)
+    with pytest.raises(ConfigError, match=f"rings=3 does not divide workers={P}"):
+        coord_config.load_coordinator_config(
+            None, {}, {}, environ=_coordinator_env({"MOBIUS_RINGS": "3"})
+        )
+    assert rings_override(COMPOSE, 2) == {"MOBIUS_RINGS": "2"}
+    with pytest.raises(CliError, match=f"--rings 3 does not divide the {P} workers of"):
+        rings_override(COMPOSE, 3)
+
+
 def test_compose_names_and_worker_count() -> None:
     services = _services()
     workers = _compose_workers()
@@ -312,10 +334,18 @@ def test_compose_environment_names_exist_in_code() -> None:
         )
 
 
+def _coordinator_env(environ: dict[str, str]) -> dict[str, str]:
+    """The compose coordinator's environment, ``${VAR:-default}`` expanded from ``environ``."""
+    from mobius_fed.testbed.compose import interpolate
+
+    env = _services()["coordinator"]["environment"]
+    return {k: interpolate(str(v), environ) for k, v in env.items()}
+
+
 def test_compose_environment_loads_into_the_config_models() -> None:
-    services = _services()
-    env = {k: str(v) for k, v in services["coordinator"]["environment"].items()}
+    env = _coordinator_env({})
     cfg = coord_config.load_coordinator_config(None, {}, {}, environ=env)
+    assert cfg.train.rings == 1  # MOBIUS_RINGS unset: one ring
     assert _port(cfg.listen) == GRPC_PORT and _port(cfg.rest_listen) == REST_PORT
     assert cfg.train.workers == _num_workers()
     for i, svc in _compose_workers().items():
@@ -516,7 +546,7 @@ def test_compose_stops_cleanly_and_heals() -> None:
     assert re.fullmatch(r"on-failure(:\d+)?", str(coord["restart"])), coord["restart"]
     assert float(coord["environment"]["MOBIUS_LINGER"]) >= 0, "the coordinator must exit"
     assert coord["environment"]["MOBIUS_RESUME"] == "auto"
-    env = {k: str(v) for k, v in coord["environment"].items()}
+    env = _coordinator_env({})
     assert coord_config.load_coordinator_config(None, {}, {}, environ=env).resume == "auto"
 
 
@@ -585,6 +615,40 @@ def test_k8s_workers_yaml_is_rendered_from_the_template() -> None:
         "workers.yaml is stale: python3 deploy/k8s/render-workers.py --workers P "
         "> deploy/k8s/workers.yaml"
     )
+
+
+def test_k8s_workers_render_rings_with_their_labels() -> None:
+    """``render-workers.py --workers 6 --rings 2``: six StatefulSets, worker-g labelled ring
+    g // 3 and slot g mod 3 (Service, StatefulSet and pod); the committed file is one ring
+    (ring 0 everywhere, as configmap.yaml's MOBIUS_RINGS says); a ring count that does
+    not divide the workers is refused with the reason."""
+    spec = importlib.util.spec_from_file_location("render_workers", K8S / "render-workers.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    docs = list(yaml.safe_load_all(module.render(6, rings=2)))
+    sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+    assert sorted(sets) == [f"worker-{g}" for g in range(6)]
+    for g in range(6):
+        want = {"mobius-fed/ring": str(g // 3), "mobius-fed/slot": str(g % 3)}
+        st = sets[f"worker-{g}"]
+        (svc,) = [
+            d
+            for d in docs
+            if d["kind"] == "Service" and d["metadata"]["name"] == st["metadata"]["name"]
+        ]
+        for labels in (st["metadata"]["labels"], st["spec"]["template"]["metadata"]["labels"],
+                       svc["metadata"]["labels"]):  # fmt: skip
+            assert want.items() <= labels.items(), (g, labels)
+        assert "mobius-fed/ring" not in st["spec"]["selector"]["matchLabels"]  # immutable
+    assert {
+        d["metadata"]["labels"]["mobius-fed/ring"]
+        for d in _k8s_docs()
+        if d["kind"] == "StatefulSet"
+    } == {"0"}
+    assert int(_k8s("ConfigMap", "mobius-config")["data"]["MOBIUS_RINGS"]) == 1
+    with pytest.raises(SystemExit, match="--rings 3 does not divide --workers 4"):
+        module.render(4, rings=3)
 
 
 def test_k8s_names_and_ports_match_compose() -> None:
@@ -821,6 +885,11 @@ def test_systemd_units_and_env_files(role: str) -> None:
         cfg = coord_config.load_coordinator_config(None, {}, {}, environ=active)
         assert cfg.train.workers == int(active["MOBIUS_WORKERS"])
         assert cfg.resume == "auto"
+        assert cfg.train.rings == int(active["MOBIUS_RINGS"]) == 1
+        rings = coord_config.load_coordinator_config(
+            None, {}, {}, environ={**active, "MOBIUS_RINGS": "2"}
+        )
+        assert (rings.train.rings, rings.train.P) == (2, cfg.train.workers // 2)
     else:
         assert _port(active["MOBIUS_LISTEN"]) == WORKER_PORT
         assert _port(active["MOBIUS_ADVERTISE"]) == WORKER_PORT

@@ -9,8 +9,9 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from mobius_fed.cli.status import render_status
+from mobius_fed.cli.status import render_status, ring_summary
 from mobius_fed.coordinator.state import RunState
+from mobius_fed.machines import Phase
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy/monitoring/grafana/dashboards"
 
@@ -86,3 +87,65 @@ def test_the_slowest_site_and_its_cost_in_status_and_metrics() -> None:
     text = console.export_text()
     assert "pace: worker-1 holds the ring to 0.50 of the others' pace" in text
     assert "ms/block" in text and "50" in text  # worker-1: 1.2 s / 24 applications
+
+
+def test_each_rings_health_in_status_metrics_and_the_cli() -> None:
+    """R = 2 rings of 2: per-worker series carry the ring; a lost worker of ring 1 stalls
+    ring 1 (its edges down, named in the reason) while ring 0 stays healthy; once it
+    restores ring 1 is restoring, and both read healthy when it is back."""
+    st = RunState(run_id="r", P=4, steps=4, strategy="fedavg", num_rounds=4, rings=2)
+    st.set(phase="training")
+    health = st.status_doc()["ring_health"]
+    assert [h["state"] for h in health] == ["waiting", "waiting"]
+    assert health[1]["workers"] == [2, 3] and health[1]["reason"].startswith("worker-2 not")
+    for g in range(4):
+        st.update_worker(g, state="registered")
+        st.update_worker(g, state="training", step=3 + g, edges={"out": {"state": "up"}})
+    doc = st.status_doc()
+    assert [(h["state"], h["step"], h["edges_up"]) for h in doc["ring_health"]] == [
+        ("healthy", 3, 2),
+        ("healthy", 5, 2),
+    ]
+    incident = dict(kind="worker lost", what="w3", rank=3, edge=None, round=1, detected_at=0.0,
+                    detection_s=0.1)  # fmt: skip
+    st.lose_worker(3, incident)
+    doc = st.status_doc()
+    ring0, ring1 = doc["ring_health"]
+    assert ring0["state"] == "healthy" and ring0["healthy"]
+    assert ring1["state"] == "stalled" and not ring1["healthy"] and ring1["edges_up"] == 0
+    assert ring1["reason"] == ("worker-3 lost; worker-2 → worker-3 down; worker-3 → worker-2 down")
+    fams = {f.name: f for f in text_string_to_metric_families(st.prometheus())}
+    assert fams["mobius_rings"].samples[0].value == 2
+    up = {(s.labels["rank"], s.labels["ring"]): s.value for s in fams["mobius_worker_up"].samples}
+    assert up == {("0", "0"): 1, ("1", "0"): 1, ("2", "1"): 1, ("3", "1"): 0}
+    for name, want in (("mobius_ring_healthy", {"0": 1, "1": 0}),
+                       ("mobius_ring_stalled", {"0": 0, "1": 1}),
+                       ("mobius_ring_edges_up", {"0": 2, "1": 0})):  # fmt: skip
+        assert {s.labels["ring"]: s.value for s in fams[name].samples} == want, name
+    states = {(s.labels["ring"], s.labels["state"]) for s in fams["mobius_ring_state"].samples
+              if s.value == 1}  # fmt: skip
+    assert states == {("0", "healthy"), ("1", "stalled")}
+    console = Console(record=True, width=200)
+    render_status(json.loads(json.dumps(doc)), console)
+    text = console.export_text()
+    assert "workers: 2 rings" in text and re.search(r"│ 1\s+│ 2–3\s+│ stalled\s+│ 5\s+│ 0/2", text)
+    # the progress line of `up` and `testbed up`: only the rings that are not healthy
+    assert ring_summary(doc) == f"ring 1 stalled ({ring1['reason']})"
+    st.update_worker(3, state="rejoining")
+    st.update_worker(3, state="restoring")
+    assert [h["state"] for h in st.status_doc()["ring_health"]] == ["healthy", "restoring"]
+    st.update_worker(3, state="recovered")
+    assert [h["state"] for h in st.status_doc()["ring_health"]] == ["healthy", "healthy"]
+    assert ring_summary(st.status_doc()) == ""
+    st.set(phase="training")
+    st.finish(Phase.DONE)
+    assert [h["state"] for h in st.status_doc()["ring_health"]] == ["ended", "ended"]
+
+
+def test_one_ring_reports_its_health_without_a_rings_table() -> None:
+    st = busy_state()
+    (h,) = st.status_doc()["ring_health"]
+    assert h["ring"] == 0 and h["workers"] == [0, 1] and h["edges"] == 2
+    console = Console(record=True, width=200)
+    render_status(json.loads(json.dumps(st.status_doc(), default=str)), console)
+    assert " rings " not in console.export_text() and ring_summary(st.status_doc()) == ""

@@ -184,6 +184,37 @@ def test_workers_hold_only_their_own_site_and_key(demo):
     assert coord["key"] not in keys.values()
 
 
+@needs_netns
+@pytest.mark.slow
+def test_compose_runs_two_rings_of_two(tmp_path):
+    """``testbed up --rings 2`` on docker/compose.yaml: the same four worker services form
+    two rings of two (worker-g is ring g // 2, its edges within its own ring: a worker's
+    certificate names its ring through its rank), the run ends done and status shows each
+    ring."""
+    from mobius_fed.cli.testbed import rings_override
+
+    env = {**OVERRIDES["coordinator"], "MOBIUS_STEPS": "4", "MOBIUS_EVAL_EVERY": "2"}
+    env.update(rings_override(COMPOSE, 2))
+    env["MOBIUS_CHECKPOINT_EVERY"] = "2"
+    with Testbed(COMPOSE, tmp_path, env_overrides={"coordinator": env}) as tb:
+        tb.up(timeout=240)
+        final = wait_for_run(tb, 240)
+    assert final["phase"] == "done", final.get("error")
+    assert final["rings"] == 2 and final["step"] == 4
+    assert [(w["rank"], w["ring"]) for w in final["workers"]] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert [e["edge"] for e in final["ring"]] == [
+        "worker-0 → worker-1",
+        "worker-1 → worker-0",
+        "worker-2 → worker-3",
+        "worker-3 → worker-2",
+    ]
+    assert [(h["workers"], h["state"]) for h in final["ring_health"]] == [
+        ([0, 1], "ended"),
+        ([2, 3], "ended"),
+    ]
+    assert final["eval_loss"] is not None and len(final["eval_origin_losses"]) == 4
+
+
 # --------------------------------------------------------------------------- small files
 def _write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "compose.yaml"

@@ -132,9 +132,33 @@ def test_bad_ring_settings_are_refused_with_the_reason(tmp_path: Path) -> None:
         WorkerConfig(
             data_dir=tmp_path, rank=0, peers=["a:1", "b:2"], train=TrainConfig(workers=4, rings=2)
         )
+    # a certificate whose rank is past the run's R·P workers: refused at registration,
+    # naming the ring that rank would be in (the message the coordinator aborts with)
+    from mobius_fed.coordinator.control import not_enrolled
+
+    assert not_enrolled("mobius://worker/5", "", 4, rings=2) == (
+        "identity mobius://worker/5 is not an enrolled worker of this run (P=4: workers 0–3, "
+        "2 rings of 2; its certificate's rank 5 would be ring 2, which this run does not have)"
+    )
+    assert not_enrolled("mobius://worker/6", "", 4) == (
+        "identity mobius://worker/6 is not an enrolled worker of this run (P=4)"
+    )
     cfg = TrainConfig(workers=4, rings=2, **BASE)
     with pytest.raises(Exception, match="ring syncs are Flower rounds"):
         RingsEngine(cfg, [SiteData(tmp, 64) for tmp in _four(tmp_path)]).train_step()
+
+
+def test_sites_with_another_h_do_not_share_a_run() -> None:
+    """Two sites of the same 2 rings of 2, one with H = 2 and one with H = 4: their configs
+    hash apart, so the coordinator refuses the second at registration (config mismatch),
+    and the refusal's settings name both H (the real-process refusal, rings and H both
+    differing, is in test_coordinator's test_strangers_cannot_register_or_read_status)."""
+    a = TrainConfig(workers=4, rings=2, ring_sync_every=2, **BASE)
+    b = TrainConfig(workers=4, rings=2, ring_sync_every=4, **BASE)
+    assert a.fingerprint() != b.fingerprint()
+    assert "ring_sync_every=2" in a.ring_settings() and "ring_sync_every=4" in b.ring_settings()
+    same = TrainConfig(workers=4, rings=2, ring_sync_every=2, **BASE)
+    assert same.fingerprint() == a.fingerprint()
 
 
 def _four(root: Path) -> list[Path]:
@@ -180,10 +204,49 @@ def test_a_rings_links_admit_only_that_rings_neighbours(tmp_path: Path) -> None:
             for _ in call(iter([]), timeout=20, metadata=(("mobius-run", "rings"),)):
                 pass
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert "only from its predecessor mobius://worker/2" in err.value.details()
+        assert err.value.details() == (
+            "worker-3 accepts ring frames only from its predecessor mobius://worker/2, not "
+            "mobius://worker/0 (its certificate is ring 0's; this is ring 1's worker-3)"
+        )
     finally:
         for link in links:
             link.close()
+
+
+def test_a_rings_worker_never_connects_to_another_rings_worker(tmp_path: Path) -> None:
+    """The other direction: worker-2 (ring 1, slot 0) given ring 0's worker-1 at its
+    successor's address never opens the edge: its dial checks the server's certificate for
+    worker-3's name, which worker-1's certificate does not carry, and it gives up naming
+    its successor worker-3."""
+    from mobius_fed.transport.certs import init_certs
+    from mobius_fed.worker.frames import FrameRules
+    from mobius_fed.worker.link import RingLinks
+    from mobius_fed.worker.link_session import PeerError
+
+    certs = init_certs(tmp_path / "certs", workers=4)
+    cfg = TrainConfig(preset="cpu-tiny", workers=4, rings=2)
+
+    def link(g: int, timeout: float) -> RingLinks:
+        return RingLinks(
+            FrameRules(cfg, g % 2, "rings", lambda: 0),
+            listen="127.0.0.1:0",
+            successor="",
+            tls=certs.bundle(f"worker-{g}"),
+            peer_timeout=timeout,
+            ring_base=g - g % 2,
+        )
+
+    ring0, ring1 = link(1, 20), link(2, 2)
+    try:
+        port = ring0.start_server()
+        ring1.start_server()
+        ring1.successor_addr = f"127.0.0.1:{port}"
+        with pytest.raises(PeerError, match=r"successor worker-3 .*unreachable after 2s"):
+            ring1.connect()
+        assert ring0.edge_states()["in"]["state"] != "up"
+    finally:
+        ring0.close()
+        ring1.close()
 
 
 def test_a_ring_codec_sends_the_pseudo_gradient_as_the_codec_rounds_it() -> None:

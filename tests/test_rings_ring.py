@@ -97,6 +97,9 @@ def test_rings_equal_the_reference_exactly(
     assert final["rings"] == R and [w["ring"] for w in final["workers"]] == [
         g // P for g in range(R * P)
     ]
+    assert [(h["ring"], h["workers"], h["state"]) for h in final["ring_health"]] == [
+        (r, list(range(r * P, r * P + P)), "ended") for r in range(R)
+    ]
     model = read_run(fed.coordinator_out)  # the synced groups, as export reads them
     for got_group, ref_group in zip(model.groups, engines[0].rings[0].groups, strict=True):
         ref_params = dict(ref_group.named_parameters())
@@ -148,11 +151,18 @@ def test_a_killed_worker_of_one_ring_heals_to_the_same_losses(tmp_path: Path) ->
             fed.supervise()
             time.sleep(0.1)
         os.kill(fed.procs["worker-3"].pid, signal.SIGKILL)
+        # not supervised yet, so worker-3 stays down: ring 1 reads stalled, ring 0 does not
+        while (doc := fed.status()) is None or doc["ring_health"][1]["state"] != "stalled":
+            assert time.monotonic() < deadline, fed.tail("coordinator")
+            time.sleep(0.05)
+        stalled = doc["ring_health"]
         final = fed.wait(timeout=240)
         hist = fed.rest("/v1/history")
     finally:
         fed.stop()
     assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 40))
+    assert "worker-3" in stalled[1]["reason"] and stalled[0]["state"] != "stalled", stalled
+    assert [h["state"] for h in final["ring_health"]] == ["ended", "ended"]
     (inc,) = final["incidents"]
     assert inc["rank"] == 3 and inc["state"] == "recovered", inc
     assert "worker-2 → worker-3" in inc["edge"] and "worker-3 → worker-2" in inc["edge"]

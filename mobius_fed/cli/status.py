@@ -27,7 +27,7 @@ from mobius_fed.cli.common import CliError, add_run_flag, run_endpoints
 from mobius_fed.coordinator.endpoints import Endpoints
 from mobius_fed.coordinator.rest_client import get_status
 from mobius_fed.machines import EdgeState as E
-from mobius_fed.machines import IncidentState, Phase
+from mobius_fed.machines import IncidentState, Phase, RingState
 from mobius_fed.machines import WorkerState as W
 from mobius_fed.transport.tls import NodeTLS
 
@@ -335,6 +335,14 @@ _PHASE_STYLE = {
     Phase.DONE: "green",
     Phase.TRAINING: "cyan",
 }
+_RING_STYLE = {
+    RingState.STALLED: "bold red",
+    RingState.RESTORING: "yellow",
+    RingState.RECONNECTING: "yellow",
+    RingState.WAITING: "dim",
+    RingState.HEALTHY: "green",
+    RingState.ENDED: "dim",
+}
 _EDGE_STYLE = {E.DOWN: "bold red", E.RECONNECTING: "yellow", E.UP: "green", E.CLOSED: "dim"}
 _INCIDENT_STYLE = {
     IncidentState.OPEN: "bold yellow",
@@ -378,6 +386,8 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
             _num(w.get("tokens_per_s"), "{:,.0f}"),
         )
     console.print(workers)
+    if rings > 1 and doc.get("ring_health"):
+        console.print(_rings_table(doc["ring_health"]))
     if pace := doc.get("pace"):
         console.print(_pace_table(doc.get("workers", [])))
         console.print(
@@ -411,6 +421,35 @@ def _table(title: str, columns: tuple[str, ...], overflow: OverflowMethod = "fol
     table = Table(title=title, show_header=True, header_style="bold")
     for col in columns:
         table.add_column(col, overflow=overflow)
+    return table
+
+
+def ring_summary(doc: dict[str, Any]) -> str:
+    """With R > 1, the rings that are not healthy, e.g. 'ring 1 stalled (worker-3 lost)';
+    '' with one ring, or when every ring is healthy (or the run ended)."""
+    if int(doc.get("rings") or 1) < 2:
+        return ""
+    quiet = (RingState.HEALTHY, RingState.ENDED)
+    return "; ".join(
+        f"ring {h['ring']} {h['state']}" + (f" ({h['reason']})" if h.get("reason") else "")
+        for h in doc.get("ring_health") or []
+        if h.get("state") not in quiet
+    )
+
+
+def _rings_table(rings: list[dict[str, Any]]) -> Table:
+    """Each ring's health (R > 1): its workers, state, least step, edges up, what holds it."""
+    table = _table("rings", ("ring", "workers", "state", "step", "edges up", "why"))
+    for h in rings:
+        ranks = h.get("workers") or []
+        table.add_row(
+            str(h.get("ring", "?")),
+            f"{ranks[0]}–{ranks[-1]}" if ranks else "-",
+            _styled(str(h.get("state", "?")), _RING_STYLE),
+            str(h.get("step", "-")),
+            f"{h.get('edges_up', 0)}/{h.get('edges', 0)}",
+            str(h.get("reason") or "-"),
+        )
     return table
 
 

@@ -2,6 +2,7 @@
 service, until the coordinator reports the run finished; then tear everything down.
 
     mobius-fed testbed up -f docker/compose.yaml --root runs/tb --set coordinator:MOBIUS_STEPS=10
+    mobius-fed testbed up --rings 2                  # 2 rings of 2 of the 4 compose workers
     mobius-fed testbed up --wan-rate 1gbit --wan-delay 25ms --wan-site worker-3:rate=100mbit
     mobius-fed testbed cleanup mtb1a2b3c     # leftovers of a testbed that was killed
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import shutil
 import signal
 import sys
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mobius_fed.cli.common import CliError, console
-from mobius_fed.cli.status import render_status
+from mobius_fed.cli.status import render_status, ring_summary
 
 DEFAULT_COMPOSE = "docker/compose.yaml"
 
@@ -44,33 +46,59 @@ def _raise_interrupt(signum: int, _frame: Any) -> None:
     raise _Terminated(f"signal {signum}")
 
 
+def rings_override(compose: Path, rings: int, coordinator: str = "coordinator") -> dict[str, str]:
+    """``--rings R``: the coordinator's ``MOBIUS_RINGS``, once R divides the compose file's
+    workers (services ``worker-<g>``; worker-g is ring g // P, docs/rings.md); else refused
+    with the reason."""
+    from mobius_fed.testbed import ComposeError, load_compose
+
+    try:
+        services = load_compose(compose).services
+    except ComposeError as exc:
+        raise CliError(str(exc)) from exc
+    workers = sum(1 for name in services if re.fullmatch(r"worker-\d+", name))
+    if rings < 1 or workers % rings:
+        raise CliError(
+            f"--rings {rings} does not divide the {workers} workers of {compose} "
+            "(R rings of P groups need R·P workers)"
+        )
+    if coordinator not in services:
+        raise CliError(f"--rings: {compose} has no service {coordinator!r}")
+    return {"MOBIUS_RINGS": str(rings)}
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from mobius_fed.testbed import Testbed, netns_available, wait_for_run
 
-    reason = netns_available()
-    if reason:
-        raise CliError(f"cannot run the namespace testbed: {reason}")
     compose = Path(args.file)
     if not compose.is_file():
         raise CliError(f"compose file not found: {compose}")
+    overrides = parse_sets(args.set)
+    if args.rings is not None:
+        rings = rings_override(compose, args.rings, args.coordinator)
+        overrides.setdefault(args.coordinator, {}).update(rings)
+    reason = netns_available()
+    if reason:
+        raise CliError(f"cannot run the namespace testbed: {reason}")
     root = Path(args.root)
     if args.fresh and (root / "volumes").exists():
         shutil.rmtree(root / "volumes")
-    overrides = parse_sets(args.set)
     wan = _wan_shapes(args, compose)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
     logging.basicConfig(level=logging.INFO, format="testbed: %(message)s", stream=sys.stderr)
     t0 = time.monotonic()
-    last: list[tuple[Any, Any] | None] = [None]
+    last: list[tuple[Any, Any, str] | None] = [None]
 
     def progress(doc: dict[str, Any]) -> None:
-        key = (doc.get("phase"), doc.get("step"))
+        key = (doc.get("phase"), doc.get("step"), ring_summary(doc))
         if key != last[0]:
             last[0] = key
+            rings = ring_summary(doc)  # R > 1: the rings that are not healthy
             console.print(
                 f"[{time.monotonic() - t0:6.1f}s] phase {doc.get('phase')} "
-                f"step {doc.get('step', 0)}/{doc.get('steps', 0)}",
+                f"step {doc.get('step', 0)}/{doc.get('steps', 0)}"
+                + (f"  {rings}" if rings else ""),
                 highlight=False,
             )
 
@@ -159,6 +187,13 @@ def register(subparsers: Any) -> None:
         help="override one environment variable of one service (repeatable)",
     )
     u.add_argument("--coordinator", default="coordinator", help="service to read status from")
+    u.add_argument(
+        "--rings",
+        type=int,
+        metavar="R",
+        help="R rings of P = workers / R groups (sets the coordinator's MOBIUS_RINGS; R must "
+        "divide the compose file's workers; docs/rings.md)",
+    )
     u.add_argument("--prefix", help="namespace name prefix (default: a fresh mtbXXXXXX)")
     u.add_argument("--fresh", action="store_true", help="delete root/volumes first")
     u.add_argument("--json", action="store_true", help="print the final status as JSON")

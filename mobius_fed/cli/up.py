@@ -21,6 +21,7 @@ from mobius_fed.cli.common import (
     console,
     threads_from,
 )
+from mobius_fed.cli.status import ring_summary
 from mobius_fed.machines import IncidentState, Phase
 from mobius_fed.ops.federation import LocalFederation
 from mobius_fed.tracking import add_tracker_flag, tracked
@@ -236,6 +237,8 @@ def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
                 info += f"  loss {sum(losses) / len(losses):.4f}"
             if doc.get("eval_loss") is not None:
                 info += f"  val {doc['eval_loss']:.4f}"
+            if rings := ring_summary(doc):  # R > 1: which ring holds the run
+                info += f"  {rings}"
             bar.update(task, completed=doc["step"], info=info)
 
         fed.on_event = bar.console.print

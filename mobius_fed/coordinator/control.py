@@ -84,9 +84,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 self.mark_lost(gone_rank, "its certificate is revoked (mobius-fed certs revoke)")
         if role == "worker" and index is not None and index < self.P:
             return index
-        msg = f"identity {who or '<none>'} is not an enrolled worker of this run (P={self.P})"
-        if who is None:
-            msg += f" ({why})"
+        msg = not_enrolled(who, why, self.P, self.state.rings)
         log.warning("refused: %s", msg)
         context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)
         raise AssertionError("context.abort raises")  # grpc is untyped: no NoReturn for it
@@ -359,3 +357,25 @@ def heartbeat_problem(request: control_pb2.HeartbeatRequest, steps: int) -> str 
                 if not in_range(v, top):
                     return f"links_json.{side}.{key}: {v!r}"
     return None
+
+
+def not_enrolled(who: str | None, why: str, workers: int, rings: int = 1) -> str:
+    """Why ``who`` may not register: not a worker identity, or a rank past the run's R·P
+    workers (with R > 1, the ring that rank would be in, which the run does not have)."""
+    msg = f"identity {who or '<none>'} is not an enrolled worker of this run (P={workers}"
+    if rings > 1:
+        P = workers // rings
+        msg += f": workers 0–{workers - 1}, {rings} rings of {P}"
+        try:
+            role, index = parse_identity(who or "")
+        except ValueError:
+            role, index = "", None
+        if role == "worker" and index is not None:
+            msg += (
+                f"; its certificate's rank {index} would be ring {index // P}, which this "
+                "run does not have"
+            )
+    msg += ")"
+    if who is None:
+        msg += f" ({why})"
+    return msg

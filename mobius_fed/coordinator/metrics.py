@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mobius_fed.coordinator.status_model import StatusModel, WorkerModel
-from mobius_fed.machines import EdgeState, IncidentState, Phase, WorkerState
+from mobius_fed.machines import EdgeState, IncidentState, Phase, RingState, WorkerState
 
 
 class Snapshots(Protocol):
@@ -120,6 +120,7 @@ class RunStateCollector(Collector):
         yield g
         yield from self._losses(status)
         yield from self._workers(status)
+        yield from self._rings(status)
         if status.pace is not None:
             g = _gauge(
                 "mobius_ring_pace_share",
@@ -162,17 +163,49 @@ class RunStateCollector(Collector):
     def _workers(status: StatusModel) -> Iterator[Metric]:
         run = status.run_id
         for name, help_, figure, kind in _WORKER_FIGURES:
-            fam = (_gauge if kind == "g" else _counter)(name, help_, ("rank",))
+            fam = (_gauge if kind == "g" else _counter)(name, help_, ("rank", "ring"))
             for w in status.workers:
                 if (value := figure(w)) is not None:
-                    fam.add_metric([run, str(w.rank)], value)
+                    fam.add_metric([run, str(w.rank), str(w.ring)], value)
             yield fam
         g = _gauge(
-            "mobius_worker_state", "Worker state (1 for the current one).", ("rank", "state")
+            "mobius_worker_state",
+            "Worker state (1 for the current one).",
+            ("rank", "ring", "state"),
         )
         for w in status.workers:
-            g.add_metric([run, str(w.rank), w.state], 1)
+            g.add_metric([run, str(w.rank), str(w.ring), w.state], 1)
         yield g
+
+    @staticmethod
+    def _rings(status: StatusModel) -> Iterator[Metric]:
+        """Each ring's health: R rings of P workers (docs/rings.md); one ring when R = 1."""
+        run = status.run_id
+        rings = _gauge("mobius_rings", "R: rings of P workers each.")
+        rings.add_metric([run], status.rings)
+        yield rings
+        healthy = _gauge(
+            "mobius_ring_healthy", "Ring healthy (1): every worker and edge of it up.", ("ring",)
+        )
+        stalled = _gauge(
+            "mobius_ring_stalled",
+            "Ring stalled (1): a worker of it lost or rejoining, or one of its edges down.",
+            ("ring",),
+        )
+        state = _gauge(
+            "mobius_ring_state", "Ring health (1 for the current state).", ("ring", "state")
+        )
+        step = _gauge("mobius_ring_step", "The least step the ring's workers reported.", ("ring",))
+        up = _gauge("mobius_ring_edges_up", "The ring's edges up (of P).", ("ring",))
+        for h in status.ring_health:
+            r = str(h.ring)
+            healthy.add_metric([run, r], int(h.healthy))
+            stalled.add_metric([run, r], int(h.state == RingState.STALLED))
+            for s in RingState:
+                state.add_metric([run, r, s], int(s == h.state))
+            step.add_metric([run, r], h.step)
+            up.add_metric([run, r], h.edges_up)
+        yield from (healthy, stalled, state, step, up)
 
     @staticmethod
     def _edges(status: StatusModel) -> Iterator[Metric]:

@@ -20,6 +20,7 @@ from mobius_fed.machines import (
     EdgeState,
     Machine,
     Phase,
+    RingState,
     WorkerState,
 )
 from mobius_fed.schedule import ring_successor
@@ -238,7 +239,8 @@ class RunState:
                 "eval_origin_losses": last_eval["origin_losses"] if last_eval else None,
                 "server_time": now,
                 "rings": self.rings,
-                "ring": self._ring_doc(),
+                "ring": (edges := self._ring_doc()),
+                "ring_health": self._ring_health(edges),
                 "incidents": [i.model_dump() for i in self.incidents],
                 "config": self.config,
                 "pace": self._pace(),
@@ -319,6 +321,48 @@ class RunState:
                 }
             )
         return edges
+
+    def _ring_health(self, edges: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each ring's health from its workers' and its edges' states, worst first."""
+        out = []
+        for r in range(self.rings):
+            ranks = list(range(r * self.ring_size, (r + 1) * self.ring_size))
+            members = [self.workers[g] for g in ranks]
+            own = [edges[g] for g in ranks]  # edge g is worker-g's out-edge, in its ring
+            down = [f"worker-{w.rank} {w.state}" for w in members if w.state in DOWN_STATES]
+            down += [f"{e['edge']} down" for e in own if e["state"] == EdgeState.DOWN]
+            restoring = [f"worker-{w.rank} restoring" for w in members
+                         if w.state == WorkerState.RESTORING]  # fmt: skip
+            waiting = [f"worker-{w.rank} not registered" for w in members
+                       if w.state == WorkerState.EXPECTED]  # fmt: skip
+            again = [f"{e['edge']} reconnecting" for e in own
+                     if e["state"] == EdgeState.RECONNECTING]  # fmt: skip
+            state, why = RingState.HEALTHY, None
+            for s, reasons in (
+                (RingState.STALLED, down),
+                (RingState.RESTORING, restoring),
+                (RingState.WAITING, waiting),
+                (RingState.RECONNECTING, again),
+            ):
+                if reasons:
+                    state, why = s, "; ".join(reasons)
+                    break
+            else:
+                if self.phase in ENDED_PHASES:
+                    state = RingState.ENDED
+            out.append(
+                {
+                    "ring": r,
+                    "workers": ranks,
+                    "state": state,
+                    "healthy": state == RingState.HEALTHY,
+                    "step": min(w.step for w in members),
+                    "edges_up": sum(e["state"] == EdgeState.UP for e in own),
+                    "edges": len(own),
+                    "reason": why,
+                }
+            )
+        return out
 
     def history_doc(self) -> dict[str, Any]:
         with self._lock:

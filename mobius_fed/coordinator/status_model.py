@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from mobius_fed.machines import EdgeState, IncidentState, Phase, WorkerState
+from mobius_fed.machines import EdgeState, IncidentState, Phase, RingState, WorkerState
 
 
 class WorkerModel(BaseModel):
@@ -89,6 +89,23 @@ class EdgeModel(BaseModel):
     )
 
 
+class RingHealthModel(BaseModel):
+    """One ring of R (its P workers and their edges) and its health (docs/rings.md)."""
+
+    ring: int = Field(description="r: workers r·P .. r·P+P-1")
+    workers: list[int] = Field(description="its workers' global ranks")
+    state: RingState = Field(
+        description="stalled: a worker lost or rejoining, or an edge down; restoring: a "
+        "worker loading the rollback; waiting: a worker not registered yet; reconnecting: "
+        "an edge within its grace; healthy; ended: the run ended"
+    )
+    healthy: bool = Field(description="state is healthy")
+    step: int = Field(description="the least step its workers reported")
+    edges_up: int = Field(description="its edges up")
+    edges: int = Field(description="its edges (P)")
+    reason: str | None = Field(None, description="what holds it, e.g. 'worker-3 lost'")
+
+
 class PaceModel(BaseModel):
     """The ring moves at its slowest member's pace: who that is and what it costs."""
 
@@ -142,6 +159,9 @@ class StatusModel(BaseModel):
     server_time: float | None = Field(None, description="coordinator clock at this reply")
     rings: int = Field(1, description="R: rings of P workers each (docs/rings.md)")
     ring: list[EdgeModel] = Field(default_factory=list, description="every ring edge")
+    ring_health: list[RingHealthModel] = Field(
+        default_factory=list, description="each ring's health (one entry per ring, R ≥ 1)"
+    )
     incidents: list[IncidentModel] = Field(default_factory=list)
     train_loss: float | None = Field(
         None, description="training loss of the latest step every origin reported (mean)"

@@ -35,7 +35,8 @@ def _in_wrapper(pid: int) -> bool:
 
 
 def service_env(svc: Service, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A service's environment: a minimal base, its compose environment, then ``extra``."""
+    """A service's environment: a minimal base (with the testbed's own PYTHONPATH, if
+    set), its compose environment, then ``extra``."""
     bindir = os.path.dirname(sys.executable)
     path = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
     base = {
@@ -44,6 +45,8 @@ def service_env(svc: Service, extra: Mapping[str, str] | None = None) -> dict[st
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": "1",
     }
+    if os.environ.get("PYTHONPATH"):  # the services run the mobius_fed the testbed runs
+        base["PYTHONPATH"] = os.environ["PYTHONPATH"]
     return {**base, **svc.environment, **(extra or {})}
 
 

@@ -123,7 +123,7 @@ class SuccessorClient:
 
     def connect(self) -> None:
         """Open the session with the successor, retrying with backoff until peer_timeout."""
-        target = f"worker-{self.succ}"
+        target = f"worker-{self.cfg.base + self.succ}"  # its global name (R rings)
         deadline = time.monotonic() + self.cfg.peer_timeout
         delay = self.cfg.timers.first_backoff_s
         while True:

@@ -20,6 +20,7 @@ from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.codec import FrameError
 from mobius_fed.transport.tls import (
     add_port,
+    parse_identity,
     peer_identity,
     peer_identity_or_reason,
     worker_identity,
@@ -103,7 +104,12 @@ class PredecessorServer:
     def Stream(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Any:
         """Admit the predecessor's stream into its session, then send that session's frames."""
         label, token, ack = _caller(
-            context, self.rank, self.peer_identity, self.cfg.insecure, self.router.rules.run_id
+            context,
+            self.cfg.base + self.rank,
+            self.peer_identity,
+            self.cfg.insecure,
+            self.router.rules.run_id,
+            self.cfg.P,
         )
         st = StreamCall(label)
         refusal = self._admit(st, token, ack, label)
@@ -392,17 +398,31 @@ def _ring_server(
     return server, checks
 
 
+def _rings_of(who: str | None, rank: int, P: int) -> str:
+    """' (its certificate is ring 0's; this is ring 1's worker-3)' when the caller's rank
+    belongs to another ring than this worker's; else ''."""
+    try:
+        role, other = parse_identity(who or "")
+    except ValueError:
+        return ""
+    if role != "worker" or other is None or other // P == rank // P:
+        return ""
+    return f" (its certificate is ring {other // P}'s; this is ring {rank // P}'s worker-{rank})"
+
+
 def _caller(
-    context: grpc.ServicerContext, rank: int, pred: str, insecure: bool, run_id: str
+    context: grpc.ServicerContext, rank: int, pred: str, insecure: bool, run_id: str, P: int
 ) -> tuple[str, str, int]:
     """The caller's label, session token and count; aborts a caller that is not the
-    predecessor or not of this run."""
+    predecessor or not of this run. ``rank`` is this worker's global rank g = r·P + i; with
+    ``P`` (workers per ring) the refusal names both rings: a certificate's rank decides its
+    ring, so a worker of another ring is refused here whatever it claims."""
     who, why = peer_identity_or_reason(context)
     label = who or "<plaintext peer>"
     if not insecure and who != pred:
         msg = (
             f"worker-{rank} accepts ring frames only from its predecessor "
-            f"{pred}, not {who or f'<no identity: {why}>'}"
+            f"{pred}, not {who or f'<no identity: {why}>'}{_rings_of(who, rank, P)}"
         )
         log.error("refused stream: %s", msg)
         context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)

@@ -86,48 +86,69 @@ function chart(container, series, opts) {
   });
 }
 
+// R rings of P workers (docs/rings.md): ring r is workers r·P .. r·P+P-1, drawn as its own
+// circle; edge g runs from worker g to its successor within its ring.
 function drawRing(container, status) {
-  const W = 420, H = 360, cx = W / 2, cy = H / 2 - 6, r = 120, nr = 26;
+  const W = 420, H = 360;
   container.textContent = "";
   const svg = el("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "ring" },
     container);
-  const P = status.workers.length;
-  const pos = (i) => {
-    const a = -Math.PI / 2 + (2 * Math.PI * i) / Math.max(P, 1);
+  const N = status.workers.length, R = Math.max(1, status.rings || 1), P = Math.max(1, N / R);
+  const cols = Math.ceil(Math.sqrt(R)), rows = Math.ceil(R / cols);
+  const cw = W / cols, ch = H / rows;
+  const r = R === 1 ? 120 : Math.max(30, Math.min(cw, ch) / 2 - 44);
+  const nr = R === 1 ? 26 : Math.max(12, Math.min(22, r / 3));
+  const health = status.ring_health || [];
+  const centre = (k) => [cw * ((k % cols) + 0.5), ch * (Math.floor(k / cols) + 0.5) - 6];
+  const pos = (g) => {
+    const [cx, cy] = centre(Math.floor(g / P));
+    const a = -Math.PI / 2 + (2 * Math.PI * (g % P)) / P;
     return [cx + r * Math.cos(a), cy + r * Math.sin(a)];
   };
+  for (let k = 0; k < R && R > 1; k++) {
+    const h = health[k] || {};
+    const [cx, cy] = centre(k);
+    const g = el("g", { class: "ring-label", "data-ring": k, "data-state": h.state ?? "" }, svg);
+    el("text", { x: cx, y: cy, class: "node-label" }, g, `ring ${k}`);
+    el("text", { x: cx, y: cy + 13, class: `edge-label state-${h.state}` }, g, h.state ?? "");
+  }
   (status.ring || []).forEach((e, i) => {
-    const [xa, ya] = pos(i), [xb, yb] = pos((i + 1) % P);
+    const ring = Math.floor(i / P), cx = centre(ring)[0], cy = centre(ring)[1];
+    const j = ring * P + ((i % P) + 1) % P;
+    const [xa, ya] = pos(i), [xb, yb] = pos(j);
     const g = el("g", {
-      class: "edge", "data-edge": e.edge, "data-state": e.state,
+      class: "edge", "data-edge": e.edge, "data-state": e.state, "data-ring": ring,
       "data-bytes-per-s": e.bytes_per_s ?? "", "data-wait-share": e.wait_share ?? "",
       "data-path": e.path ?? "",
     }, svg);
     const mx = (xa + xb) / 2, my = (ya + yb) / 2;
-    const bend = P === 2 ? (i ? 40 : -40) : 0;  // two workers: two arcs, not one line
+    const bend = P === 2 ? ((i % P) ? 1 : -1) * r / 3 : 0;  // two workers: two arcs, not one line
     const qx = mx + ((mx - cx) * 0.25) + bend, qy = my + ((my - cy) * 0.25);
     el("path", { d: `M${xa},${ya} Q${qx},${qy} ${xb},${yb}`, class: `edge-line state-${e.state}` },
       g);
     const lx = mx + (mx - cx) * 0.45 + bend * 1.4, ly = my + (my - cy) * 0.45;
     const share = e.wait_share === null || e.wait_share === undefined ? "–"
       : `${Math.round(e.wait_share * 100)}% wait`;
-    el("text", { x: lx, y: ly, class: "edge-label" }, g, `${fmtBytes(e.bytes_per_s)}/s`);
-    el("text", { x: lx, y: ly + 12, class: "edge-label" }, g, share);
-    if (e.path && e.path !== "direct") {
-      el("text", { x: lx, y: ly + 24, class: "edge-label edge-path" }, g, e.path);
+    if (R === 1) {  // with several rings the edges table carries the figures
+      el("text", { x: lx, y: ly, class: "edge-label" }, g, `${fmtBytes(e.bytes_per_s)}/s`);
+      el("text", { x: lx, y: ly + 12, class: "edge-label" }, g, share);
+      if (e.path && e.path !== "direct") {
+        el("text", { x: lx, y: ly + 24, class: "edge-label edge-path" }, g, e.path);
+      }
     }
     el("title", {}, g, `${e.edge} (${e.path || "direct"}): ${e.state}, ${e.reconnects} reconnects`);
   });
   status.workers.forEach((w, i) => {
-    const [x, y] = pos(i);
+    const [x, y] = pos(i), cy = centre(Math.floor(i / P))[1];
     const g = el("g", {
-      class: "worker", "data-rank": w.rank, "data-state": w.state, "data-step": w.step,
-      "data-last-loss": w.last_loss ?? "",
+      class: "worker", "data-rank": w.rank, "data-ring": w.ring ?? 0, "data-state": w.state,
+      "data-step": w.step, "data-last-loss": w.last_loss ?? "",
     }, svg);
     el("circle", { cx: x, cy: y, r: nr, class: `state-${w.state}` }, g);
     el("text", { x, y: y + 4, class: "node-label" }, g, `w${w.rank}`);
     const below = y > cy ? nr + 14 : -nr - 6;
-    el("text", { x, y: y + below, class: "edge-label" }, g, `${w.state} · step ${w.step}`);
+    el("text", { x, y: y + below, class: "edge-label" }, g,
+      R === 1 ? `${w.state} · step ${w.step}` : w.state);
     el("title", {}, g, `worker-${w.rank} ${w.address || ""}: ${w.state}`);
   });
 }
@@ -212,18 +233,29 @@ function render(status, history) {
   ], { title: "step time", xlabel: "round" });
 
   drawRing(document.getElementById("ring"), status);
+  const rings = status.rings || 1;  // each ring's health (one row per ring)
+  table(document.getElementById("rings"),
+    ["ring", "workers", "state", "step", "edges up", "why"],
+    (status.ring_health || []).map((h) => ({ attrs: { class: "ring-row", "data-ring": h.ring,
+      "data-state": h.state, "data-step": h.step, "data-healthy": h.healthy ? "1" : "0" },
+      cells: [h.ring, h.workers.length ? `${h.workers[0]}–${h.workers[h.workers.length - 1]}`
+        : "", { v: h.state, cls: `state-${h.state}` }, h.step, `${h.edges_up}/${h.edges}`,
+        h.reason] })));
+  document.getElementById("rings").hidden = rings === 1;
   table(document.getElementById("edges"),
     ["edge", "path", "state", "bytes/s", "tunnel bytes/s", "reconnects"],
     (status.ring || []).map((e) => ({ attrs: { class: "edge-row", "data-edge": e.edge,
       "data-path": e.path ?? "" },
       cells: [e.edge, e.path || "direct", { v: e.state, cls: `state-${e.state}` },
         e.bytes_per_s, e.tunnel_bytes_per_s, e.reconnects] })));
+  const ringCol = rings > 1;  // a ring column with R rings only
   table(document.getElementById("workers"),
-    ["rank", "state", "step", "loss", "tokens/s", "train s", "wait share", "blocks",
-      "ms/block"],
-    status.workers.map((w) => ({ attrs: { class: "worker-row", "data-rank": w.rank },
-      cells: [w.rank, { v: w.state, cls: `state-${w.state}` }, w.step, w.last_loss,
-        w.tokens_per_s, w.train_s, w.wait_share === null ? null
+    ["rank", ...(ringCol ? ["ring"] : []), "state", "step", "loss", "tokens/s", "train s",
+      "wait share", "blocks", "ms/block"],
+    status.workers.map((w) => ({ attrs: { class: "worker-row", "data-rank": w.rank,
+      "data-ring": w.ring ?? 0 },
+      cells: [w.rank, ...(ringCol ? [w.ring ?? 0] : []), { v: w.state, cls: `state-${w.state}` },
+        w.step, w.last_loss, w.tokens_per_s, w.train_s, w.wait_share === null ? null
           : `${Math.round(w.wait_share * 100)}%`, w.layers,
         w.block_s === null || w.block_s === undefined ? null : w.block_s * 1000] })));
   const pace = document.getElementById("pace");  // the slowest site and what it costs
