@@ -666,7 +666,7 @@ def figure(args: argparse.Namespace) -> None:
     ax.axvline(0, color="grey", linewidth=0.8)
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("held-out Eq. 8 minus the cyclic ring's, paired by seed (95 % t-interval)")
+    ax.set_xlabel("held-out Eq. 8 minus the cyclic ring's,\npaired by seed (95 % t-interval)")
     ax.set_title(
         "Quality per token (cpu-tiny, 100 steps, seeds 0-2)\nleft of 0: better than the ring"
     )
