@@ -40,6 +40,7 @@ from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.strategies import (
     RingPlan,
     RoundPlan,
+    UpdateClip,
     make_strategy,
     restore_server_state,
     server_state,
@@ -267,6 +268,7 @@ class Coordinator:
             er_privacy=self.er_privacy,
             secagg=self.secagg,
             rings=RingPlan.of(self.train),
+            update_clip=UpdateClip.of(self.train),
             state_copy=self.cfg.state_copy == "coordinator",
             barrier_snapshots=self.cfg.barrier_snapshots,
             # One more file than manifests: a worker writes round r before its manifest commits.

@@ -1,0 +1,251 @@
+"""Bounds on what a site sends (docs/security.md, "Bounds on what a site sends"): the
+per-token RMS of received hidden states and gradients against their sender's running
+median and a ceiling, non-finite tensors refused and counted per sender, a sender reported
+suspect past a threshold, and each site's E/R update clipped at the barrier. On a clean
+run none of it fires: the losses are those of a run without bounds, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from mobius_fed.config import BoundsConfig, TrainConfig
+from mobius_fed.messages import ARRAYS
+from mobius_fed.strategies import ErClip, RoundPlan, UpdateClip, make_strategy, wrapper_of
+from mobius_fed.transport.codec import FrameError, NonFiniteError, encode_frames
+from mobius_fed.transport.flower_wire import COORDINATOR_NODE_ID, set_task_identity, worker_node_id
+from mobius_fed.worker.frames import BACKWARD, FORWARD, TRAIN, BoundError, FrameKey, FrameRules
+from mobius_fed.worker.link_session import FrameRouter, Inbox
+
+RUN = "bounds"
+CFG = TrainConfig(preset="cpu-tiny", workers=4, batch_size=4)
+# worker-1 of a cyclic ring of 4: FORWARD (origin, slot) frames it takes straight from
+# worker-0, BACKWARD ones from worker-2
+FROM_PRED = [(0, 1), (2, 3), (3, 2), (1, 4)]
+FROM_SUCC = [(0, 2), (1, 1), (3, 3), (2, 4)]
+
+
+def _rules(wire: str = "fp32", **bounds: Any) -> FrameRules:
+    cfg = CFG.model_copy(update={"bounds": BoundsConfig(**bounds), "wire_dtype": wire})
+    return FrameRules(cfg, 1, RUN, lambda: 0)
+
+
+def _state(scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(
+        CFG.batch_size, CFG.model().seq_len, CFG.model().d_model, generator=g
+    )
+
+
+def test_the_settings_are_on_by_default_and_leave_old_fingerprints_alone() -> None:
+    b = TrainConfig().bounds
+    assert b.frames and b.er_clip_factor > 0 and b.state_factor > 1 and b.grad_factor > 1
+    doc = TrainConfig(preset="cpu-tiny").model_dump(mode="json")
+    del doc["bounds"]  # a manifest written before the bounds existed
+    assert (
+        TrainConfig.model_validate(doc).fingerprint()
+        == TrainConfig(preset="cpu-tiny").fingerprint()
+    )
+    tighter = TrainConfig(preset="cpu-tiny", bounds={"state_factor": 20})
+    assert tighter.fingerprint() != TrainConfig(preset="cpu-tiny").fingerprint()
+
+
+def test_a_steady_sender_passes_and_a_scaled_state_is_refused_naming_sender_and_figure() -> None:
+    rules = _rules(warmup=4, suspect_after=2)
+    for i in range(16):  # a clean stream: states of the same size, seeds apart
+        o, t = FROM_PRED[i % 4]
+        rules.check_tensor(FrameKey(TRAIN, 0, FORWARD, o, t, 0), _state(seed=i), FORWARD)
+    assert rules.bounds.refused == {}
+    # ×1000 is far below the ceiling (1e4) but 1000 × the running median of worker-0's
+    key = FrameKey(TRAIN, 0, FORWARD, 0, 1, 0)
+    with pytest.raises(BoundError, match=r"hidden state from worker-0 \(TRAIN FORWARD step 0 "
+                       r"origin 0 slot 1 micro 0\) has a per-token RMS of [0-9.e+]+, above its "
+                       r"bound [0-9.e+]+ \(100 × its running median"):  # fmt: skip
+        rules.check_tensor(key, _state(1e3, seed=99), FORWARD)
+    assert rules.bounds.refused == {0: 1} and rules.bounds.suspects == []
+    # a refused frame does not move the median: the same frame is refused again
+    with pytest.raises(BoundError):
+        rules.check_tensor(key, _state(1e3, seed=99), FORWARD)
+    assert rules.bounds.suspects == [0]
+    assert rules.bounds.report() == {"refused_frames": {"worker-0": 2}, "suspects": ["worker-0"]}
+    # a gradient has its own median: the first ones are bounded by the ceiling alone
+    o, t = FROM_SUCC[0]
+    rules.check_tensor(FrameKey(TRAIN, 0, BACKWARD, o, t, 0), _state(1e-3), BACKWARD)
+    with pytest.raises(BoundError, match=r"gradient from worker-2 .* above its bound 1e\+04 "
+                       r"\(the ceiling 1e\+04\)"):  # fmt: skip
+        rules.check_tensor(FrameKey(TRAIN, 0, BACKWARD, o, t, 0), _state(2e4), BACKWARD)
+    assert rules.bounds.refused == {0: 2, 2: 1}
+
+
+def test_bounds_off_accept_any_finite_size() -> None:
+    rules = _rules(frames=False)
+    for i in range(10):
+        rules.check_tensor(
+            FrameKey(TRAIN, 0, FORWARD, 0, 1, 0), _state(1e6 if i == 9 else 1), FORWARD
+        )
+    assert rules.bounds.refused == {}
+
+
+def _router(rules: FrameRules) -> tuple[FrameRouter, Any]:
+    inbox = Inbox(rules.current_step, frozenset({0, 2, 3}))
+    router = FrameRouter(rules, inbox, lambda d: None, None, 8)  # type: ignore[arg-type,return-value]
+    return router, router.new_session("worker-0", FORWARD)
+
+
+def _frames(origin: int, slot: int, tensor: torch.Tensor, wire: str = "fp32", step: int = 0):
+    return list(
+        encode_frames(
+            run_id=RUN, step=step, origin=origin, tick=slot, micro=0, direction=FORWARD,
+            tensor=tensor, wire=wire, chunk_bytes=1 << 14,
+        )
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("wire", ["fp32", "bf16"])
+def test_a_received_frame_x1e6_or_non_finite_is_refused_and_counted_per_sender(wire: str) -> None:
+    """At the frame-validation layer, as the link's receiving thread calls it: a state
+    ×1e6 (above the ceiling, so even a sender's first frames) and one with a NaN or an Inf
+    are refused before they reach the inbox, each counted against the worker that
+    computed it."""
+    rules = _rules(wire, suspect_after=4)
+    router, s = _router(rules)
+    for data in _frames(0, 1, _state(), wire):  # a clean frame, delivered
+        router.accept(data, FORWARD, s)
+    assert router.inbox.get(FrameKey(TRAIN, 0, FORWARD, 0, 1, 0), 1, "test").shape == _state().shape
+    refusal = r"hidden state from worker-0 \(TRAIN FORWARD step 0 origin 2 slot 3 micro 0\) "
+    with pytest.raises(BoundError, match=refusal + r"has a per-token RMS of 1\.\d+e\+06"):
+        for data in _frames(2, 3, _state(1e6), wire):  # stream 2 after worker-0's group
+            router.accept(data, FORWARD, s)
+    for bad in (float("nan"), float("inf")):
+        t = _state()
+        t[1, 5, 3] = bad
+        _, s = _router(rules)
+        with pytest.raises(NonFiniteError, match=r"non-finite .* computed by worker-0"):
+            for data in _frames(0, 1, t, wire, step=1):
+                router.accept(data, FORWARD, s)
+    assert rules.bounds.refused == {0: 3}
+    assert rules.bounds.suspects == []
+    t = _state()
+    t[0, 0, 0] = float("nan")
+    _, s = _router(rules)
+    with pytest.raises(FrameError):
+        for data in _frames(0, 1, t, wire, step=1):
+            router.accept(data, FORWARD, s)
+    assert rules.bounds.suspects == [0]
+    assert "worker-0" in rules.bounds.last[0]
+    assert all(k.step != 1 for k in router.inbox._items)  # nothing refused was delivered
+
+
+def test_the_ids_channel_of_mode_tokens_is_left_out() -> None:
+    cfg = TrainConfig(
+        preset="cpu-tiny", workers=4, batch_size=4, subspace={"rank": 8, "mode": "tokens"}
+    )
+    rules = FrameRules(cfg, 1, RUN, lambda: 0)
+    t = torch.randn(4, cfg.model().seq_len, 9)
+    t[..., -1] = 60000.0  # token ids as numbers: no hidden state is this large
+    rules.check_tensor(FrameKey(TRAIN, 0, FORWARD, 0, 1, 0), t, FORWARD)
+    assert rules.bounds.refused == {}
+
+
+# --------------------------------------------------------------- E/R at the barrier
+P = 4
+
+
+class _Grid:
+    def get_node_ids(self) -> Iterable[int]:
+        return [worker_node_id(r) for r in range(P)]
+
+
+def _round(strategy: Any, updates: list[np.ndarray], start: np.ndarray) -> np.ndarray:
+    """One barrier: the strategy sends ``start``, site r replies start + updates[r]."""
+    set_task_identity(COORDINATOR_NODE_ID)
+    orders = list(
+        strategy.configure_train(1, ArrayRecord({"wte.weight": torch.from_numpy(start)}),
+                                 ConfigRecord(), _Grid())
+    )  # fmt: skip
+    for m in orders:
+        m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+    orders.sort(key=lambda m: m.metadata.dst_node_id)
+    replies = []
+    for msg, u in zip(orders, updates, strict=True):
+        set_task_identity(msg.metadata.dst_node_id)
+        arrays = ArrayRecord({"wte.weight": torch.from_numpy(start + u)})
+        content = RecordDict({ARRAYS: arrays, "metrics": MetricRecord({"num-examples": 1})})
+        replies.append(Message(content, reply_to=msg))
+    set_task_identity(COORDINATOR_NODE_ID)
+    arrays, _ = strategy.aggregate_train(1, replies)
+    return arrays.to_torch_state_dict()["wte.weight"].numpy()
+
+
+def _updates(poison: float) -> tuple[np.ndarray, list[np.ndarray]]:
+    rng = np.random.default_rng(0)
+    start = rng.standard_normal((16, 8)).astype(np.float32)
+    updates = [(1e-2 * rng.standard_normal((16, 8))).astype(np.float32) for _ in range(P)]
+    updates[3] = updates[3] * np.float32(poison)  # worker-3 scales its update
+    return start, updates
+
+
+def _strategy(name: str, bounds: dict | None) -> Any:
+    cfg = TrainConfig(preset="cpu-tiny", workers=P, steps=2, sync_every=1, bounds=bounds or {})
+    clip = UpdateClip.of(cfg) if bounds is not None else None
+    return make_strategy(name, P, RoundPlan.of(cfg), update_clip=clip)
+
+
+def test_clean_updates_are_averaged_bit_for_bit_with_the_clip_on() -> None:
+    start, updates = _updates(1.0)
+    on, off = _strategy("fedavg", {}), _strategy("fedavg", None)
+    assert np.array_equal(_round(on, updates, start), _round(off, updates, start))
+    assert wrapper_of(on, ErClip).clipped == {}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("name", "bounds"),
+    [
+        ("fedavg", {}),  # the default clip: 10 × the round's lower median
+        ("fedavg", {"er_clip_factor": 0, "er_clip_max": 0.5}),  # an absolute one
+        ("fedmedian", None),  # Flower's robust aggregators, no clip
+        ("fedtrimmedavg", None),
+    ],
+)
+def test_a_poisoned_er_update_moves_the_average_unless_bounded(name: str, bounds: Any) -> None:
+    """A site that scales its E/R update ×1000 drags plain FedAvg's average ~250× an honest
+    update away; the clip (or a robust strategy) keeps it within a few honest updates."""
+    start, clean = _updates(1.0)
+    _, poisoned = _updates(1000.0)
+    honest = float(np.linalg.norm(_round(_strategy("fedavg", None), clean, start) - start))
+    plain = float(np.linalg.norm(_round(_strategy("fedavg", None), poisoned, start) - start))
+    assert plain > 100 * honest  # bounds off: the attack works
+    strategy = _strategy(name, bounds)
+    kwargs = {"beta": 0.25} if name == "fedtrimmedavg" else {}
+    if kwargs:
+        cfg = TrainConfig(preset="cpu-tiny", workers=P, steps=2, sync_every=1)
+        strategy = make_strategy(name, P, RoundPlan.of(cfg), kwargs)
+    bounded = float(np.linalg.norm(_round(strategy, poisoned, start) - start))
+    one = max(float(np.linalg.norm(u)) for u in clean)  # the largest honest update
+    assert bounded < 4 * one, (name, bounded, one)  # at most 10/P of it comes from worker-3
+    clip = wrapper_of(strategy, ErClip)
+    if clip is not None:
+        assert clip.clipped == {3: 1} and "worker-3's E/R update norm" in clip.last[3]
+
+
+def test_the_update_clip_is_off_under_secure_aggregation_and_when_zeroed() -> None:
+    cfg = TrainConfig(preset="cpu-tiny", bounds={"er_clip_factor": 0})
+    assert UpdateClip.of(cfg) is None
+    assert UpdateClip(10.0).bound([3.0, 1.0, 100.0, 2.0]) == 20.0  # lower median: 2
+    assert UpdateClip(10.0, 5.0).bound([1.0, 1.0]) == 5.0
+
+
+def test_metrics_lines_name_refused_senders(tmp_path: Path) -> None:
+    rules = _rules()
+    with pytest.raises(BoundError):
+        rules.check_tensor(FrameKey(TRAIN, 0, FORWARD, 0, 1, 0), _state(1e6), FORWARD)
+    line = json.dumps({"step": 0, **rules.bounds.report()})
+    assert json.loads(line)["refused_frames"] == {"worker-0": 1}
