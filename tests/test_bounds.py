@@ -7,6 +7,7 @@ run none of it fires: the losses are those of a run without bounds, bit for bit.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,12 +19,17 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from mobius_fed.config import BoundsConfig, TrainConfig
+from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
+from mobius_fed.engine import ReferenceEngine
+from mobius_fed.engine.federated import train_with_strategy
 from mobius_fed.messages import ARRAYS
 from mobius_fed.strategies import ErClip, RoundPlan, UpdateClip, make_strategy, wrapper_of
 from mobius_fed.transport.codec import FrameError, NonFiniteError, encode_frames
 from mobius_fed.transport.flower_wire import COORDINATOR_NODE_ID, set_task_identity, worker_node_id
+from mobius_fed.warmstart import spawn
 from mobius_fed.worker.frames import BACKWARD, FORWARD, TRAIN, BoundError, FrameKey, FrameRules
 from mobius_fed.worker.link_session import FrameRouter, Inbox
+from tests.ring_harness import WORKER, Ring
 
 RUN = "bounds"
 CFG = TrainConfig(preset="cpu-tiny", workers=4, batch_size=4)
@@ -249,3 +255,91 @@ def test_metrics_lines_name_refused_senders(tmp_path: Path) -> None:
         rules.check_tensor(FrameKey(TRAIN, 0, FORWARD, 0, 1, 0), _state(1e6), FORWARD)
     line = json.dumps({"step": 0, **rules.bounds.report()})
     assert json.loads(line)["refused_frames"] == {"worker-0": 1}
+
+
+# ------------------------------------------------------------------ clean runs, real rings
+def test_the_reference_engine_under_the_update_clip_equals_it_without(tmp_path: Path) -> None:
+    """With Flower's FedAvg at every barrier, the default E/R clip on and off give the same
+    losses bit for bit: on a clean run it never fires."""
+    cfg = TrainConfig(
+        preset="cpu-tiny", workers=3, batch_size=4, steps=8, sync_every=2, eval_every=4
+    )
+    prepare_sites(None, tmp_path, cfg.P, text=embedded_corpus())
+    runs = []
+    for clip in (UpdateClip.of(cfg), None):
+        sites = [SiteData(tmp_path / f"site-{i}", cfg.model().seq_len) for i in range(3)]
+        strategy = make_strategy("fedavg", 3, RoundPlan.of(cfg), update_clip=clip)
+        grid = train_with_strategy(ReferenceEngine(cfg, sites), strategy)
+        runs.append([r.origin_losses for r in grid.steps] + [[e.loss] for e in grid.evals])
+        if clip is not None:
+            assert wrapper_of(strategy, ErClip).clipped == {}  # type: ignore[union-attr]
+    assert runs[0] == runs[1]
+
+
+RING = dict(preset="cpu-tiny", steps=12, batch_size=4, sync_every=0, eval_every=0)
+OFF = ["--no-bounds-frames", "--bounds-er-clip-factor", "0"]
+
+
+@pytest.mark.slow
+def test_a_clean_ring_with_every_bound_on_equals_the_ring_without_and_the_reference(
+    tmp_path: Path,
+) -> None:
+    """(Real workers, mTLS gRPC.) The bounds never fire on a clean run: the ring with
+    them on (the defaults) and with them off report the same losses, bit for bit, and
+    both equal the reference engine's; no metrics line names a refused sender."""
+    P, train = 4, {**RING, "optimizer": "adamw", "steps": 24}  # medians from step 8 on
+    on = Ring(tmp_path / "on", P, train).prepare().start()
+    on.wait()
+    off = Ring(tmp_path / "off", P, train).prepare()
+    off.start(extra={i: OFF for i in range(P)})
+    off.wait()
+    ref, _ = on.reference()
+    assert on.losses() == off.losses() == ref
+    for i in range(P):
+        text = (on.out(i) / "metrics.jsonl").read_text()
+        assert "refused_frames" not in text and "suspect" not in on.log(i, None)
+
+
+def _evil_ring(root: Path, bounds_on: bool) -> Any:
+    P = 3
+    ring = Ring(root, P, {**RING, "optimizer": "adamw", "steps": 8}).prepare()
+    evil = ring.worker_cmd(0, [] if bounds_on else OFF)
+    evil[: len(WORKER)] = [WORKER[0], "-m", "tests.evil_worker"]
+    ring.start(extra={i: [] if bounds_on else OFF for i in range(1, P)}, only=(1, 2))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EVIL_FROM": "3"}
+    log = root / "worker-0.log"
+    log.write_bytes(b"")
+    ring.procs.insert(0, spawn(evil, log, env))
+    codes = {}
+    try:
+        for i, p in enumerate(ring.procs):
+            codes[i] = p.wait(timeout=180)
+    finally:
+        ring.stop()
+    return ring, codes
+
+
+@pytest.mark.slow
+def test_a_site_sending_hidden_states_x1e6_over_grpc_is_refused_by_its_successor(
+    tmp_path: Path,
+) -> None:
+    """(Real workers, mTLS gRPC.) worker-0 holds a valid certificate and, from step 3
+    on, scales every hidden state it sends by 1e6. With the bounds on, worker-1 refuses the
+    first such frame, naming worker-0 and the figure, and the run stops there (a ring run
+    fails rather than train on it); with them off the frames pass and the losses leave the
+    clean run's."""
+    ring, codes = _evil_ring(tmp_path / "on", bounds_on=True)
+    victim = ring.log(1, None)
+    assert "hidden state from worker-0 (TRAIN FORWARD step 3" in victim, victim[-3000:]
+    assert "per-token RMS of" in victim and "above its bound" in victim
+    assert codes[1] != 0
+    losses = ring.losses()
+    assert max(step for step, _ in losses) < 3  # nothing trained on the lie
+    ref, _ = ring.reference()
+    assert all(losses[k] == ref[k] for k in losses)
+
+    ring, codes = _evil_ring(tmp_path / "off", bounds_on=False)
+    assert "per-token RMS" not in ring.log(1, None)
+    losses = ring.losses()
+    ref, _ = ring.reference()
+    assert any(losses.get(k) != ref[k] for k in ref if k[0] >= 3)  # the lie went through
