@@ -289,12 +289,14 @@ class ErClip(StrategyWrapper):
         self.clip = clip
         self.clipped: dict[int, int] = {}  # site → rounds its update was clipped
         self.last: dict[int, str] = {}
+        self.round_clipped: dict[int, str] = {}  # the last round's clips: site → why
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
         sent = self.sent
+        self.round_clipped = {}
         ok = [r for r in replies if not r.has_error() and ARRAYS in r.content.array_records]
         if sent is None or not ok:
             return self.strategy.aggregate_train(server_round, replies)
@@ -322,7 +324,7 @@ class ErClip(StrategyWrapper):
                 f"round {server_round}: worker-{rank}'s E/R update norm {norm:.3g} clipped "
                 f"to {bound:.3g}"
             )
-            self.last[rank] = why
+            self.last[rank] = self.round_clipped[rank] = why
             log.warning("%s", why)
         return self.strategy.aggregate_train(server_round, replies)
 

@@ -343,3 +343,24 @@ def test_a_site_sending_hidden_states_x1e6_over_grpc_is_refused_by_its_successor
     losses = ring.losses()
     ref, _ = ring.reference()
     assert any(losses.get(k) != ref[k] for k in ref if k[0] >= 3)  # the lie went through
+
+
+def test_clipped_sites_reach_the_coordinator_status_and_become_suspects() -> None:
+    from mobius_fed.coordinator.state import RunState
+    from mobius_fed.coordinator.status_model import StatusModel
+
+    strategy = _strategy("fedavg", {})
+    start, poisoned = _updates(1000.0)
+    state = RunState(run_id="r", P=P, steps=4, strategy="fedavg", num_rounds=4)
+    assert state.status_doc()["bounds"] is None
+    for n in range(1, 4):
+        _round(strategy, poisoned, start)
+        clip = wrapper_of(strategy, ErClip)
+        assert clip is not None and list(clip.round_clipped) == [3]
+        for rank, why in clip.round_clipped.items():  # as the coordinator's after_train does
+            state.record_clip(rank, why, suspect_after=3)
+        doc = state.status_doc()["bounds"]
+        assert doc["er_clipped"] == {"worker-3": n}
+        assert doc["suspects"] == (["worker-3"] if n == 3 else [])
+    assert "worker-3's E/R update norm" in doc["last"]["worker-3"]
+    StatusModel.model_validate(state.status_doc())  # the status schema holds it
