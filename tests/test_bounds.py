@@ -364,3 +364,13 @@ def test_clipped_sites_reach_the_coordinator_status_and_become_suspects() -> Non
         assert doc["suspects"] == (["worker-3"] if n == 3 else [])
     assert "worker-3's E/R update norm" in doc["last"]["worker-3"]
     StatusModel.model_validate(state.status_doc())  # the status schema holds it
+
+
+def test_a_sender_of_all_zero_tensors_is_bounded_by_the_ceiling_alone() -> None:
+    rules = _rules(warmup=2)
+    key = FrameKey(TRAIN, 0, FORWARD, 0, 1, 0)
+    for _ in range(4):
+        rules.check_tensor(key, torch.zeros_like(_state()), FORWARD)
+    rules.check_tensor(key, _state(), FORWARD)  # a median of 0 does not refuse everything
+    with pytest.raises(BoundError, match=r"RMS of inf, above its bound 1e\+04"):
+        rules.check_tensor(key, torch.full_like(_state(), 3e38), FORWARD)  # overflows: inf

@@ -9,6 +9,7 @@ back. Routes and the deliver / relay / refuse decision: docs/architecture.md §6
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import threading
 from collections import deque
@@ -64,7 +65,8 @@ def token_rms(tensor: torch.Tensor, channels: int | None = None) -> float:
     x = tensor if channels is None else tensor[..., :channels]
     if x.numel() == 0:
         return 0.0
-    return float(x.float().pow(2).mean(dim=-1).sqrt().max())
+    norms = torch.linalg.vector_norm(x.float(), dim=-1)  # overflow: inf, refused
+    return float(norms.max()) / math.sqrt(x.shape[-1])
 
 
 class FrameBounds:
@@ -100,7 +102,7 @@ class FrameBounds:
         if seen is None or len(seen) < c.warmup:
             return ceiling, f"the ceiling {ceiling:.3g}"
         median = statistics.median(seen)
-        if factor * median >= ceiling:
+        if median <= 0 or factor * median >= ceiling:  # all-zero tensors bound nothing
             return ceiling, f"the ceiling {ceiling:.3g}"
         return factor * median, f"{factor:g} × its running median {median:.3g}"
 
