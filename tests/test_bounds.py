@@ -23,6 +23,7 @@ from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.federated import train_with_strategy
 from mobius_fed.messages import ARRAYS
+from mobius_fed.ops.federation import LocalFederation
 from mobius_fed.strategies import ErClip, RoundPlan, UpdateClip, make_strategy, wrapper_of
 from mobius_fed.transport.codec import FrameError, NonFiniteError, encode_frames
 from mobius_fed.transport.flower_wire import COORDINATOR_NODE_ID, set_task_identity, worker_node_id
@@ -306,7 +307,7 @@ def _evil_ring(root: Path, bounds_on: bool) -> Any:
     evil = ring.worker_cmd(0, [] if bounds_on else OFF)
     evil[: len(WORKER)] = [WORKER[0], "-m", "tests.evil_worker"]
     ring.start(extra={i: [] if bounds_on else OFF for i in range(1, P)}, only=(1, 2))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "EVIL_FROM": "3"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EVIL_SCALE": "1e6", "EVIL_FROM": "3"}
     log = root / "worker-0.log"
     log.write_bytes(b"")
     ring.procs.insert(0, spawn(evil, log, env))
@@ -374,3 +375,63 @@ def test_a_sender_of_all_zero_tensors_is_bounded_by_the_ceiling_alone() -> None:
     rules.check_tensor(key, _state(), FORWARD)  # a median of 0 does not refuse everything
     with pytest.raises(BoundError, match=r"RMS of inf, above its bound 1e\+04"):
         rules.check_tensor(key, torch.full_like(_state(), 3e38), FORWARD)  # overflows: inf
+
+
+class _EvilFederation(LocalFederation):
+    """A federation whose last worker runs tests/evil_worker.py (``EVIL_ER`` in its env)."""
+
+    def worker_cmd(self, i: int) -> list[str]:
+        cmd = super().worker_cmd(i)
+        if i == self.train.workers - 1:
+            cmd[1:3] = ["-m", "tests.evil_worker"]
+        return cmd
+
+
+def _clean_reference(fed: LocalFederation) -> list[list[float]]:
+    cfg = fed.train.model_copy(update={"bounds": BoundsConfig(er_clip_factor=0)})
+    sites = [SiteData(fed.sites / f"site-{i}", cfg.model().seq_len) for i in range(cfg.P)]
+    grid = train_with_strategy(
+        ReferenceEngine(cfg, sites), make_strategy("fedavg", cfg.P, RoundPlan.of(cfg))
+    )
+    return [e.origin_losses for e in grid.evals]
+
+
+@pytest.mark.slow
+def test_a_poisoned_er_update_is_clipped_by_the_coordinator_and_its_site_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Coordinator and workers as processes, mTLS.) worker-2 scales its E/R update ×1000
+    at every barrier. With the bounds off it drags the averaged E/R, and the honest
+    origins' validation losses leave the clean run's; with them on, the coordinator clips
+    it every round and names worker-2 a suspect in its status; the default clip (×10 the
+    round's lower median) only bounds the damage, a tight one (×1.5) keeps the honest
+    origins close to the clean run."""
+    monkeypatch.setenv("EVIL_ER", "1000")
+    dev, status = {}, {}
+    runs = (("on", {}), ("tight", {"er_clip_factor": 1.5}), ("off", {"er_clip_factor": 0}))
+    for name, bounds in runs:
+        train = TrainConfig(
+            workers=3, preset="cpu-tiny", batch_size=4, optimizer="adamw", steps=4,
+            sync_every=1, eval_every=2, bounds=bounds,
+        )  # fmt: skip
+        fed = _EvilFederation(tmp_path / name, train)
+        fed.prepare().start()
+        try:
+            final = fed.wait(timeout=300)
+            assert final["phase"] == "done", (final, fed.tail("coordinator"))
+            status[name] = fed.rest("/v1/status")
+            evals = [e["origin_losses"] for e in fed.rest("/v1/history")["evals"]]
+        finally:
+            fed.stop()
+        clean = _clean_reference(fed)
+        dev[name] = max(abs(a[s] - b[s]) for a, b in zip(evals, clean) for s in (0, 1))
+    assert status["off"]["bounds"] is None
+    for name in ("on", "tight"):
+        b = status[name]["bounds"]
+        assert b["er_clipped"] == {"worker-2": 4} and b["suspects"] == ["worker-2"]
+        assert "worker-2's E/R update norm" in b["last"]["worker-2"]
+    assert dev["off"] > 0.5, dev  # the lie moved the honest origins
+    # the default clip (10 × the lower median) bounds the lie but lets up to 10/P honest
+    # updates' worth through each round; a tight one (1.5) keeps the honest origins close
+    assert dev["tight"] < dev["on"] < dev["off"], dev
+    assert dev["tight"] < dev["off"] / 3, dev
