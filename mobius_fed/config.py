@@ -36,6 +36,61 @@ from mobius_fed.transport.wire_config import CodecName, WireConfig
 ENCODING_VOCAB = BUILTIN_VOCAB  # plus hf:<tokenizer.json> (data §tokenizers)
 
 
+class BoundsConfig(BaseModel):
+    """Bounds on what a site sends (docs/security.md, "Bounds on what a site sends"): the
+    per-token RMS of every hidden state and gradient a worker receives, checked against
+    its sender's running median and a ceiling, and a clip of each site's E/R update at the
+    barrier. On by default with generous limits: a clean run never reaches them, so its
+    losses are those of a run without them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    frames: bool = Field(
+        True,
+        description="check the per-token RMS of every received hidden state and gradient "
+        "(non-finite values are refused either way)",
+    )
+    state_factor: float = Field(
+        100.0,
+        gt=1,
+        description="refuse a hidden state whose largest per-token RMS exceeds this many "
+        "times the running median of its sender's",
+    )
+    grad_factor: float = Field(
+        300.0,
+        gt=1,
+        description="refuse a gradient whose largest per-token RMS exceeds this many times "
+        "the running median of its sender's",
+    )
+    state_ceiling: float = Field(
+        1e4, gt=0, description="refuse a hidden state with a per-token RMS above this"
+    )
+    grad_ceiling: float = Field(
+        1e4, gt=0, description="refuse a gradient with a per-token RMS above this"
+    )
+    window: int = Field(
+        64, ge=1, description="frames per sender and kind the running median is taken over"
+    )
+    warmup: int = Field(
+        8,
+        ge=1,
+        description="frames a sender's median needs before the relative bound applies "
+        "(before: the ceiling alone)",
+    )
+    suspect_after: int = Field(
+        3, ge=1, description="refused frames after which a sender is reported as suspect"
+    )
+    er_clip_factor: float = Field(
+        10.0,
+        ge=0,
+        description="at a barrier, clip a site's E/R update norm to this many times the "
+        "round's lower median of the update norms (0: off)",
+    )
+    er_clip_max: float | None = Field(
+        None, gt=0, description="at a barrier, clip a site's E/R update norm to this; unset: none"
+    )
+
+
 class TrainConfig(BaseModel):
     """Everything that defines the math of a run: equal configs give equal losses."""
 
@@ -121,6 +176,7 @@ class TrainConfig(BaseModel):
     knobs: LoopKnobs = Field(default_factory=LoopKnobs)
     subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    bounds: BoundsConfig = Field(default_factory=BoundsConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -410,4 +466,5 @@ LATER_SETTINGS: dict[tuple[str, ...], Any] = {
     ("subspace", "schedule"): "run",
     ("privacy", "preset"): "off",
     ("privacy", "input_epsilon_target"): None,
+    ("bounds",): BoundsConfig().model_dump(mode="json"),
 }

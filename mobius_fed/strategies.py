@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -46,6 +47,7 @@ from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.flower_wire import rank_of_node
 
 Arrays = list[np.ndarray]
+log = logging.getLogger("mobius.strategy")
 
 
 def nesterov_step(
@@ -239,6 +241,91 @@ class ErAveraging(StrategyWrapper):
                     f"round {server_round}: worker-{rank} sent back tensors other than the "
                     f"round's shared ones: {', '.join(odd)}"
                 )
+        return self.strategy.aggregate_train(server_round, replies)
+
+
+def update_norm(record: ArrayRecord, base: ArrayRecord) -> float:
+    """The L2 norm of ``record`` − ``base`` over all their arrays (in float64)."""
+    total = 0.0
+    for name, a in record.items():
+        d = a.numpy().astype(np.float64) - base[name].numpy().astype(np.float64)
+        total += float(np.dot(d.ravel(), d.ravel()))
+    return float(np.sqrt(total))
+
+
+@dataclass(frozen=True)
+class UpdateClip:
+    """The barrier's bound on each site's E/R update (``bounds.er_clip_factor`` /
+    ``er_clip_max``): an update norm above ``factor`` × the round's lower median of the
+    update norms, or above ``ceiling``, is scaled down to that bound. The lower median is
+    an honest site's norm while fewer than half the sites lie (with P = 2, the smaller)."""
+
+    factor: float = 0.0  # 0: no relative bound
+    ceiling: float | None = None
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> UpdateClip | None:
+        b = cfg.bounds
+        if not b.er_clip_factor and b.er_clip_max is None:
+            return None
+        return cls(b.er_clip_factor, b.er_clip_max)
+
+    def bound(self, norms: list[float]) -> float:
+        bound = float("inf")
+        if self.factor and norms:
+            bound = self.factor * sorted(norms)[(len(norms) - 1) // 2]
+        if self.ceiling is not None:
+            bound = min(bound, self.ceiling)
+        return bound
+
+
+class ErClip(StrategyWrapper):
+    """Clips each reply's E/R update (:class:`UpdateClip`) before the strategy inside
+    averages it. A reply within its bound is left as it came, bit for bit; one above it
+    becomes ``sent + update · bound/norm`` and is counted against its site (``clipped``)."""
+
+    def __init__(self, strategy: Strategy, clip: UpdateClip) -> None:
+        super().__init__(strategy)
+        self.clip = clip
+        self.clipped: dict[int, int] = {}  # site → rounds its update was clipped
+        self.last: dict[int, str] = {}
+        self.round_clipped: dict[int, str] = {}  # the last round's clips: site → why
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        sent = self.sent
+        self.round_clipped = {}
+        ok = [r for r in replies if not r.has_error() and ARRAYS in r.content.array_records]
+        if sent is None or not ok:
+            return self.strategy.aggregate_train(server_round, replies)
+        norms = [update_norm(r.content.array_records[ARRAYS], sent) for r in ok]
+        bound = self.clip.bound(norms)
+        for reply, norm in zip(ok, norms, strict=True):
+            if norm <= bound:
+                continue
+            rank = rank_of_node(reply.metadata.src_node_id)
+            scale = bound / norm
+            record = reply.content.array_records[ARRAYS]
+            reply.content[ARRAYS] = ArrayRecord(
+                {
+                    name: Array(
+                        np.asarray(
+                            sent[name].numpy() + (a.numpy() - sent[name].numpy()) * scale,
+                            dtype=a.numpy().dtype,
+                        )
+                    )
+                    for name, a in record.items()
+                }
+            )
+            self.clipped[rank] = self.clipped.get(rank, 0) + 1
+            why = (
+                f"round {server_round}: worker-{rank}'s E/R update norm {norm:.3g} clipped "
+                f"to {bound:.3g}"
+            )
+            self.last[rank] = self.round_clipped[rank] = why
+            log.warning("%s", why)
         return self.strategy.aggregate_train(server_round, replies)
 
 
@@ -586,18 +673,23 @@ def make_strategy(
     er_privacy: Any = None,
     secagg: Any = None,
     rings: RingPlan | None = None,
+    update_clip: UpdateClip | None = None,
     **barrier: Any,
 ) -> BarrierRounds:
     """The run's strategy: the Flower strategy ``name`` inside one wrapper per feature,
-    ``BarrierRounds(RingSync(ErDp(SecAggRounds(ErAveraging(flower)))))`` (the ones turned
-    on). ``P``: the number of workers (all R·P sites with several rings).
+    ``BarrierRounds(RingSync(ErDp(SecAggRounds(ErAveraging(ErClip(flower))))))`` (the ones
+    turned on). ``P``: the number of workers (all R·P sites with several rings).
 
     ``er_privacy`` turns on :class:`ErDp`, ``secagg`` :class:`SecAggRounds`, ``rings``
-    :class:`RingSync`; ``barrier``
+    :class:`RingSync`, ``update_clip`` (``UpdateClip.of(cfg)``) :class:`ErClip`, except
+    under SecAgg, where no single update is visible; ``barrier``
     goes to :class:`BarrierRounds`: ``hooks``, ``state_copy``, ``keep_checkpoints``,
     ``barrier_snapshots`` (another name is a TypeError there).
     """
-    strategy: Strategy = ErAveraging(flower_strategy(name, P, options))
+    strategy: Strategy = flower_strategy(name, P, options)
+    if update_clip is not None and secagg is None:
+        strategy = ErClip(strategy, update_clip)
+    strategy = ErAveraging(strategy)
     if secagg is not None:
         strategy = SecAggRounds(strategy, secagg)
     if er_privacy is not None:  # under SecAgg the sites clip their own updates

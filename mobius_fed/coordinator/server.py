@@ -38,11 +38,14 @@ from mobius_fed.machines import LIVE_PHASES, IncidentState, Phase
 from mobius_fed.model import build_group, build_replica
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.strategies import (
+    ErClip,
     RingPlan,
     RoundPlan,
+    UpdateClip,
     make_strategy,
     restore_server_state,
     server_state,
+    wrapper_of,
 )
 from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.flower_wire import COORDINATOR_NODE_ID, set_task_identity
@@ -267,6 +270,7 @@ class Coordinator:
             er_privacy=self.er_privacy,
             secagg=self.secagg,
             rings=RingPlan.of(self.train),
+            update_clip=UpdateClip.of(self.train),
             state_copy=self.cfg.state_copy == "coordinator",
             barrier_snapshots=self.cfg.barrier_snapshots,
             # One more file than manifests: a worker writes round r before its manifest commits.
@@ -326,6 +330,9 @@ class Coordinator:
 
     def after_train(self, rnd: int, replies: list[Message], arrays: ArrayRecord | None) -> None:
         self.recorder.record_train(rnd, replies)
+        clip = wrapper_of(self.strategy, ErClip)
+        for rank, why in clip.round_clipped.items() if clip is not None else ():
+            self.state.record_clip(rank, why, self.train.bounds.suspect_after)
         self.recovery.in_flight = 0
         if arrays is not None:
             self.store.keep(rnd, arrays, server_state(self.strategy), replies)

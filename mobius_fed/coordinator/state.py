@@ -52,6 +52,9 @@ class RunState:
     incidents: list[IncidentModel] = field(default_factory=list)
     config: dict[str, Any] | None = None  # the run's configuration, for status and dashboard
     privacy: Callable[[int], dict[str, Any] | None] | None = None  # step → status block
+    clipped: dict[int, int] = field(default_factory=dict)  # site → E/R updates clipped
+    clip_last: dict[int, str] = field(default_factory=dict)  # site → its last clip
+    suspect_after: int = 3
     layers: tuple[int, ...] | None = None  # the split: blocks of each worker's group
     loops: int = 1  # L: a worker applies its group L·P times per step
     totals: dict[str, float] = field(
@@ -245,6 +248,7 @@ class RunState:
                 "config": self.config,
                 "pace": self._pace(),
                 "privacy": self._privacy_block(),
+                "bounds": self._bounds_block(),
                 "train_loss": self._train_loss(),
                 "workers": [
                     {
@@ -271,6 +275,30 @@ class RunState:
             "step_compute_s": slow_s,
             "others_s": next_s,
             "summary": f"worker-{slow} holds the ring to {share:.2f} of the others' pace",
+        }
+
+    def record_clip(self, rank: int, why: str, suspect_after: int) -> None:
+        """Site ``rank``'s E/R update was clipped at a barrier (docs/security.md, "Bounds
+        on what a site sends"); ``suspect_after`` clips make it a suspect."""
+        with self._lock:
+            self.clipped[rank] = self.clipped.get(rank, 0) + 1
+            self.clip_last[rank] = why
+            self.suspect_after = suspect_after
+            if self.clipped[rank] == suspect_after:
+                log.error(
+                    "worker-%d is suspect: %d of its E/R updates clipped", rank, suspect_after
+                )
+
+    def _bounds_block(self) -> dict[str, Any] | None:
+        """E/R updates clipped per site and the suspects (None while nothing was clipped)."""
+        if not self.clipped:
+            return None
+        return {
+            "er_clipped": {f"worker-{r}": n for r, n in sorted(self.clipped.items())},
+            "last": {f"worker-{r}": w for r, w in sorted(self.clip_last.items())},
+            "suspects": [
+                f"worker-{r}" for r, n in sorted(self.clipped.items()) if n >= self.suspect_after
+            ],
         }
 
     def _privacy_block(self) -> dict[str, Any] | None:

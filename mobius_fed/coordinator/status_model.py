@@ -177,6 +177,11 @@ class StatusModel(BaseModel):
             "and per sequence, per site, with what it covers and what it does not"
         ),
     )
+    bounds: dict[str, Any] | None = Field(
+        None,
+        description="E/R updates clipped at barriers per site, the last clip of each, and "
+        "the suspects (docs/security.md, 'Bounds on what a site sends'); null until one is",
+    )
     workers: list[WorkerModel]
 
 

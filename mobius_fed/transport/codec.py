@@ -62,6 +62,10 @@ class FrameError(ValueError):
     """A received frame or tensor failed validation; the frame must be dropped."""
 
 
+class NonFiniteError(FrameError):
+    """A received tensor holds NaN or ±Inf (a receiver counts it against its sender)."""
+
+
 def _wire_name(wire: str) -> str:
     if wire not in WIRE_DTYPES:
         raise ValueError(f"unknown wire dtype {wire!r}; expected one of {sorted(WIRE_DTYPES)}")
@@ -129,7 +133,7 @@ def _check_finite(t: torch.Tensor) -> None:
     # Half pieces are summed in fp32 so that large-but-finite values rarely overflow.
     total = t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()
     if not bool(torch.isfinite(total)) and not bool(torch.isfinite(t).all()):
-        raise FrameError("tensor rejected: non-finite values (NaN or Inf)")
+        raise NonFiniteError("tensor rejected: non-finite values (NaN or Inf)")
 
 
 def decode_tensor(
@@ -598,4 +602,5 @@ class TensorAssembler:
         try:
             return codec.decode(out, self.shape).to(self.out_dtype)
         except CodecError as exc:
-            raise FrameError(f"tensor rejected: {exc}") from exc
+            kind = NonFiniteError if "non-finite" in str(exc) else FrameError
+            raise kind(f"tensor rejected: {exc}") from exc

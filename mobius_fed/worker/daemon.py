@@ -94,6 +94,9 @@ def run_static_ring(cfg: WorkerConfig) -> Path:
     if links is not None:
         links.finish(timeout=cfg.peer_timeout)
     log.info("worker-%d done in %.1fs", cfg.rank, time.perf_counter() - start)
+    if executor.bounds.peak:  # how close the run came to its bounds (docs/security.md)
+        log.info("worker-%d: largest ratio to a sender's running median: %s", cfg.rank,
+                 executor.bounds.margin())  # fmt: skip
     return metrics
 
 
@@ -123,6 +126,7 @@ def _train_step(cfg: WorkerConfig, executor: RingExecutor, links: RingLinks | No
         "seconds": r.seconds,
         "bytes_sent": links.bytes_sent if links else 0,
         "peak_bytes": peak_bytes(executor.device),
+        **executor.bounds.report(),  # refused frames per sender and suspects, once any
     }
     f.write(json.dumps(row) + "\n")
     f.flush()

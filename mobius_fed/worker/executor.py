@@ -30,7 +30,15 @@ from mobius_fed.hop import HopContext
 from mobius_fed.model import build_group
 from mobius_fed.model.layers import resolve_device
 from mobius_fed.model.training import make_optimizers, mean_loss, scale_grads, step_optimizers
-from mobius_fed.worker.frames import BACKWARD, EVAL, FORWARD, TRAIN, FrameKey, FrameRules
+from mobius_fed.worker.frames import (
+    BACKWARD,
+    EVAL,
+    FORWARD,
+    TRAIN,
+    FrameBounds,
+    FrameKey,
+    FrameRules,
+)
 from mobius_fed.worker.link import RingLinks
 
 log = logging.getLogger("mobius.executor")
@@ -58,7 +66,8 @@ class RingExecutor:
         self.group_opts = make_optimizers(self.group, cfg, blocks=True)
         self.replica_opts = make_optimizers(self.replica, cfg, blocks=False)
         self.step = 0
-        self.rules = FrameRules(cfg, rank, run_id, lambda: self.step)
+        self.bounds = FrameBounds(cfg.bounds, rank)  # lives as long as this worker
+        self.rules = FrameRules(cfg, rank, run_id, lambda: self.step, self.bounds)
         self.ticks = schedule.worker_schedule(cfg.order, rank, cfg.P, cfg.loops)  # (t, s)
         self.applications = [(t, s, m) for t, s in self.ticks for m in range(cfg.micro_batches)]
         self.links: RingLinks | None = None
@@ -213,7 +222,7 @@ class RingExecutor:
     def set_run_id(self, run_id: str) -> None:
         """Address a new ring incarnation: frames of any earlier one are refused."""
         self.run_id = run_id
-        self.rules = FrameRules(self.cfg, self.rank, run_id, lambda: self.step)
+        self.rules = FrameRules(self.cfg, self.rank, run_id, lambda: self.step, self.bounds)
 
     def abandon_step(self) -> None:
         """Forget a step in flight: accumulated gradients and frames kept for itself."""

@@ -8,18 +8,26 @@ back. Routes and the deliver / relay / refuse decision: docs/architecture.md §6
 
 from __future__ import annotations
 
+import logging
+import math
+import statistics
+import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from mobius_fed import schedule
-from mobius_fed.config import TrainConfig
+from mobius_fed.config import BoundsConfig, TrainConfig
 from mobius_fed.proto import ring_pb2
-from mobius_fed.transport.codec import FrameError, direction_name
+from mobius_fed.transport.codec import FrameError, NonFiniteError, direction_name
 
 FORWARD, BACKWARD, FIN = ring_pb2.FORWARD, ring_pb2.BACKWARD, ring_pb2.FIN
 ACK, CLOSE = ring_pb2.ACK, ring_pb2.CLOSE  # link control (see ring.proto)
 TRAIN, EVAL = ring_pb2.TRAIN, ring_pb2.EVAL
 DELIVER, RELAY = "deliver", "relay"
+log = logging.getLogger("mobius.bounds")
 
 
 def edge_name(a: int, b: int) -> str:
@@ -47,11 +55,142 @@ class FrameKey:
         return f"{p} {d} step {self.step} origin {self.origin} slot {self.tick} micro {self.micro}"
 
 
+class BoundError(FrameError):
+    """A received hidden state or gradient above its sender's bound."""
+
+
+def token_rms(tensor: torch.Tensor, channels: int | None = None) -> float:
+    """The largest per-token RMS of a [..., width] tensor (its first ``channels`` channels:
+    a forward tensor in subspace mode ``tokens`` carries the ids in its last one)."""
+    x = tensor if channels is None else tensor[..., :channels]
+    if x.numel() == 0:
+        return 0.0
+    norms = torch.linalg.vector_norm(x.float(), dim=-1)  # overflow: inf, refused
+    return float(norms.max()) / math.sqrt(x.shape[-1])
+
+
+class FrameBounds:
+    """Bounds on the hidden states and gradients worker ``rank`` receives (settings:
+    :class:`~mobius_fed.config.BoundsConfig`; docs/security.md, "Bounds on what a site
+    sends").
+
+    A tensor's figure is its largest per-token RMS. It is refused above the kind's ceiling,
+    or, once its sender (the frame's producer) has ``warmup`` accepted frames of that kind,
+    above ``factor`` × the median of the last ``window`` of them. Refusals, non-finite ones
+    included (:meth:`count`), are counted per sender; a sender with ``suspect_after`` or
+    more is suspect. Accepted frames change nothing but the running medians: a run whose
+    frames all pass is the run without bounds. One object lives as long as its worker,
+    across ring incarnations; both link threads call it.
+    """
+
+    def __init__(self, cfg: BoundsConfig, rank: int) -> None:
+        self.cfg, self.rank = cfg, rank
+        self._seen: dict[tuple[int, int, int], deque[float]] = {}  # (sender, direction, slot)
+        self.refused: dict[int, int] = {}  # sender → refused frames
+        self.last: dict[int, str] = {}  # sender → why its last frame was refused
+        # direction → the largest figure / running median seen (the margin a run had)
+        self.peak: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def limit(self, sender: int, direction: int, slot: int) -> tuple[float, str]:
+        """The bound on ``sender``'s next tensor of slot ``slot`` travelling ``direction``,
+        and how it was set (for the refusal's message)."""
+        c = self.cfg
+        ceiling = c.state_ceiling if direction == FORWARD else c.grad_ceiling
+        factor = c.state_factor if direction == FORWARD else c.grad_factor
+        seen = self._seen.get((sender, direction, slot))
+        if seen is None or len(seen) < c.warmup:
+            return ceiling, f"the ceiling {ceiling:.3g}"
+        median = statistics.median(seen)
+        if median <= 0 or factor * median >= ceiling:  # all-zero tensors bound nothing
+            return ceiling, f"the ceiling {ceiling:.3g}"
+        return factor * median, f"{factor:g} × its running median {median:.3g}"
+
+    def check(
+        self,
+        key: FrameKey,
+        tensor: torch.Tensor,
+        sender: int,
+        relayed_by: int | None = None,
+        ids: bool = False,
+    ) -> None:
+        """Accept ``tensor`` (frame ``key`` from ``sender``, the worker that computed it)
+        or raise :class:`BoundError` naming the sender and the figure. ``ids``: its last
+        channel holds token ids and is left out."""
+        if not self.cfg.frames:
+            return
+        channels = tensor.shape[-1] - 1 if ids else None
+        figure = token_rms(tensor, channels)
+        with self._lock:
+            bound, how = self.limit(sender, key.direction, key.tick)
+            seen = self._seen.get((sender, key.direction, key.tick))
+            if seen is not None and len(seen) >= self.cfg.warmup:
+                ratio = figure / max(statistics.median(seen), 1e-30)
+                self.peak[key.direction] = max(self.peak.get(key.direction, 0.0), ratio)
+            if figure <= bound:
+                seen = self._seen.setdefault(
+                    (sender, key.direction, key.tick), deque(maxlen=self.cfg.window)
+                )
+                seen.append(figure)
+                return
+        what = "hidden state" if key.direction == FORWARD else "gradient"
+        via = f" (relayed by worker-{relayed_by})" if relayed_by is not None else ""
+        msg = (
+            f"tensor rejected: {what} from worker-{sender}{via} ({key.describe()}) has a "
+            f"per-token RMS of {figure:.3g}, above its bound {bound:.3g} ({how})"
+        )
+        self.count(sender, msg)
+        raise BoundError(msg)
+
+    def count(self, sender: int, why: str) -> None:
+        """Count one refused frame against ``sender``; log it suspect at the threshold."""
+        with self._lock:
+            n = self.refused[sender] = self.refused.get(sender, 0) + 1
+            self.last[sender] = why
+        if n == self.cfg.suspect_after:
+            log.error(
+                "worker-%d: worker-%d is suspect: %d of its frames refused (last: %s)",
+                self.rank,
+                sender,
+                n,
+                why,
+            )
+
+    def margin(self) -> str:
+        """The largest ratio to a sender's running median seen so far, per kind."""
+        return ", ".join(
+            f"{'states' if d == FORWARD else 'gradients'} ×{r:.3g}"
+            for d, r in sorted(self.peak.items())
+        )
+
+    @property
+    def suspects(self) -> list[int]:
+        """Senders with ``suspect_after`` or more refused frames."""
+        with self._lock:
+            return sorted(w for w, n in self.refused.items() if n >= self.cfg.suspect_after)
+
+    def report(self) -> dict[str, object]:
+        """Refusals per sender and the suspects, as metrics lines carry them ({} if none)."""
+        with self._lock:
+            if not self.refused:
+                return {}
+            refused = {f"worker-{w}": n for w, n in sorted(self.refused.items())}
+        return {"refused_frames": refused, "suspects": [f"worker-{w}" for w in self.suspects]}
+
+
 class FrameRules:
     """Header validation and routing for one run, as seen from worker ``rank``."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, run_id: str, current_step: Callable[[], int]):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        rank: int,
+        run_id: str,
+        current_step: Callable[[], int],
+        bounds: FrameBounds | None = None,
+    ):
         self.cfg, self.rank, self.run_id = cfg, rank, run_id
+        self.bounds = bounds if bounds is not None else FrameBounds(cfg.bounds, rank)
         self.P, self.K, self.M = cfg.P, cfg.K, cfg.micro_batches
         self.paths = [schedule.path(cfg.order, s, cfg.P, cfg.loops) for s in range(cfg.P)]
         mc = cfg.model()
@@ -114,6 +253,30 @@ class FrameRules:
             f"frame rejected: {what} cannot arrive from worker-{sender} ({why}; "
             f"producer worker-{route[0]})"
         )
+
+    def sender(self, key: FrameKey) -> int:
+        """The worker that computed frame ``key``'s tensor: slot τ's producer (FORWARD), or
+        its consumer, which sends the slot's gradient back (BACKWARD)."""
+        if key.direction == FORWARD:
+            return self.producer(key.origin, key.tick)
+        return self.consumer(key.origin, key.tick)
+
+    def check_tensor(self, key: FrameKey, tensor: torch.Tensor, side: int) -> None:
+        """The bounds on a tensor delivered to this worker on ``side`` (FORWARD: from the
+        predecessor; BACKWARD: from the successor): :meth:`FrameBounds.check`."""
+        sender = self.sender(key)
+        neighbour = (self.rank - 1) % self.P if side == FORWARD else (self.rank + 1) % self.P
+        relayed_by = None if neighbour == sender else neighbour
+        ids = self.ids and key.direction == FORWARD
+        self.bounds.check(key, tensor, sender, relayed_by, ids)
+
+    def non_finite(self, key: FrameKey, exc: FrameError) -> FrameError:
+        """A tensor refused for non-finite values, counted against its sender; the error
+        names the sender and the frame."""
+        sender = self.sender(key)
+        msg = f"{exc} in {key.describe()}, computed by worker-{sender}"
+        self.bounds.count(sender, msg)
+        return NonFiniteError(msg)
 
     def micro_count(self, phase: int) -> int:
         return self.M * (self.cfg.eval_batches if phase == EVAL else 1)

@@ -19,7 +19,7 @@ import torch
 from mobius_fed.engine.wire_stages import codecs
 from mobius_fed.machines import EdgeState
 from mobius_fed.proto import ring_pb2
-from mobius_fed.transport.codec import FrameError, TensorAssembler, parse_frame
+from mobius_fed.transport.codec import FrameError, NonFiniteError, TensorAssembler, parse_frame
 from mobius_fed.transport.link_tuning import LinkTuning
 from mobius_fed.transport.tls import NodeTLS
 from mobius_fed.worker.frames import (
@@ -522,9 +522,13 @@ class FrameRouter:
                         raise FrameError(
                             f"frame rejected: replay of {key.describe()} (already relayed)"
                         )
-        tensor = s.pieces.add(key, frame, keep=mine, what=key.describe(), data=payload)
+        try:
+            tensor = s.pieces.add(key, frame, keep=mine, what=key.describe(), data=payload)
+        except NonFiniteError as exc:
+            raise self.rules.non_finite(key, exc) from exc
         if mine:
             if tensor is not None:
+                self.rules.check_tensor(key, tensor, side)  # the bounds (BoundError)
                 self.inbox.put(key, tensor, owner=s)
         else:
             held = s.relay_hold.setdefault(key, [])
