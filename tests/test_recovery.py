@@ -212,7 +212,8 @@ def test_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path: Path):
             assert time.monotonic() < deadline, fed.tail("coordinator")
             time.sleep(0.1)
         ballast = fed.coordinator_out / "ballast"
-        with open(ballast, "wb") as f, contextlib.suppress(OSError):  # fill the disk
+        # fill the disk; unbuffered, so closing the file has nothing left to flush
+        with contextlib.suppress(OSError), open(ballast, "wb", buffering=0) as f:
             while True:
                 f.write(b"\0" * (1 << 16))
                 f.flush()
