@@ -20,6 +20,7 @@ from mobius_fed.model.subspace import BasisLinear, subspace_basis
 from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.codec import FrameError, TensorAssembler, encode_frames, parse_frame
 from mobius_fed.worker.frames import FrameRules
+from tests.bench_loader import load_benchmark
 from tests.ring_harness import Ring
 from tests.test_export import val_losses
 
@@ -293,19 +294,8 @@ def test_ring_equals_reference_with_subspace(tmp_path: Path, order, loops, mode,
     assert 0 < sent < 0.4 * full, (sent, full)
 
 
-def _benchmark(name: str):
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bytes_and_projection_count_the_coordinates():
-    compression, wan = _benchmark("compression"), _benchmark("wan")
+    compression, wan = load_benchmark("compression"), load_benchmark("wan")
     sub = compression.parse_subspace("rank=12,mode=home")
     assert sub == {"rank": 12, "mode": "home"}
     assert compression.parse_subspace("rank=12,writes=full")["writes"] == "full"

@@ -14,6 +14,7 @@ from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.codec import FrameError, TensorAssembler, encode_frames, parse_frame
 from mobius_fed.transport.compress import CODECS, Codec, CodecError, pack_bits, unpack_bits
 from mobius_fed.transport.wire_config import WireConfig
+from tests.bench_loader import load_benchmark
 from tests.ring_harness import Ring
 
 SHAPE = (4, 32, 96)
@@ -216,21 +217,10 @@ def test_ids_codec_sends_token_ids_exactly_after_the_payload():
         codec.decode(payload[:10], (2, 7, 9))
 
 
-def _compression_benchmark():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "compression.py"
-    spec = importlib.util.spec_from_file_location("bench_compression", path)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_width_law_pairs_fits_and_judges_the_targets(tmp_path: Path):
     """The width-law table pairs each arm with the fp32 model of its own width and seed,
     fits Δ = a·d^−β (recovering a known law), extrapolates, and says met or missed."""
-    bench = _compression_benchmark()
+    bench = load_benchmark("compression")
     fit = bench.power_law([(48, 0.8), (96, 0.4), (192, 0.2)])
     assert fit["beta"] == pytest.approx(1.0) and fit["width_for"](0.02) == pytest.approx(1920)
     mid, (lo, hi) = fit["predict"](768)

@@ -3,25 +3,13 @@ memory limits, the wall-clock projection by hand, and the arms it picks for 4 an
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.bench_loader import BENCH, load_benchmark
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-peers = _load("peers")
+peers = load_benchmark("peers")
 
 
 def test_parameter_counts_match_the_built_model():
@@ -118,7 +106,7 @@ def test_wall_clock_favours_diloco_h100_for_gpt2_small_and_the_ring_for_the_larg
 
 
 def test_ring_bytes_are_wan_projects_worker_bytes():
-    wan = _load("wan")
+    wan = load_benchmark("wan")
     for scheme, ratio in (("fp32", 1.0), (f"wire={peers.CODEC}", peers.CODEC_RATIO["codec"])):
         want = wan.worker_bytes("gpt2-small", 4, 1, 8, scheme)
         assert peers.ring_step_bytes(peers.SHAPES[0], 4, 8, ratio) == pytest.approx(want)

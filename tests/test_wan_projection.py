@@ -5,29 +5,19 @@ compute it is fed. Pure Python, no testbed."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from mobius_fed.config import TrainConfig
+from tests.bench_loader import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-sim, wan, compression = _load("ring_step_sim"), _load("wan"), _load("compression")
+sim, wan, compression = (
+    load_benchmark("ring_step_sim"),
+    load_benchmark("wan"),
+    load_benchmark("compression"),
+)
 
 
 def _costs(M: int, c_f: float, c_b: float, t_f: float, t_b: float, **kw) -> object:
