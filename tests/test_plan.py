@@ -10,7 +10,14 @@ import pytest
 from mobius_fed.cli.main import main
 from mobius_fed.config import TrainConfig
 from mobius_fed.ops import plan as planner
-from mobius_fed.ops.plan import PlanError, plan_split, read_sites, site_costs, step_seconds
+from mobius_fed.ops.plan import (
+    PlanError,
+    plan_split,
+    read_sites,
+    site_costs,
+    site_flops,
+    step_seconds,
+)
 from mobius_fed.ops.step_sim import StepCosts, simulate_step
 
 CFG = dict(preset="cpu-tiny", batch_size=4)
@@ -104,3 +111,22 @@ def test_a_measured_block_time_is_for_the_home_batch(tmp_path) -> None:
     a, b = site_costs(cfg, sites, (8, 4))
     assert a.fwd_s == pytest.approx(8 * 0.004 / 2) and b.fwd_s == pytest.approx(4 * 0.008 / 2)
     assert b.bwd_s == pytest.approx(2 * b.fwd_s)
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_a_speed_from_measured_step_compute_gives_that_compute_back(micro: int) -> None:
+    """``site_flops``: a site that measured c compute seconds per step holding n blocks is
+    planned at a speed whose simulated step compute, holding n blocks, is c again; holding
+    fewer blocks, less."""
+    cfg = TrainConfig(**CFG, workers=4, micro_batches=micro)
+    site = planner.Site("w", site_flops(cfg, 3, 0.8), planner.UNSHAPED_BPS, 0.0, "")
+    K, M = cfg.K, cfg.micro_batches
+
+    def compute(n: int) -> float:
+        (c,) = site_costs(cfg, [site], (n,))
+        return K * M * (c.fwd_s + c.bwd_s) + M * c.head_s
+
+    assert compute(3) == pytest.approx(0.8)
+    assert compute(1) < compute(2) < 0.8
+    with pytest.raises(PlanError, match="compute > 0"):
+        site_flops(cfg, 3, 0.0)

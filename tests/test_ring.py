@@ -68,10 +68,11 @@ def test_ring_with_uneven_groups_equals_reference(
 ):
     """Groups sized to their sites (``--layers-per-group``): every worker builds its own
     F_i from the split, and the ring's train and eval losses equal the reference's bit for
-    bit (docs/ring.md, "Sites of unequal speed")."""
+    bit (docs/ring.md, "Sites of unequal speed"); with worker-1 emulating a site ×2 slower
+    (``--emulate-slowdown``, as the speed benchmark runs it) too."""
     train = {**BASE, "steps": 4, "order": order, "loops": loops, "layers_per_group": split}
     train.update(optimizer="adamw", eval_batches=1)
-    ring = Ring(tmp_path, P, train).prepare().start()
+    ring = Ring(tmp_path, P, train).prepare().start(extra={1: ["--emulate-slowdown", "2"]})
     ring.wait()
     assert assert_matches_reference(ring, tol=0.0) == 0.0
 

@@ -75,6 +75,18 @@ def head_flops(cfg: TrainConfig) -> float:
     return (1 + BACKWARD_OVER_FORWARD) * 2 * mc.vocab_size * mc.d_model * tokens
 
 
+def site_flops(cfg: TrainConfig, layers: int, step_compute_s: float) -> float:
+    """A site's effective FLOP/s from its measured compute seconds per step (``status``'s
+    ``step_compute_s``) while its group held ``layers`` blocks: the FLOPs the planner
+    counts for that step (K·M applications both ways, M heads) over those seconds."""
+    if step_compute_s <= 0 or layers < 1:
+        raise PlanError(f"plan: a measured step needs compute > 0 s and ≥ 1 layer, got "
+                        f"{step_compute_s} s and {layers}")  # fmt: skip
+    K, M = cfg.K, cfg.micro_batches
+    work = K * M * (1 + BACKWARD_OVER_FORWARD) * layers * block_flops(cfg) + M * head_flops(cfg)
+    return work / step_compute_s
+
+
 def hop_bytes(cfg: TrainConfig) -> tuple[int, int]:
     """(forward, backward) bytes of one remote hop of one micro-batch: the codec's payload
     (``wire_dtype`` where a direction has none) of what a slot carries (k-wide coordinates

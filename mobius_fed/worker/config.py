@@ -87,6 +87,13 @@ class WorkerConfig(BaseModel):
         None, ge=1, description="torch intra-op threads (unset: all cores of this host)"
     )
     capture_frames: Path | None = Field(None, description="audit: append every sent frame here")
+    emulate_slowdown: float = Field(
+        1.0,
+        ge=1.0,
+        description="benchmarks: behave as a site this many times slower than one core of "
+        "this host (each training application of its group lasts x times the CPU time it "
+        "used; the worker sleeps the rest); 1: off",
+    )
     link: LinkConfig = Field(default_factory=LinkConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     verify_train: bool = Field(

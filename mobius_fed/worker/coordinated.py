@@ -229,6 +229,7 @@ class WorkerNode:
         # R rings: worker g = r·P + i runs F_i of ring r (its executor's rank is i)
         i = spec.rank % train.P
         self.executor = RingExecutor(train, i, site, spec.run_id, self.cfg.peer_timeout)
+        self.executor.slowdown = self.cfg.emulate_slowdown
         set_task_identity(worker_node_id(spec.rank))
 
     # ----------------------------------------------------------------- ring

@@ -63,6 +63,7 @@ def run_static_ring(cfg: WorkerConfig) -> Path:
     if cfg.rank is None:  # the config's validator asks for it first
         raise ValueError("a static ring needs --rank")
     executor = RingExecutor(train, cfg.rank, site, cfg.run_id, cfg.peer_timeout)
+    executor.slowdown = cfg.emulate_slowdown
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"

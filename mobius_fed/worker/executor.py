@@ -82,6 +82,7 @@ class RingExecutor:
         self._warned_reencode = False
         self._local: dict[FrameKey, Tensor] = {}
         self._wait = 0.0
+        self.slowdown = 1.0  # benchmarks: behave as a site this many times slower
 
     # ------------------------------------------------------------ transport
     def _emit(self, key: FrameKey, tensor: Tensor, dest: int, ctx: HopContext) -> None:
@@ -138,6 +139,14 @@ class RingExecutor:
         self._emit(key, tensor, ctx.consumer if forward else ctx.producer, ctx)
 
     # ---------------------------------------------------------------- train
+    def _emulate_slower_site(self, start: tuple[float, float]) -> None:
+        """With ``slowdown`` x > 1, the application begun at ``start`` (wall, this thread's
+        CPU seconds) lasts x times the CPU time it used: the worker sleeps the rest. A site
+        x times slower than one core of this host, whatever else shares the host."""
+        if self.slowdown > 1:
+            wall, cpu = time.perf_counter() - start[0], time.thread_time() - start[1]
+            time.sleep(max(0.0, self.slowdown * cpu - wall))
+
     def _micro(self, split: Split, step: int) -> list[tuple[Tensor, Tensor]]:
         x, y = self.site.batch(split, seed=self.cfg.seed, step=step, batch_size=self.cfg.batch_size)
         M = self.cfg.micro_batches
@@ -162,7 +171,9 @@ class RingExecutor:
         for t, s, m in self.applications:
             inp = self._take(FrameKey(TRAIN, n, FORWARD, s, t, m)).requires_grad_()
             own = embedded[m] if s == self.rank else None
+            start = time.perf_counter(), time.thread_time()
             out = self.maps.apply(self.group, inp, t, self.rank, s, own, self.replica.embed)
+            self._emulate_slower_site(start)
             if nopeek is not None and s == self.rank and first == t + 1:
                 penalty[t + 1, m] = nopeek.gradient(batches[m][0], out)
             saved[t, s, m] = (inp, out)
@@ -178,7 +189,9 @@ class RingExecutor:
             inp, out = saved.pop((t, s, m))
             g = self._take_grad(FrameKey(TRAIN, n, BACKWARD, s, t + 1, m))
             extra = penalty.pop((t + 1, m), None) if s == self.rank else None
+            start = time.perf_counter(), time.thread_time()
             out.backward(g if extra is None else g + extra)
+            self._emulate_slower_site(start)
             self._send(FrameKey(TRAIN, n, BACKWARD, s, t, m), cast(Tensor, inp.grad))
         for m in range(M):
             g = self._take_grad(FrameKey(TRAIN, n, BACKWARD, self.rank, 0, m))
