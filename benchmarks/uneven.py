@@ -11,8 +11,9 @@ processes over mTLS, one namespace each, in scenarios where one site is slow: it
 ×2 or ×4, or its egress link at 1/10 of the others'. Compute is emulated with
 ``--emulate-slowdown x``: each application of a group lasts x times the CPU time it used
 (the worker sleeps the rest), every site at ``--scale`` (3) and the slow one at 3 × its
-factor, so a site's pace does not depend on the other workers sharing this host's cores. Per scenario: the even split runs first; from its
-measured compute per step each site's speed follows, ``mobius-fed plan``'s planner
+factor, so a site's pace does not depend on the other workers sharing this host's cores.
+Per scenario: the even split runs first; from its measured compute per step each site's
+speed follows, ``mobius-fed plan``'s planner
 (``mobius_fed.ops.plan``) proposes a split and predicts both splits' tokens/s; then the
 planned split runs. The table sets measured tokens/s beside the predictions, and the
 planned split's speed-up over the even one, measured and predicted.
