@@ -127,9 +127,9 @@ def test_bad_standby_input_is_refused_with_the_reason() -> None:
     spec = _register(svc, STANDBY_0, standby=True, data_tokenizer="gpt2", data_vocab=50257)
     assert spec.standby and spec.run_id == "t"
     # replace: a live worker without --force, an unknown standby, not a worker's name
-    with pytest.raises(ValueError, match="worker-0 is alive .* pass --force"):
+    with pytest.raises(ValueError, match=r"worker-0 is alive .* pass --force"):
         svc.replace("worker-0", "standby-0", force=False)
-    with pytest.raises(ValueError, match="standby-1 is not registered .* waiting: standby-0"):
+    with pytest.raises(ValueError, match=r"standby-1 is not registered .* waiting: standby-0"):
         svc.replace("worker-1", "standby-1", force=False)
     with pytest.raises(ValueError, match="not a worker's name"):
         svc.replace("standby-0", "standby-0", force=False)
@@ -147,7 +147,7 @@ def test_a_handed_over_rank_is_the_standbys_and_the_old_identity_is_refused() ->
     assert not spec.standby and spec.rank == 2
     assert svc.state.workers[2].identity == STANDBY_0
     assert svc.identities() == ["mobius://worker/0", "mobius://worker/1", STANDBY_0]
-    with pytest.raises(Aborted, match="worker-2 .* was replaced by standby-0 .* refused from now"):
+    with pytest.raises(Aborted, match=r"worker-2 .* was replaced by standby-0 .* refused from now"):
         _register(svc, "mobius://worker/2")
     (h,) = svc.state.status_doc()["handovers"]
     assert h["rank"] == 2 and h["standby"] == STANDBY_0 and h["replaced"] == "mobius://worker/2"
@@ -168,15 +168,19 @@ def wait_for_step(fed: LocalFederation, step: int, timeout: float = 180) -> dict
     return doc
 
 
-def handover_reference(fed: LocalFederation, rank: int, rnd: int) -> tuple[dict, list]:
+def handover_reference(
+    fed: LocalFederation, rank: int, rnd: int, evaluated_round: bool = False
+) -> tuple[dict, list]:
     """The reference engine under Flower with origin ``rank``'s data switched to
-    standby-0's site from round ``rnd`` on."""
+    standby-0's site from round ``rnd`` on (and for that round's evaluation when the
+    standby made it)."""
     cfg = fed.train
     seq = cfg.model().seq_len
     sites = [SiteData(fed.sites / f"site-{i}", seq) for i in range(cfg.P)]
     engine = ReferenceEngine(cfg, sites)
     plan = RoundPlan.of(cfg)
-    engine.hand_over(rank, SiteData(fed.sites / f"site-{cfg.P}", seq), plan.steps_of(rnd)[1])
+    standby = SiteData(fed.sites / f"site-{cfg.P}", seq)
+    engine.hand_over(rank, standby, plan.steps_of(rnd)[1], evaluated_round)
     grid = train_with_strategy(
         engine, make_strategy("fedavg", cfg.P, plan, {}, er_privacy=ErPrivacy.of(cfg))
     )
@@ -197,10 +201,16 @@ def finish_with_standby(fed: LocalFederation, why: str) -> dict:
     assert h["rank"] == 2 and h["standby"] == STANDBY_0 and h["replaced"] == "mobius://worker/2"
     assert why in h["why"] and h["round"] is not None and h["round"] % 2 == 0, h
     assert final["workers"][2]["identity"] == STANDBY_0
-    ref, ref_evals = handover_reference(fed, 2, h["round"])
+    ref, ref_evals = handover_reference(fed, 2, h["round"], h["evaluated_round"])
     assert max_diff(got, ref) <= 1e-5, "the ring must equal the reference's handover"
+    plain, _ = handover_reference(fed, 2, fed.train.steps)  # no handover within the run
+    assert max_diff(got, plain) > 1e-3, "origin 2 must have trained on the standby's data"
     assert [s for s, _ in evals] == [s for s, _ in ref_evals]
-    assert max(abs(a - b) for (_, a), (_, b) in zip(evals, ref_evals)) <= 1e-5
+    assert max(abs(a - b) for (_, a), (_, b) in zip(evals, ref_evals)) <= 1e-5, (
+        h,
+        evals,
+        ref_evals,
+    )
     coordinator = (fed.logs / "coordinator.log").read_text()
     assert "handover: worker-2 goes to standby-0" in coordinator
     assert "the coordinator's copy" in (fed.logs / "standby-0.log").read_text()
@@ -249,4 +259,3 @@ def test_mobius_fed_replace_hands_a_live_worker_over_only_with_force(tmp_path: P
     finish_with_standby(fed, "mobius-fed replace --force")
     assert old.poll() not in (None, 0), "the replaced process is refused and ends"
     assert "replaced by standby-0 as worker-2" in (fed.logs / "worker-2.log").read_text()
-

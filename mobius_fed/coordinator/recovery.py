@@ -196,7 +196,7 @@ class Recovery:
                 log.error("worker-%d cannot restore round %d: %s", rank, rnd, reason)
                 refused[rank].add(rnd)
         self._open_ring(rnd)
-        self.state.handed_over(rnd)
+        self.state.handed_over(rnd, self.plan.evaluates(rnd))
         snap = self.store.restored(rnd)
         self.state.rollback(self.plan.steps_of(rnd)[1], rnd)  # round 0 ends at step 0
         self.state.move_phase(Phase.TRAINING)

@@ -202,12 +202,14 @@ class RunState:
                 )
             )
 
-    def handed_over(self, rnd: int) -> None:
-        """The ring resumed from round ``rnd``: every pending handover took that round."""
+    def handed_over(self, rnd: int, evaluates: bool) -> None:
+        """The ring resumes from round ``rnd``: every pending handover took that round (and
+        evaluates it again when it ``evaluates`` and its evaluation is not in the history)."""
         with self._lock:
+            again = evaluates and rnd > 0 and all(e["round"] != rnd for e in self.evals)
             for h in self.handovers:
                 if h.round is None:
-                    h.round = rnd
+                    h.round, h.evaluated_round = rnd, again
 
     def update_incident(self, incident: IncidentModel, **fields: Any) -> None:
         """Set ``incident``'s fields; a ``state`` goes through its machine's table."""

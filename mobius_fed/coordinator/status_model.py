@@ -154,6 +154,10 @@ class HandoverModel(BaseModel):
     round: int | None = Field(
         None, description="the round the standby took the group from (its checkpoint copy)"
     )
+    evaluated_round: bool = Field(
+        False,
+        description="the standby evaluated that round again (its evaluation was interrupted)",
+    )
 
 
 class StatusModel(BaseModel):
