@@ -153,6 +153,30 @@ def test_a_handed_over_rank_is_the_standbys_and_the_old_identity_is_refused() ->
     assert h["rank"] == 2 and h["standby"] == STANDBY_0 and h["replaced"] == "mobius://worker/2"
 
 
+def test_a_standby_process_with_a_worker_certificate_refuses_to_start(tmp_path: Path) -> None:
+    from mobius_fed.transport.tls import SecretsError
+    from mobius_fed.worker.config import WorkerConfig
+    from mobius_fed.worker.coordinated import WorkerNode
+
+    layout = init_certs(tmp_path / "c", 2, standbys=1)
+
+    def node(name: str) -> WorkerConfig:
+        tls = layout.bundle(name)
+        return WorkerConfig(
+            coordinator="127.0.0.1:9",
+            standby=True,
+            data_dir=tmp_path,
+            out_dir=tmp_path / "out",
+            ca=tls.ca,
+            cert=tls.cert,
+            key=tls.key,
+        )
+
+    with pytest.raises(SecretsError, match="--standby needs a standby certificate"):
+        WorkerNode(node("worker-1"))
+    WorkerNode(node("standby-0")).channel.close()  # its own: accepted
+
+
 # --------------------------------------------------------------------------- real runs
 def federation(tmp_path: Path, **kw) -> LocalFederation:
     train = TrainConfig(**BASE, steps=14, sync_every=1)
