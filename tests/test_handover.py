@@ -15,7 +15,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from rich.console import Console
 
+from mobius_fed.cli.status import render_status
 from mobius_fed.config import TrainConfig
 from mobius_fed.coordinator.control import ControlService
 from mobius_fed.coordinator.grid import ControlGrid
@@ -151,6 +153,12 @@ def test_a_handed_over_rank_is_the_standbys_and_the_old_identity_is_refused() ->
         _register(svc, "mobius://worker/2")
     (h,) = svc.state.status_doc()["handovers"]
     assert h["rank"] == 2 and h["standby"] == STANDBY_0 and h["replaced"] == "mobius://worker/2"
+    svc.pool.offer(STANDBY_0, ("", 0))  # a poll that raced with its handover: not back
+    assert svc.pool.pick() is None
+    console = Console(record=True, width=200)
+    render_status(svc.state.status_doc(), console)
+    text = console.export_text()
+    assert "handovers" in text and "mobius://standby/0" in text
 
 
 def test_a_standby_process_with_a_worker_certificate_refuses_to_start(tmp_path: Path) -> None:

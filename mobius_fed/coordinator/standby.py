@@ -50,9 +50,11 @@ class StandbyPool:
         self._lock = threading.Lock()
 
     def offer(self, identity: str, data: tuple[str, int]) -> None:
-        """``identity`` registered (again) as a standby without a rank."""
+        """``identity`` registered (again) as a standby without a rank (a poll that raced
+        with its handover does not put it back in the pool)."""
         with self._lock:
-            self.waiting[identity] = Standby(identity, data, time.monotonic())
+            if identity not in self.assigned and identity not in self.replaced:
+                self.waiting[identity] = Standby(identity, data, time.monotonic())
 
     def rank_of(self, identity: str | None) -> int | None:
         """The rank ``identity`` holds now: a worker's own, or one handed to a standby;
