@@ -186,8 +186,8 @@ def test_a_standby_process_with_a_worker_certificate_refuses_to_start(tmp_path: 
 
 
 # --------------------------------------------------------------------------- real runs
-def federation(tmp_path: Path, **kw) -> LocalFederation:
-    train = TrainConfig(**BASE, steps=14, sync_every=1)
+def federation(tmp_path: Path, steps: int = 14, **kw) -> LocalFederation:
+    train = TrainConfig(**BASE, steps=steps, sync_every=1)
     opts = dict(checkpoint_every=2, heartbeat_timeout=3.0, threads=1, standbys=1)
     return LocalFederation(tmp_path, train, **{**opts, **kw})
 
@@ -264,7 +264,9 @@ def test_a_killed_worker_that_never_returns_is_replaced_by_a_standby(tmp_path: P
 
 @pytest.mark.slow
 def test_a_revoked_worker_is_replaced_by_a_standby(tmp_path: Path) -> None:
-    fed = federation(tmp_path).prepare().start()  # rejoin timeout: 300 s, not waited for
+    # rejoin timeout: 300 s, not waited for; long enough that the run still trains when
+    # the revocation list reaches the coordinator (its poll: 1 s, warm workers are fast)
+    fed = federation(tmp_path, steps=40).prepare().start()
     wait_for_step(fed, 5)
     revoke(fed.certs, ["worker-2"])
     finish_with_standby(fed, "its certificate was revoked")
@@ -279,7 +281,7 @@ def _replace(fed: LocalFederation, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_mobius_fed_replace_hands_a_live_worker_over_only_with_force(tmp_path: Path) -> None:
-    fed = federation(tmp_path).prepare().start()
+    fed = federation(tmp_path, steps=40).prepare().start()  # still training after two CLIs
     wait_for_step(fed, 5)
     refused = _replace(fed, "worker-2", "--with", "standby-0")
     assert refused.returncode != 0 and "worker-2 is alive" in refused.stderr, refused
