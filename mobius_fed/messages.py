@@ -170,7 +170,9 @@ class RestoreReply(_Wire):
 
 @dataclass(frozen=True)
 class RingOrder(_Wire):
-    """Join ring incarnation ``ring_id`` with these ring addresses (index = rank)."""
+    """Join ring incarnation ``ring_id`` with these ring addresses (index = rank) and, after
+    a handover, the identity that holds each rank (None: worker-<rank> everywhere)."""
 
     ring_id: str
     peers: list[str]
+    identities: list[str] | None = None

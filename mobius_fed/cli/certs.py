@@ -20,8 +20,18 @@ def cmd_certs_init(args: argparse.Namespace) -> int:
     if args.if_missing and (Path(args.out) / "ca.crt").is_file():
         print(f"certificates already in {args.out}; nothing to do")
         return 0
-    layout = init_certs(Path(args.out), args.workers, args.host or (), overwrite=args.overwrite)
-    print(f"CA and certificates for {args.workers} workers, coordinator, operator in {layout.root}")
+    layout = init_certs(
+        Path(args.out),
+        args.workers,
+        args.host or (),
+        overwrite=args.overwrite,
+        standbys=args.standbys,
+    )
+    extra = f", {args.standbys} standby site(s)" if args.standbys else ""
+    print(
+        f"CA and certificates for {args.workers} workers, coordinator, operator{extra} in "
+        f"{layout.root}"
+    )
     return 0
 
 
@@ -161,7 +171,7 @@ def cmd_certs_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
-NODE_HELP = "worker-<i>, coordinator or operator"
+NODE_HELP = "worker-<i>, standby-<n>, coordinator or operator"
 READABLE_HELP = "only warn about a private key its group or others can read (docs/keys.md)"
 
 
@@ -170,6 +180,12 @@ def _add_lab_parsers(csub) -> None:
         "init", help="labs and `up`: a CA and every node's key and certificate in one place"
     )
     c.add_argument("--workers", type=int, required=True, help="P: one certificate per worker")
+    c.add_argument(
+        "--standbys",
+        type=int,
+        default=0,
+        help="standby sites: one certificate each, standby-<n> (docs/recovery.md)",
+    )
     c.add_argument("--out", type=Path, required=True, help="directory for the CA and bundles")
     c.add_argument("--host", action="append", help="extra DNS name or IP for every node")
     c.add_argument("--overwrite", action="store_true", help="replace existing certificates")

@@ -46,6 +46,7 @@ examples:
 PLUGINS: dict[str, tuple[str, ...]] = {
     "up": ("up",),
     "status": ("status",),
+    "replace": ("replace",),
     "health": ("health",),
     "dashboard": ("dashboard",),
     "testbed": ("testbed",),

@@ -399,6 +399,8 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         console.print(_ring_table(doc["ring"]))
     if doc.get("incidents"):
         console.print(_incident_table(doc["incidents"]))
+    if doc.get("handovers"):
+        console.print(_handover_table(doc["handovers"]))
     if doc.get("privacy"):
         console.print(_privacy_table(doc["privacy"]))
 
@@ -477,6 +479,20 @@ def _incident_table(incidents: list[dict[str, Any]]) -> Table:
             _num(i.get("recovery_s"), "{:.2f}"),
             "-" if i.get("rollback_round") is None else f"round {i['rollback_round']}",
             "-" if i.get("steps_redone") is None else f"{i['steps_redone']} steps",
+        )
+    return log
+
+
+def _handover_table(handovers: list[dict[str, Any]]) -> Table:
+    """Ranks handed to standby sites (docs/recovery.md "Handover to a standby")."""
+    log = _table("handovers", ("rank", "replaced", "standby", "from round", "why"))
+    for h in handovers:
+        log.add_row(
+            str(h.get("rank", "?")),
+            str(h.get("replaced", "?")),
+            str(h.get("standby", "?")),
+            "pending" if h.get("round") is None else str(h["round"]),
+            str(h.get("why", "")),
         )
     return log
 

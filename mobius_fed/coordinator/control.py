@@ -13,6 +13,7 @@ import grpc
 
 from mobius_fed.coordinator.grid import ControlGrid, IncidentRaised, RunFailed
 from mobius_fed.coordinator.replies import in_range
+from mobius_fed.coordinator.standby import STANDBY, StandbyPool
 from mobius_fed.coordinator.state import RunState, json_safe
 from mobius_fed.machines import (
     HEARTBEAT_SETS,
@@ -35,6 +36,8 @@ from mobius_fed.relay.plan import (
 from mobius_fed.transport.tls import (
     COORDINATOR_IDENTITY,
     OPERATOR_IDENTITY,
+    identity_of_node_name,
+    node_name_of,
     parse_identity,
     peer_identity_or_reason,
     require_peer,
@@ -69,42 +72,103 @@ class ControlService(control_pb2_grpc.ControlServicer):
         self.enrolled = {worker_identity(i) for i in range(self.P)}
         self.enrolled |= {COORDINATOR_IDENTITY, OPERATOR_IDENTITY}
         self.tunnel_key = secrets.token_bytes(32)  # signs tunnels at workers' rendezvous ports
+        self.pool = StandbyPool()  # standby sites and handed-over ranks
+        self.heartbeat_interval = 1.0  # what run specs tell workers (set by the server)
 
     # ------------------------------------------------------------- identity
-    def _worker_rank(self, context: grpc.ServicerContext) -> int:
-        """The caller's rank from its certificate; abort unless it is an enrolled worker."""
-        who, why = peer_identity_or_reason(context)
+    def _rank_of(self, who: str | None) -> int | None:
+        """The rank ``who`` holds now (a worker's own, or a standby's handed-over one)."""
         try:
-            role, index = parse_identity(who or "")
+            rank = self.pool.rank_of(who)
         except ValueError:
-            role, index = "", None
-        if who is None and (gone := revoked_peer(context)):  # revoked: out of the ring now
-            gone_role, gone_rank = parse_identity(gone)
-            if gone_role == "worker" and gone_rank is not None and gone_rank < self.P:
-                self.mark_lost(gone_rank, "its certificate is revoked (mobius-fed certs revoke)")
-        if role == "worker" and index is not None and index < self.P:
-            return index
-        msg = not_enrolled(who, why, self.P, self.state.rings)
+            return None
+        return rank if rank is not None and rank < self.P else None
+
+    def _worker_rank(self, context: grpc.ServicerContext) -> int:
+        """The caller's rank from its certificate; abort unless it holds a rank of this run."""
+        who, why = peer_identity_or_reason(context)
+        gone = revoked_peer(context) if who is None else None
+        if (gone_rank := self._rank_of(gone)) is not None:  # revoked: out of the ring now
+            self.mark_lost(gone_rank, "its certificate is revoked (mobius-fed certs revoke)")
+            self.hand_over(gone_rank, "its certificate was revoked")  # when a standby waits
+        rank = self._rank_of(who)
+        if rank is not None:
+            return rank
+        msg = self.pool.refusal(who) or not_enrolled(who, why, self.P, self.state.rings)
+        if (
+            who is not None
+            and who.startswith(f"mobius://{STANDBY}/")
+            and who not in self.pool.replaced
+        ):
+            msg = f"{node_name_of(who)} is a standby without a rank: it registers and waits"
         log.warning("refused: %s", msg)
         context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)
         raise AssertionError("context.abort raises")  # grpc is untyped: no NoReturn for it
 
     # ------------------------------------------------------------- register
-    def _check_data(self, rank: int, request, context) -> None:
+    def _check_data(self, rank: int | None, request, context, who: str = "") -> None:
         """Refuse a site whose data's tokenizer/vocabulary differs from another site's
-        (docs/data.md#sites-must-agree); a site that does not say is not checked."""
+        (docs/data.md#sites-must-agree); a site that does not say is not checked. ``rank``
+        None: a standby (``who``), checked against every worker's site."""
         mine = (request.data_tokenizer, request.data_vocab)
         for other, theirs in sorted(self._data.items()):
             if other != rank and mine[0] and theirs != mine:
                 msg = (
-                    f"data mismatch: worker-{rank}'s site uses tokenizer {mine[0]} "
+                    f"data mismatch: {who or f'worker-{rank}'}'s site uses tokenizer {mine[0]} "
                     f"(vocab {mine[1]}), worker-{other}'s uses {theirs[0]} (vocab {theirs[1]}); "
                     "all sites must prepare their data with the same tokenizer"
                 )
                 log.error("refused: %s", msg)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
-        if mine[0]:
+        if mine[0] and rank is not None:
             self._data[rank] = mine
+
+    def _check_fingerprint(self, who: str, request, context) -> None:
+        if request.config_fingerprint and request.config_fingerprint != self.fingerprint:
+            msg = (
+                f"config mismatch: {who} runs config {request.config_fingerprint}, "
+                f"the coordinator runs {self.fingerprint}"
+                + (f" ({self.settings})" if self.settings else "")
+            )
+            log.error("refused: %s", msg)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+
+    def _standby_caller(self, request, context) -> str | None:
+        """The caller's identity when it registers as a standby still without a rank; abort
+        a standby claim from a certificate that names a worker rank."""
+        who, _ = peer_identity_or_reason(context)
+        try:
+            role, _index = parse_identity(who or "")
+        except ValueError:
+            return None
+        if request.standby and role != STANDBY:
+            msg = (
+                f"refused: {who} registers as a standby, but its certificate names "
+                f"{node_name_of(who or '')}: a standby's certificate names a standby identity "
+                "(mobius://standby/<n>, certs init --standbys), never a worker rank"
+            )
+            log.error(msg)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, msg)
+        if role == STANDBY and who not in self.pool.replaced and self._rank_of(who) is None:
+            return who
+        return None
+
+    def _register_standby(self, who: str, request, context) -> control_pb2.RunSpec:
+        """Put a standby in the pool (again): same config and data as the run's sites."""
+        name = node_name_of(who)
+        self._check_fingerprint(name, request, context)
+        with self._cond:
+            self._check_data(None, request, context, who=name)
+            fresh = who not in self.pool.waiting
+            self.pool.offer(who, (request.data_tokenizer, request.data_vocab))
+        if fresh:
+            log.info("%s (%s) registered as a standby", name, who)
+        return control_pb2.RunSpec(
+            run_id=self.state.run_id,
+            standby=True,
+            heartbeat_interval_s=self.heartbeat_interval,
+            crl=self.crl(),
+        )
 
     def Register(self, request, context):
         """Enrol the caller's rank (again, after it was lost) and answer the run spec at once.
@@ -112,7 +176,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         The ring's addresses and the state to start from come later, as a restore message,
         once every rank holds a session.
         """
-        rank = self._worker_rank(context)
+        standby = self._standby_caller(request, context)
         if self.state.phase not in LIVE_PHASES:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -120,14 +184,11 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 f"{': ' + self.state.error if self.state.error else ''}); "
                 "restart the coordinator (with --resume to continue)",
             )
-        if request.config_fingerprint and request.config_fingerprint != self.fingerprint:
-            msg = (
-                f"config mismatch: worker-{rank} runs config {request.config_fingerprint}, "
-                f"the coordinator runs {self.fingerprint}"
-                + (f" ({self.settings})" if self.settings else "")
-            )
-            log.error("refused: %s", msg)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+        if standby is not None:
+            return self._register_standby(standby, request, context)
+        rank = self._worker_rank(context)
+        who = self.pool.identity_of(rank)
+        self._check_fingerprint(f"worker-{rank}", request, context)
         address = request.listen_address
         if not (is_host_port(address) and len(address) < 256):
             context.abort(
@@ -154,12 +215,14 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 address=address,
                 last_heartbeat=time.time(),
                 registered_at=time.time(),
+                identity=who,
             )
             log.info(
-                "worker-%d %s (ring address %s)",
+                "worker-%d %s (ring address %s)%s",
                 rank,
                 "re-registered after it was lost" if rejoin else "registered",
                 address,
+                "" if who.startswith("mobius://worker/") else f": {who}, handed this rank",
             )
             self._cond.notify_all()
         self.grid.notify()
@@ -279,7 +342,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
     def mark_lost(self, rank: int, why: str) -> None:
         """Count ``rank`` lost: close its session (it must register again) and, if a round
         may be waiting for it, open its incident in the same change and raise it."""
-        reason = f"worker-{rank} ({worker_identity(rank)}) lost: {why}"
+        reason = f"worker-{rank} ({self.pool.identity_of(rank)}) lost: {why}"
         with self._cond:
             w = self.state.workers[rank]
             if w.state in OFF_STATES:
@@ -309,6 +372,69 @@ class ControlService(control_pb2_grpc.ControlServicer):
                     w.rank,
                     f"no heartbeat for {now - w.last_heartbeat:.1f}s (timeout {timeout:.1f}s)",
                 )
+
+    # ------------------------------------------------------------- handover
+    def hand_over(self, rank: int, why: str, standby: str | None = None) -> str | None:
+        """Hand lost ``rank`` to a live standby (``standby``, or any): its identity holds
+        the rank from now on, the one it replaces is refused. The standby's name, or None
+        when there is none to hand it to."""
+        with self._cond:
+            chosen = self.pool.pick(standby)
+            if chosen is None:
+                return None
+            old = self.pool.assign(rank, chosen, why)
+            self.state.record_handover(rank, old, chosen.identity, why)
+            self._cond.notify_all()
+        log.warning(
+            "handover: worker-%d goes to %s (%s) because %s; %s is refused from now on",
+            rank,
+            chosen.name,
+            chosen.identity,
+            why,
+            old,
+        )
+        return chosen.name
+
+    def replace(self, worker: str, standby: str, force: bool) -> str:
+        """``mobius-fed replace``: hand ``worker``'s rank to ``standby``; ValueError naming
+        why not (an unknown name, no such standby waiting, a live worker without force)."""
+        rank = _rank_of_name(worker, self.P)
+        if identity_of_node_name(standby) is None or not standby.startswith("standby-"):
+            raise ValueError(f"{standby!r} is not a standby's name (standby-<n>)")
+        if self.state.phase not in LIVE_PHASES:
+            raise ValueError(f"run {self.state.run_id} has ended ({self.state.phase})")
+        if self.pool.pick(standby) is None:
+            waiting = ", ".join(self.pool.names()) or "none"
+            raise ValueError(
+                f"{standby} is not registered with the coordinator as a waiting standby "
+                f"(standbys waiting: {waiting})"
+            )
+        w = self.state.workers[rank]
+        alive = w.state not in OFF_STATES
+        if alive and not force:
+            raise ValueError(
+                f"{worker} is alive (state {w.state}): replacing it takes its rank from a "
+                "working site; pass --force to replace it anyway (its process is then refused)"
+            )
+        why = "the operator replaced it (mobius-fed replace" + (" --force)" if alive else ")")
+        if self.hand_over(rank, why, standby) is None:
+            raise ValueError(f"{standby} left the pool meanwhile")
+        if alive:
+            self.mark_lost(rank, f"replaced by {standby} (mobius-fed replace --force)")
+        return f"{worker} handed over to {standby}" + (" (it was alive: forced)" if alive else "")
+
+    def Replace(self, request, context):
+        require_peer(context, {OPERATOR_IDENTITY})
+        try:
+            done = self.replace(request.worker, request.standby, request.force)
+        except ValueError as exc:
+            log.error("replace refused: %s", exc)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"replace refused: {exc}")
+        return control_pb2.ReplaceReply(message=done)
+
+    def identities(self) -> list[str]:
+        """Who holds each rank now: what a ring order tells the neighbours."""
+        return [self.pool.identity_of(rank) for rank in range(self.P)]
 
     # --------------------------------------------------------------- status
     def GetStatus(self, request, context):
@@ -357,6 +483,17 @@ def heartbeat_problem(request: control_pb2.HeartbeatRequest, steps: int) -> str 
                 if not in_range(v, top):
                     return f"links_json.{side}.{key}: {v!r}"
     return None
+
+
+def _rank_of_name(worker: str, workers: int) -> int:
+    """The rank of ``worker-<i>``; ValueError for another name or a rank past the run's."""
+    identity = identity_of_node_name(worker)
+    role, index = parse_identity(identity) if identity else ("", None)
+    if role != "worker" or index is None:
+        raise ValueError(f"{worker!r} is not a worker's name (worker-<i>)")
+    if index >= workers:
+        raise ValueError(f"{worker} is not a worker of this run (P={workers})")
+    return index
 
 
 def not_enrolled(who: str | None, why: str, workers: int, rings: int = 1) -> str:

@@ -109,12 +109,23 @@ class Recovery:
             lost = [w.rank for w in self.state.workers.values() if w.state == W.LOST]
             if not missing and not lost:
                 return incident
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline and self._hand_over_lost(lost, set(missing)):
+                deadline = time.monotonic() + self.cfg.rejoin_timeout  # for the standbys
+            elif time.monotonic() >= deadline:
                 gone = sorted(set(missing) | set(lost))
                 raise RunFailed(
                     f"{names(gone)} did not rejoin within {self.cfg.rejoin_timeout:.0f}s after: "
                     f"{raised.what} (ring edges {edges_of(gone, self.state.ring_size)})"
                 )
+
+    def _hand_over_lost(self, lost: list[int], missing: set[int]) -> bool:
+        """Past the rejoin timeout: hand every lost rank to a standby. False (nothing
+        handed) unless every rank that is gone is lost and a standby took each."""
+        if not lost or not missing <= set(lost):
+            return False
+        why = f"it did not rejoin within {self.cfg.rejoin_timeout:.0f}s"
+        handed = [r for r in lost if self.service.hand_over(r, why) is not None]
+        return len(handed) == len(lost)
 
     def _record(self, raised: IncidentRaised) -> Incident:
         """Record ``raised`` (unless its raiser opened it with the loss); abort its round."""
@@ -185,6 +196,7 @@ class Recovery:
                 log.error("worker-%d cannot restore round %d: %s", rank, rnd, reason)
                 refused[rank].add(rnd)
         self._open_ring(rnd)
+        self.state.handed_over(rnd, self.plan.evaluates(rnd))
         snap = self.store.restored(rnd)
         self.state.rollback(self.plan.steps_of(rnd)[1], rnd)  # round 0 ends at step 0
         self.state.move_phase(Phase.TRAINING)
@@ -273,10 +285,11 @@ class Recovery:
         self.ring_epoch += 1
         ring_id = self.ring_id = f"{self.cfg.run_id}/{self.boot}.{self.ring_epoch}"
         log.info("round %d restored everywhere; opening ring %s", rnd, ring_id)
-        peers = self.service.peers()
+        peers, identities = self.service.peers(), self.service.identities()
+        handed = identities if self.state.handovers else None  # who neighbours accept
         self.send_all(
             "query.ring",
-            lambda rank: RingOrder(ring_id, peers),
+            lambda rank: RingOrder(ring_id, peers, handed),
             self.cfg.restore_timeout,
             "join the ring",
         )

@@ -96,3 +96,19 @@ def get_status(addr: str, tls: NodeTLS, timeout: float) -> str:
         return stub.GetStatus(control_pb2.StatusRequest(), timeout=timeout).json
     finally:
         channel.close()
+
+
+def replace_worker(
+    addr: str, tls: NodeTLS, worker: str, standby: str, force: bool, timeout: float
+) -> str:
+    """``Replace`` over mTLS gRPC as the operator: hand ``worker``'s rank to ``standby``;
+    the coordinator's answer, or grpc.RpcError with its reason."""
+    from mobius_fed.proto import control_pb2, control_pb2_grpc
+
+    channel = open_channel(addr, tls, target_name=COORDINATOR_NAME)
+    try:
+        stub = control_pb2_grpc.ControlStub(channel)
+        request = control_pb2.ReplaceRequest(worker=worker, standby=standby, force=force)
+        return stub.Replace(request, timeout=timeout).message
+    finally:
+        channel.close()

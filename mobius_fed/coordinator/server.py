@@ -102,6 +102,7 @@ class Coordinator:
             crl=lambda: self.crl.data,
             settings=cfg.train.ring_settings(),
         )
+        self.service.heartbeat_interval = cfg.heartbeat_interval
         self.recovery = Recovery(cfg, self.state, self.grid, self.service, self.store)
         self.strategy: Any = None
         self._server: grpc.Server | None = None

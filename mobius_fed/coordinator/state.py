@@ -10,7 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mobius_fed.coordinator.status_model import IncidentModel, StatusModel, WorkerModel
+from mobius_fed.coordinator.status_model import (
+    HandoverModel,
+    IncidentModel,
+    StatusModel,
+    WorkerModel,
+)
 from mobius_fed.machines import (
     DOWN_STATES,
     ENDED_PHASES,
@@ -50,6 +55,7 @@ class RunState:
     evals: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
     incidents: list[IncidentModel] = field(default_factory=list)
+    handovers: list[HandoverModel] = field(default_factory=list)
     config: dict[str, Any] | None = None  # the run's configuration, for status and dashboard
     privacy: Callable[[int], dict[str, Any] | None] | None = None  # step → status block
     clipped: dict[int, int] = field(default_factory=dict)  # site → E/R updates clipped
@@ -187,6 +193,24 @@ class RunState:
             self.move_worker(rank, WorkerState.LOST, incidents=self.workers[rank].incidents + 1)
             return None if incident is None else self.open_incident(**incident)
 
+    def record_handover(self, rank: int, replaced: str, standby: str, why: str) -> None:
+        """Rank ``rank`` was handed to ``standby`` (its round comes at :meth:`handed_over`)."""
+        with self._lock:
+            self.handovers.append(
+                HandoverModel(
+                    rank=rank, replaced=replaced, standby=standby, why=why, at=time.time()
+                )
+            )
+
+    def handed_over(self, rnd: int, evaluates: bool) -> None:
+        """The ring resumes from round ``rnd``: every pending handover took that round (and
+        evaluates it again when it ``evaluates`` and its evaluation is not in the history)."""
+        with self._lock:
+            again = evaluates and rnd > 0 and all(e["round"] != rnd for e in self.evals)
+            for h in self.handovers:
+                if h.round is None:
+                    h.round, h.evaluated_round = rnd, again
+
     def update_incident(self, incident: IncidentModel, **fields: Any) -> None:
         """Set ``incident``'s fields; a ``state`` goes through its machine's table."""
         with self._lock:
@@ -245,6 +269,7 @@ class RunState:
                 "ring": (edges := self._ring_doc()),
                 "ring_health": self._ring_health(edges),
                 "incidents": [i.model_dump() for i in self.incidents],
+                "handovers": [h.model_dump() for h in self.handovers],
                 "config": self.config,
                 "pace": self._pace(),
                 "privacy": self._privacy_block(),
@@ -407,6 +432,7 @@ class RunState:
                 "evals": list(self.evals),
                 "rounds": list(self.rounds),
                 "incidents": [i.model_dump() for i in self.incidents],
+                "handovers": [h.model_dump() for h in self.handovers],
             }
 
     @property

@@ -20,7 +20,10 @@ class WorkerModel(BaseModel):
 
     rank: int = Field(description="ring position (0-based)")
     ring: int = Field(0, description="its ring (R rings of P: rank // P; docs/rings.md)")
-    identity: str = Field(description="certificate identity, mobius://worker/<rank>")
+    identity: str = Field(
+        description="certificate identity: mobius://worker/<rank>, or the standby's it was "
+        "handed to"
+    )
     address: str = Field("", description="host:port of its ring link ('' until registered)")
     state: WorkerState = Field(
         WorkerState.EXPECTED,
@@ -140,6 +143,23 @@ class IncidentModel(BaseModel):
     )
 
 
+class HandoverModel(BaseModel):
+    """A rank handed to a standby site (docs/recovery.md "Handover to a standby")."""
+
+    rank: int
+    replaced: str = Field(description="the identity that held the rank, refused from then on")
+    standby: str = Field(description="the standby identity that holds it now")
+    why: str = Field(description="lost past --rejoin-timeout, revoked, or mobius-fed replace")
+    at: float = Field(description="unix time of the handover")
+    round: int | None = Field(
+        None, description="the round the standby took the group from (its checkpoint copy)"
+    )
+    evaluated_round: bool = Field(
+        False,
+        description="the standby evaluated that round again (its evaluation was interrupted)",
+    )
+
+
 class StatusModel(BaseModel):
     """``GET /v1/status``: where the run stands (same document as gRPC ``GetStatus``)."""
 
@@ -163,6 +183,9 @@ class StatusModel(BaseModel):
         default_factory=list, description="each ring's health (one entry per ring, R ≥ 1)"
     )
     incidents: list[IncidentModel] = Field(default_factory=list)
+    handovers: list[HandoverModel] = Field(
+        default_factory=list, description="ranks handed to standby sites"
+    )
     train_loss: float | None = Field(
         None, description="training loss of the latest step every origin reported (mean)"
     )
@@ -220,6 +243,7 @@ class HistoryModel(BaseModel):
     evals: list[EvalModel]
     rounds: list[RoundModel]
     incidents: list[IncidentModel] = Field(default_factory=list)
+    handovers: list[HandoverModel] = Field(default_factory=list)
 
 
 class HealthModel(BaseModel):

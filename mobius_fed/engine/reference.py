@@ -77,6 +77,7 @@ class ReferenceEngine:
         self.group_opts = [make_optimizers(g, cfg, blocks=True) for g in self.groups]
         self.replica_opts = [make_optimizers(r, cfg, blocks=False) for r in self.replicas]
         self.step = 0
+        self.handovers: list[tuple[int, int, SiteData, bool]] = []  # see hand_over
         self.average_replicas = True  # False when a Flower strategy averages (federated.py)
         self._table = schedule.tick_table(cfg.order, cfg.P, cfg.loops)
         self._paths = [schedule.path(cfg.order, s, cfg.P, cfg.loops) for s in range(cfg.P)]
@@ -108,8 +109,28 @@ class ReferenceEngine:
         return self.maps.grad_in(g)
 
     # ------------------------------------------------------------------ data
+    def hand_over(
+        self, origin: int, site: SiteData, at_step: int, evaluates_at_step: bool = False
+    ) -> None:
+        """Replay a handover to a standby (docs/recovery.md): from step ``at_step`` on (the
+        end of the round it took over from) origin ``origin``'s batches come from ``site``;
+        so do its evaluations after that step, and the one at ``at_step`` when the standby
+        made it (``evaluates_at_step``: that round's evaluation was interrupted)."""
+        if not 0 <= origin < self.cfg.P:
+            raise ValueError(f"origin {origin} out of range for P={self.cfg.P}")
+        self.handovers.append((at_step, origin, site, evaluates_at_step))
+
+    def site_of(self, s: int, split: Split) -> SiteData:
+        """Origin ``s``'s site at the current step: its own, or the standby's it went to."""
+        site = self.sites[s]
+        for at, origin, standby, at_eval in self.handovers:  # in order: a later one wins
+            reached = self.step > at or (self.step == at and (split == "train" or at_eval))
+            if origin == s and reached:
+                site = standby
+        return site
+
     def _micro(self, split: Split, s: int, step: int) -> list[tuple[Tensor, Tensor]]:
-        x, y = self.sites[s].batch(
+        x, y = self.site_of(s, split).batch(
             split, seed=self.cfg.seed, step=step, batch_size=self.cfg.batch_size
         )
         M = self.cfg.micro_batches

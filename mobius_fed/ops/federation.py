@@ -106,13 +106,15 @@ class LocalFederation:
     rest_mode: str = "tls"  # the coordinator's REST: tls (operator cert) or local (plain)
     metrics: bool = True  # the plain /metrics + /healthz listener, when the coordinator has it
     on_event: Callable[[str], None] | None = None
+    # standby sites (docs/recovery.md "Handover to a standby"): standby-<k> with site-<P+k>
+    standbys: int = 0
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
         self.certs = self.root / "certs"
         self.sites = self.root / "sites"
         self.logs = self.root / "logs"
-        ports = free_ports(self.train.workers + 3)
+        ports = free_ports(self.train.workers + self.standbys + 3)
         self.coord_port, self.rest_port, self.metrics_port, *self.worker_ports = ports
         self._env: dict[str, str] = {}
         self._table = ProcessTable(self.logs, self._popen, self._policy)
@@ -146,21 +148,22 @@ class LocalFederation:
     def prepare(self) -> LocalFederation:
         from mobius_fed.transport.certs import init_certs
 
-        P = self.train.workers  # all R·P sites
+        P, S = self.train.workers, self.standbys  # all R·P sites, then the standbys'
         nodes = ["coordinator", *(f"worker-{i}" for i in range(P))]
+        nodes += [f"standby-{k}" for k in range(S)]
         every = [self.operator_tls(), *(self.bundle(n) for n in nodes)]
         if not all(p.is_file() for tls in every for p in (tls.ca, tls.cert, tls.key)):
-            init_certs(self.certs, P, overwrite=True)  # none yet, or for fewer workers: all new
+            init_certs(self.certs, P, overwrite=True, standbys=S)  # none yet, or others: new
         given = prepared_dir(self.data)
         if given is not None:
-            site_dirs(given, P)  # OpsError naming a missing site-<i>
+            site_dirs(given, P + S)  # OpsError naming a missing site-<i>
             self.sites = given.resolve()
         elif (  # text files (OpsError naming missing ones), or the corpus unless split for P
             self.data
-            or not all((self.sites / f"site-{i}").is_dir() for i in range(P))
-            or (self.sites / f"site-{P}").exists()
+            or not all((self.sites / f"site-{i}").is_dir() for i in range(P + S))
+            or (self.sites / f"site-{P + S}").exists()
         ):
-            split_sites(self.data, self.sites, P, self.train.encoding)
+            split_sites(self.data, self.sites, P + S, self.train.encoding)
         self.logs.mkdir(parents=True, exist_ok=True)
         return self
 
@@ -212,25 +215,35 @@ class LocalFederation:
             cmd += ["--resume"]
         return cmd
 
+    def standby_out(self, k: int) -> Path:
+        return self.root / f"standby-{k}"
+
     def worker_cmd(self, i: int) -> list[str]:
-        tls = self.bundle(f"worker-{i}")
+        """Worker i's command line; ``i`` ≥ P: standby-<i − P> (its own site-<i>)."""
+        P = self.train.workers
+        node = f"worker-{i}" if i < P else f"standby-{i - P}"
+        tls = self.bundle(node)
         flags = {
             "--coordinator": f"127.0.0.1:{self.coord_port}",
             "--listen": f"127.0.0.1:{self.worker_ports[i]}",
             "--data-dir": self.sites / f"site-{i}",
-            "--out-dir": self.worker_out(i),
+            "--out-dir": self.worker_out(i) if i < P else self.standby_out(i - P),
             "--ca": tls.ca,
             "--cert": tls.cert,
             "--key": tls.key,
             "--threads": self.threads or default_threads(self.train.workers),
         }
-        return [sys.executable, "-m", "mobius_fed.cli.worker", *flag_args(flags)]
+        standby = ["--standby"] if i >= P else []
+        return [sys.executable, "-m", "mobius_fed.cli.worker", *flag_args(flags), *standby]
 
     def start(self, workers: bool = True) -> LocalFederation:
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self._spawn("coordinator", self.coordinator_cmd())
-        for i in range(self.train.workers) if workers else ():
+        P = self.train.workers
+        for i in range(P) if workers else ():
             self._spawn(f"worker-{i}", self.worker_cmd(i))
+        for k in range(self.standbys) if workers else ():
+            self._spawn(f"standby-{k}", self.worker_cmd(P + k))
         return self
 
     @property

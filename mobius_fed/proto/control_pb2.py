@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emobius_fed/proto/control.proto\x12\x15mobius_fed.control.v1\"\xa9\x01\n\x0fRegisterRequest\x12\x16\n\x0elisten_address\x18\x01 \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x02 \x01(\t\x12\x13\n\x0bunreachable\x18\x03 \x01(\x08\x12\x12\n\nrendezvous\x18\x04 \x01(\t\x12\r\n\x05relay\x18\x05 \x01(\t\x12\x16\n\x0e\x64\x61ta_tokenizer\x18\x06 \x01(\t\x12\x12\n\ndata_vocab\x18\x07 \x01(\r\"\xdd\x01\n\x07RunSpec\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\r\n\x05peers\x18\x03 \x03(\t\x12\x19\n\x11train_config_json\x18\x04 \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x05 \x01(\t\x12\x14\n\x0cresume_round\x18\x06 \x01(\r\x12\x19\n\x11resume_checkpoint\x18\x07 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x08 \x01(\x01\x12\x12\n\ntunnel_key\x18\t \x01(\x0c\x12\x0b\n\x03\x63rl\x18\n \x01(\x0c\"l\n\x10HeartbeatRequest\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x11\n\tlast_loss\x18\x03 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\x12\n\nlinks_json\x18\x05 \x01(\t\"K\n\x0eHeartbeatReply\x12\x0c\n\x04stop\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06rejoin\x18\x03 \x01(\x08\x12\x0b\n\x03\x63rl\x18\x04 \x01(\x0c\"0\n\x08\x45nvelope\x12\x16\n\x0e\x66lower_message\x18\x01 \x01(\x0c\x12\x0c\n\x04note\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"\x1b\n\x0bStatusReply\x12\x0c\n\x04json\x18\x01 \x01(\t2\xe2\x02\n\x07\x43ontrol\x12R\n\x08Register\x12&.mobius_fed.control.v1.RegisterRequest\x1a\x1e.mobius_fed.control.v1.RunSpec\x12[\n\tHeartbeat\x12\'.mobius_fed.control.v1.HeartbeatRequest\x1a%.mobius_fed.control.v1.HeartbeatReply\x12O\n\x07Session\x12\x1f.mobius_fed.control.v1.Envelope\x1a\x1f.mobius_fed.control.v1.Envelope(\x01\x30\x01\x12U\n\tGetStatus\x12$.mobius_fed.control.v1.StatusRequest\x1a\".mobius_fed.control.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emobius_fed/proto/control.proto\x12\x15mobius_fed.control.v1\"\xba\x01\n\x0fRegisterRequest\x12\x16\n\x0elisten_address\x18\x01 \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x02 \x01(\t\x12\x13\n\x0bunreachable\x18\x03 \x01(\x08\x12\x12\n\nrendezvous\x18\x04 \x01(\t\x12\r\n\x05relay\x18\x05 \x01(\t\x12\x16\n\x0e\x64\x61ta_tokenizer\x18\x06 \x01(\t\x12\x12\n\ndata_vocab\x18\x07 \x01(\r\x12\x0f\n\x07standby\x18\x08 \x01(\x08\"\xee\x01\n\x07RunSpec\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\r\n\x05peers\x18\x03 \x03(\t\x12\x19\n\x11train_config_json\x18\x04 \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x05 \x01(\t\x12\x14\n\x0cresume_round\x18\x06 \x01(\r\x12\x19\n\x11resume_checkpoint\x18\x07 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x08 \x01(\x01\x12\x12\n\ntunnel_key\x18\t \x01(\x0c\x12\x0b\n\x03\x63rl\x18\n \x01(\x0c\x12\x0f\n\x07standby\x18\x0b \x01(\x08\"l\n\x10HeartbeatRequest\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x11\n\tlast_loss\x18\x03 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\x12\n\nlinks_json\x18\x05 \x01(\t\"K\n\x0eHeartbeatReply\x12\x0c\n\x04stop\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06rejoin\x18\x03 \x01(\x08\x12\x0b\n\x03\x63rl\x18\x04 \x01(\x0c\"0\n\x08\x45nvelope\x12\x16\n\x0e\x66lower_message\x18\x01 \x01(\x0c\x12\x0c\n\x04note\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"@\n\x0eReplaceRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0f\n\x07standby\x18\x02 \x01(\t\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"\x1f\n\x0cReplaceReply\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x1b\n\x0bStatusReply\x12\x0c\n\x04json\x18\x01 \x01(\t2\xb9\x03\n\x07\x43ontrol\x12R\n\x08Register\x12&.mobius_fed.control.v1.RegisterRequest\x1a\x1e.mobius_fed.control.v1.RunSpec\x12[\n\tHeartbeat\x12\'.mobius_fed.control.v1.HeartbeatRequest\x1a%.mobius_fed.control.v1.HeartbeatReply\x12O\n\x07Session\x12\x1f.mobius_fed.control.v1.Envelope\x1a\x1f.mobius_fed.control.v1.Envelope(\x01\x30\x01\x12U\n\tGetStatus\x12$.mobius_fed.control.v1.StatusRequest\x1a\".mobius_fed.control.v1.StatusReply\x12U\n\x07Replace\x12%.mobius_fed.control.v1.ReplaceRequest\x1a#.mobius_fed.control.v1.ReplaceReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,19 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mobius_fed.proto.control_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTERREQUEST']._serialized_start=58
-  _globals['_REGISTERREQUEST']._serialized_end=227
-  _globals['_RUNSPEC']._serialized_start=230
-  _globals['_RUNSPEC']._serialized_end=451
-  _globals['_HEARTBEATREQUEST']._serialized_start=453
-  _globals['_HEARTBEATREQUEST']._serialized_end=561
-  _globals['_HEARTBEATREPLY']._serialized_start=563
-  _globals['_HEARTBEATREPLY']._serialized_end=638
-  _globals['_ENVELOPE']._serialized_start=640
-  _globals['_ENVELOPE']._serialized_end=688
-  _globals['_STATUSREQUEST']._serialized_start=690
-  _globals['_STATUSREQUEST']._serialized_end=705
-  _globals['_STATUSREPLY']._serialized_start=707
-  _globals['_STATUSREPLY']._serialized_end=734
-  _globals['_CONTROL']._serialized_start=737
-  _globals['_CONTROL']._serialized_end=1091
+  _globals['_REGISTERREQUEST']._serialized_end=244
+  _globals['_RUNSPEC']._serialized_start=247
+  _globals['_RUNSPEC']._serialized_end=485
+  _globals['_HEARTBEATREQUEST']._serialized_start=487
+  _globals['_HEARTBEATREQUEST']._serialized_end=595
+  _globals['_HEARTBEATREPLY']._serialized_start=597
+  _globals['_HEARTBEATREPLY']._serialized_end=672
+  _globals['_ENVELOPE']._serialized_start=674
+  _globals['_ENVELOPE']._serialized_end=722
+  _globals['_STATUSREQUEST']._serialized_start=724
+  _globals['_STATUSREQUEST']._serialized_end=739
+  _globals['_REPLACEREQUEST']._serialized_start=741
+  _globals['_REPLACEREQUEST']._serialized_end=805
+  _globals['_REPLACEREPLY']._serialized_start=807
+  _globals['_REPLACEREPLY']._serialized_end=838
+  _globals['_STATUSREPLY']._serialized_start=840
+  _globals['_STATUSREPLY']._serialized_end=867
+  _globals['_CONTROL']._serialized_start=870
+  _globals['_CONTROL']._serialized_end=1311
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("listen_address", "config_fingerprint", "unreachable", "rendezvous", "relay", "data_tokenizer", "data_vocab")
+    __slots__ = ("listen_address", "config_fingerprint", "unreachable", "rendezvous", "relay", "data_tokenizer", "data_vocab", "standby")
     LISTEN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class RegisterRequest(_message.Message):
     RELAY_FIELD_NUMBER: _ClassVar[int]
     DATA_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     DATA_VOCAB_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
     listen_address: str
     config_fingerprint: str
     unreachable: bool
@@ -22,10 +23,11 @@ class RegisterRequest(_message.Message):
     relay: str
     data_tokenizer: str
     data_vocab: int
-    def __init__(self, listen_address: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., unreachable: _Optional[bool] = ..., rendezvous: _Optional[str] = ..., relay: _Optional[str] = ..., data_tokenizer: _Optional[str] = ..., data_vocab: _Optional[int] = ...) -> None: ...
+    standby: bool
+    def __init__(self, listen_address: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., unreachable: _Optional[bool] = ..., rendezvous: _Optional[str] = ..., relay: _Optional[str] = ..., data_tokenizer: _Optional[str] = ..., data_vocab: _Optional[int] = ..., standby: _Optional[bool] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("run_id", "rank", "peers", "train_config_json", "config_fingerprint", "resume_round", "resume_checkpoint", "heartbeat_interval_s", "tunnel_key", "crl")
+    __slots__ = ("run_id", "rank", "peers", "train_config_json", "config_fingerprint", "resume_round", "resume_checkpoint", "heartbeat_interval_s", "tunnel_key", "crl", "standby")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +38,7 @@ class RunSpec(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     TUNNEL_KEY_FIELD_NUMBER: _ClassVar[int]
     CRL_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     peers: _containers.RepeatedScalarFieldContainer[str]
@@ -46,7 +49,8 @@ class RunSpec(_message.Message):
     heartbeat_interval_s: float
     tunnel_key: bytes
     crl: bytes
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., train_config_json: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., resume_round: _Optional[int] = ..., resume_checkpoint: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., tunnel_key: _Optional[bytes] = ..., crl: _Optional[bytes] = ...) -> None: ...
+    standby: bool
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., train_config_json: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., resume_round: _Optional[int] = ..., resume_checkpoint: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., tunnel_key: _Optional[bytes] = ..., crl: _Optional[bytes] = ..., standby: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("state", "step", "last_loss", "tokens_per_s", "links_json")
@@ -85,6 +89,22 @@ class Envelope(_message.Message):
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ReplaceRequest(_message.Message):
+    __slots__ = ("worker", "standby", "force")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    standby: str
+    force: bool
+    def __init__(self, worker: _Optional[str] = ..., standby: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class ReplaceReply(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("json",)

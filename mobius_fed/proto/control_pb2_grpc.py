@@ -54,6 +54,11 @@ class ControlStub:
                 request_serializer=mobius__fed_dot_proto_dot_control__pb2.StatusRequest.SerializeToString,
                 response_deserializer=mobius__fed_dot_proto_dot_control__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Replace = channel.unary_unary(
+                '/mobius_fed.control.v1.Control/Replace',
+                request_serializer=mobius__fed_dot_proto_dot_control__pb2.ReplaceRequest.SerializeToString,
+                response_deserializer=mobius__fed_dot_proto_dot_control__pb2.ReplaceReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -85,6 +90,12 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replace(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +118,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=mobius__fed_dot_proto_dot_control__pb2.StatusRequest.FromString,
                     response_serializer=mobius__fed_dot_proto_dot_control__pb2.StatusReply.SerializeToString,
+            ),
+            'Replace': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replace,
+                    request_deserializer=mobius__fed_dot_proto_dot_control__pb2.ReplaceRequest.FromString,
+                    response_serializer=mobius__fed_dot_proto_dot_control__pb2.ReplaceReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +233,33 @@ class Control:
             '/mobius_fed.control.v1.Control/GetStatus',
             mobius__fed_dot_proto_dot_control__pb2.StatusRequest.SerializeToString,
             mobius__fed_dot_proto_dot_control__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mobius_fed.control.v1.Control/Replace',
+            mobius__fed_dot_proto_dot_control__pb2.ReplaceRequest.SerializeToString,
+            mobius__fed_dot_proto_dot_control__pb2.ReplaceReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,6 +34,7 @@ from mobius_fed.transport.tls import (
     identity_name,
     is_reserved_name,
     spki,
+    standby_identity,
     worker_identity,
 )
 
@@ -51,10 +52,15 @@ class CertLayout:
     ca_cert: Path
     ca_key: Path
     workers: int
+    standbys: int = 0  # standby sites (docs/recovery.md "Handover to a standby")
 
     def names(self) -> list[str]:
-        """All node names: ``worker-0`` .. ``worker-<N-1>``, ``coordinator``, ``operator``."""
-        return [f"worker-{i}" for i in range(self.workers)] + ["coordinator", "operator"]
+        """All node names: ``worker-0`` .. ``worker-<N-1>``, ``coordinator``, ``operator``,
+        then ``standby-0`` .. ``standby-<S-1>``."""
+        workers = [f"worker-{i}" for i in range(self.workers)]
+        return (
+            workers + ["coordinator", "operator"] + [f"standby-{k}" for k in range(self.standbys)]
+        )
 
     def node(self, name: str) -> NodeTLS:
         """TLS paths of node ``name`` (e.g. ``worker-1``); KeyError if unknown."""
@@ -83,6 +89,9 @@ def identity_of(name: str) -> str:
     index = name.removeprefix("worker-")
     if index != name and index.isdigit():
         return worker_identity(int(index))
+    index = name.removeprefix("standby-")
+    if index != name and index.isdigit():
+        return standby_identity(int(index))
     raise ValueError(f"unknown node name {name!r}")
 
 
@@ -105,8 +114,8 @@ def key_pem(key: PrivateKey) -> bytes:
     )
 
 
-ROLE_NAMES = ("coordinator", "operator", "relay", "worker")
-_WORKER_NAME = re.compile(r"worker-?[0-9]+")
+ROLE_NAMES = ("coordinator", "operator", "relay", "worker", "standby")
+_WORKER_NAME = re.compile(r"(worker|standby)-?[0-9]+")
 _LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 
@@ -380,16 +389,22 @@ def init_certs(
     *,
     days: int = 365,
     overwrite: bool = False,
+    standbys: int = 0,
 ) -> CertLayout:
-    """Create a CA and certificates for ``workers`` workers, the coordinator and an operator.
+    """Create a CA and certificates for ``workers`` workers, the coordinator, an operator
+    and ``standbys`` standby sites (``standby-<n>``, never a worker rank).
 
     ``hosts`` (DNS names or IP addresses) are added as SANs to every leaf so nodes can be
     dialled by those names. Refuses a non-empty ``out`` unless ``overwrite``.
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if standbys < 0:
+        raise ValueError(f"standbys must be >= 0, got {standbys}")
     check_extra_names(hosts, None)
-    return new_pki(out, workers, hosts, days=days, overwrite=overwrite, what="certificates")
+    return new_pki(
+        out, workers, hosts, days=days, overwrite=overwrite, what="certificates", standbys=standbys
+    )
 
 
 def new_pki(
@@ -401,13 +416,14 @@ def new_pki(
     overwrite: bool,
     what: str,
     names: Sequence[str] | None = None,
+    standbys: int = 0,
 ) -> CertLayout:
     """A fresh CA in ``out`` (``what`` names it when ``out`` is refused) and certificates
     for ``names`` (default: every node of the layout)."""
     out = fresh_dir(Path(out), overwrite, what)
     not_before, not_after = validity(days)
     ca_key, ca_cert = new_ca(not_before, not_after)
-    layout = CertLayout(root=out, ca_cert=out / "ca.crt", ca_key=out / "ca.key", workers=workers)
+    layout = CertLayout(out, out / "ca.crt", out / "ca.key", workers, standbys)
     write_file(layout.ca_key, key_pem(ca_key), 0o600)
     write_file(layout.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
     for name in layout.names() if names is None else names:
@@ -426,7 +442,10 @@ def load_layout(root: Path) -> CertLayout:
         workers += 1
     if workers == 0:
         raise FileNotFoundError(f"no worker-0.crt in {root}")
-    return CertLayout(root=root, ca_cert=root / "ca.crt", ca_key=root / "ca.key", workers=workers)
+    standbys = 0
+    while (root / f"standby-{standbys}.crt").is_file():
+        standbys += 1
+    return CertLayout(root, root / "ca.crt", root / "ca.key", workers, standbys)
 
 
 def renew_node(root: Path, name: str, hosts: Sequence[str] = (), *, days: int = 365) -> NodeTLS:
@@ -475,7 +494,9 @@ def rotate_ca(root: Path, hosts: Sequence[str] = (), *, days: int = 365) -> Cert
         if isinstance(n, x509.DNSName | x509.IPAddress) and value not in default:
             kept.append(value)
     hosts = kept + [h for h in hosts if h not in kept]
-    return init_certs(root, layout.workers, hosts, days=days, overwrite=True)
+    return init_certs(
+        root, layout.workers, hosts, days=days, overwrite=True, standbys=layout.standbys
+    )
 
 
 def _san_list(cert_path: Path) -> list[x509.GeneralName]:

@@ -66,12 +66,13 @@ class EnrollError(ValueError):
 
 
 def node_name(node: str) -> str:
-    """``node`` if it is a node name (``worker-<i>``, ``coordinator``, ``operator``)."""
+    """``node`` if it is a node name (``worker-<i>``, ``standby-<n>``, ``coordinator``,
+    ``operator``)."""
     try:
         canonical = node_name_of(identity_of(node))
     except ValueError:
         raise EnrollError(
-            f"unknown node name {node!r}: worker-<i>, coordinator or operator"
+            f"unknown node name {node!r}: worker-<i>, standby-<n>, coordinator or operator"
         ) from None
     if canonical != node:
         raise EnrollError(f"node name {node!r} is not canonical; write {canonical!r}")

@@ -39,7 +39,10 @@ log = logging.getLogger(__name__)
 SCHEME = "mobius://"
 COORDINATOR_IDENTITY = "mobius://coordinator"
 OPERATOR_IDENTITY = "mobius://operator"
-ROLES = ("worker", "coordinator", "operator")
+ROLES = ("worker", "coordinator", "operator", "standby")
+INDEXED_ROLES = ("worker", "standby")
+"""Roles whose identity carries an index: ``mobius://worker/<rank>``, ``mobius://standby/<n>``
+(a standby site, docs/recovery.md "Handover to a standby": it never names a rank)."""
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 """Send/receive limit on both sides (gRPC's default receive limit is only 4 MiB)."""
@@ -76,6 +79,13 @@ def worker_identity(index: int) -> str:
     return f"{SCHEME}worker/{index}"
 
 
+def standby_identity(index: int) -> str:
+    """The identity URI of standby site ``index`` (``mobius://standby/<index>``)."""
+    if index < 0:
+        raise ValueError(f"standby index must be >= 0, got {index}")
+    return f"{SCHEME}standby/{index}"
+
+
 IDENTITY_DOMAIN = "id.mobius.invalid"
 """The reserved DNS domain of identity names (docs/security.md "The identity rule"): ``.invalid``
 never resolves (RFC 2606), and only ``certs init``/``renew``/``sign`` write a name under it,
@@ -85,7 +95,7 @@ each certificate exactly the one of its own ``mobius://`` identity."""
 def node_name_of(identity: str) -> str:
     """The node name of an identity URI (``mobius://worker/3`` -> ``worker-3``)."""
     role, index = parse_identity(identity)
-    return role if index is None else f"worker-{index}"
+    return role if index is None else f"{role}-{index}"
 
 
 def identity_name(identity: str) -> str:
@@ -101,12 +111,14 @@ def is_reserved_name(name: str) -> bool:
 
 
 def identity_of_node_name(name: str) -> str | None:
-    """The identity of a node name (``coordinator``, ``operator``, ``worker-<i>``) or None."""
+    """The identity of a node name (``coordinator``, ``operator``, ``worker-<i>``,
+    ``standby-<n>``) or None."""
     if name in ("coordinator", "operator"):
         return f"{SCHEME}{name}"
-    index = name.removeprefix("worker-")
-    if index != name and index.isdigit() and str(int(index)) == index:
-        return worker_identity(int(index))
+    for role in INDEXED_ROLES:
+        index = name.removeprefix(f"{role}-")
+        if index != name and index.isdigit() and str(int(index)) == index:
+            return f"{SCHEME}{role}/{int(index)}"
     return None
 
 
@@ -124,7 +136,7 @@ def parse_identity(uri: str) -> tuple[str, int | None]:
         raise ValueError(f"not a mobius identity: {uri!r}")
     parts = uri[len(SCHEME) :].split("/")
     role = parts[0]
-    if role == "worker" and len(parts) == 2 and parts[1].isdigit():
+    if role in INDEXED_ROLES and len(parts) == 2 and parts[1].isdigit():
         return role, int(parts[1])
     if role in ("coordinator", "operator") and len(parts) == 1:
         return role, None

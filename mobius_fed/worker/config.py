@@ -38,6 +38,11 @@ class WorkerConfig(BaseModel):
         default_factory=list, description="static ring: host:port of every worker in ring order"
     )
     coordinator: str | None = Field(None, description="host:port of mobius-coordinator")
+    standby: bool = Field(
+        False,
+        description="coordinated: wait in the coordinator's standby pool until it hands this "
+        "site a lost worker's rank (a standby-<n> certificate; docs/recovery.md)",
+    )
     listen: str | None = Field(
         None, description="ring bind address (unset: 0.0.0.0 and the port in peers, or 7000)"
     )
@@ -119,6 +124,8 @@ class WorkerConfig(BaseModel):
                 )
             if self.rank >= self.train.workers:
                 raise ValueError(f"rank {self.rank} out of range for P={self.train.workers}")
+        if self.standby and self.coordinator is None:
+            raise ValueError("standby needs --coordinator: the coordinator hands it a rank")
         if self.insecure and self.coordinator is not None:
             raise ValueError(
                 "insecure is for static rings only: the coordinator knows workers by their "

@@ -36,7 +36,7 @@ from mobius_fed.transport.flower_wire import (
     worker_node_id,
 )
 from mobius_fed.transport.revocation import CrlSource, apply_crl
-from mobius_fed.transport.tls import check_node_secrets, open_channel
+from mobius_fed.transport.tls import SecretsError, check_node_secrets, open_channel
 from mobius_fed.worker.config import WorkerConfig
 from mobius_fed.worker.daemon import make_links
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
@@ -81,6 +81,7 @@ def register(
                     relay=cfg.relay or "",
                     data_tokenizer=tokenizer,
                     data_vocab=vocab,
+                    standby=cfg.standby,
                 ),
                 timeout=30,
             )
@@ -110,7 +111,16 @@ class WorkerNode:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         if not cfg.insecure:
-            check_node_secrets(cfg.node_tls(), role="worker")
+            role = "standby" if cfg.standby else "worker"
+            try:
+                check_node_secrets(cfg.node_tls(), role=role)
+            except SecretsError as exc:
+                if cfg.standby:  # a standby never claims a rank: it is handed one
+                    raise SecretsError(
+                        f"--standby needs a standby certificate (mobius://standby/<n>, from "
+                        f"certs init --standbys): {exc}"
+                    ) from None
+                raise
             CrlSource(cfg.node_tls()).watch()  # docs/security.md "Revocation"
         self.channel = open_channel(
             cfg.coordinator_address,
@@ -137,7 +147,8 @@ class WorkerNode:
         stop_beats = threading.Event()
         try:
             while True:
-                spec = register(self.stub, self.cfg, rejoin=rejoin)
+                spec = self._wait_for_rank() if self.cfg.standby else None
+                spec = spec or register(self.stub, self.cfg, rejoin=rejoin)
                 if spec.crl and not self.cfg.insecure:
                     apply_crl(spec.crl, self.cfg.node_tls(), "the coordinator")
                 self.run_key = spec.tunnel_key  # new with every coordinator process
@@ -171,6 +182,22 @@ class WorkerNode:
             stop_beats.set()
             self.close_links()
             self.channel.close()
+
+    def _wait_for_rank(self) -> control_pb2.RunSpec | None:
+        """A standby: register again every heartbeat interval until the coordinator hands
+        this site a rank; its run spec then (None once it holds one already)."""
+        if self.executor is not None:
+            return None  # it holds a rank: rejoining is a worker's ordinary rejoin
+        waited = False
+        while (spec := register(self.stub, self.cfg)).standby:
+            if not waited:
+                log.info("standby: registered with run %s; waiting for a rank", spec.run_id)
+                waited = True
+            time.sleep(spec.heartbeat_interval_s or 1.0)
+        log.warning(
+            "standby: the coordinator handed this site worker-%d's rank (a handover)", spec.rank
+        )
+        return spec
 
     def _heartbeats(self, interval: float, stop: threading.Event) -> None:
         """Heartbeats from registration on, across sessions; replies go to :meth:`on_reply`."""
@@ -233,8 +260,11 @@ class WorkerNode:
         set_task_identity(worker_node_id(spec.rank))
 
     # ----------------------------------------------------------------- ring
-    def rejoin_ring(self, ring_id: str, peers: list[str]) -> None:
-        """Close the ring links (if any) and join ring incarnation ``ring_id``."""
+    def rejoin_ring(
+        self, ring_id: str, peers: list[str], identities: list[str] | None = None
+    ) -> None:
+        """Close the ring links (if any) and join ring incarnation ``ring_id``; after a
+        handover, ``identities`` says who holds each rank (the coordinator assigned it)."""
         assert self.executor is not None
         aborts = self._aborts
         self.close_links()
@@ -242,7 +272,7 @@ class WorkerNode:
         P = self.executor.cfg.P  # R rings: the peers of this worker's own ring
         base = (self.cfg.rank or 0) - self.executor.rank
         self.cfg = self.cfg.model_copy(update={"peers": peers[base : base + P]})
-        links = make_links(self.cfg, self.executor, self.run_key)
+        links = make_links(self.cfg, self.executor, self.run_key, identities or ())
         if links is None:
             return
         links.start_server()

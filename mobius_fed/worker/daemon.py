@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -24,10 +25,16 @@ from mobius_fed.worker.link import RingLinks
 log = logging.getLogger("mobius.worker")
 
 
-def make_links(cfg: WorkerConfig, executor: RingExecutor, run_key: bytes = b"") -> RingLinks | None:
+def make_links(
+    cfg: WorkerConfig,
+    executor: RingExecutor,
+    run_key: bytes = b"",
+    identities: Sequence[str] = (),
+) -> RingLinks | None:
     """The ring links of ``executor`` for ``cfg`` (not started; None when P = 1).
 
-    Peers given as ring entries (relay/plan.py) get tunnels on the edges that need them."""
+    Peers given as ring entries (relay/plan.py) get tunnels on the edges that need them;
+    ``identities``: who holds each global rank after a handover (the coordinator's word)."""
     if cfg.train.P == 1:
         return None
     tunnels = None
@@ -48,6 +55,7 @@ def make_links(cfg: WorkerConfig, executor: RingExecutor, run_key: bytes = b"") 
         tuning=cfg.link.tuning(),
         tunnels=tunnels,
         ring_base=(cfg.rank or 0) - executor.rank,  # R rings: site r·P + i runs F_i
+        identities=tuple(identities),  # after a handover: who holds each rank
     )
 
 

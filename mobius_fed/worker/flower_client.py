@@ -201,14 +201,14 @@ def make_client_app(worker: WorkerHandlers) -> ClientApp:
 
 class WorkerHandlers:
     """What a worker does with each coordinator message (see :mod:`mobius_fed.messages`);
-    ``rejoin_ring(ring_id, peers)`` replaces the executor's ring links, ``on_step`` and
+    ``rejoin_ring(ring_id, peers, identities)`` replaces the executor's ring links, ``on_step`` and
     ``on_state`` report each step and each state change."""
 
     def __init__(
         self,
         executor: RingExecutor,
         snapshots: Snapshots,
-        rejoin_ring: Callable[[str, list[str]], None],
+        rejoin_ring: Callable[[str, list[str], list[str] | None], None],
         on_step: Callable[[WorkerStep], None],
         on_state: Callable[[WorkerState], None],
     ) -> None:
@@ -361,7 +361,7 @@ class WorkerHandlers:
     def join_ring(self, msg: Message) -> Message:
         order = RingOrder.of(msg.content[CONFIG])
         log.info("worker-%d joining ring %s", self.executor.rank, order.ring_id)
-        self.rejoin_ring(order.ring_id, order.peers)
+        self.rejoin_ring(order.ring_id, order.peers, order.identities)
         self.on_state(WorkerState.READY)
         return Message(RecordDict({CONFIG: ConfigRecord({"ok": True})}), reply_to=msg)
 

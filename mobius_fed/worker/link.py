@@ -77,6 +77,7 @@ class RingLinks:
         ack_every: int = ACK_EVERY,
         tunnels: EdgeTunnels | None = None,
         ring_base: int = 0,
+        identities: tuple[str, ...] = (),
     ) -> None:
         if tuning is None:
             refuse_renamed_variables(os.environ)  # a stale MOBIUS_LINK_<X> must not be ignored
@@ -104,6 +105,7 @@ class RingLinks:
             tuning=tuning,
             max_message=max_message_bytes(chunk_bytes),
             base=ring_base,
+            identities=identities,
         )
         self.listen, self.tunnels = listen, tunnels  # a tunnelled out-edge dials its forwarder
         self.inbox = Inbox(rules.current_step, frozenset(range(s.P)) - {s.rank})

@@ -56,7 +56,15 @@ class SuccessorClient:
         self.rank, self.succ = cfg.rank, (cfg.rank + 1) % cfg.P
         self.edge_out = edge_name(self.rank, self.succ)
         self.address, self.tunnels = address, tunnels  # a tunnelled edge dials its forwarder
-        self.peer_identity = worker_identity(cfg.base + self.succ)  # its own ring's
+        self.peer_identity = cfg.identity(self.succ)  # its own ring's, or its standby
+        if self.peer_identity != worker_identity(cfg.base + self.succ):
+            log.warning(
+                "worker-%d accepts %s as its successor worker-%d: the coordinator assigned "
+                "it that rank (a handover)",
+                cfg.base + self.rank,
+                self.peer_identity,
+                cfg.base + self.succ,
+            )
         self.session = router.new_session(self.peer_identity, BACKWARD)
         self.session.token = ""  # the successor's server hands the token out
         self.state = EdgeState.DOWN

@@ -61,7 +61,15 @@ class PredecessorServer:
         self.cfg, self.router, self.inbox, self._closing = cfg, router, router.inbox, closing
         self.rank, self.pred = cfg.rank, (cfg.rank - 1) % cfg.P
         self.edge_in = edge_name(self.pred, self.rank)
-        self.peer_identity = worker_identity(cfg.base + self.pred)  # its own ring's
+        self.peer_identity = cfg.identity(self.pred)  # its own ring's, or its standby
+        if self.peer_identity != worker_identity(cfg.base + self.pred):
+            log.warning(
+                "worker-%d accepts %s as its predecessor worker-%d: the coordinator assigned "
+                "it that rank (a handover)",
+                cfg.base + self.rank,
+                self.peer_identity,
+                cfg.base + self.pred,
+            )
         self._lock = threading.Lock()
         self._in_ready = threading.Condition(self._lock)
         self.session: Session | None = None
@@ -98,7 +106,7 @@ class PredecessorServer:
     # ------------------------------------------------------------------- RPCs
     def Ping(self, request: ring_pb2.PingRequest, context: grpc.ServicerContext) -> Any:
         return ring_pb2.PingReply(
-            identity=worker_identity(self.cfg.base + self.rank), peer=peer_identity(context) or ""
+            identity=self.cfg.identity(self.rank), peer=peer_identity(context) or ""
         )
 
     def Stream(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Any:

@@ -21,7 +21,7 @@ from mobius_fed.machines import EdgeState
 from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.codec import FrameError, NonFiniteError, TensorAssembler, parse_frame
 from mobius_fed.transport.link_tuning import LinkTuning
-from mobius_fed.transport.tls import NodeTLS
+from mobius_fed.transport.tls import NodeTLS, worker_identity
 from mobius_fed.worker.frames import (
     ACK,
     CLOSE,
@@ -94,6 +94,15 @@ class LinkSettings:
     tuning: LinkTuning
     max_message: int  # sent and received alike (see RingLinks)
     base: int = 0  # R rings: the global rank of this ring's worker 0 (identities are global)
+    # after a handover: the identity that holds each global rank, as the coordinator
+    # assigned it (docs/recovery.md "Handover to a standby"); () or "": worker-<rank>
+    identities: tuple[str, ...] = ()
+
+    def identity(self, rank: int) -> str:
+        """Who holds this ring's ``rank`` (local): worker-<base+rank>, or its standby."""
+        g = self.base + rank
+        assigned = self.identities[g] if g < len(self.identities) else ""
+        return assigned or worker_identity(g)
 
     def grpc_options(self, keepalive_ms: int) -> list[tuple[str, int | str]]:
         """What both ends of a link set: message sizes, tuning, pings every ``keepalive_ms``."""

@@ -1,0 +1,295 @@
+"""Handover to a standby (docs/recovery.md "Handover to a standby"): a worker that is lost
+for good (SIGKILLed and never restarted, revoked, or replaced by the operator) is replaced
+by a standby site with its own certificate and data; the run ends with the reference
+engine's losses for the same handover, and the replaced identity is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from rich.console import Console
+
+from mobius_fed.cli.status import render_status
+from mobius_fed.config import TrainConfig
+from mobius_fed.coordinator.control import ControlService
+from mobius_fed.coordinator.grid import ControlGrid
+from mobius_fed.coordinator.standby import StandbyPool
+from mobius_fed.coordinator.state import RunState
+from mobius_fed.data import SiteData
+from mobius_fed.defences.er_dp import ErPrivacy
+from mobius_fed.engine import ReferenceEngine
+from mobius_fed.engine.federated import train_with_strategy
+from mobius_fed.machines import WorkerState
+from mobius_fed.ops.federation import LocalFederation
+from mobius_fed.proto import control_pb2
+from mobius_fed.strategies import RoundPlan, make_strategy
+from mobius_fed.transport.certs import init_certs, load_layout
+from mobius_fed.transport.revocation import revoke
+from mobius_fed.transport.tls import (
+    certificate_identity,
+    identity_of_node_name,
+    node_name_of,
+    parse_identity,
+    standby_identity,
+    tls_target_name,
+)
+from tests.test_coordinator import BASE, max_diff, ring_history
+
+REPO = Path(__file__).resolve().parents[1]
+STANDBY_0 = standby_identity(0)
+
+
+# --------------------------------------------------------------------------- identities
+def test_a_standby_identity_names_no_rank(tmp_path: Path) -> None:
+    assert STANDBY_0 == "mobius://standby/0"
+    assert parse_identity(STANDBY_0) == ("standby", 0)
+    assert node_name_of(STANDBY_0) == "standby-0"
+    assert identity_of_node_name("standby-0") == STANDBY_0
+    assert tls_target_name("standby-0") == "standby-0.id.mobius.invalid"
+    layout = init_certs(tmp_path / "c", 2, standbys=1)
+    assert "standby-0" in layout.names()
+    assert certificate_identity(layout.bundle("standby-0").cert.read_bytes()) == STANDBY_0
+    assert load_layout(layout.root).standbys == 1
+
+
+def test_the_pool_hands_a_rank_over_and_refuses_the_replaced_identity() -> None:
+    pool = StandbyPool()
+    assert pool.rank_of("mobius://worker/2") == 2
+    assert pool.rank_of(STANDBY_0) is None  # waiting: no rank
+    assert pool.pick() is None
+    pool.offer(STANDBY_0, ("gpt2", 50257))
+    chosen = pool.pick("standby-0")
+    assert chosen is not None and pool.pick("standby-1") is None
+    assert pool.assign(2, chosen, "a test") == "mobius://worker/2"
+    assert pool.rank_of(STANDBY_0) == 2 and pool.identity_of(2) == STANDBY_0
+    assert pool.rank_of("mobius://worker/2") is None
+    why = pool.refusal("mobius://worker/2")
+    assert why is not None and "replaced by standby-0 as worker-2" in why
+    assert pool.pick() is None  # it left the pool
+
+
+def _service(P: int = 3) -> ControlService:
+    state = RunState(run_id="t", P=P, steps=4, strategy="fedavg")
+    return ControlService(
+        state,
+        ControlGrid(P),
+        fingerprint="f",
+        run_spec=lambda rank: control_pb2.RunSpec(rank=rank),
+    )
+
+
+class Aborted(Exception):
+    pass
+
+
+class FakeContext:
+    """Enough of a gRPC servicer context for the identity checks: a peer identity."""
+
+    def __init__(self, identity: str) -> None:
+        self._auth = {
+            "transport_security_type": [b"ssl"],
+            "ssl_tls_version": [b"TLSv1.3"],
+            "peer_uri": [identity.encode()],
+        }
+        self.code: grpc.StatusCode | None = None
+
+    def auth_context(self) -> dict:
+        return self._auth
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    def abort(self, code: grpc.StatusCode, msg: str) -> None:
+        self.code = code
+        raise Aborted(msg)
+
+
+def _register(svc: ControlService, identity: str, **kw) -> control_pb2.RunSpec:
+    request = control_pb2.RegisterRequest(listen_address="127.0.0.1:7001", **kw)
+    return svc.Register(request, FakeContext(identity))
+
+
+def test_bad_standby_input_is_refused_with_the_reason() -> None:
+    svc = _service()
+    _register(svc, "mobius://worker/0", data_tokenizer="gpt2", data_vocab=50257)
+    # a standby certificate that claims a worker rank
+    with pytest.raises(Aborted, match="names worker-1: a standby's certificate names a standby"):
+        _register(svc, "mobius://worker/1", standby=True)
+    # a standby whose data has another tokenizer
+    with pytest.raises(Aborted, match="data mismatch: standby-0's site uses tokenizer byte"):
+        _register(svc, STANDBY_0, standby=True, data_tokenizer="byte", data_vocab=256)
+    spec = _register(svc, STANDBY_0, standby=True, data_tokenizer="gpt2", data_vocab=50257)
+    assert spec.standby and spec.run_id == "t"
+    # replace: a live worker without --force, an unknown standby, not a worker's name
+    with pytest.raises(ValueError, match=r"worker-0 is alive .* pass --force"):
+        svc.replace("worker-0", "standby-0", force=False)
+    with pytest.raises(ValueError, match=r"standby-1 is not registered .* waiting: standby-0"):
+        svc.replace("worker-1", "standby-1", force=False)
+    with pytest.raises(ValueError, match="not a worker's name"):
+        svc.replace("standby-0", "standby-0", force=False)
+    with pytest.raises(ValueError, match="not a worker of this run"):
+        svc.replace("worker-7", "standby-0", force=False)
+
+
+def test_a_handed_over_rank_is_the_standbys_and_the_old_identity_is_refused() -> None:
+    svc = _service()
+    _register(svc, "mobius://worker/2")
+    _register(svc, STANDBY_0, standby=True)
+    svc.state.move_worker(2, WorkerState.LOST)
+    assert svc.replace("worker-2", "standby-0", force=False) == "worker-2 handed over to standby-0"
+    spec = _register(svc, STANDBY_0, standby=True)  # the standby's next poll: its rank
+    assert not spec.standby and spec.rank == 2
+    assert svc.state.workers[2].identity == STANDBY_0
+    assert svc.identities() == ["mobius://worker/0", "mobius://worker/1", STANDBY_0]
+    with pytest.raises(Aborted, match=r"worker-2 .* was replaced by standby-0 .* refused from now"):
+        _register(svc, "mobius://worker/2")
+    (h,) = svc.state.status_doc()["handovers"]
+    assert h["rank"] == 2 and h["standby"] == STANDBY_0 and h["replaced"] == "mobius://worker/2"
+    svc.pool.offer(STANDBY_0, ("", 0))  # a poll that raced with its handover: not back
+    assert svc.pool.pick() is None
+    console = Console(record=True, width=200)
+    render_status(svc.state.status_doc(), console)
+    text = console.export_text()
+    assert "handovers" in text and "mobius://standby/0" in text
+
+
+def test_a_standby_process_with_a_worker_certificate_refuses_to_start(tmp_path: Path) -> None:
+    from mobius_fed.transport.tls import SecretsError
+    from mobius_fed.worker.config import WorkerConfig
+    from mobius_fed.worker.coordinated import WorkerNode
+
+    layout = init_certs(tmp_path / "c", 2, standbys=1)
+
+    def node(name: str) -> WorkerConfig:
+        tls = layout.bundle(name)
+        return WorkerConfig(
+            coordinator="127.0.0.1:9",
+            standby=True,
+            data_dir=tmp_path,
+            out_dir=tmp_path / "out",
+            ca=tls.ca,
+            cert=tls.cert,
+            key=tls.key,
+        )
+
+    with pytest.raises(SecretsError, match="--standby needs a standby certificate"):
+        WorkerNode(node("worker-1"))
+    WorkerNode(node("standby-0")).channel.close()  # its own: accepted
+
+
+# --------------------------------------------------------------------------- real runs
+def federation(tmp_path: Path, steps: int = 14, **kw) -> LocalFederation:
+    train = TrainConfig(**BASE, steps=steps, sync_every=1)
+    opts = dict(checkpoint_every=2, heartbeat_timeout=3.0, threads=1, standbys=1)
+    return LocalFederation(tmp_path, train, **{**opts, **kw})
+
+
+def wait_for_step(fed: LocalFederation, step: int, timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while (doc := fed.status()) is None or doc["step"] < step:
+        assert time.monotonic() < deadline, fed.tail("coordinator")
+        time.sleep(0.1)
+    return doc
+
+
+def handover_reference(
+    fed: LocalFederation, rank: int, rnd: int, evaluated_round: bool = False
+) -> tuple[dict, list]:
+    """The reference engine under Flower with origin ``rank``'s data switched to
+    standby-0's site from round ``rnd`` on (and for that round's evaluation when the
+    standby made it)."""
+    cfg = fed.train
+    seq = cfg.model().seq_len
+    sites = [SiteData(fed.sites / f"site-{i}", seq) for i in range(cfg.P)]
+    engine = ReferenceEngine(cfg, sites)
+    plan = RoundPlan.of(cfg)
+    standby = SiteData(fed.sites / f"site-{cfg.P}", seq)
+    engine.hand_over(rank, standby, plan.steps_of(rnd)[1], evaluated_round)
+    grid = train_with_strategy(
+        engine, make_strategy("fedavg", cfg.P, plan, {}, er_privacy=ErPrivacy.of(cfg))
+    )
+    losses = {(r.step, s): v for r in grid.steps for s, v in enumerate(r.origin_losses)}
+    return losses, [(e.step, e.loss) for e in grid.evals]
+
+
+def finish_with_standby(fed: LocalFederation, why: str) -> dict:
+    """Wait for the end; the run is done, standby-0 holds rank 2 and the losses (train
+    and eval) are the reference engine's for that handover."""
+    try:
+        final = fed.wait(timeout=300)
+        got, evals = ring_history(fed)
+    finally:
+        fed.stop()
+    assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 40))
+    (h,) = final["handovers"]
+    assert h["rank"] == 2 and h["standby"] == STANDBY_0 and h["replaced"] == "mobius://worker/2"
+    assert why in h["why"] and h["round"] is not None and h["round"] % 2 == 0, h
+    assert final["workers"][2]["identity"] == STANDBY_0
+    ref, ref_evals = handover_reference(fed, 2, h["round"], h["evaluated_round"])
+    assert max_diff(got, ref) <= 1e-5, "the ring must equal the reference's handover"
+    plain, _ = handover_reference(fed, 2, fed.train.steps)  # no handover within the run
+    assert max_diff(got, plain) > 1e-3, "origin 2 must have trained on the standby's data"
+    assert [s for s, _ in evals] == [s for s, _ in ref_evals]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(evals, ref_evals)) <= 1e-5, (
+        h,
+        evals,
+        ref_evals,
+    )
+    coordinator = (fed.logs / "coordinator.log").read_text()
+    assert "handover: worker-2 goes to standby-0" in coordinator
+    assert "the coordinator's copy" in (fed.logs / "standby-0.log").read_text()
+    for i in (1, 3):  # the neighbours accept it because the coordinator assigned it
+        text = (fed.logs / f"worker-{i}.log").read_text()
+        assert f"accepts {STANDBY_0} as its" in text and "the coordinator assigned" in text
+    return final
+
+
+@pytest.mark.slow
+def test_a_killed_worker_that_never_returns_is_replaced_by_a_standby(tmp_path: Path) -> None:
+    fed = federation(tmp_path, rejoin_timeout=3.0).prepare().start()
+    wait_for_step(fed, 5)
+    os.kill(fed.procs["worker-2"].pid, signal.SIGKILL)  # never restarted (no supervision)
+    final = finish_with_standby(fed, "did not rejoin within 3s")
+    assert [i["rank"] for i in final["incidents"]] == [2]
+    assert final["incidents"][0]["state"] == "recovered"
+
+
+@pytest.mark.slow
+def test_a_revoked_worker_is_replaced_by_a_standby(tmp_path: Path) -> None:
+    # rejoin timeout: 300 s, not waited for; long enough that the run still trains when
+    # the revocation list reaches the coordinator (its poll: 1 s, warm workers are fast)
+    fed = federation(tmp_path, steps=40).prepare().start()
+    wait_for_step(fed, 5)
+    revoke(fed.certs, ["worker-2"])
+    finish_with_standby(fed, "its certificate was revoked")
+    assert "certificate is revoked" in (fed.logs / "coordinator.log").read_text()
+
+
+def _replace(fed: LocalFederation, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "mobius_fed.cli.main", "replace", *args]
+    cmd += ["--coordinator", f"127.0.0.1:{fed.coord_port}", "--certs", str(fed.certs)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+@pytest.mark.slow
+def test_mobius_fed_replace_hands_a_live_worker_over_only_with_force(tmp_path: Path) -> None:
+    fed = federation(tmp_path, steps=40).prepare().start()  # still training after two CLIs
+    wait_for_step(fed, 5)
+    refused = _replace(fed, "worker-2", "--with", "standby-0")
+    assert refused.returncode != 0 and "worker-2 is alive" in refused.stderr, refused
+    assert "--force" in refused.stderr
+    done = _replace(fed, "worker-2", "--with", "standby-0", "--force")
+    assert done.returncode == 0, done.stderr
+    assert "worker-2 handed over to standby-0" in done.stdout
+    old = fed.procs["worker-2"]
+    finish_with_standby(fed, "mobius-fed replace --force")
+    assert old.poll() not in (None, 0), "the replaced process is refused and ends"
+    assert "replaced by standby-0 as worker-2" in (fed.logs / "worker-2.log").read_text()
