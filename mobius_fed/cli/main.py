@@ -264,17 +264,12 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_config_env(args: argparse.Namespace) -> int:
-    from mobius_fed.cli.variables import env_reference
+    from mobius_fed.cli.variables import env_markdown, env_reference
 
-    rows = env_reference()
     if args.markdown:
-        print("| Variable | Read by | Default | Meaning |")
-        print("|---|---|---|---|")
-        for name, where, default, text in rows:
-            cell = text.replace("|", "\\|")
-            print(f"| `{name}` | {where} | {f'`{default}`' if default else ''} | {cell} |")
+        print(env_markdown(), end="")
     else:
-        for name, where, default, text in rows:
+        for name, where, default, text in env_reference():
             print(f"{name}={default}\t# {where}: {text}")
     return 0
 

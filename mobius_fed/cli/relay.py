@@ -92,9 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    return run_guarded(relay_main, build_parser().parse_args(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mobius-relay`` parser."""
     p = argparse.ArgumentParser(prog="mobius-relay", description=DESCRIPTION)
     add_flags(p)
-    return run_guarded(relay_main, p.parse_args(argv))
+    return p
 
 
 if __name__ == "__main__":

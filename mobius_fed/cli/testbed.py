@@ -164,6 +164,14 @@ def register(subparsers: Any) -> None:
         "environment and volumes.",
     )
     sub = p.add_subparsers(dest="testbed_command", required=True)
+    _add_up_parser(sub)
+    c = sub.add_parser("cleanup", help="remove namespaces <PREFIX>-* left by a killed testbed")
+    c.add_argument("prefix")
+    c.set_defaults(func=cmd_cleanup)
+
+
+def _add_up_parser(sub: Any) -> None:
+    """``testbed up`` and its flags."""
     u = sub.add_parser(
         "up",
         help="bring the compose project up, wait for the run to finish, tear it down",
@@ -197,6 +205,12 @@ def register(subparsers: Any) -> None:
     u.add_argument("--prefix", help="namespace name prefix (default: a fresh mtbXXXXXX)")
     u.add_argument("--fresh", action="store_true", help="delete root/volumes first")
     u.add_argument("--json", action="store_true", help="print the final status as JSON")
+    _add_wan_flags(u)
+    u.set_defaults(func=cmd_up)
+
+
+def _add_wan_flags(u: Any) -> None:
+    """``testbed up``'s emulated wide-area links."""
     u.add_argument(
         "--wan-rate",
         metavar="RATE",
@@ -214,10 +228,6 @@ def register(subparsers: Any) -> None:
         metavar="SERVICE:rate=R,delay=D",
         help="override one site's rate and/or delay (repeatable)",
     )
-    u.set_defaults(func=cmd_up)
-    c = sub.add_parser("cleanup", help="remove namespaces <PREFIX>-* left by a killed testbed")
-    c.add_argument("prefix")
-    c.set_defaults(func=cmd_cleanup)
 
 
 def main(argv: list[str] | None = None) -> int:

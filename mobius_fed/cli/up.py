@@ -62,7 +62,6 @@ def claim_out(out: Path, resume: bool | str | None, force: bool) -> None:
 def up_main(args: argparse.Namespace) -> int:
     """``mobius-fed up``: build the train config from TOML/env/flags and run."""
     from mobius_fed.cli.coordinator import parse_options
-    from mobius_fed.coordinator.recorder import METRICS_FILE
 
     train = common.train_config_from_args(args)
     strategy_options = parse_options(args.strategy_option)
@@ -70,7 +69,29 @@ def up_main(args: argparse.Namespace) -> int:
     # The handler raises Terminated in this (main) thread; every child then gets the same
     # signal. The hard deadline is only a safety net beyond the children's grace.
     stop = GracefulStop("mobius-fed up", deadline=STOP_GRACE + 5).install()
-    fed = LocalFederation(
+    fed = _federation(args, train, strategy_options)
+    final: dict[str, Any] | None = None
+    linger = linger_default(args.linger)
+    try:
+        final = _tracked_run(fed, args, train)
+        _after_run(fed, final, linger)
+    except (KeyboardInterrupt, Terminated) as exc:
+        stop.ignore()  # a second signal changes nothing: every child is being stopped
+        return _interrupted(fed, final, exc)
+    finally:
+        _wind_down(fed, stop)
+    if fed.restarts:
+        print("restarts: " + ", ".join(f"{n} {c}" for n, c in sorted(fed.restarts.items())))
+    if final["phase"] != Phase.DONE:
+        raise CliError(f"run {final['phase']}: {final['error']}")
+    return 0
+
+
+def _federation(
+    args: argparse.Namespace, train: TrainConfig, strategy_options: dict[str, Any]
+) -> LocalFederation:
+    """The federation ``up`` runs, from its flags (nothing started yet)."""
+    return LocalFederation(
         Path(args.out),
         train,
         strategy=args.strategy,
@@ -84,49 +105,62 @@ def up_main(args: argparse.Namespace) -> int:
         keep_checkpoints=args.keep_checkpoints,
         max_restarts=args.max_restarts,
     )
-    final: dict[str, Any] | None = None
-    linger = linger_default(args.linger)
-    try:
-        # The run's tracker, in up itself: one tracker across coordinator restarts.
-        metrics, config = fed.coordinator_out / METRICS_FILE, train.model_dump(mode="json")
-        with tracked(args.tracker, metrics, run_name="up", config=config):
-            final = _up(fed, args, train)
-        _report(final)
-        if linger:
-            _linger(fed, linger)
-        else:
-            _served_note(fed)
-    except (KeyboardInterrupt, Terminated) as exc:
-        stop.ignore()  # a second signal changes nothing: every child is being stopped
-        signum = exc.signum if isinstance(exc, Terminated) else int(signal.SIGINT)
-        if final is not None:  # the run had ended: this only ends the status service
-            fed.stop(grace=STOP_GRACE, sig=signum)
-            console.print(f"{signal.Signals(signum).name}: coordinator stopped")
-            return 0 if final["phase"] == Phase.DONE else 1
-        console.print(
-            f"[yellow]{signal.Signals(signum).name}: forwarded to every process; "
-            f"SIGKILL for any still running after {STOP_GRACE:.0f}s[/]"
-        )
-        codes = fed.stop(grace=STOP_GRACE, sig=signum)
-        if codes:
-            console.print("exit status: " + ", ".join(f"{n} {c}" for n, c in codes.items()))
-        from mobius_fed.coordinator.manifests import latest_manifest
 
-        manifest = latest_manifest(fed.coordinator_out)
-        print(f"last complete checkpoint: {manifest or 'none'}")
-        return 128 + signum
-    finally:
-        stop.ignore()
-        fed.stop(grace=STOP_GRACE)  # nothing left running, whatever happened
-        if (fed.root / "endpoints.json").is_file():
-            with contextlib.suppress(OSError):  # `status`: the run has ended, nothing serves it
-                fed.write_endpoints("exited")
-        stop.settle()
-    if fed.restarts:
-        print("restarts: " + ", ".join(f"{n} {c}" for n, c in sorted(fed.restarts.items())))
-    if final["phase"] != Phase.DONE:
-        raise CliError(f"run {final['phase']}: {final['error']}")
-    return 0
+
+def _tracked_run(
+    fed: LocalFederation, args: argparse.Namespace, train: TrainConfig
+) -> dict[str, Any]:
+    """Run to the end under the run's tracker, in up itself: one tracker across
+    coordinator restarts. Returns the final status."""
+    from mobius_fed.coordinator.recorder import METRICS_FILE
+
+    metrics, config = fed.coordinator_out / METRICS_FILE, train.model_dump(mode="json")
+    with tracked(args.tracker, metrics, run_name="up", config=config):
+        return _up(fed, args, train)
+
+
+def _after_run(fed: LocalFederation, final: dict[str, Any], linger: float) -> None:
+    """Print the result, then keep the status service up for ``linger`` or say it ended."""
+    _report(final)
+    if linger:
+        _linger(fed, linger)
+    else:
+        _served_note(fed)
+
+
+def _interrupted(
+    fed: LocalFederation,
+    final: dict[str, Any] | None,
+    exc: KeyboardInterrupt | Terminated,
+) -> int:
+    """SIGINT/SIGTERM: forward it to every process; the exit status to return."""
+    signum = exc.signum if isinstance(exc, Terminated) else int(signal.SIGINT)
+    if final is not None:  # the run had ended: this only ends the status service
+        fed.stop(grace=STOP_GRACE, sig=signum)
+        console.print(f"{signal.Signals(signum).name}: coordinator stopped")
+        return 0 if final["phase"] == Phase.DONE else 1
+    console.print(
+        f"[yellow]{signal.Signals(signum).name}: forwarded to every process; "
+        f"SIGKILL for any still running after {STOP_GRACE:.0f}s[/]"
+    )
+    codes = fed.stop(grace=STOP_GRACE, sig=signum)
+    if codes:
+        console.print("exit status: " + ", ".join(f"{n} {c}" for n, c in codes.items()))
+    from mobius_fed.coordinator.manifests import latest_manifest
+
+    manifest = latest_manifest(fed.coordinator_out)
+    print(f"last complete checkpoint: {manifest or 'none'}")
+    return 128 + signum
+
+
+def _wind_down(fed: LocalFederation, stop: GracefulStop) -> None:
+    """Whatever happened: nothing left running, and ``status`` told that the run ended."""
+    stop.ignore()
+    fed.stop(grace=STOP_GRACE)
+    if (fed.root / "endpoints.json").is_file():
+        with contextlib.suppress(OSError):  # `status`: the run has ended, nothing serves it
+            fed.write_endpoints("exited")
+    stop.settle()
 
 
 def _report(final: dict[str, Any]) -> None:

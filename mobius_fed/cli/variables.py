@@ -3,7 +3,7 @@
 The settings system (:mod:`mobius_fed.settings`) derives each command's variables from its
 config model; this module lists them all (the training, worker and coordinator models, and
 the process variables), so that a command can refuse a name no command reads, and
-``mobius-fed config --env`` can print the reference table.
+``mobius-fed config env`` can print the reference table.
 """
 
 from __future__ import annotations
@@ -48,6 +48,15 @@ def env_reference() -> list[tuple[str, str, str, str]]:
     for name, text in PROCESS_ENV.items():
         rows.setdefault(name, [name, "process", "", text])
     return [(v, c, d, t) for v, c, d, t in rows.values()]
+
+
+def env_markdown() -> str:
+    """:func:`env_reference` as a Markdown table (``mobius-fed config env --markdown``)."""
+    lines = ["| Variable | Read by | Default | Meaning |", "|---|---|---|---|"]
+    for name, where, default, text in env_reference():
+        cell = text.replace("|", "\\|")
+        lines.append(f"| `{name}` | {where} | {f'`{default}`' if default else ''} | {cell} |")
+    return "\n".join(lines) + "\n"
 
 
 def _text(value: Any) -> str:

@@ -373,19 +373,120 @@ def tokenize_stream(
         return stream
     if not parts:
         _save_progress(work, request, parts, complete=False)
-    dtype = token_dtype(encoding_vocab(opts.encoding)).str
-    total_bytes = sum(p.stat().st_size for p in files) + (len(text.encode()) if text else 0)
-    done_bytes = parts[-1].text_bytes if parts else 0
-    progress = _Progress(total_bytes, done_bytes, opts)
-    resume_at = parts[-1] if parts else None
-    writer: ShardWriter | None = None
-    read_bytes, tokens_done = done_bytes, stream.total
-    read_before = done_bytes  # input bytes of the tasks written so far
+    out = _PartWriter.resuming(stream, request, files, text, opts)
+    try:
+        units = _units(files, text, parts[-1] if parts else None, opts, skips)
+        for batch, tokens, counts in _encoded(_tasks(units), opts, out.dtype):
+            out.write_task(batch, tokens, counts)
+        out.finish(source=len(files) + 1)
+    except BaseException:
+        out.abort()
+        out.progress.close()
+        raise
+    out.progress.close()
+    _save_progress(work, request, parts, complete=True)
+    return stream
 
-    def close(source: int, unit: int, skip: int) -> None:
-        nonlocal writer
+
+@dataclass
+class _PartWriter:
+    """Pass 1's output: encoded tasks into ``part_*.bin`` files of ``shard_tokens`` each,
+    each recorded in ``progress.json`` with the input position it ends at."""
+
+    stream: Stream
+    request: dict
+    progress: _Progress
+    dtype: str
+    shard_tokens: int
+    resume_at: Part | None  # the part the first task may continue
+    read_before: int  # input bytes of the tasks written so far
+    read_bytes: int  # input bytes up to the end of the part being written
+    tokens_done: int
+    writer: ShardWriter | None = None
+
+    @classmethod
+    def resuming(
+        cls,
+        stream: Stream,
+        request: dict,
+        files: list[Path],
+        text: str | None,
+        opts: PrepareOptions,
+    ) -> _PartWriter:
+        """A writer that continues after ``stream``'s parts (none: from the start)."""
+        parts = stream.parts
+        dtype = token_dtype(encoding_vocab(opts.encoding)).str
+        total_bytes = sum(p.stat().st_size for p in files) + (len(text.encode()) if text else 0)
+        done_bytes = parts[-1].text_bytes if parts else 0
+        progress = _Progress(total_bytes, done_bytes, opts)
+        resume_at = parts[-1] if parts else None
+        return cls(
+            stream,
+            request,
+            progress,
+            dtype,
+            opts.shard_tokens,
+            resume_at,
+            read_before=done_bytes,
+            read_bytes=done_bytes,
+            tokens_done=stream.total,
+        )
+
+    def write_task(
+        self, batch: list[tuple[int, Unit]], tokens: np.ndarray, counts: np.ndarray
+    ) -> None:
+        """One task's tokens. Vectorised over the task: the tokens are written in at most one
+        piece per part, and a full part is attributed to the unit it ends in (its resume
+        point)."""
+        ends = np.cumsum(counts)
+        nbytes = np.cumsum([u.nbytes for _, u in batch])
+        pos = self._resume_pos(batch, counts)
+        while pos < len(tokens):
+            pos = self._write_piece(batch, tokens, pos, ends, nbytes)
+        self.read_before += int(nbytes[-1])
+        self.read_bytes = self.read_before
+        self.progress.advance(int(nbytes[-1]), self.tokens_done)
+
+    def _resume_pos(self, batch: list[tuple[int, Unit]], counts: np.ndarray) -> int:
+        """Tokens of the first unit already in the last part (0 but on a resume)."""
+        pos = 0
+        if self.resume_at is not None:
+            source, unit = batch[0]
+            if (source, unit.index) == (self.resume_at.source, self.resume_at.unit):
+                pos = min(self.resume_at.skip, int(counts[0]))
+            self.resume_at = None
+        return pos
+
+    def _write_piece(
+        self,
+        batch: list[tuple[int, Unit]],
+        tokens: np.ndarray,
+        pos: int,
+        ends: np.ndarray,
+        nbytes: np.ndarray,
+    ) -> int:
+        """Tokens from ``pos`` up to the end of the task or of the part; the new ``pos``."""
+        if self.writer is None:
+            name = f"part_{len(self.stream.parts):06d}.bin"
+            path = self.stream.directory / name
+            self.writer = ShardWriter(path, self.dtype, expect=self.shard_tokens)
+        take = min(len(tokens) - pos, self.shard_tokens - self.writer.count)
+        self.writer.write(tokens[pos : pos + take])
+        pos += take
+        self.tokens_done += take
+        if self.writer.count == self.shard_tokens:
+            i = int(np.searchsorted(ends, pos, side="left"))
+            source, unit = batch[i]
+            self.read_bytes = self.read_before + int(nbytes[i])
+            self._close(source, unit.index, pos - (int(ends[i - 1]) if i else 0))
+        return pos
+
+    def _close(self, source: int, unit: int, skip: int) -> None:
+        """Complete the part being written and record it, with where to resume after it."""
+        writer, parts = self.writer, self.stream.parts
         assert writer is not None
         writer.close()
+        skipped = self.stream.skips.count
         part = Part(
             writer.path.name,
             writer.count,
@@ -393,53 +494,23 @@ def tokenize_stream(
             source,
             unit,
             skip,
-            skips.count,
-            read_bytes,
+            skipped,
+            self.read_bytes,
         )
         parts.append(part)
-        _save_progress(work, request, parts, complete=False)
-        progress.part(len(parts) - 1, part)
-        writer = None
+        _save_progress(self.stream.directory, self.request, parts, complete=False)
+        self.progress.part(len(parts) - 1, part)
+        self.writer = None
 
-    try:
-        units = _units(files, text, resume_at, opts, skips)
-        for batch, tokens, counts in _encoded(_tasks(units), opts, dtype):
-            # Vectorised over the task: the tokens are written in at most one piece per
-            # part, and a full part is attributed to the unit it ends in (its resume point).
-            ends = np.cumsum(counts)
-            nbytes = np.cumsum([u.nbytes for _, u in batch])
-            pos = 0
-            if resume_at is not None:  # tokens of the first unit already in the last part
-                source, unit = batch[0]
-                if (source, unit.index) == (resume_at.source, resume_at.unit):
-                    pos = min(resume_at.skip, int(counts[0]))
-                resume_at = None
-            while pos < len(tokens):
-                if writer is None:
-                    name = f"part_{len(parts):06d}.bin"
-                    writer = ShardWriter(work / name, dtype, expect=opts.shard_tokens)
-                take = min(len(tokens) - pos, opts.shard_tokens - writer.count)
-                writer.write(tokens[pos : pos + take])
-                pos += take
-                tokens_done += take
-                if writer.count == opts.shard_tokens:
-                    i = int(np.searchsorted(ends, pos, side="left"))
-                    source, unit = batch[i]
-                    read_bytes = read_before + int(nbytes[i])
-                    close(source, unit.index, pos - (int(ends[i - 1]) if i else 0))
-            read_before += int(nbytes[-1])
-            read_bytes = read_before
-            progress.advance(int(nbytes[-1]), tokens_done)
-        if writer is not None:
-            close(len(files) + 1, 0, 0)
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        progress.close()
-        raise
-    progress.close()
-    _save_progress(work, request, parts, complete=True)
-    return stream
+    def finish(self, source: int) -> None:
+        """The last, shorter part (its resume point: past every input)."""
+        if self.writer is not None:
+            self._close(source, 0, 0)
+
+    def abort(self) -> None:
+        """Drop the part being written (a failure or an interruption)."""
+        if self.writer is not None:
+            self.writer.abort()
 
 
 # --- pass 2: cut into shards ------------------------------------------------------------------
