@@ -1,11 +1,15 @@
-"""A ``mobius-worker`` whose site lies, with a valid certificate and well-formed messages:
+"""A ``mobius-worker`` whose site lies, with a valid certificate and well-formed messages.
+From step ``EVIL_FROM`` (default 3) on:
 
-* ``EVIL_SCALE=s``: from step ``EVIL_FROM`` (default 3) on it scales every hidden state it
-  sends on the ring by ``s``;
-* ``EVIL_ER=s``: at every barrier it scales its E/R update (what it sends back minus what
-  the round sent it) by ``s``.
+* ``EVIL_SCALE=s``: it scales every hidden state it sends on the ring by ``s``;
+* ``EVIL_GRAD=s``: it scales every gradient it sends back on the ring by ``s`` (``-1``:
+  flips its sign);
+* ``EVIL_ER=s``: at every barrier after step ``EVIL_ER_FROM`` (default 0: every one) it
+  scales its E/R update (what it sends back minus what the round sent it) by ``s``;
+* ``EVIL_LOSS=s``: it reports its training and validation losses ×``s``.
 
-Used by tests/test_bounds.py as ``python -m tests.evil_worker`` with the worker's flags.
+Used by tests/test_bounds.py and benchmarks/poisoning.py as ``python -m tests.evil_worker``
+with the worker's flags.
 """
 
 from __future__ import annotations
@@ -19,22 +23,45 @@ from torch import Tensor
 
 import mobius_fed.worker.flower_client as flower_client
 from mobius_fed.cli.worker import main
-from mobius_fed.worker.executor import RingExecutor
-from mobius_fed.worker.frames import FORWARD, FrameKey
+from mobius_fed.worker.executor import RingExecutor, WorkerStep
+from mobius_fed.worker.frames import BACKWARD, FORWARD, FrameKey
 
-if "EVIL_SCALE" in os.environ:
-    SCALE, FROM = float(os.environ["EVIL_SCALE"]), int(os.environ.get("EVIL_FROM", "3"))
+FROM = int(os.environ.get("EVIL_FROM", "3"))
+SCALES = {
+    FORWARD: float(os.environ.get("EVIL_SCALE", "1")),
+    BACKWARD: float(os.environ.get("EVIL_GRAD", "1")),
+}
+
+if any(s != 1.0 for s in SCALES.values()):
     _send = RingExecutor._send
 
     def _lying_send(self: RingExecutor, key: FrameKey, tensor: Tensor) -> None:
-        if key.direction == FORWARD and key.step >= FROM:
-            tensor = tensor * SCALE
+        scale = SCALES.get(key.direction, 1.0)
+        if key.step >= FROM and scale != 1.0:
+            tensor = tensor * scale
         _send(self, key, tensor)
 
     RingExecutor._send = _lying_send  # type: ignore[method-assign]
 
+if "EVIL_LOSS" in os.environ:
+    LOSS = float(os.environ["EVIL_LOSS"])
+    _step, _evaluate = RingExecutor.train_step, RingExecutor.evaluate
+
+    def _lying_step(self: RingExecutor) -> WorkerStep:
+        r = _step(self)
+        if r.step < FROM:
+            return r
+        return WorkerStep(r.step, r.loss * LOSS, r.compute_s, r.wait_s, r.seconds)
+
+    def _lying_eval(self: RingExecutor) -> float:
+        loss = _evaluate(self)
+        return loss * LOSS if self.step >= FROM else loss
+
+    RingExecutor.train_step = _lying_step  # type: ignore[method-assign]
+    RingExecutor.evaluate = _lying_eval  # type: ignore[method-assign]
+
 if "EVIL_ER" in os.environ:
-    ER = float(os.environ["EVIL_ER"])
+    ER, ER_FROM = float(os.environ["EVIL_ER"]), int(os.environ.get("EVIL_ER_FROM", "0"))
     _load, _arrays = flower_client.load_replica, flower_client.replica_arrays
     _sent: dict[str, Any] = {}
 
@@ -44,7 +71,7 @@ if "EVIL_ER" in os.environ:
 
     def _poisoned(executor: RingExecutor) -> ArrayRecord:
         mine, base = _arrays(executor), _sent.get("arrays")
-        if base is None:
+        if base is None or executor.step <= ER_FROM:
             return mine
         out = {}
         for k, a in mine.items():
