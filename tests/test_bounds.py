@@ -435,3 +435,31 @@ def test_a_poisoned_er_update_is_clipped_by_the_coordinator_and_its_site_reporte
     # updates' worth through each round; a tight one (1.5) keeps the honest origins close
     assert dev["tight"] < dev["on"] < dev["off"], dev
     assert dev["tight"] < dev["off"] / 3, dev
+
+
+@pytest.mark.slow
+def test_evict_suspects_hands_the_poisoners_rank_to_a_standby(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Processes, mTLS.) With ``--evict-suspects`` and a standby waiting, worker-2, whose
+    ×1000 E/R updates are clipped at every barrier, is evicted once it is a suspect (3
+    clips): standby-0 takes rank 2 from the newest checkpoint copy, the run finishes, and
+    nothing is clipped after that (without eviction every one of the 10 rounds is)."""
+    monkeypatch.setenv("EVIL_ER", "1000")
+    monkeypatch.setenv("MOBIUS_EVICT_SUSPECTS", "true")
+    train = TrainConfig(
+        workers=3, preset="cpu-tiny", batch_size=4, optimizer="adamw", steps=10,
+        sync_every=1, eval_every=0,
+    )  # fmt: skip
+    fed = _EvilFederation(tmp_path, train, checkpoint_every=2, threads=1, standbys=1)
+    fed.prepare().start()
+    try:
+        final = fed.wait(timeout=300)
+    finally:
+        fed.stop()
+    assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 40))
+    (h,) = final["handovers"]
+    assert h["rank"] == 2 and h["replaced"] == "mobius://worker/2", h
+    assert "evicted as a suspect" in h["why"] and h["standby"].startswith("mobius://standby/")
+    assert final["workers"][2]["identity"] == h["standby"]
+    assert final["bounds"]["er_clipped"] == {"worker-2": 3}, final["bounds"]

@@ -72,6 +72,12 @@ class CoordinatorConfig(BaseModel):
         120.0, gt=0, description="seconds every worker has to load the rollback state"
     )
     keep_checkpoints: int = Field(0, ge=0, description="complete manifests to keep (0: all)")
+    evict_suspects: bool = Field(
+        False,
+        description="hand a suspect site's rank (bounds.suspect_after of its E/R updates "
+        "clipped) to a waiting standby, as mobius-fed replace --force does; without a "
+        "standby it stays and is reported",
+    )
     barrier_snapshots: bool = Field(
         True,
         description="workers also write their state at every barrier to disk, in the "

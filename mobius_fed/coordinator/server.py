@@ -333,11 +333,24 @@ class Coordinator:
         self.recorder.record_train(rnd, replies)
         clip = wrapper_of(self.strategy, ErClip)
         for rank, why in clip.round_clipped.items() if clip is not None else ():
-            self.state.record_clip(rank, why, self.train.bounds.suspect_after)
+            if self.state.record_clip(rank, why, self.train.bounds.suspect_after):
+                self._evict_suspect(rank)
         self.recovery.in_flight = 0
         if arrays is not None:
             self.store.keep(rnd, arrays, server_state(self.strategy), replies)
         self.recorder.restart_clock()
+
+    def _evict_suspect(self, rank: int) -> None:
+        """``--evict-suspects``: hand a new suspect's rank to a waiting standby and count
+        the suspect lost (its process is refused from now on), as ``replace --force``."""
+        if not self.cfg.evict_suspects:
+            return
+        n = self.train.bounds.suspect_after
+        why = f"evicted as a suspect ({n} of its E/R updates clipped; --evict-suspects)"
+        if self.service.hand_over(rank, why) is None:
+            log.error("worker-%d is suspect but no standby waits: it stays in the ring", rank)
+            return
+        self.service.mark_lost(rank, why)
 
     def after_evaluate(self, rnd: int, replies: list[Message]) -> None:
         self.recorder.record_eval(rnd, replies)

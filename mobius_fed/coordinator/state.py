@@ -302,17 +302,18 @@ class RunState:
             "summary": f"worker-{slow} holds the ring to {share:.2f} of the others' pace",
         }
 
-    def record_clip(self, rank: int, why: str, suspect_after: int) -> None:
+    def record_clip(self, rank: int, why: str, suspect_after: int) -> bool:
         """Site ``rank``'s E/R update was clipped at a barrier (docs/security.md, "Bounds
-        on what a site sends"); ``suspect_after`` clips make it a suspect."""
+        on what a site sends"); ``suspect_after`` clips make it a suspect. True when this
+        clip did."""
         with self._lock:
             self.clipped[rank] = self.clipped.get(rank, 0) + 1
             self.clip_last[rank] = why
             self.suspect_after = suspect_after
-            if self.clipped[rank] == suspect_after:
-                log.error(
-                    "worker-%d is suspect: %d of its E/R updates clipped", rank, suspect_after
-                )
+            if self.clipped[rank] != suspect_after:
+                return False
+        log.error("worker-%d is suspect: %d of its E/R updates clipped", rank, suspect_after)
+        return True
 
     def _bounds_block(self) -> dict[str, Any] | None:
         """E/R updates clipped per site and the suspects (None while nothing was clipped)."""
