@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2
 
 from mobius_fed.machines import EdgeState
 from mobius_fed.proto import ring_pb2
-from mobius_fed.transport.codec import FrameError, NonFiniteError
+from mobius_fed.transport.codec import FrameError
 from mobius_fed.transport.tls import (
     add_port,
     parse_identity,
@@ -25,7 +25,7 @@ from mobius_fed.transport.tls import (
     peer_identity_or_reason,
     worker_identity,
 )
-from mobius_fed.worker.frames import FORWARD, BoundError, edge_name
+from mobius_fed.worker.frames import FORWARD, edge_name
 from mobius_fed.worker.link_session import (
     IDLE_CONNECTION_MS,
     MAX_CONCURRENT_RPCS,
@@ -239,7 +239,6 @@ class PredecessorServer:
             msg = culprit(exc, st.who, self.edge_in)
             self.router.refused(msg)
             st.failure = msg
-            st.lied = isinstance(exc, (BoundError, NonFiniteError))
             how = "refused"
         except grpc.RpcError:
             pass
@@ -263,7 +262,7 @@ class PredecessorServer:
                 return
             if how == "refused":
                 self._drop_session(s, "it sent a frame that was refused")
-                if s.carrying or st.lied:
+                if s.carrying:
                     fail = st.failure
             elif how == "closed" and s.fin_seen:
                 s.finished = True

@@ -289,9 +289,6 @@ class StreamCall:
     dead: bool = False
     ended: bool = False
     failure: str | None = None
-    # the refused frame was well-formed and current but its tensor out of bounds or
-    # non-finite: its sender lied, so the step fails even on a session that carried nothing
-    lied: bool = False
     go: threading.Event = field(default_factory=threading.Event)  # client: resume point known
     session: Session | None = None
     rx_at_start: int = 0  # server side: the count sent back in the handshake
