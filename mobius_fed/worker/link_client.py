@@ -17,7 +17,7 @@ from mobius_fed.proto import ring_pb2, ring_pb2_grpc
 from mobius_fed.relay.edges import EdgeTunnels
 from mobius_fed.relay.plan import DIRECT, REVERSED
 from mobius_fed.transport.codec import FrameError
-from mobius_fed.transport.tls import channel_credentials, tls_target_name, worker_identity
+from mobius_fed.transport.tls import channel_credentials, tls_target_name
 from mobius_fed.worker.frames import BACKWARD, CLOSE, edge_name
 from mobius_fed.worker.link_session import (
     HANDSHAKE_TIMEOUT_S,
@@ -56,15 +56,7 @@ class SuccessorClient:
         self.rank, self.succ = cfg.rank, (cfg.rank + 1) % cfg.P
         self.edge_out = edge_name(self.rank, self.succ)
         self.address, self.tunnels = address, tunnels  # a tunnelled edge dials its forwarder
-        self.peer_identity = cfg.identity(self.succ)  # its own ring's, or its standby
-        if self.peer_identity != worker_identity(cfg.base + self.succ):
-            log.warning(
-                "worker-%d accepts %s as its successor worker-%d: the coordinator assigned "
-                "it that rank (a handover)",
-                cfg.base + self.rank,
-                self.peer_identity,
-                cfg.base + self.succ,
-            )
+        self.peer_identity = cfg.neighbour_identity(self.succ, "successor")  # or its standby
         self.session = router.new_session(self.peer_identity, BACKWARD)
         self.session.token = ""  # the successor's server hands the token out
         self.state = EdgeState.DOWN

@@ -23,7 +23,6 @@ from mobius_fed.transport.tls import (
     parse_identity,
     peer_identity,
     peer_identity_or_reason,
-    worker_identity,
 )
 from mobius_fed.worker.frames import FORWARD, edge_name
 from mobius_fed.worker.link_session import (
@@ -61,15 +60,7 @@ class PredecessorServer:
         self.cfg, self.router, self.inbox, self._closing = cfg, router, router.inbox, closing
         self.rank, self.pred = cfg.rank, (cfg.rank - 1) % cfg.P
         self.edge_in = edge_name(self.pred, self.rank)
-        self.peer_identity = cfg.identity(self.pred)  # its own ring's, or its standby
-        if self.peer_identity != worker_identity(cfg.base + self.pred):
-            log.warning(
-                "worker-%d accepts %s as its predecessor worker-%d: the coordinator assigned "
-                "it that rank (a handover)",
-                cfg.base + self.rank,
-                self.peer_identity,
-                cfg.base + self.pred,
-            )
+        self.peer_identity = cfg.neighbour_identity(self.pred, "predecessor")  # or its standby
         self._lock = threading.Lock()
         self._in_ready = threading.Condition(self._lock)
         self.session: Session | None = None

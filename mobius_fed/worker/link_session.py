@@ -104,6 +104,21 @@ class LinkSettings:
         assigned = self.identities[g] if g < len(self.identities) else ""
         return assigned or worker_identity(g)
 
+    def neighbour_identity(self, rank: int, role: str) -> str:
+        """:meth:`identity` of the neighbour ``rank`` (``role``: predecessor or successor),
+        logging when a handover made it a standby: accepted because the coordinator said so."""
+        who = self.identity(rank)
+        if who != worker_identity(self.base + rank):
+            log.warning(
+                "worker-%d accepts %s as its %s worker-%d: the coordinator assigned it that "
+                "rank (a handover)",
+                self.base + self.rank,
+                who,
+                role,
+                self.base + rank,
+            )
+        return who
+
     def grpc_options(self, keepalive_ms: int) -> list[tuple[str, int | str]]:
         """What both ends of a link set: message sizes, tuning, pings every ``keepalive_ms``."""
         t = self.timers
