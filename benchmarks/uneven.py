@@ -153,7 +153,7 @@ def scenario_sites(name: str, rate: str, scale: float) -> list[tuple[float, str]
 
 def run_ring(args, sites: list[tuple[float, str]], split: tuple[int, ...]) -> dict:
     """One static ring on the testbed: its tokens/s and each worker's compute s/step."""
-    from wan import RUN_ID, _compose, parse_shape
+    from wan import _compose, parse_shape, static_worker_argv
 
     from mobius_fed.config import TrainConfig
     from mobius_fed.data import embedded_corpus, prepare_sites
@@ -166,18 +166,10 @@ def run_ring(args, sites: list[tuple[float, str]], split: tuple[int, ...]) -> di
         root = Path(tmp)
         init_certs(root / "certs", P)
         prepare_sites(None, root / "sites", P, text=embedded_corpus())
-        peers = ",".join(f"worker-{i}:7000" for i in range(P))
         services = {}
         for i, (slowdown, _) in enumerate(sites):
-            node = root / "certs" / "nodes" / f"worker-{i}"
-            argv = [sys.executable, "-m", "mobius_fed.cli.worker", "--rank", str(i)]
-            argv += ["--workers", str(P), "--peers", peers, "--listen", "0.0.0.0:7000"]
-            argv += ["--data-dir", str(root / "sites" / f"site-{i}")]
-            argv += ["--out-dir", str(root / "out" / f"worker-{i}")]
-            argv += ["--ca", str(node / "ca.crt"), "--cert", str(node / "tls.crt")]
-            argv += ["--key", str(node / "tls.key"), "--threads", "1"]
-            argv += ["--run-id", RUN_ID, "--preset", args.preset, "--steps", str(args.steps)]
-            argv += ["--eval-every", "0", "--peer-timeout", "300"]
+            argv = static_worker_argv(root, i, P, "--preset", args.preset)
+            argv += ["--steps", str(args.steps), "--eval-every", "0"]
             argv += ["--layers-per-group", show_split(split), "--emulate-slowdown", str(slowdown)]
             services[f"worker-{i}"] = argv
         compose = _compose(root / "compose.yaml", services)

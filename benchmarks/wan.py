@@ -225,6 +225,21 @@ def link_table(rows: list[dict]) -> str:
 
 
 # ------------------------------------------------------------------------------ ring
+def static_worker_argv(root: Path, i: int, P: int, *extra: str) -> list[str]:
+    """``mobius-worker`` rank ``i`` of a static P-ring in the testbed: its certificates
+    under ``root/certs``, its site ``root/sites/site-<i>``, its output ``root/out``; one
+    thread, 300 s for peers; then ``extra``."""
+    node = root / "certs" / "nodes" / f"worker-{i}"
+    peers = ",".join(f"worker-{r}:7000" for r in range(P))
+    argv = [sys.executable, "-m", "mobius_fed.cli.worker", "--rank", str(i)]
+    argv += ["--workers", str(P), "--peers", peers, "--listen", "0.0.0.0:7000"]
+    argv += ["--data-dir", str(root / "sites" / f"site-{i}")]
+    argv += ["--out-dir", str(root / "out" / f"worker-{i}")]
+    argv += ["--ca", str(node / "ca.crt"), "--cert", str(node / "tls.crt")]
+    argv += ["--key", str(node / "tls.key"), "--threads", "1"]
+    return [*argv, "--run-id", RUN_ID, "--peer-timeout", "300", *extra]
+
+
 def bench_ring(args: argparse.Namespace) -> list[dict]:
     from mobius_fed.data import embedded_corpus, prepare_sites
     from mobius_fed.testbed import Testbed
@@ -238,20 +253,11 @@ def bench_ring(args: argparse.Namespace) -> list[dict]:
                 root = Path(tmp)
                 init_certs(root / "certs", P)
                 prepare_sites(None, root / "sites", P, text=embedded_corpus())
-                peers = ",".join(f"worker-{i}:7000" for i in range(P))
                 services = {}
                 for i in range(P):
-                    node = root / "certs" / "nodes" / f"worker-{i}"
-                    argv = [sys.executable, "-m", "mobius_fed.cli.worker", "--rank", str(i)]
-                    argv += ["--workers", str(P), "--peers", peers, "--listen", "0.0.0.0:7000"]
-                    argv += ["--data-dir", str(root / "sites" / f"site-{i}")]
-                    argv += ["--out-dir", str(root / "out" / f"worker-{i}")]
-                    argv += ["--ca", str(node / "ca.crt"), "--cert", str(node / "tls.crt")]
-                    argv += ["--key", str(node / "tls.key"), "--threads", "1"]
-                    argv += ["--run-id", RUN_ID, "--preset", args.preset]
+                    argv = static_worker_argv(root, i, P, "--preset", args.preset)
                     argv += ["--steps", str(args.steps), "--eval-every", "0"]
                     argv += ["--micro-batches", str(args.micro), "--order", args.order]
-                    argv += ["--peer-timeout", "300"]
                     if wire != "none":
                         argv += ["--wire", wire]
                     services[f"worker-{i}"] = argv
