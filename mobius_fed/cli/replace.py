@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from mobius_fed.cli.common import CliError, add_run_flag, run_endpoints
-from mobius_fed.cli.status import DEFAULT_COORDINATOR, operator_tls
+from mobius_fed.cli.common import CliError, run_endpoints
+from mobius_fed.cli.status import DEFAULT_COORDINATOR, add_operator_flags, operator_tls
 
 
 def register(subparsers: Any) -> None:
@@ -26,19 +26,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--force", action="store_true", help="replace a worker that is alive (it is refused)"
     )
-    add_run_flag(p)
-    p.add_argument(
-        "--coordinator",
-        default=None,
-        metavar="ADDR",
-        help=f"coordinator gRPC control address (default: from --run, else {DEFAULT_COORDINATOR})",
-    )
-    p.add_argument(
-        "--certs",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="the operator's certificates (as for status; default: from --run, else certs)",
+    add_operator_flags(
+        p, "the operator's certificates (as for status; default: from --run, else certs)"
     )
     p.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
     p.set_defaults(func=replace_main)

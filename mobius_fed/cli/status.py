@@ -34,6 +34,19 @@ from mobius_fed.transport.tls import NodeTLS
 DEFAULT_COORDINATOR = "127.0.0.1:7300"
 
 
+def add_operator_flags(p: argparse.ArgumentParser, certs_help: str) -> None:
+    """``--run``, ``--coordinator`` and ``--certs``: where an operator command finds the
+    coordinator's control address and the operator's certificates."""
+    add_run_flag(p)
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="ADDR",
+        help=f"coordinator gRPC control address (default: from --run, else {DEFAULT_COORDINATOR})",
+    )
+    p.add_argument("--certs", type=Path, default=None, metavar="DIR", help=certs_help)
+
+
 def register(subparsers: Any) -> None:
     """Register ``status`` on an ``argparse`` subparsers object."""
     p = subparsers.add_parser(
@@ -43,19 +56,9 @@ def register(subparsers: Any) -> None:
         "Finds the coordinator of --run DIR (default ./runs/up) unless --coordinator or "
         "--rest is given.",
     )
-    add_run_flag(p)
-    p.add_argument(
-        "--coordinator",
-        default=None,
-        metavar="ADDR",
-        help=f"coordinator gRPC control address (default: from --run, else {DEFAULT_COORDINATOR})",
-    )
-    p.add_argument(
-        "--certs",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="directory with ca.crt, operator.crt, operator.key, or the operator's bundle "
+    add_operator_flags(
+        p,
+        "directory with ca.crt, operator.crt, operator.key, or the operator's bundle "
         "with ca.crt, tls.crt, tls.key (default: from --run, else certs)",
     )
     p.add_argument(
