@@ -141,17 +141,12 @@ class ControlGrid(RunGrid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        """Send, then wait for every reply; a lost worker or an error reply raises (an
-        error reply at once: the others may be waiting on the worker that failed)."""
+        """Send, then wait for every reply; a lost worker or an error reply raises."""
         ids = list(self.push_messages(messages))
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while not all(i in self._replies for i in ids):
                 self._raise_if_failed()
-                if any(self._replies[i].has_error() for i in ids if i in self._replies):
-                    self._abandoned |= {i for i in ids if i not in self._replies}
-                    ids = [i for i in ids if i in self._replies]
-                    break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     missing = [i for i in ids if i not in self._replies]
