@@ -232,3 +232,43 @@ def test_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path: Path):
         load_checkpoint(manifest.parent / doc["er"], doc["er_sha256"])
     finally:
         subprocess.run(["umount", "-l", str(fed.coordinator_out)], capture_output=True)
+
+
+class _ProxiedFederation(LocalFederation):
+    """Worker-1 advertises a proxy's port: the edge worker-0 → worker-1 passes through it."""
+
+    proxy_port = 0
+
+    def worker_cmd(self, i: int) -> list[str]:
+        cmd = super().worker_cmd(i)
+        return [*cmd, "--advertise", f"127.0.0.1:{self.proxy_port}"] if i == 1 else cmd
+
+
+@pytest.mark.parametrize("cut_at_bytes", [150_000, 485_000], ids=["mid-run", "at-the-end"])
+def test_every_process_exits_by_itself_with_0_after_a_healed_edge(
+    tmp_path: Path, cut_at_bytes: int
+):
+    """The edge worker-0 → worker-1 is reset and refused for 3 s, in the middle of the run
+    or while the workers exchange their FINs after the last step; the edge heals, the run
+    ends, and stopping the federation finds every worker already gone (or lets it finish
+    its FINs) with status 0 — never a SIGTERM'd 143 — within seconds of the run's end."""
+    from tests.ring_harness import CutProxy
+
+    train = TrainConfig(**{**BASE, "workers": 3, "steps": 8, "sync_every": 2, "eval_every": 0})
+    fed = _ProxiedFederation(tmp_path, train, threads=1).prepare()
+    proxy = CutProxy(fed.worker_ports[1])
+    fed.proxy_port = proxy.port
+    proxy.on_bytes(cut_at_bytes, lambda: proxy.cut(refuse_s=3.0))
+    try:
+        fed.start()
+        final = fed.wait(timeout=240)
+        ended = time.monotonic()
+        codes = fed.stop()
+        took = time.monotonic() - ended
+    finally:
+        fed.stop()
+        proxy.close()
+    assert final["phase"] == "done", final.get("error")
+    assert proxy.cuts >= 1, f"the proxy never cut the edge ({proxy.bytes_up} bytes passed)"
+    assert codes == {n: 0 for n in codes} and len(codes) == 4, (codes, fed.tail("worker-0"))
+    assert took < 20.0, f"the processes took {took:.1f}s to exit after the run ended"

@@ -27,6 +27,7 @@ from mobius_fed import warmstart
 from mobius_fed.coordinator.endpoints import write_endpoints
 from mobius_fed.coordinator.rest_client import get_status, rest_get
 from mobius_fed.machines import ENDED_PHASES as ENDED
+from mobius_fed.machines import Phase
 from mobius_fed.ops import OpsError
 from mobius_fed.ops.local import default_threads, prepared_dir, site_dirs, split_sites
 from mobius_fed.ops.supervisor import Child, ProcessTable
@@ -82,6 +83,11 @@ def toml_table(name: str, doc: dict[str, Any]) -> list[str]:
     for key, value in subs:
         lines += toml_table(f"{name}.{key}", value)
     return lines
+
+
+# A worker's FIN exchange after its last step: up to 30 s for the other workers' FINs and
+# 10 s for their acknowledgement (worker/coordinated.py, worker/link.py), and some slack.
+FINISH_S = 45.0
 
 
 @dataclass
@@ -385,5 +391,15 @@ class LocalFederation:
 
     def stop(self, grace: float = 10.0, sig: int = signal.SIGTERM) -> dict[str, int]:
         """Send ``sig`` to every process this federation started, wait up to ``grace``
-        seconds, then SIGKILL what is left; return every child's exit status."""
+        seconds, then SIGKILL what is left; return every child's exit status.
+
+        After a finished run the workers first get up to :data:`FINISH_S` to exit by
+        themselves: the coordinator counts the run done at the last step's replies, and
+        the workers then still exchange their FINs around the ring, which may wait for an
+        edge that is re-dialling (a signal there would end a finished worker with 143)."""
+        if (self._last or {}).get("phase") == Phase.DONE:
+            workers = [n for n in self._table.children if n != "coordinator"]
+            if late := self._table.await_exits(workers, FINISH_S):
+                self._say(f"{', '.join(late)} still running {FINISH_S:.0f}s after the run "
+                          "ended; stopping")  # fmt: skip
         return self._table.stop(grace, sig)

@@ -97,6 +97,16 @@ class ProcessTable:
                         p.send_signal(sig)
         return popens
 
+    def await_exits(self, names: list[str], timeout: float) -> list[str]:
+        """Wait up to ``timeout`` seconds for the named children to exit on their own;
+        the names of those still running."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = [n for n in names if n in self.children and self.children[n].running]
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.1)
+
     def stop(self, grace: float, sig: int = signal.SIGTERM) -> dict[str, int]:
         """Send ``sig`` to every child, wait up to ``grace`` seconds, then SIGKILL what is
         left; return every child's exit status."""
