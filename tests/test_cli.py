@@ -71,6 +71,7 @@ def cli(tmp_path, monkeypatch, capsys):
         (["experiment", *TINY, "--orders", "cyclic", "zigzag"], "unknown order 'zigzag'"),
         (["experiment", *TINY, "--workers", "5"], "not divisible by P=5"),
         (["prepare", "--out", "sites", "--encoding", "latin1"], "latin1"),
+        (["up", *TINY, "--standbys", "-1"], "expected a whole number ≥ 0, got '-1'"),
     ],
     ids=lambda v: "-".join(v) if isinstance(v, list) else None,
 )
@@ -383,3 +384,19 @@ def test_exported_models_folder_is_git_ignored() -> None:
             ["git", "check-ignore", "--no-index", "-q", path], cwd=repo, timeout=30
         )
         assert done.returncode == 0, f"{path} is not git-ignored"
+
+
+def test_up_standbys_start_standby_sites_beside_the_workers(tmp_path) -> None:
+    """``up --standbys 2``: the federation it runs starts standby-0 and standby-1 with
+    ``--standby``, standby certificates and sites of their own (docs/recovery.md)."""
+    from mobius_fed.cli import common
+    from mobius_fed.cli.main import build_parser
+    from mobius_fed.cli.up import _federation
+
+    args = build_parser().parse_args(["up", *TINY, "--standbys", "2", "--out", str(tmp_path)])
+    fed = _federation(args, common.train_config_from_args(args), {})
+    assert fed.standbys == 2
+    P = fed.train.workers
+    cmd = fed.worker_cmd(P + 1)
+    assert "--standby" in cmd and str(fed.sites / f"site-{P + 1}") in cmd
+    assert str(fed.bundle("standby-1").cert) in cmd

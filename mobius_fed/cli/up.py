@@ -104,6 +104,7 @@ def _federation(
         max_incidents=args.max_incidents,
         keep_checkpoints=args.keep_checkpoints,
         max_restarts=args.max_restarts,
+        standbys=args.standbys,
     )
 
 
@@ -293,6 +294,17 @@ def linger_value(text: str) -> float:
     return value
 
 
+def standby_count(text: str) -> int:
+    """``--standbys``: a whole number ≥ 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number ≥ 0, got {text!r}")
+    return value
+
+
 class _LazyTrainFlagsParser(argparse.ArgumentParser):
     """``up``'s parser: the training flags are generated from TrainConfig (which loads
     torch) on first use — parsing or help — not when ``mobius-fed`` builds its parser, so
@@ -382,6 +394,14 @@ def _add_recovery_flags(p) -> None:
         default=5,
         help="times up restarts each crashed process (0: never); a worker comes back with the "
         "same command, the coordinator with --resume auto (default 5)",
+    )
+    p.add_argument(
+        "--standbys",
+        type=standby_count,
+        default=0,
+        metavar="S",
+        help="also start S standby sites (standby-<k>, each with a site of its own) that "
+        "take a lost or replaced worker's rank: docs/recovery.md (default 0)",
     )
     p.add_argument(
         "--linger",
