@@ -463,3 +463,57 @@ def test_evict_suspects_hands_the_poisoners_rank_to_a_standby(
     assert "evicted as a suspect" in h["why"] and h["standby"].startswith("mobius://standby/")
     assert final["workers"][2]["identity"] == h["standby"]
     assert final["bounds"]["er_clipped"] == {"worker-2": 3}, final["bounds"]
+
+
+@pytest.mark.slow
+def test_evict_suspects_hands_a_sender_of_refused_frames_to_a_standby(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Processes, mTLS.) worker-2 scales every hidden state it sends by 1e6 from step 3;
+    worker-0 refuses each such frame, its error reply names the sender, and the coordinator
+    counts the refusal against worker-2. At its suspect threshold (1 here: a liar that
+    replays its lie after a rollback is refused again only after the receiver's peer
+    timeout) worker-2 is a suspect in status and, with ``--evict-suspects``, standby-0
+    takes its rank and the run finishes (without eviction it fails after --max-incidents:
+    docs/security.md)."""
+    monkeypatch.setenv("EVIL_SCALE", "1e6")
+    monkeypatch.setenv("MOBIUS_EVICT_SUSPECTS", "true")
+    train = TrainConfig(
+        workers=3, preset="cpu-tiny", batch_size=4, optimizer="adamw", steps=6,
+        sync_every=1, eval_every=0, bounds=BoundsConfig(suspect_after=1),
+    )  # fmt: skip
+    fed = _EvilFederation(
+        tmp_path, train, checkpoint_every=1, threads=1, standbys=1, heartbeat_timeout=3.0
+    )
+    fed.prepare().start()
+    try:
+        final = fed.wait(timeout=300)
+    finally:
+        fed.stop()
+    assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 40))
+    b = final["bounds"]
+    assert b["frames_refused"] == {"worker-2": 1} and b["suspects"] == ["worker-2"], b
+    assert "rejected from mobius://worker/2" in b["last"]["worker-2"], b
+    (h,) = final["handovers"]
+    assert h["rank"] == 2 and "frames refused" in h["why"], h
+    assert final["workers"][2]["identity"] == h["standby"]
+
+
+def test_a_refusal_names_its_sender_and_counts_against_it() -> None:
+    """The coordinator reads the sender from a worker's refusal (only a reply that opens
+    with it: a time-out quoting the last refusal is not counted twice)."""
+    from mobius_fed.coordinator.grid import refused_sender
+    from mobius_fed.coordinator.state import RunState
+
+    why = "tensor rejected from mobius://worker/2 on edge worker-2 → worker-0: hidden state"
+    assert refused_sender(why) == 2
+    assert refused_sender("frame rejected from mobius://worker/11 on edge x: y") == 11
+    assert refused_sender(f"timed out after 120s waiting …; last refused frame: {why}") is None
+    assert refused_sender("worker-2 → worker-0 down") is None
+    state = RunState(run_id="r", P=3, steps=4, strategy="fedavg", num_rounds=4)
+    assert [state.record_refusal(2, why, suspect_after=2) for _ in range(3)] == [
+        False, True, False,
+    ]  # fmt: skip
+    doc = state.status_doc()["bounds"]
+    assert doc["frames_refused"] == {"worker-2": 3} and doc["suspects"] == ["worker-2"]
+    assert doc["er_clipped"] == {} and doc["last"]["worker-2"] == why

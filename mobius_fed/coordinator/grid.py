@@ -31,6 +31,15 @@ from mobius_fed.transport.flower_wire import (
 )
 
 _EDGE = re.compile(r"worker-\d+ → worker-\d+")
+# A receiving worker's error reply that opens with the refusal it names the sender of
+# (worker/link_session.culprit); a later time-out that quotes it is not counted again.
+_REFUSED_FROM = re.compile(r"(?:frame|tensor) rejected from mobius://worker/(\d+) on edge")
+
+
+def refused_sender(reason: str) -> int | None:
+    """The rank whose frame a worker's error reply says it refused (None: not a refusal)."""
+    m = _REFUSED_FROM.match(reason)
+    return int(m.group(1)) if m else None
 
 
 class RunFailed(RuntimeError):
@@ -95,9 +104,10 @@ def edges_of(ranks, P: int) -> str:
 class ControlGrid(RunGrid):
     """Flower Grid over the Control service sessions of P workers."""
 
-    def __init__(self, P: int, validate_reply=None) -> None:
+    def __init__(self, P: int, validate_reply=None, on_refused=None) -> None:
         self.P = P
         self.validate_reply = validate_reply  # raises on a reply the strategy must not see
+        self.on_refused = on_refused  # (sender rank, reason): a worker refused its frame
         self._outboxes: dict[int, queue.Queue] = {}
         self._replies: dict[str, Message] = {}
         self._pending: dict[str, int] = {}  # message id → the rank it was sent to
@@ -202,6 +212,12 @@ class ControlGrid(RunGrid):
             raise RunFailed(f"worker-{rank} sent a reply as node {reply.metadata.src_node_id}")
         if self.validate_reply is not None and not reply.has_error():
             self.validate_reply(rank, reply)
+        if reply.has_error() and self.on_refused is not None:
+            # counted on arrival: the round's other replies may come only after the peer
+            # timeout, and --evict-suspects acts on the count at once
+            sender = refused_sender(reply.error.reason or "")
+            if sender is not None:
+                self.on_refused(sender, reply.error.reason)
         with self._cond:
             to = reply.metadata.reply_to_message_id
             if to in self._abandoned:

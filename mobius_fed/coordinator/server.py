@@ -91,6 +91,7 @@ class Coordinator:
             validate_reply=lambda rank, reply: validate_reply(
                 rank, reply, spec, self.secagg, groups
             ),
+            on_refused=self._frame_refused,
         )
         self.store = RoundStore(cfg, self.plan, self.state)
         self.recorder = RunRecorder(cfg.out_dir, self.state, self.plan)
@@ -340,13 +341,19 @@ class Coordinator:
             self.store.keep(rnd, arrays, server_state(self.strategy), replies)
         self.recorder.restart_clock()
 
-    def _evict_suspect(self, rank: int) -> None:
+    def _frame_refused(self, rank: int, why: str) -> None:
+        """A worker refused a frame of ``rank``'s (a bound, a non-finite value): counted
+        against the sender; ``suspect_after`` refusals make it a suspect."""
+        if self.state.record_refusal(rank, why, self.train.bounds.suspect_after):
+            self._evict_suspect(rank, "of its frames refused by its neighbours")
+
+    def _evict_suspect(self, rank: int, what: str = "of its E/R updates clipped") -> None:
         """``--evict-suspects``: hand a new suspect's rank to a waiting standby and count
         the suspect lost (its process is refused from now on), as ``replace --force``."""
         if not self.cfg.evict_suspects:
             return
         n = self.train.bounds.suspect_after
-        why = f"evicted as a suspect ({n} of its E/R updates clipped; --evict-suspects)"
+        why = f"evicted as a suspect ({n} {what}; --evict-suspects)"
         if self.service.hand_over(rank, why) is None:
             log.error("worker-%d is suspect but no standby waits: it stays in the ring", rank)
             return

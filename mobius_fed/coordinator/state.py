@@ -60,6 +60,7 @@ class RunState:
     privacy: Callable[[int], dict[str, Any] | None] | None = None  # step → status block
     clipped: dict[int, int] = field(default_factory=dict)  # site → E/R updates clipped
     clip_last: dict[int, str] = field(default_factory=dict)  # site → its last clip
+    refused: dict[int, int] = field(default_factory=dict)  # site → its frames refused
     suspect_after: int = 3
     layers: tuple[int, ...] | None = None  # the split: blocks of each worker's group
     loops: int = 1  # L: a worker applies its group L·P times per step
@@ -315,16 +316,31 @@ class RunState:
         log.error("worker-%d is suspect: %d of its E/R updates clipped", rank, suspect_after)
         return True
 
+    def record_refusal(self, rank: int, why: str, suspect_after: int) -> bool:
+        """A worker refused a frame that site ``rank`` sent (its error reply names the
+        sender); ``suspect_after`` refusals make it a suspect. True when this one did."""
+        with self._lock:
+            self.refused[rank] = self.refused.get(rank, 0) + 1
+            self.clip_last[rank] = why
+            self.suspect_after = suspect_after
+            if self.refused[rank] != suspect_after:
+                return False
+        log.error("worker-%d is suspect: %d of its frames refused", rank, suspect_after)
+        return True
+
     def _bounds_block(self) -> dict[str, Any] | None:
-        """E/R updates clipped per site and the suspects (None while nothing was clipped)."""
-        if not self.clipped:
+        """E/R updates clipped and frames refused per site, and the suspects (None while
+        nothing was clipped or refused)."""
+        if not self.clipped and not self.refused:
             return None
+        n = self.suspect_after
+        bad = {r for r, k in self.clipped.items() if k >= n}
+        bad |= {r for r, k in self.refused.items() if k >= n}
         return {
-            "er_clipped": {f"worker-{r}": n for r, n in sorted(self.clipped.items())},
+            "er_clipped": {f"worker-{r}": k for r, k in sorted(self.clipped.items())},
+            "frames_refused": {f"worker-{r}": k for r, k in sorted(self.refused.items())},
             "last": {f"worker-{r}": w for r, w in sorted(self.clip_last.items())},
-            "suspects": [
-                f"worker-{r}" for r, n in sorted(self.clipped.items()) if n >= self.suspect_after
-            ],
+            "suspects": [f"worker-{r}" for r in sorted(bad)],
         }
 
     def _privacy_block(self) -> dict[str, Any] | None:

@@ -202,8 +202,9 @@ class StatusModel(BaseModel):
     )
     bounds: dict[str, Any] | None = Field(
         None,
-        description="E/R updates clipped at barriers per site, the last clip of each, and "
-        "the suspects (docs/security.md, 'Bounds on what a site sends'); null until one is",
+        description="E/R updates clipped at barriers and ring frames refused by a neighbour, "
+        "per site, the last of each, and the suspects (docs/security.md, 'Bounds on what a "
+        "site sends'); null until one is",
     )
     workers: list[WorkerModel]
 
