@@ -262,7 +262,7 @@ def test_a_killed_worker_that_never_returns_is_replaced_by_a_standby(tmp_path: P
     assert final["incidents"][0]["state"] == "recovered"
 
 
-@pytest.mark.slow
+@pytest.mark.long  # the same handover as the killed and replaced runs, by a CRL: -m long
 def test_a_revoked_worker_is_replaced_by_a_standby(tmp_path: Path) -> None:
     # rejoin timeout: 300 s, not waited for; long enough that the run still trains when
     # the revocation list reaches the coordinator (its poll: 1 s, warm workers are fast)
