@@ -14,10 +14,17 @@ losses ×0.1. Per attack and setting, against a clean run of the same seed and s
   status for clipped E/R updates), or "no";
 - the run's end: done, or failed (a refused frame fails its step; a coordinated run rolls
   back and retries, so a persistent liar fails the run after ``--max-incidents``);
-- evicted: "no" (removing a suspect awaits the handover of a replaced site).
+- evicted: the step at which the liar's rank went to a standby, or "no".
+
+Settings (``--bounds``): ``off``; ``on`` (the defaults, no standby); ``evict`` (the
+defaults with ``bounds.suspect_after = 1``, a standby site waiting and the coordinator's
+``--evict-suspects``: a liar caught once loses its rank, docs/security.md "Evicting a
+suspect"). Under ``evict`` the honest origins' Δ Eq. 8 includes the standby's own data
+training origin 2 from the handover on.
 
     python benchmarks/poisoning.py                 # cpu-tiny, P = 3, 30 steps, ~15 min
     python benchmarks/poisoning.py --attacks grad-x1000,states-x1e6 --steps 20
+    python benchmarks/poisoning.py --bounds evict --out benchmarks/results/poisoning/evict.json
 """
 
 from __future__ import annotations
@@ -109,18 +116,26 @@ def frame_suspect(fed: LocalFederation, evil: int) -> int | None:
 def er_suspect(status: dict[str, Any], evil: int, args: argparse.Namespace) -> int | None:
     """The step of the barrier at which the coordinator named ``evil`` a suspect."""
     b = status.get("bounds") or {}
-    if f"worker-{evil}" not in b.get("suspects", []):
+    name = f"worker-{evil}"
+    if name not in b.get("suspects", []) or not (b.get("er_clipped") or {}).get(name):
         return None
     first = -(-(args.start + 1) // args.sync_every)  # the first poisoned barrier's round
-    return (first + TrainConfig().bounds.suspect_after - 1) * args.sync_every - 1
+    after = 1 if args.bounds_now == "evict" else TrainConfig().bounds.suspect_after
+    return (first + after - 1) * args.sync_every - 1
 
 
 def run(args: argparse.Namespace, root: Path, attack: str | None, bounds: str) -> Outcome:
     """One run: ``attack`` (None: clean) with the bounds ``on`` (defaults) or ``off``."""
-    cfg = train_config(args, {} if bounds == "on" else OFF)
-    fed = EvilFederation(root, cfg, max_incidents=args.max_incidents, threads=1)
+    evict = bounds == "evict"
+    cfg = train_config(args, OFF if bounds == "off" else {"suspect_after": 1} if evict else {})
+    fed = EvilFederation(
+        root, cfg, max_incidents=args.max_incidents, threads=1, standbys=int(evict),
+        checkpoint_every=1 if evict else 0,
+    )  # fmt: skip
     env = {"EVIL_FROM": str(args.start), "EVIL_ER_FROM": str(args.start)}
     fed.evil_env = {**env, **ATTACKS[attack][1]} if attack else {}
+    if evict:
+        fed.evil_env["MOBIUS_EVICT_SUSPECTS"] = "true"
     t0 = time.monotonic()
     fed.prepare().start()
     try:
@@ -140,6 +155,9 @@ def run(args: argparse.Namespace, root: Path, attack: str | None, bounds: str) -
     out.er_clipped = (b.get("er_clipped") or {}).get(f"worker-{evil}", 0)
     steps = [s for s in (frame_suspect(fed, evil), er_suspect(final, evil, args)) if s is not None]
     out.suspect_step = min(steps) if steps else None
+    handed = [h for h in final.get("handovers") or [] if h["rank"] == evil]
+    if handed:  # the standby took the group from this round's end
+        out.extra["evicted_step"] = fed.train.sync_every * (handed[0]["round"] or 0)
     return out
 
 
@@ -185,7 +203,9 @@ def table(outcomes: list[Outcome], args: argparse.Namespace) -> str:
             continue
         delta, seen, end = cell(out, args)
         name = ATTACKS[out.attack][0]
-        rows.append(f"| {name} | {out.bounds} | {delta} | {seen} | {end} | no |")
+        gone = out.extra.get("evicted_step")
+        evicted = "no" if gone is None else f"yes (from step {gone})"
+        rows.append(f"| {name} | {out.bounds} | {delta} | {seen} | {end} | {evicted} |")
     return "\n".join(rows)
 
 
@@ -206,14 +226,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "poisoning.json")
     ap.add_argument("--work", type=Path, help="keep the runs' directories here")
     args = ap.parse_args()
+    if bad := set(args.bounds.split(",")) - {"off", "on", "evict"}:
+        ap.error(f"--bounds: {', '.join(sorted(bad))} is not off, on or evict")
     os.chdir(ROOT)  # the lying worker is ``-m tests.evil_worker``
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="poisoning-") as scratch:
         tmp = args.work or scratch
+        args.bounds_now = "off"
         clean = run(args, Path(tmp) / "clean", None, "off")
         outcomes = [clean]
         for attack in args.attacks.split(","):
             for bounds in args.bounds.split(","):
+                args.bounds_now = bounds
                 out = run(args, Path(tmp) / f"{attack}-{bounds}", attack, bounds)
                 compare(out, clean, args.workers - 1)
                 outcomes.append(out)

@@ -301,13 +301,21 @@ def test_a_clean_ring_with_every_bound_on_equals_the_ring_without_and_the_refere
         assert "refused_frames" not in text and "suspect" not in on.log(i, None)
 
 
-def _evil_ring(root: Path, bounds_on: bool) -> Any:
-    P = 3
+def _evil_ring(
+    root: Path, bounds_on: bool, lie: dict[str, str] | None = None, flags: list[str] | None = None
+) -> Any:
+    """A static ring of 3 whose worker-0 runs tests/evil_worker.py with ``lie`` (default:
+    hidden states ×1e6 from step 3); every worker gets ``flags``. A refusal ends the
+    refusing worker; the others give up on it after their peer timeout or link grace
+    (10 s and 5 s here)."""
+    quick = ["--peer-timeout", "10", "--link-grace", "5"]
+    P, flags = 3, [*quick, *(flags or []), *([] if bounds_on else OFF)]
     ring = Ring(root, P, {**RING, "optimizer": "adamw", "steps": 8}).prepare()
-    evil = ring.worker_cmd(0, [] if bounds_on else OFF)
+    evil = ring.worker_cmd(0, flags)
     evil[: len(WORKER)] = [WORKER[0], "-m", "tests.evil_worker"]
-    ring.start(extra={i: [] if bounds_on else OFF for i in range(1, P)}, only=(1, 2))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "EVIL_SCALE": "1e6", "EVIL_FROM": "3"}
+    ring.start(extra=dict.fromkeys(range(1, P), flags), only=(1, 2))
+    lie = lie or {"EVIL_SCALE": "1e6", "EVIL_FROM": "3"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **lie}
     log = root / "worker-0.log"
     log.write_bytes(b"")
     ring.procs.insert(0, spawn(evil, log, env))
@@ -341,6 +349,31 @@ def test_a_site_sending_hidden_states_x1e6_over_grpc_is_refused_by_its_successor
 
     ring, codes = _evil_ring(tmp_path / "off", bounds_on=False)
     assert "per-token RMS" not in ring.log(1, None)
+    losses = ring.losses()
+    ref, _ = ring.reference()
+    assert any(losses.get(k) != ref[k] for k in ref if k[0] >= 3)  # the lie went through
+
+
+@pytest.mark.slow
+def test_a_site_returning_gradients_x1000_is_refused_by_its_predecessor(tmp_path: Path) -> None:
+    """(Real workers, mTLS gRPC.) worker-0 scales every gradient it sends back by 1000 from
+    step 3 on, once its predecessor holds a running median of its gradients (a warmup of 2
+    frames here; 8 by default). With the bounds on, worker-2 refuses the first such
+    gradient, naming worker-0, against the median (a ×1000 gradient is far below the
+    ceiling); with them off the gradients pass and the losses leave the clean run's."""
+    lie, flags = {"EVIL_GRAD": "1000", "EVIL_FROM": "3"}, ["--bounds-warmup", "2"]
+    ring, codes = _evil_ring(tmp_path / "on", True, lie, flags)
+    victim = ring.log(2, None)
+    assert "gradient from worker-0 (TRAIN BACKWARD step 3" in victim, victim[-3000:]
+    assert "× its running median" in victim  # the median's bound, not the ceiling
+    assert codes[2] != 0
+    losses = ring.losses()
+    assert max(step for step, _ in losses) < 3  # nothing trained on the lie
+    ref, _ = ring.reference()
+    assert all(losses[k] == ref[k] for k in losses)
+
+    ring, codes = _evil_ring(tmp_path / "off", False, lie, flags)
+    assert "tensor rejected" not in ring.log(2, None)
     losses = ring.losses()
     ref, _ = ring.reference()
     assert any(losses.get(k) != ref[k] for k in ref if k[0] >= 3)  # the lie went through

@@ -267,6 +267,10 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_bindable():
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+    # a second call before the first call's daemons bind (a relay's ports beside a
+    # federation's) never hands a port out twice: 60 calls of 8 would collide by chance
+    later = [q for _ in range(60) for q in free_ports(8)]
+    assert len(set(later) | set(ports)) == len(later) + len(ports)
 
 
 # ------------------------------------------------------------- a run's state, like `ps`

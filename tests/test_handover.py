@@ -161,6 +161,54 @@ def test_a_handed_over_rank_is_the_standbys_and_the_old_identity_is_refused() ->
     assert "handovers" in text and "mobius://standby/0" in text
 
 
+def test_a_resumed_coordinator_keeps_the_handovers_it_recorded() -> None:
+    """The handovers reach the coordinator's record at each change; a service restored from
+    that record (a coordinator restarted with --resume) answers the standby's registration
+    with the rank and refuses the replaced identity before anything else happens."""
+    svc, saved = _service(), []
+    svc.state.handover_sink = saved.append
+    _register(svc, "mobius://worker/2")
+    _register(svc, STANDBY_0, standby=True)
+    svc.state.move_worker(2, WorkerState.LOST)
+    svc.replace("worker-2", "standby-0", force=False)
+    assert [h.round for h in saved[-1]] == [None]
+    svc.state.handed_over(4, evaluates=False)
+    (h,) = saved[-1]
+    assert h.round == 4 and h.standby == STANDBY_0
+
+    resumed = _service()
+    resumed.restore_handovers(saved[-1])
+    with pytest.raises(Aborted, match=r"worker-2 .* was replaced by standby-0 .* refused from now"):
+        _register(resumed, "mobius://worker/2")
+    spec = _register(resumed, STANDBY_0, standby=True)  # the standby process, rejoining
+    assert not spec.standby and spec.rank == 2
+    assert resumed.identities()[2] == STANDBY_0
+    resumed.state.restore_handovers(saved[-1], 6)  # resumed at or after the handover's round
+    assert resumed.state.handovers[0].round == 4
+    resumed.state.restore_handovers(saved[-1], 2)  # from before it: the standby takes round 2
+    assert resumed.state.handovers[0].round is None
+    resumed.state.handed_over(2, evaluates=False)
+    assert resumed.state.handovers[0].round == 2
+
+
+def test_the_handovers_record_round_trips_and_a_broken_one_is_named(tmp_path: Path) -> None:
+    from mobius_fed.coordinator.config import CoordinatorConfig
+    from mobius_fed.coordinator.rounds import HANDOVERS_FILE, RoundStore
+    from mobius_fed.coordinator.status_model import HandoverModel
+
+    train = TrainConfig(**{**BASE, "workers": 3})
+    cfg = CoordinatorConfig(ca="a", cert="b", key="c", out_dir=tmp_path, train=train)
+    store = RoundStore(cfg, RoundPlan.of(train), RunState(run_id="t", P=3, steps=4, strategy="x"))
+    h = HandoverModel(rank=2, replaced="mobius://worker/2", standby=STANDBY_0, why="w", at=1.0)
+    store.save_handovers([h])
+    assert store.saved_handovers() == []  # a fresh run (no manifest): nothing to resume
+    store.manifests = [tmp_path / "round-000002" / "manifest.json"]  # as if resuming
+    assert store.saved_handovers() == [h]
+    (tmp_path / HANDOVERS_FILE).write_text('[{"rank": 2}]')
+    with pytest.raises(ValueError, match=f"cannot read the run's handovers from {tmp_path}"):
+        store.saved_handovers()
+
+
 def test_a_standby_process_with_a_worker_certificate_refuses_to_start(tmp_path: Path) -> None:
     from mobius_fed.transport.tls import SecretsError
     from mobius_fed.worker.config import WorkerConfig
@@ -271,6 +319,33 @@ def test_a_revoked_worker_is_replaced_by_a_standby(tmp_path: Path) -> None:
     revoke(fed.certs, ["worker-2"])
     finish_with_standby(fed, "its certificate was revoked")
     assert "certificate is revoked" in (fed.logs / "coordinator.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_handover_outlives_a_coordinator_restart(tmp_path: Path) -> None:
+    """worker-2 is killed and handed to standby-0; later the coordinator is killed and comes
+    back with --resume auto: standby-0 still holds rank 2, the returning worker-2 process is
+    refused, and the losses are the reference engine's for the one handover."""
+    fed = federation(tmp_path, rejoin_timeout=3.0, max_restarts=1).prepare().start()
+    wait_for_step(fed, 4)
+    os.kill(fed.procs["worker-2"].pid, signal.SIGKILL)  # restarted only once the run resumed
+    deadline = time.monotonic() + 180
+    while (taken := _handover_round(fed.status())) is None or fed.status()["step"] < taken + 3:
+        assert time.monotonic() < deadline, fed.tail("coordinator")  # a round is a step here
+        time.sleep(0.1)
+    os.kill(fed.procs["coordinator"].pid, signal.SIGKILL)  # after a checkpoint with standby-0
+    finish_with_standby(fed, "did not rejoin within 3s")
+    assert fed.restarts.get("coordinator") == 1 and fed.restarts.get("worker-2") == 1
+    coordinator = (fed.logs / "coordinator.log").read_text()
+    assert "resuming from" in coordinator
+    assert "resumed handover: worker-2 is held by standby-0" in coordinator
+    refused = (fed.logs / "worker-2.log").read_text()
+    assert "replaced by standby-0 as worker-2" in refused, refused[-2000:]
+
+
+def _handover_round(doc: dict | None) -> int | None:
+    handovers = (doc or {}).get("handovers") or [{}]
+    return handovers[0].get("round")
 
 
 def _replace(fed: LocalFederation, *args: str) -> subprocess.CompletedProcess:

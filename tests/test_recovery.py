@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -276,3 +277,49 @@ def test_every_process_exits_by_itself_with_0_after_a_healed_edge(
     assert proxy.cuts >= 1, f"the proxy never cut the edge ({proxy.bytes_up} bytes passed)"
     assert codes == {n: 0 for n in codes} and len(codes) == 4, (codes, fed.tail("worker-0"))
     assert took < 20.0, f"the processes took {took:.1f}s to exit after the run ended"
+
+
+def test_a_watchdog_names_the_error_reply_that_left_the_others_waiting() -> None:
+    """A worker that cannot join the ring (its listen port taken) answers with an error at
+    once, and its predecessor then waits for it until the watchdog: the run's error names
+    both, the silent rank and what the other reported."""
+    from flwr.app import ConfigRecord, Error, Message, RecordDict
+
+    from mobius_fed.coordinator.grid import ControlGrid, GridTimeout
+    from mobius_fed.transport.flower_wire import (
+        COORDINATOR_NODE_ID,
+        ERROR_INTERNAL,
+        message_from_bytes,
+        message_to_bytes,
+        set_task_identity,
+        worker_node_id,
+    )
+
+    set_task_identity(COORDINATOR_NODE_ID)
+    grid = ControlGrid(3)
+    boxes = [grid.open_session(rank) for rank in range(3)]
+    orders = [
+        Message(RecordDict({"config": ConfigRecord({})}), worker_node_id(r), "query.ring")
+        for r in range(3)
+    ]
+    done: dict[str, object] = {}
+
+    def answer() -> None:
+        time.sleep(0.2)
+        for rank in (0, 2):  # worker-0 joins; worker-2 cannot listen; worker-1 stays silent
+            sent = message_from_bytes(boxes[rank].get(timeout=5).flower_message)
+            if rank == 0:
+                reply = Message(RecordDict({"config": ConfigRecord({})}), reply_to=sent)
+            else:
+                why = "worker-2: cannot listen on 127.0.0.1:26561: Address already in use"
+                reply = Message(Error(code=ERROR_INTERNAL, reason=why), reply_to=sent)
+            grid.deliver(rank, message_to_bytes(reply))
+        done["ok"] = True
+
+    threading.Thread(target=answer, daemon=True).start()
+    with pytest.raises(GridTimeout) as caught:
+        grid.send_and_receive(orders, timeout=1.5)
+    assert done.get("ok")
+    assert caught.value.ranks == [1]
+    assert str(caught.value).startswith("worker-1 did not answer within 1.5s")
+    assert "; worker-2 reported: worker-2: cannot listen on 127.0.0.1:26561" in str(caught.value)

@@ -15,6 +15,7 @@ from mobius_fed.coordinator.grid import ControlGrid, IncidentRaised, RunFailed
 from mobius_fed.coordinator.replies import in_range
 from mobius_fed.coordinator.standby import STANDBY, StandbyPool
 from mobius_fed.coordinator.state import RunState, json_safe
+from mobius_fed.coordinator.status_model import HandoverModel
 from mobius_fed.machines import (
     HEARTBEAT_SETS,
     LIVE_PHASES,
@@ -394,6 +395,23 @@ class ControlService(control_pb2_grpc.ControlServicer):
             old,
         )
         return chosen.name
+
+    def restore_handovers(self, saved: list[HandoverModel]) -> None:
+        """A resumed run's earlier handovers, in order: each standby holds its rank again
+        and each replaced identity stays refused (before any registration is answered)."""
+        for h in saved:
+            self.pool.restore(h.rank, h.standby, h.replaced, h.why)
+            log.warning(
+                "resumed handover: worker-%d is held by %s (since round %s); %s stays refused",
+                h.rank,
+                node_name_of(h.standby),
+                "?" if h.round is None else h.round,
+                h.replaced,
+            )
+
+    def forget_handovers(self) -> None:
+        """The resumed run started afresh after all: its earlier handovers do not hold."""
+        self.pool = StandbyPool(self.pool.alive_s)
 
     def replace(self, worker: str, standby: str, force: bool) -> str:
         """``mobius-fed replace``: hand ``worker``'s rank to ``standby``; ValueError naming

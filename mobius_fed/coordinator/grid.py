@@ -49,9 +49,10 @@ class RunFailed(RuntimeError):
 class GridTimeout(RunFailed):
     """Some workers did not answer in time."""
 
-    def __init__(self, ranks: list[int], timeout: float):
-        super().__init__(f"{names(ranks)} did not answer within {timeout}s")
+    def __init__(self, ranks: list[int], timeout: float, errors: str = ""):
+        super().__init__(f"{names(ranks)} did not answer within {timeout}s{errors}")
         self.ranks = ranks
+        self.errors = errors  # "; worker-2 reported: …" for the error replies that did come
 
 
 class IncidentRaised(RuntimeError):
@@ -162,7 +163,15 @@ class ControlGrid(RunGrid):
                     missing = [i for i in ids if i not in self._replies]
                     ranks = sorted(self._pending.get(i, -1) for i in missing)
                     self._abandoned |= set(missing)
-                    raise GridTimeout(ranks, timeout or 0.0)  # a deadline: timeout given
+                    # an error reply may be why the others are stuck (a worker that cannot
+                    # listen leaves its predecessor dialling): name it beside the silent ones
+                    errors = "".join(
+                        f"; worker-{rank_of_node(r.metadata.src_node_id)} reported: "
+                        f"{r.error.reason}"
+                        for i in ids
+                        if (r := self._replies.get(i)) is not None and r.has_error()
+                    )
+                    raise GridTimeout(ranks, timeout or 0.0, errors)  # a deadline: timeout given
                 self._cond.wait(left if left is not None else 1.0)
             # Node order, not arrival or sampling order: aggregation sums in reply order,
             # and a fixed order makes the float sums reproducible.

@@ -305,5 +305,5 @@ class Recovery:
             return list(self.grid.send_and_receive(messages, timeout=timeout))
         except GridTimeout as exc:
             raise RunFailed(
-                f"{names(exc.ranks)} did not {what} within {timeout:.0f}s (watchdog)"
+                f"{names(exc.ranks)} did not {what} within {timeout:.0f}s (watchdog){exc.errors}"
             ) from exc

@@ -28,6 +28,7 @@ from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.grid import RunFailed
 from mobius_fed.coordinator.recorder import HISTORY_FILE, METRICS_FILE, RunRecorder
 from mobius_fed.coordinator.state import RunState
+from mobius_fed.coordinator.status_model import HandoverModel
 from mobius_fed.messages import Checkpoint
 from mobius_fed.model import build_replica
 from mobius_fed.run_reader import (
@@ -44,6 +45,9 @@ from mobius_fed.transport.flower_wire import rank_of_node
 from mobius_fed.transport.tls import worker_identity
 
 log = logging.getLogger("mobius.coordinator")
+# Every handover of the run, rewritten at each one: a resumed coordinator keeps the ranks
+# its standbys hold and refuses the identities they replaced (docs/recovery.md).
+HANDOVERS_FILE = "handovers.json"
 
 
 def split_difference(saved: dict[str, Any] | None, train: TrainConfig) -> str:
@@ -115,11 +119,39 @@ class RoundStore:
         """A fresh run: an earlier run's files (here and on the workers) are moved aside,
         never reused, never pruned as this run's own."""
         out = Path(self.cfg.out_dir)
-        for old in (checkpoint_dir(out), out / METRICS_FILE, out / HISTORY_FILE):
+        earlier = (
+            checkpoint_dir(out),
+            out / METRICS_FILE,
+            out / HISTORY_FILE,
+            out / HANDOVERS_FILE,
+        )
+        for old in earlier:
             if old.is_file() or (old.is_dir() and any(old.iterdir())):
                 aside = old.with_name(f"{old.name}.{int(time.time())}")
                 old.rename(aside)
                 log.warning("an earlier run's %s moved to %s", old.name, aside)
+
+    # ---------------------------------------------------------- handovers
+    def saved_handovers(self) -> list[HandoverModel]:
+        """The handovers an interrupted run recorded (none unless it resumes); a file that
+        cannot be read fails the start, naming it: a replaced identity must stay refused."""
+        path = Path(self.cfg.out_dir) / HANDOVERS_FILE
+        if not self.manifests or not path.is_file():
+            return []
+        try:
+            return [HandoverModel.model_validate(h) for h in json.loads(path.read_text())]
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(
+                f"--resume: cannot read the run's handovers from {path}: {exc}; a replaced "
+                "site must stay refused, so the coordinator does not start without them"
+            ) from exc
+
+    def save_handovers(self, handovers: list[HandoverModel]) -> None:
+        """Rewrite the handovers' record (atomically) after each change."""
+        doc = [h.model_dump(mode="json") for h in handovers]
+        write_bytes_atomic(
+            Path(self.cfg.out_dir) / HANDOVERS_FILE, json.dumps(doc, indent=2).encode()
+        )
 
     def seed_state(self) -> RoundState:
         """Round 0: E/R from the seed, a strategy with no server state yet."""
@@ -232,7 +264,7 @@ class RoundStore:
                 raise RunFailed(f"worker-{rank} did not confirm its round-{rnd} checkpoint")
             ck = Checkpoint.of(reply.content["checkpoint"])
             entry: dict[str, Any] = {
-                "identity": worker_identity(rank),
+                "identity": self.state.workers[rank].identity or worker_identity(rank),
                 "path": ck.path,  # as the worker reported it, on its host
                 "file": stored_path(self.cfg.out_dir, ck.path),  # relative to <out> if beside
                 "sha256": ck.sha256,

@@ -104,6 +104,10 @@ class Coordinator:
             settings=cfg.train.ring_settings(),
         )
         self.service.heartbeat_interval = cfg.heartbeat_interval
+        # A resumed run's handovers hold before any registration is answered.
+        self._handovers = self.store.saved_handovers()
+        self.service.restore_handovers(self._handovers)
+        self.state.handover_sink = self.store.save_handovers
         self.recovery = Recovery(cfg, self.state, self.grid, self.service, self.store)
         self.strategy: Any = None
         self._server: grpc.Server | None = None
@@ -217,6 +221,10 @@ class Coordinator:
             start = self.store.start_state(self.recorder)
         except (CheckpointError, RunFailed) as exc:
             return self._fail(str(exc))
+        if self.store.fresh and self._handovers:  # no manifest loaded: a fresh run after all
+            self.service.forget_handovers()
+        else:
+            self.state.restore_handovers(self._handovers, start.round)
         if start.round >= self.plan.num_rounds:  # resumed a finished run: nothing to train
             self.state.finish(Phase.DONE)
             log.info(

@@ -90,6 +90,14 @@ class StandbyPool:
         """The standbys waiting now (live or not), by name."""
         return sorted(s.name for s in self.waiting.values())
 
+    def restore(self, rank: int, standby: str, replaced: str, why: str) -> None:
+        """An earlier handover of this run (a resumed coordinator): ``standby`` holds
+        ``rank``, ``replaced`` is refused, as :meth:`assign` left them."""
+        with self._lock:
+            self.waiting.pop(standby, None)
+            self.assigned[standby] = rank
+            self.replaced[replaced] = _refusal(replaced, node_name_of(standby), rank, why)
+
     def assign(self, rank: int, standby: Standby, why: str) -> str:
         """Hand ``rank`` to ``standby``; the identity that held it is refused from now on
         with ``why``. Returns that replaced identity."""
@@ -97,8 +105,12 @@ class StandbyPool:
             old = self.identity_of(rank)
             self.waiting.pop(standby.identity, None)
             self.assigned[standby.identity] = rank
-            self.replaced[old] = (
-                f"{node_name_of(old)} ({old}) was replaced by {standby.name} as worker-{rank} "
-                f"({why}); it is refused from now on"
-            )
+            self.replaced[old] = _refusal(old, standby.name, rank, why)
             return old
+
+
+def _refusal(old: str, standby: str, rank: int, why: str) -> str:
+    return (
+        f"{node_name_of(old)} ({old}) was replaced by {standby} as worker-{rank} ({why}); "
+        "it is refused from now on"
+    )

@@ -62,6 +62,8 @@ class RunState:
     clip_last: dict[int, str] = field(default_factory=dict)  # site → its last clip
     refused: dict[int, int] = field(default_factory=dict)  # site → its frames refused
     suspect_after: int = 3
+    # called with the handovers after each change (the coordinator keeps them on disk)
+    handover_sink: Callable[[list[HandoverModel]], None] | None = field(default=None, repr=False)
     layers: tuple[int, ...] | None = None  # the split: blocks of each worker's group
     loops: int = 1  # L: a worker applies its group L·P times per step
     totals: dict[str, float] = field(
@@ -202,15 +204,36 @@ class RunState:
                     rank=rank, replaced=replaced, standby=standby, why=why, at=time.time()
                 )
             )
+        self._handovers_changed()
 
     def handed_over(self, rnd: int, evaluates: bool) -> None:
         """The ring resumes from round ``rnd``: every pending handover took that round (and
         evaluates it again when it ``evaluates`` and its evaluation is not in the history)."""
         with self._lock:
             again = evaluates and rnd > 0 and all(e["round"] != rnd for e in self.evals)
-            for h in self.handovers:
-                if h.round is None:
-                    h.round, h.evaluated_round = rnd, again
+            pending = [h for h in self.handovers if h.round is None]
+            for h in pending:
+                h.round, h.evaluated_round = rnd, again
+        if pending:
+            self._handovers_changed()
+
+    def restore_handovers(self, saved: list[HandoverModel], rnd: int) -> None:
+        """A resumed run's earlier handovers (the coordinator's record on disk), the run
+        starting again from round ``rnd``: a handover that took a later round is pending
+        again (the standby takes the group from ``rnd``'s state, the handover's round then)."""
+        with self._lock:
+            self.handovers = [
+                h
+                if h.round is not None and h.round <= rnd
+                else h.model_copy(update={"round": None, "evaluated_round": False})
+                for h in saved
+            ]
+
+    def _handovers_changed(self) -> None:
+        if self.handover_sink is not None:
+            with self._lock:
+                copies = [h.model_copy() for h in self.handovers]
+            self.handover_sink(copies)
 
     def update_incident(self, incident: IncidentModel, **fields: Any) -> None:
         """Set ``incident``'s fields; a ``state`` goes through its machine's table."""

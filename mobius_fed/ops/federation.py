@@ -44,12 +44,17 @@ def _guarded(cmd: list[str]) -> list[str]:
     return [sys.executable, "-m", "mobius_fed.cli.parent_guard", str(os.getpid()), *cmd]
 
 
+_HANDED_OUT: set[int] = set()  # by free_ports in this process: never handed out twice
+
+
 def free_ports(n: int, lowest: int = 10_000) -> list[int]:
     """``n`` loopback ports free now, drawn below the kernel's ephemeral range.
 
     A port that ``bind(0)`` handed out and released is an ephemeral port, which the kernel
     may give to any outgoing connection before the daemon meant to listen there binds it
-    ("Address already in use"); ports below that range are never handed out that way."""
+    ("Address already in use"); ports below that range are never handed out that way. A
+    port handed out once is not handed out again by this process (a second call made
+    before the first call's daemons bind, e.g. a relay's ports beside a federation's)."""
     try:
         top = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -57,10 +62,13 @@ def free_ports(n: int, lowest: int = 10_000) -> list[int]:
     span = range(lowest, top) if top - lowest > 100 * n else range(1024, 65_536)  # no room
     ports: list[int] = []
     for port in random.SystemRandom().sample(span, min(len(span), 50 * n)):  # a few tries
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s, contextlib.suppress(OSError):
             s.bind(("127.0.0.1", port))
             ports.append(port)
             if len(ports) == n:
+                _HANDED_OUT.update(ports)
                 return ports
     raise RuntimeError(f"no {n} free loopback ports in {50 * n} tries in {span.start}..{span.stop}")
 
