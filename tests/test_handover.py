@@ -300,7 +300,7 @@ def finish_with_standby(fed: LocalFederation, why: str) -> dict:
     return final
 
 
-@pytest.mark.slow
+@pytest.mark.long  # the restart test below does the same handover, then more: -m long
 def test_a_killed_worker_that_never_returns_is_replaced_by_a_standby(tmp_path: Path) -> None:
     fed = federation(tmp_path, rejoin_timeout=3.0).prepare().start()
     wait_for_step(fed, 5)
