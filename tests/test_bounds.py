@@ -532,6 +532,28 @@ def test_evict_suspects_hands_a_sender_of_refused_frames_to_a_standby(
     assert final["workers"][2]["identity"] == h["standby"]
 
 
+def test_suspects_and_handovers_reach_the_metrics_per_site() -> None:
+    """Counted per site, not per rank: after a handover the standby starts clean and the
+    replaced site keeps its record, in status and in the Prometheus metrics."""
+    from mobius_fed.coordinator.state import RunState
+
+    state = RunState(run_id="r", P=3, steps=4, strategy="fedavg", num_rounds=4)
+    for _ in range(3):
+        state.record_refusal(2, "tensor rejected from mobius://worker/2 …", suspect_after=3)
+    state.record_handover(2, "mobius://worker/2", "mobius://standby/0", "evicted")
+    state.update_worker(2, identity="mobius://standby/0")
+    assert not state.record_refusal(2, "tensor rejected …", suspect_after=3)  # standby's 1st
+    b = state.status_doc()["bounds"]
+    assert b["frames_refused"] == {"standby-0": 1, "worker-2": 3}
+    assert b["suspects"] == ["worker-2"]
+    text = state.prometheus()
+    assert 'mobius_site_suspect{run_id="r",site="worker-2"} 1.0' in text
+    assert 'mobius_site_suspect{run_id="r",site="standby-0"} 0.0' in text
+    assert 'mobius_site_frames_refused{run_id="r",site="standby-0"} 1.0' in text
+    assert 'mobius_site_er_clipped{run_id="r",site="worker-0"} 0.0' in text
+    assert 'mobius_handovers_total{run_id="r"} 1.0' in text
+
+
 def test_a_refusal_names_its_sender_and_counts_against_it() -> None:
     """The coordinator reads the sender from a worker's refusal (only a reply that opens
     with it: a time-out quoting the last refusal is not counted twice)."""

@@ -203,6 +203,9 @@ def test_dashboard_renders_in_chromium(fed: LocalFederation) -> None:
     (field,) = dom.where(**{"data-field": "eval_loss"})
     assert float(field["data-value"]) == status["eval_loss"]
     assert dom.where(**{"data-key": "train.steps"}), "the run's config is shown"
+    sites = dom.where(**{"class": "site-row"})  # a clean run: every site, none suspect
+    assert len(sites) == 2 and {a["data-suspect"] for a in sites} == {"0"}
+    assert not dom.where(**{"class": "handover"})
     (pace,) = dom.where(id="pace")  # the slowest site, named
     assert pace["data-slowest"] == status["pace"]["slowest"]
     assert shot.is_file() and shot.stat().st_size > 10_000
@@ -239,6 +242,12 @@ def test_dashboard_shows_each_ring_and_its_health(tmp_path: Path) -> None:
     incident = dict(kind="worker lost", what="w3", rank=3, edge=None, round=1, detected_at=0.0,
                     detection_s=0.1)  # fmt: skip
     st.lose_worker(3, incident)
+    # worker-1 a suspect (3 frames refused); worker-3, clipped once, handed to standby-0
+    for _ in range(3):
+        st.record_refusal(1, "tensor rejected from mobius://worker/1 …", suspect_after=3)
+    st.record_clip(3, "E/R update clipped", suspect_after=3)
+    st.record_handover(3, "mobius://worker/3", "mobius://standby/0", "it did not rejoin")
+    st.update_worker(3, identity="mobius://standby/0")
     docs = {
         "/v1/status": json.dumps(json_safe(st.status_doc()), default=str).encode(),
         "/v1/history": json.dumps(json_safe(st.history_doc()), default=str).encode(),
@@ -302,3 +311,12 @@ def test_dashboard_shows_each_ring_and_its_health(tmp_path: Path) -> None:
     assert edges["worker-1 → worker-0"]["data-ring"] == "0"
     assert edges["worker-3 → worker-2"]["data-state"] == "down"
     assert [a for a in dom.where(id="rings") if "hidden" not in a]
+    sites = {a["data-site"]: a for a in dom.where(**{"class": "site-row"})}
+    assert set(sites) == {"worker-0", "worker-1", "worker-2", "standby-0", "worker-3"}
+    assert sites["worker-1"]["data-suspect"] == "1" and sites["worker-1"]["data-refused"] == "3"
+    assert sites["worker-3"]["data-clipped"] == "1" and sites["worker-3"]["data-suspect"] == "0"
+    assert sites["standby-0"]["data-clipped"] == "0"  # the standby starts clean
+    (handover,) = dom.where(**{"class": "handover"})
+    assert (handover["data-rank"], handover["data-standby"], handover["data-replaced"]) == (
+        "3", "standby-0", "worker-3",
+    )  # fmt: skip

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from mobius_fed.coordinator.status_model import StatusModel, WorkerModel
 from mobius_fed.machines import EdgeState, IncidentState, Phase, RingState, WorkerState
+from mobius_fed.transport.tls import node_name_of
 
 
 class Snapshots(Protocol):
@@ -130,6 +131,7 @@ class RunStateCollector(Collector):
             g.add_metric([run, status.pace.slowest], status.pace.share)
             yield g
         yield from self._edges(status)
+        yield from self._bounds(status)
         incidents = status.incidents
         totals = {
             **totals,
@@ -206,6 +208,36 @@ class RunStateCollector(Collector):
             step.add_metric([run, r], h.step)
             up.add_metric([run, r], h.edges_up)
         yield from (healthy, stalled, state, step, up)
+
+    @staticmethod
+    def _bounds(status: StatusModel) -> Iterator[Metric]:
+        """Per site (each rank's holder, and any site a handover replaced): E/R updates
+        clipped, frames refused, suspect or not (docs/security.md); the run's handovers."""
+        run, b = status.run_id, status.bounds or {}
+        clipped = _gauge(
+            "mobius_site_er_clipped", "E/R updates of the site clipped at a barrier.", ("site",)
+        )
+        refused = _gauge(
+            "mobius_site_frames_refused", "Ring frames of the site its neighbours refused.",
+            ("site",),
+        )  # fmt: skip
+        suspect = _gauge(
+            "mobius_site_suspect", "Site reported suspect (1): bounds.suspect_after reached.",
+            ("site",),
+        )  # fmt: skip
+        suspects, clips, refusals = (
+            set(b.get("suspects") or ()),
+            b.get("er_clipped") or {},
+            b.get("frames_refused") or {},
+        )
+        holders = [node_name_of(w.identity) for w in status.workers]
+        for site in dict.fromkeys([*holders, *clips, *refusals]):
+            clipped.add_metric([run, site], clips.get(site, 0))
+            refused.add_metric([run, site], refusals.get(site, 0))
+            suspect.add_metric([run, site], int(site in suspects))
+        handovers = _counter("mobius_handovers", "Ranks handed to a standby site.")
+        handovers.add_metric([run], len(status.handovers))
+        yield from (clipped, refused, suspect, handovers)
 
     @staticmethod
     def _edges(status: StatusModel) -> Iterator[Metric]:

@@ -29,6 +29,7 @@ from mobius_fed.machines import (
     WorkerState,
 )
 from mobius_fed.schedule import ring_successor
+from mobius_fed.transport.tls import node_name_of
 
 log = logging.getLogger("mobius.coordinator")
 
@@ -58,9 +59,11 @@ class RunState:
     handovers: list[HandoverModel] = field(default_factory=list)
     config: dict[str, Any] | None = None  # the run's configuration, for status and dashboard
     privacy: Callable[[int], dict[str, Any] | None] | None = None  # step → status block
-    clipped: dict[int, int] = field(default_factory=dict)  # site → E/R updates clipped
-    clip_last: dict[int, str] = field(default_factory=dict)  # site → its last clip
-    refused: dict[int, int] = field(default_factory=dict)  # site → its frames refused
+    # per site, by its name (worker-2, or standby-0 once it holds a rank): a handover's
+    # standby starts clean and the replaced site's record stays
+    clipped: dict[str, int] = field(default_factory=dict)  # site → E/R updates clipped
+    clip_last: dict[str, str] = field(default_factory=dict)  # site → its last clip
+    refused: dict[str, int] = field(default_factory=dict)  # site → its frames refused
     suspect_after: int = 3
     # called with the handovers after each change (the coordinator keeps them on disk)
     handover_sink: Callable[[list[HandoverModel]], None] | None = field(default=None, repr=False)
@@ -197,7 +200,9 @@ class RunState:
             return None if incident is None else self.open_incident(**incident)
 
     def record_handover(self, rank: int, replaced: str, standby: str, why: str) -> None:
-        """Rank ``rank`` was handed to ``standby`` (its round comes at :meth:`handed_over`)."""
+        """Rank ``rank`` was handed to ``standby`` (its round comes at :meth:`handed_over`).
+        Clips and refusals are counted per site, so the standby starts clean and the
+        replaced site's record stays."""
         with self._lock:
             self.handovers.append(
                 HandoverModel(
@@ -326,29 +331,32 @@ class RunState:
             "summary": f"worker-{slow} holds the ring to {share:.2f} of the others' pace",
         }
 
+    def site(self, rank: int) -> str:
+        """The name of the site that holds ``rank`` now (worker-<rank>, or its standby)."""
+        return node_name_of(self.workers[rank].identity)
+
     def record_clip(self, rank: int, why: str, suspect_after: int) -> bool:
         """Site ``rank``'s E/R update was clipped at a barrier (docs/security.md, "Bounds
         on what a site sends"); ``suspect_after`` clips make it a suspect. True when this
         clip did."""
-        with self._lock:
-            self.clipped[rank] = self.clipped.get(rank, 0) + 1
-            self.clip_last[rank] = why
-            self.suspect_after = suspect_after
-            if self.clipped[rank] != suspect_after:
-                return False
-        log.error("worker-%d is suspect: %d of its E/R updates clipped", rank, suspect_after)
-        return True
+        return self._count(self.clipped, rank, why, suspect_after, "of its E/R updates clipped")
 
     def record_refusal(self, rank: int, why: str, suspect_after: int) -> bool:
         """A worker refused a frame that site ``rank`` sent (its error reply names the
         sender); ``suspect_after`` refusals make it a suspect. True when this one did."""
+        return self._count(self.refused, rank, why, suspect_after, "of its frames refused")
+
+    def _count(
+        self, counts: dict[str, int], rank: int, why: str, suspect_after: int, what: str
+    ) -> bool:
         with self._lock:
-            self.refused[rank] = self.refused.get(rank, 0) + 1
-            self.clip_last[rank] = why
+            site = self.site(rank)
+            counts[site] = counts.get(site, 0) + 1
+            self.clip_last[site] = why
             self.suspect_after = suspect_after
-            if self.refused[rank] != suspect_after:
+            if counts[site] != suspect_after:
                 return False
-        log.error("worker-%d is suspect: %d of its frames refused", rank, suspect_after)
+        log.error("%s (rank %d) is suspect: %d %s", site, rank, suspect_after, what)
         return True
 
     def _bounds_block(self) -> dict[str, Any] | None:
@@ -357,13 +365,13 @@ class RunState:
         if not self.clipped and not self.refused:
             return None
         n = self.suspect_after
-        bad = {r for r, k in self.clipped.items() if k >= n}
-        bad |= {r for r, k in self.refused.items() if k >= n}
+        bad = {s for s, k in self.clipped.items() if k >= n}
+        bad |= {s for s, k in self.refused.items() if k >= n}
         return {
-            "er_clipped": {f"worker-{r}": k for r, k in sorted(self.clipped.items())},
-            "frames_refused": {f"worker-{r}": k for r, k in sorted(self.refused.items())},
-            "last": {f"worker-{r}": w for r, w in sorted(self.clip_last.items())},
-            "suspects": [f"worker-{r}" for r in sorted(bad)],
+            "er_clipped": dict(sorted(self.clipped.items())),
+            "frames_refused": dict(sorted(self.refused.items())),
+            "last": dict(sorted(self.clip_last.items())),
+            "suspects": sorted(bad),
         }
 
     def _privacy_block(self) -> dict[str, Any] | None:

@@ -267,6 +267,7 @@ function render(status, history) {
       "data-state": i.state },
       cells: [i.id, { v: i.state, cls: `state-${i.state}` }, i.what, i.detection_s,
         i.recovery_s, i.rollback_round, i.steps_redone] })));
+  renderSites(status);
   const cfg = flatten(status.config || {}, "", []);
   table(document.getElementById("config"), ["key", "value"],
     cfg.map(([k, v]) => ({ attrs: { "data-key": k }, cells: [k, v] })));
@@ -277,6 +278,38 @@ function render(status, history) {
   document.getElementById("privacy-epsilon").textContent = inp
     ? `input ε per site: ${inp.epsilon_position ?? "∞"} per position, ${inp.epsilon_sequence ?? "∞"} per sequence (whole run: ${inp.epsilon_sequence_whole_run ?? "∞"}); covers ${inp.covers}; not: ${inp.not_covered}`
     : "";
+}
+
+// mobius://worker/2 → worker-2, mobius://standby/0 → standby-0
+function siteName(identity) {
+  const m = /^mobius:\/\/([a-z]+)\/(\d+)$/.exec(identity || "");
+  return m ? `${m[1]}-${m[2]}` : identity;
+}
+
+// Each site's clips and refused frames (the rank holders, and any site a handover
+// replaced), the suspects, and the handovers so far.
+function renderSites(status) {
+  const b = status.bounds || {};
+  const clipped = b.er_clipped || {}, refused = b.frames_refused || {}, last = b.last || {};
+  const suspects = new Set(b.suspects || []);
+  const rankOf = {};
+  status.workers.forEach((w) => { rankOf[siteName(w.identity)] = w.rank; });
+  const sites = [...new Set([...Object.keys(rankOf), ...Object.keys(clipped),
+    ...Object.keys(refused)])];
+  table(document.getElementById("sites"),
+    ["site", "rank", "E/R clipped", "frames refused", "suspect", "last"],
+    sites.map((s) => ({ attrs: { class: "site-row", "data-site": s,
+      "data-clipped": clipped[s] || 0, "data-refused": refused[s] || 0,
+      "data-suspect": suspects.has(s) ? "1" : "0" },
+      cells: [s, s in rankOf ? rankOf[s] : "replaced", clipped[s] || 0, refused[s] || 0,
+        suspects.has(s) ? { v: "suspect", cls: "state-failed" } : "no", last[s] || ""] })));
+  const handovers = status.handovers || [];
+  table(document.getElementById("handovers"),
+    ["rank", "replaced", "standby", "why", "from round"],
+    handovers.map((h) => ({ attrs: { class: "handover", "data-rank": h.rank,
+      "data-standby": siteName(h.standby), "data-replaced": siteName(h.replaced) },
+      cells: [h.rank, siteName(h.replaced), siteName(h.standby), h.why, h.round] })));
+  document.getElementById("handovers").hidden = handovers.length === 0;
 }
 
 async function getJSON(path) {
