@@ -130,7 +130,7 @@ def run(args: argparse.Namespace, root: Path, attack: str | None, bounds: str) -
     cfg = train_config(args, OFF if bounds == "off" else {"suspect_after": 1} if evict else {})
     fed = EvilFederation(
         root, cfg, max_incidents=args.max_incidents, threads=1, standbys=int(evict),
-        checkpoint_every=1 if evict else 0,
+        checkpoint_every=args.sync_every if evict else 0,
     )  # fmt: skip
     env = {"EVIL_FROM": str(args.start), "EVIL_ER_FROM": str(args.start)}
     fed.evil_env = {**env, **ATTACKS[attack][1]} if attack else {}
@@ -232,14 +232,21 @@ def main() -> None:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="poisoning-") as scratch:
         tmp = args.work or scratch
-        args.bounds_now = "off"
-        clean = run(args, Path(tmp) / "clean", None, "off")
-        outcomes = [clean]
+        # the clean runs to compare with: P sites, and P + 1 (a standby's site splits the
+        # corpus one way more, so the honest origins' data differ) for ``evict``
+        cleans: dict[bool, Outcome] = {}
+        outcomes = []
+        for evict in dict.fromkeys(b == "evict" for b in args.bounds.split(",")):
+            args.bounds_now = "evict" if evict else "off"
+            cleans[evict] = run(
+                args, Path(tmp) / f"clean{'-standby' * evict}", None, args.bounds_now
+            )
+            outcomes.append(cleans[evict])
         for attack in args.attacks.split(","):
             for bounds in args.bounds.split(","):
                 args.bounds_now = bounds
                 out = run(args, Path(tmp) / f"{attack}-{bounds}", attack, bounds)
-                compare(out, clean, args.workers - 1)
+                compare(out, cleans[bounds == "evict"], args.workers - 1)
                 outcomes.append(out)
                 print(f"{attack} bounds {bounds}: {cell(out, args)}", file=sys.stderr, flush=True)
     text = table(outcomes, args)
