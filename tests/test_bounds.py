@@ -307,8 +307,8 @@ def _evil_ring(
     """A static ring of 3 whose worker-0 runs tests/evil_worker.py with ``lie`` (default:
     hidden states ×1e6 from step 3); every worker gets ``flags``. A refusal ends the
     refusing worker; the others give up on it after their peer timeout or link grace
-    (10 s and 5 s here)."""
-    quick = ["--peer-timeout", "10", "--link-grace", "5"]
+    (30 s and 5 s here; the peer timeout also covers a loaded machine's start-up)."""
+    quick = ["--peer-timeout", "30", "--link-grace", "5"]
     P, flags = 3, [*quick, *(flags or []), *([] if bounds_on else OFF)]
     ring = Ring(root, P, {**RING, "optimizer": "adamw", "steps": 8}).prepare()
     evil = ring.worker_cmd(0, flags)
