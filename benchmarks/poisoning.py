@@ -113,15 +113,17 @@ def frame_suspect(fed: LocalFederation, evil: int) -> int | None:
     return min(steps) if steps else None
 
 
-def er_suspect(status: dict[str, Any], evil: int, args: argparse.Namespace) -> int | None:
-    """The step of the barrier at which the coordinator named ``evil`` a suspect."""
+def er_suspect(
+    status: dict[str, Any], evil: int, args: argparse.Namespace, suspect_after: int
+) -> int | None:
+    """The step of the barrier at which the coordinator named ``evil`` a suspect (after
+    ``suspect_after`` clipped updates)."""
     b = status.get("bounds") or {}
     name = f"worker-{evil}"
     if name not in b.get("suspects", []) or not (b.get("er_clipped") or {}).get(name):
         return None
     first = -(-(args.start + 1) // args.sync_every)  # the first poisoned barrier's round
-    after = 1 if args.bounds_now == "evict" else TrainConfig().bounds.suspect_after
-    return (first + after - 1) * args.sync_every - 1
+    return (first + suspect_after - 1) * args.sync_every - 1
 
 
 def run(args: argparse.Namespace, root: Path, attack: str | None, bounds: str) -> Outcome:
@@ -153,7 +155,8 @@ def run(args: argparse.Namespace, root: Path, attack: str | None, bounds: str) -
     out.extra["seconds"] = seconds
     b = final.get("bounds") or {}
     out.er_clipped = (b.get("er_clipped") or {}).get(f"worker-{evil}", 0)
-    steps = [s for s in (frame_suspect(fed, evil), er_suspect(final, evil, args)) if s is not None]
+    er_step = er_suspect(final, evil, args, cfg.bounds.suspect_after)
+    steps = [s for s in (frame_suspect(fed, evil), er_step) if s is not None]
     out.suspect_step = min(steps) if steps else None
     handed = [h for h in final.get("handovers") or [] if h["rank"] == evil]
     if handed:  # the standby took the group from this round's end
@@ -237,14 +240,11 @@ def main() -> None:
         cleans: dict[bool, Outcome] = {}
         outcomes = []
         for evict in dict.fromkeys(b == "evict" for b in args.bounds.split(",")):
-            args.bounds_now = "evict" if evict else "off"
-            cleans[evict] = run(
-                args, Path(tmp) / f"clean{'-standby' * evict}", None, args.bounds_now
-            )
+            setting = "evict" if evict else "off"
+            cleans[evict] = run(args, Path(tmp) / f"clean{'-standby' * evict}", None, setting)
             outcomes.append(cleans[evict])
         for attack in args.attacks.split(","):
             for bounds in args.bounds.split(","):
-                args.bounds_now = bounds
                 out = run(args, Path(tmp) / f"{attack}-{bounds}", attack, bounds)
                 compare(out, cleans[bounds == "evict"], args.workers - 1)
                 outcomes.append(out)

@@ -470,6 +470,17 @@ def test_a_poisoned_er_update_is_clipped_by_the_coordinator_and_its_site_reporte
     assert dev["tight"] < dev["off"] / 3, dev
 
 
+def _run_to_the_end(fed: LocalFederation) -> dict[str, Any]:
+    """Start ``fed``, wait for its end, stop it; the final status, which must be done."""
+    fed.prepare().start()
+    try:
+        final = fed.wait(timeout=300)
+    finally:
+        fed.stop()
+    assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 40))
+    return final
+
+
 @pytest.mark.slow
 def test_evict_suspects_hands_the_poisoners_rank_to_a_standby(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -484,13 +495,9 @@ def test_evict_suspects_hands_the_poisoners_rank_to_a_standby(
         workers=3, preset="cpu-tiny", batch_size=4, optimizer="adamw", steps=10,
         sync_every=1, eval_every=0,
     )  # fmt: skip
-    fed = _EvilFederation(tmp_path, train, checkpoint_every=2, threads=1, standbys=1)
-    fed.prepare().start()
-    try:
-        final = fed.wait(timeout=300)
-    finally:
-        fed.stop()
-    assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 40))
+    final = _run_to_the_end(
+        _EvilFederation(tmp_path, train, checkpoint_every=2, threads=1, standbys=1)
+    )
     (h,) = final["handovers"]
     assert h["rank"] == 2 and h["replaced"] == "mobius://worker/2", h
     assert "evicted as a suspect" in h["why"] and h["standby"].startswith("mobius://standby/")
@@ -515,15 +522,11 @@ def test_evict_suspects_hands_a_sender_of_refused_frames_to_a_standby(
         workers=3, preset="cpu-tiny", batch_size=4, optimizer="adamw", steps=6,
         sync_every=1, eval_every=0, bounds=BoundsConfig(suspect_after=1),
     )  # fmt: skip
-    fed = _EvilFederation(
-        tmp_path, train, checkpoint_every=1, threads=1, standbys=1, heartbeat_timeout=3.0
+    final = _run_to_the_end(
+        _EvilFederation(
+            tmp_path, train, checkpoint_every=1, threads=1, standbys=1, heartbeat_timeout=3.0
+        )
     )
-    fed.prepare().start()
-    try:
-        final = fed.wait(timeout=300)
-    finally:
-        fed.stop()
-    assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 40))
     b = final["bounds"]
     assert b["frames_refused"] == {"worker-2": 1} and b["suspects"] == ["worker-2"], b
     assert "rejected from mobius://worker/2" in b["last"]["worker-2"], b

@@ -330,7 +330,7 @@ def test_a_handover_outlives_a_coordinator_restart(tmp_path: Path) -> None:
     wait_for_step(fed, 4)
     os.kill(fed.procs["worker-2"].pid, signal.SIGKILL)  # restarted only once the run resumed
     deadline = time.monotonic() + 180
-    while (taken := _handover_round(fed.status())) is None or fed.status()["step"] < taken + 3:
+    while (taken := _handover_round(doc := fed.status())) is None or doc["step"] < taken + 3:
         assert time.monotonic() < deadline, fed.tail("coordinator")  # a round is a step here
         time.sleep(0.1)
     os.kill(fed.procs["coordinator"].pid, signal.SIGKILL)  # after a checkpoint with standby-0
@@ -344,6 +344,7 @@ def test_a_handover_outlives_a_coordinator_restart(tmp_path: Path) -> None:
 
 
 def _handover_round(doc: dict | None) -> int | None:
+    """The round the first handover took (None: none yet, or not yet taken)."""
     handovers = (doc or {}).get("handovers") or [{}]
     return handovers[0].get("round")
 

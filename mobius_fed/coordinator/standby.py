@@ -94,23 +94,21 @@ class StandbyPool:
         """An earlier handover of this run (a resumed coordinator): ``standby`` holds
         ``rank``, ``replaced`` is refused, as :meth:`assign` left them."""
         with self._lock:
-            self.waiting.pop(standby, None)
-            self.assigned[standby] = rank
-            self.replaced[replaced] = _refusal(replaced, node_name_of(standby), rank, why)
+            self._hand(rank, standby, replaced, why)
 
     def assign(self, rank: int, standby: Standby, why: str) -> str:
         """Hand ``rank`` to ``standby``; the identity that held it is refused from now on
         with ``why``. Returns that replaced identity."""
         with self._lock:
             old = self.identity_of(rank)
-            self.waiting.pop(standby.identity, None)
-            self.assigned[standby.identity] = rank
-            self.replaced[old] = _refusal(old, standby.name, rank, why)
+            self._hand(rank, standby.identity, old, why)
             return old
 
-
-def _refusal(old: str, standby: str, rank: int, why: str) -> str:
-    return (
-        f"{node_name_of(old)} ({old}) was replaced by {standby} as worker-{rank} ({why}); "
-        "it is refused from now on"
-    )
+    def _hand(self, rank: int, standby: str, replaced: str, why: str) -> None:
+        """``standby`` holds ``rank`` and ``replaced`` is refused (the caller holds the lock)."""
+        self.waiting.pop(standby, None)
+        self.assigned[standby] = rank
+        self.replaced[replaced] = (
+            f"{node_name_of(replaced)} ({replaced}) was replaced by {node_name_of(standby)} "
+            f"as worker-{rank} ({why}); it is refused from now on"
+        )
