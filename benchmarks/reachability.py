@@ -100,7 +100,7 @@ def _worker(rank: int, mode: str, root: str, ports: list[int], n: int, out) -> N
 
 
 def run_mode(mode: str, root: Path, n: int) -> float:
-    from mobius_fed.ops.federation import free_ports
+    from mobius_fed.ops.ports import free_ports
 
     ports = free_ports(4)
     relay = subprocess.Popen(

@@ -35,7 +35,7 @@ from mobius_fed import schedule
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 from mobius_fed.engine import ReferenceEngine
-from mobius_fed.ops.federation import free_ports
+from mobius_fed.ops.ports import free_ports
 from mobius_fed.transport.certs import init_certs
 from mobius_fed.transport.codec import make_frame
 from mobius_fed.worker.frames import BACKWARD, TRAIN

@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 TEST_THREADS = "1"
 
 WARM_START = os.environ.get("MOBIUS_WARM_START", "1")  # `=0`: every child a fresh interpreter
+TEST_TIMES = os.environ.get("TEST_TIMES")  # a file: per-test wall and CPU (timing_plugin)
 for _name in [n for n in os.environ if n.startswith("MOBIUS_")]:
     del os.environ[_name]
 os.environ.update(
@@ -35,6 +36,11 @@ os.environ.update(
 
 def pytest_configure(config) -> None:
     import torch
+
+    if TEST_TIMES:
+        from tests.timing_plugin import TestTimes
+
+        config.pluginmanager.register(TestTimes(TEST_TIMES), "mobius-test-times")
 
     torch.set_num_threads(int(TEST_THREADS))
     with contextlib.suppress(RuntimeError):  # already set, or inter-op work has started

@@ -17,7 +17,7 @@ from pathlib import Path
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData, embedded_corpus, prepare_sites
 from mobius_fed.engine import ReferenceEngine
-from mobius_fed.ops.federation import free_ports
+from mobius_fed.ops.ports import free_ports
 from mobius_fed.transport.certs import init_certs
 from mobius_fed.warmstart import ChildProcess, spawn
 

@@ -258,7 +258,7 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_bindable():
     ephemeral one that an outgoing connection may take before the daemon binds it."""
     import socket
 
-    from mobius_fed.ops.federation import free_ports
+    from mobius_fed.ops.ports import free_ports
 
     top = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     ports = free_ports(8)
@@ -271,6 +271,25 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_bindable():
     # federation's) never hands a port out twice: 60 calls of 8 would collide by chance
     later = [q for _ in range(60) for q in free_ports(8)]
     assert len(set(later) | set(ports)) == len(later) + len(ports)
+
+
+def test_free_ports_are_never_drawn_by_two_processes():
+    """Two test processes (or a test and the `up` it started) draw at the same time: a port
+    one holds is never drawn by the other, even while nothing is bound to it (the gap in
+    which a daemon binds its port again after a ring restart)."""
+    import subprocess
+    import sys
+
+    from mobius_fed.ops.ports import free_ports
+
+    mine = set(free_ports(400))
+    other = subprocess.run(
+        [sys.executable, "-c", "from mobius_fed.ops.ports import free_ports; "
+         "print(*free_ports(2000))"],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    theirs = set(map(int, other.stdout.split()))
+    assert len(theirs) == 2000 and not mine & theirs
 
 
 # ------------------------------------------------------------- a run's state, like `ps`
@@ -306,6 +325,26 @@ def test_up_writes_its_endpoints_before_preparing(tmp_path) -> None:
     assert "exited" in out and "last known state: none recorded" in out, out
 
 
+def processes_naming(path: Path) -> list[int]:
+    """Live processes (not zombies) whose command line, working directory or an open file
+    (a daemon's log) lies in ``path``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            places = [os.readlink(entry / "cwd")]
+            places += [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+        except OSError:
+            continue
+        if str(path) in cmd or any(p.startswith(str(path)) for p in places):
+            found.append(int(entry.name))
+    return found
+
+
 def test_status_follows_up_from_start_to_kill_and_up_refuses_the_dead_runs_out(tmp_path) -> None:
     """A real `up`: status (found as soon as endpoints.json exists) waits for the
     coordinator and answers; after `kill -9` of up it reports the run dead with the last
@@ -334,10 +373,17 @@ def test_status_follows_up_from_start_to_kill_and_up_refuses_the_dead_runs_out(t
             time.sleep(0.1)
         up.send_signal(signal.SIGKILL)
         up.wait(timeout=30)
+        # its children die with it, but not at the same instant: a coordinator still
+        # alive could write one more manifest after the one read below
+        while processes_naming(run):
+            assert time.monotonic() < deadline, processes_naming(run)
+            time.sleep(0.05)
     finally:
         if up.poll() is None:
             up.kill()
             up.wait()
+    manifest = latest_manifest(run / "coordinator")
+    assert manifest is not None
     saved = json.loads(manifest.read_text())["step"]
     proc = mobius_fed("status", "--run", "run", cwd=tmp_path)
     assert proc.returncode == 3, (proc.stdout, proc.stderr)

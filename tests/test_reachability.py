@@ -19,7 +19,8 @@ import pytest
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.coordinator.control import heartbeat_problem
-from mobius_fed.ops.federation import LocalFederation, free_ports
+from mobius_fed.ops.federation import LocalFederation
+from mobius_fed.ops.ports import free_ports
 from mobius_fed.proto import control_pb2, control_pb2_grpc
 from mobius_fed.relay.daemon import Relay
 from mobius_fed.relay.keys import RelayKeyError, read_relay_key, write_relay_key

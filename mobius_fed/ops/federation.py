@@ -7,12 +7,9 @@ multi-process tests drive it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +27,7 @@ from mobius_fed.machines import ENDED_PHASES as ENDED
 from mobius_fed.machines import Phase
 from mobius_fed.ops import OpsError
 from mobius_fed.ops.local import default_threads, prepared_dir, site_dirs, split_sites
+from mobius_fed.ops.ports import free_ports
 from mobius_fed.ops.supervisor import Child, ProcessTable
 from mobius_fed.transport.tls import NodeTLS
 from mobius_fed.warmstart import ChildProcess, WarmProcess
@@ -42,35 +40,6 @@ def _guarded(cmd: list[str]) -> list[str]:
     """``cmd`` started through :mod:`mobius_fed.cli.parent_guard`: it dies with this
     process, even when this process is SIGKILLed, and the fork runs no Python code."""
     return [sys.executable, "-m", "mobius_fed.cli.parent_guard", str(os.getpid()), *cmd]
-
-
-_HANDED_OUT: set[int] = set()  # by free_ports in this process: never handed out twice
-
-
-def free_ports(n: int, lowest: int = 10_000) -> list[int]:
-    """``n`` loopback ports free now, drawn below the kernel's ephemeral range.
-
-    A port that ``bind(0)`` handed out and released is an ephemeral port, which the kernel
-    may give to any outgoing connection before the daemon meant to listen there binds it
-    ("Address already in use"); ports below that range are never handed out that way. A
-    port handed out once is not handed out again by this process (a second call made
-    before the first call's daemons bind, e.g. a relay's ports beside a federation's)."""
-    try:
-        top = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        top = 32_768  # Linux's default start of the range
-    span = range(lowest, top) if top - lowest > 100 * n else range(1024, 65_536)  # no room
-    ports: list[int] = []
-    for port in random.SystemRandom().sample(span, min(len(span), 50 * n)):  # a few tries
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s, contextlib.suppress(OSError):
-            s.bind(("127.0.0.1", port))
-            ports.append(port)
-            if len(ports) == n:
-                _HANDED_OUT.update(ports)
-                return ports
-    raise RuntimeError(f"no {n} free loopback ports in {50 * n} tries in {span.start}..{span.stop}")
 
 
 def flag_args(flags: dict[str, Any]) -> list[str]:
