@@ -409,8 +409,12 @@ def test_mobius_fed_replace_hands_a_live_worker_over_only_with_force(tmp_path: P
     names worker-2, not the standby."""
     # 40 steps: still training after two CLIs
     fed = federation(tmp_path, steps=40, checkpoint_every=0, max_restarts=5).prepare().start()
-    standby = wait_for_copy(fed)["standby"]
+    doc = wait_for_copy(fed)
+    standby = doc["standby"]
     assert standby["waiting"] == ["standby-0"] and standby["redo_steps"] == 5, standby
+    console = Console(record=True, width=200)
+    render_status(doc, console)  # mobius-fed status says it too
+    assert "standby-0 waiting; a handover redoes at most 5 steps" in console.export_text()
     refused = _replace(fed, "worker-2", "--with", "standby-0")
     assert refused.returncode != 0 and "worker-2 is alive" in refused.stderr, refused
     assert "--force" in refused.stderr
