@@ -30,6 +30,7 @@ from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.federated import train_with_strategy
 from mobius_fed.machines import WorkerState
 from mobius_fed.ops.federation import LocalFederation
+from mobius_fed.ops.supervisor import Child
 from mobius_fed.proto import control_pb2
 from mobius_fed.strategies import RoundPlan, make_strategy
 from mobius_fed.transport.certs import init_certs, load_layout
@@ -107,6 +108,20 @@ def test_a_waiting_standby_brings_checkpoint_copies_every_few_steps() -> None:
     coarse = CheckpointCadence.of(RoundPlan(32, 4, 0), 2, copies=False)
     assert coarse.status([])["checkpoint_every"] == 8
     assert coarse.status([])["redo_steps"] is None
+
+
+def test_up_does_not_restart_a_replaced_site(tmp_path: Path) -> None:
+    """The supervisor reads the replaced identities from status's handovers: a replaced or
+    evicted site, refused for good, stays down; any other crashed worker comes back."""
+    fed = LocalFederation(tmp_path, TrainConfig(**BASE, steps=4), max_restarts=5, standbys=1)
+    fed._last = {"phase": "training", "handovers": [
+        {"rank": 2, "replaced": "mobius://worker/2", "standby": STANDBY_0, "why": "evicted"}
+    ]}  # fmt: skip
+    said: list[str] = []
+    fed.on_event = said.append
+    assert fed._policy(Child("worker-2", [], returncode=2)) is None
+    assert said == ["worker-2 exited with 2; not restarting: standby-0 holds its rank now"]
+    assert fed._policy(Child("worker-1", [], returncode=-9)) == 0.0  # a crash: back at once
 
 
 def _service(P: int = 3) -> ControlService:
