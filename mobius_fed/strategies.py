@@ -394,9 +394,11 @@ class BarrierRounds(StrategyWrapper):
         state_copy: bool = False,
         keep_checkpoints: int = 0,  # checkpoint files a worker keeps (0: all)
         barrier_snapshots: bool = False,
+        checkpoints: Callable[[int], bool] | None = None,  # round → checkpoint? (the plan's)
     ) -> None:
         super().__init__(strategy)
         self.plan, self.round_offset, self.hooks = plan, round_offset, hooks
+        self.checkpoints = checkpoints or plan.checkpoints
         self.state_copy, self.keep_checkpoints = state_copy, keep_checkpoints
         self.barrier_snapshots = barrier_snapshots
 
@@ -418,7 +420,7 @@ class BarrierRounds(StrategyWrapper):
     ) -> list[Message]:
         rnd = self.global_round(server_round)
         start, end = self.plan.steps_of(rnd)
-        checkpoint = self.plan.checkpoints(rnd)
+        checkpoint = self.checkpoints(rnd)
         TrainOrder(
             rnd,
             start,
@@ -684,7 +686,7 @@ def make_strategy(
     :class:`RingSync`, ``update_clip`` (``UpdateClip.of(cfg)``) :class:`ErClip`, except
     under SecAgg, where no single update is visible; ``barrier``
     goes to :class:`BarrierRounds`: ``hooks``, ``state_copy``, ``keep_checkpoints``,
-    ``barrier_snapshots`` (another name is a TypeError there).
+    ``barrier_snapshots``, ``checkpoints`` (another name is a TypeError there).
     """
     strategy: Strategy = flower_strategy(name, P, options)
     if update_clip is not None and secagg is None:

@@ -503,6 +503,9 @@ def test_evict_suspects_hands_the_poisoners_rank_to_a_standby(
     assert "evicted as a suspect" in h["why"] and h["standby"].startswith("mobius://standby/")
     assert final["workers"][2]["identity"] == h["standby"]
     assert final["bounds"]["er_clipped"] == {"worker-2": 3}, final["bounds"]
+    evicted = [i for i in final["incidents"] if "evicted as a suspect" in i["what"]]
+    named = [(i["site"], i["what"].split(" lost:")[0]) for i in evicted]
+    assert named == [("worker-2", "worker-2 (mobius://worker/2)")], named  # not the standby
 
 
 @pytest.mark.slow

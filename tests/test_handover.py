@@ -19,6 +19,7 @@ from rich.console import Console
 
 from mobius_fed.cli.status import render_status
 from mobius_fed.config import TrainConfig
+from mobius_fed.coordinator.cadence import CheckpointCadence
 from mobius_fed.coordinator.control import ControlService
 from mobius_fed.coordinator.grid import ControlGrid
 from mobius_fed.coordinator.standby import StandbyPool
@@ -29,6 +30,7 @@ from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.federated import train_with_strategy
 from mobius_fed.machines import WorkerState
 from mobius_fed.ops.federation import LocalFederation
+from mobius_fed.ops.supervisor import Child
 from mobius_fed.proto import control_pb2
 from mobius_fed.strategies import RoundPlan, make_strategy
 from mobius_fed.transport.certs import init_certs, load_layout
@@ -74,6 +76,52 @@ def test_the_pool_hands_a_rank_over_and_refuses_the_replaced_identity() -> None:
     why = pool.refusal("mobius://worker/2")
     assert why is not None and "replaced by standby-0 as worker-2" in why
     assert pool.pick() is None  # it left the pool
+
+
+def test_a_waiting_standby_brings_checkpoint_copies_every_few_steps() -> None:
+    """While a standby waits, every 5th step's round checkpoints (each order decided once,
+    so its manifest agrees); without one, only the plan's rounds; status states the bound."""
+    plan = RoundPlan(steps=30, sync_every=1, eval_every=0, checkpoint_every=0)
+    cadence = CheckpointCadence.of(plan, standby_rounds=5, copies=True)
+    waiting = [False]
+    cadence.standby_waiting = lambda: waiting[0]
+    assert [r for r in range(1, 31) if cadence.order(r)] == [30]  # no standby: the end
+    waiting[0] = True
+    assert [r for r in range(1, 31) if cadence.order(r)] == [5, 10, 15, 20, 25, 30]
+    assert cadence.order(20)
+    waiting[0] = False  # the standby left (or took a rank) before round 20's manifest
+    assert cadence.ordered(20) and not cadence.order(20)  # decided again only on a redo
+    assert cadence.keep_checkpoints(0) == 2 and cadence.keep_checkpoints(7) == 7
+    doc = cadence.status(["standby-0"])
+    assert doc["redo_steps"] == 5 and doc["copy_step"] is None and doc["note"] is None
+    cadence.written(10, {"0": {"copy": "worker-0.ckpt"}, "1": {"copy": "worker-1.ckpt"}})
+    assert cadence.status([])["copy_step"] == 10
+    cadence.written(15, {"0": {"copy": "worker-0.ckpt"}, "1": {}})  # over the copy limit
+    doc = cadence.status([])
+    assert doc["redo_steps"] is None and "no copy of worker-1's state" in doc["note"]
+    # a plan that checkpoints at least as often: the plan's rounds alone
+    tight = CheckpointCadence.of(RoundPlan(30, 1, 0, checkpoint_every=2), 5, copies=True)
+    tight.standby_waiting = lambda: True
+    assert [r for r in range(1, 11) if tight.order(r)] == [2, 4, 6, 8, 10]
+    assert tight.status([])["redo_steps"] == 2 and tight.keep_checkpoints(0) == 0
+    # rounds of 4 steps: every 2 rounds (8 steps); no copies at all: no bound
+    coarse = CheckpointCadence.of(RoundPlan(32, 4, 0), 2, copies=False)
+    assert coarse.status([])["checkpoint_every"] == 8
+    assert coarse.status([])["redo_steps"] is None
+
+
+def test_up_does_not_restart_a_replaced_site(tmp_path: Path) -> None:
+    """The supervisor reads the replaced identities from status's handovers: a replaced or
+    evicted site, refused for good, stays down; any other crashed worker comes back."""
+    fed = LocalFederation(tmp_path, TrainConfig(**BASE, steps=4), max_restarts=5, standbys=1)
+    fed._last = {"phase": "training", "handovers": [
+        {"rank": 2, "replaced": "mobius://worker/2", "standby": STANDBY_0, "why": "evicted"}
+    ]}  # fmt: skip
+    said: list[str] = []
+    fed.on_event = said.append
+    assert fed._policy(Child("worker-2", [], returncode=2)) is None
+    assert said == ["worker-2 exited with 2; not restarting: standby-0 holds its rank now"]
+    assert fed._policy(Child("worker-1", [], returncode=-9)) == 0.0  # a crash: back at once
 
 
 def _service(P: int = 3) -> ControlService:
@@ -268,9 +316,10 @@ def handover_reference(
     return losses, [(e.step, e.loss) for e in grid.evals]
 
 
-def finish_with_standby(fed: LocalFederation, why: str) -> dict:
-    """Wait for the end; the run is done, standby-0 holds rank 2 and the losses (train
-    and eval) are the reference engine's for that handover."""
+def finish_with_standby(fed: LocalFederation, why: str, every: int = 2) -> dict:
+    """Wait for the end; the run is done, standby-0 holds rank 2 (from a checkpoint round,
+    a multiple of ``every``) and the losses (train and eval) are the reference engine's for
+    that handover."""
     try:
         final = fed.wait(timeout=300)
         got, evals = ring_history(fed)
@@ -279,7 +328,7 @@ def finish_with_standby(fed: LocalFederation, why: str) -> dict:
     assert final["phase"] == "done", (final.get("error"), fed.tail("coordinator", 40))
     (h,) = final["handovers"]
     assert h["rank"] == 2 and h["standby"] == STANDBY_0 and h["replaced"] == "mobius://worker/2"
-    assert why in h["why"] and h["round"] is not None and h["round"] % 2 == 0, h
+    assert why in h["why"] and h["round"] is not None and h["round"] % every == 0, h
     assert final["workers"][2]["identity"] == STANDBY_0
     ref, ref_evals = handover_reference(fed, 2, h["round"], h["evaluated_round"])
     assert max_diff(got, ref) <= 1e-5, "the ring must equal the reference's handover"
@@ -355,10 +404,32 @@ def _replace(fed: LocalFederation, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
+def wait_for_copy(fed: LocalFederation, timeout: float = 180) -> dict:
+    """Status once a checkpoint holds every worker's copy and the ring trained 2 steps on."""
+    deadline = time.monotonic() + timeout
+    while True:
+        doc = fed.status() or {}
+        copied = (doc.get("standby") or {}).get("copy_step")
+        if copied is not None and doc["step"] >= copied + 2:
+            return doc
+        assert time.monotonic() < deadline, fed.tail("coordinator")
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
 def test_mobius_fed_replace_hands_a_live_worker_over_only_with_force(tmp_path: Path) -> None:
-    fed = federation(tmp_path, steps=40).prepare().start()  # still training after two CLIs
-    wait_for_step(fed, 5)
+    """As ``mobius-fed up --standbys 1`` runs it (checkpoints only at the end, supervised):
+    with the standby waiting, copies come every 5 steps (status says so), so the forced
+    replace redoes at most 5 steps; the refused worker-2 is not restarted, and the incident
+    names worker-2, not the standby."""
+    # 40 steps: still training after two CLIs
+    fed = federation(tmp_path, steps=40, checkpoint_every=0, max_restarts=5).prepare().start()
+    doc = wait_for_copy(fed)
+    standby = doc["standby"]
+    assert standby["waiting"] == ["standby-0"] and standby["redo_steps"] == 5, standby
+    console = Console(record=True, width=200)
+    render_status(doc, console)  # mobius-fed status says it too
+    assert "standby-0 waiting; a handover redoes at most 5 steps" in console.export_text()
     refused = _replace(fed, "worker-2", "--with", "standby-0")
     assert refused.returncode != 0 and "worker-2 is alive" in refused.stderr, refused
     assert "--force" in refused.stderr
@@ -366,6 +437,11 @@ def test_mobius_fed_replace_hands_a_live_worker_over_only_with_force(tmp_path: P
     assert done.returncode == 0, done.stderr
     assert "worker-2 handed over to standby-0" in done.stdout
     old = fed.procs["worker-2"]
-    finish_with_standby(fed, "mobius-fed replace --force")
+    final = finish_with_standby(fed, "mobius-fed replace --force", every=5)
+    (incident,) = final["incidents"]
+    assert incident["site"] == "worker-2" and "(mobius://worker/2) lost" in incident["what"]
+    assert incident["rollback_round"] == final["handovers"][0]["round"] > 0, incident
+    assert incident["steps_redone"] <= standby["redo_steps"], (incident, standby)
     assert old.poll() not in (None, 0), "the replaced process is refused and ends"
+    assert "worker-2" not in fed.restarts, fed.restarts  # refused for good: not restarted
     assert "replaced by standby-0 as worker-2" in (fed.logs / "worker-2.log").read_text()

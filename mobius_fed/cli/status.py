@@ -404,6 +404,8 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         console.print(_incident_table(doc["incidents"]))
     if doc.get("handovers"):
         console.print(_handover_table(doc["handovers"]))
+    if (standby := doc.get("standby") or {}).get("waiting"):
+        console.print(_standby_line(standby), highlight=False)
     if doc.get("privacy"):
         console.print(_privacy_table(doc["privacy"]))
 
@@ -484,6 +486,20 @@ def _incident_table(incidents: list[dict[str, Any]]) -> Table:
             "-" if i.get("steps_redone") is None else f"{i['steps_redone']} steps",
         )
     return log
+
+
+def _standby_line(standby: dict[str, Any]) -> str:
+    """``standby-0 waits: a handover redoes at most 5 steps (from step 35)``, or why not."""
+    redo, copied = standby.get("redo_steps"), standby.get("copy_step")
+    if redo is None:
+        bound = f"no bound on the steps a handover redoes: {standby.get('note')}"
+    else:
+        bound = f"a handover redoes at most {redo} steps" + (
+            " once the first copy is taken (none yet: it would start from step 0)"
+            if copied is None
+            else f" (it starts from the newest copy, step {copied})"
+        )
+    return f"standby: {', '.join(standby['waiting'])} waiting; {bound}"
 
 
 def _handover_table(handovers: list[dict[str, Any]]) -> Table:

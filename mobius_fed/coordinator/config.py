@@ -51,6 +51,14 @@ class CoordinatorConfig(BaseModel):
         description="optimizer steps between checkpoints, a multiple of train.sync_every "
         "(0: at the end only)",
     )
+    standby_checkpoint_every: int = Field(
+        5,
+        ge=0,
+        description="while a standby site waits: optimizer steps between checkpoints (each "
+        "with every worker's copy to the coordinator) at most, rounded up to a multiple of "
+        "train.sync_every, so a handover redoes at most that many steps; the newest two "
+        "are kept when checkpoint_every is 0 (0: checkpoint_every alone)",
+    )
     heartbeat_interval: float = Field(1.0, gt=0, description="seconds between worker heartbeats")
     heartbeat_timeout: float = Field(
         10.0, gt=0, description="seconds without a heartbeat before a worker counts as lost"
@@ -119,6 +127,11 @@ class CoordinatorConfig(BaseModel):
                 "checkpoints are taken at barriers (every sync_every steps)"
             )
         return every // sync
+
+    def standby_round_interval(self, train: TrainConfig | None = None) -> int:
+        """``standby_checkpoint_every`` (steps) as Flower rounds, rounded up (0: off)."""
+        train = self.train if train is None else train
+        return -(-self.standby_checkpoint_every // max(1, train.sync_every))
 
     def tls(self) -> NodeTLS:
         if self.ca is None or self.cert is None or self.key is None:  # the validator's case

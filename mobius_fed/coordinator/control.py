@@ -340,15 +340,18 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 return
             yield env
 
-    def mark_lost(self, rank: int, why: str) -> None:
+    def mark_lost(self, rank: int, why: str, identity: str | None = None) -> None:
         """Count ``rank`` lost: close its session (it must register again) and, if a round
-        may be waiting for it, open its incident in the same change and raise it."""
-        reason = f"worker-{rank} ({self.pool.identity_of(rank)}) lost: {why}"
+        may be waiting for it, open its incident in the same change and raise it.
+        ``identity``: the site lost, when a handover already gave the rank to a standby."""
+        identity = identity or self.pool.identity_of(rank)
+        reason = f"worker-{rank} ({identity}) lost: {why}"
         with self._cond:
             w = self.state.workers[rank]
             if w.state in OFF_STATES:
                 return
             raised = IncidentRaised("worker lost", reason, rank, last_seen=w.last_heartbeat)
+            raised.site = node_name_of(identity)
             running = self.state.phase in _RUNNING  # before the session goes: a round sees it
             training = self.state.phase == Phase.TRAINING  # recovering: no round in flight
             in_flight = self.state.round + 1 if training else 0
@@ -435,10 +438,11 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 "working site; pass --force to replace it anyway (its process is then refused)"
             )
         why = "the operator replaced it (mobius-fed replace" + (" --force)" if alive else ")")
+        replaced = self.pool.identity_of(rank)
         if self.hand_over(rank, why, standby) is None:
             raise ValueError(f"{standby} left the pool meanwhile")
         if alive:
-            self.mark_lost(rank, f"replaced by {standby} (mobius-fed replace --force)")
+            self.mark_lost(rank, f"replaced by {standby} (mobius-fed replace --force)", replaced)
         return f"{worker} handed over to {standby}" + (" (it was alive: forced)" if alive else "")
 
     def Replace(self, request, context):

@@ -71,6 +71,7 @@ class IncidentRaised(RuntimeError):
         self.kind, self.what, self.rank, self.edge = kind, what, rank, edge
         self.last_seen = last_seen  # unix time of the culprit's last sign of life, if known
         self.opened: Any = None  # its IncidentModel, once recorded in the run state
+        self.site: str | None = None  # the site lost, by name (worker-2, standby-0)
 
     def fields(self, P: int, rnd: int) -> dict[str, Any]:
         """The incident record's fields, detected now, with ``rnd`` the round in flight."""
@@ -84,6 +85,7 @@ class IncidentRaised(RuntimeError):
             rank=self.rank,
             edge=edge,
             round=rnd,
+            site=self.site,
             detected_at=now,
             detection_s=None if self.last_seen is None else max(0.0, now - self.last_seen),
         )

@@ -24,6 +24,7 @@ from mobius_fed.checkpoint import (
     write_bytes_atomic,
 )
 from mobius_fed.config import TrainConfig
+from mobius_fed.coordinator.cadence import CheckpointCadence
 from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.grid import RunFailed
 from mobius_fed.coordinator.recorder import HISTORY_FILE, METRICS_FILE, RunRecorder
@@ -87,6 +88,9 @@ class RoundStore:
                 why = split_difference(doc.get("train"), cfg.train)
                 raise ValueError(f"--resume: {path} was written by a different train config{why}")
         self.snapshots: dict[int, RoundState] = {}
+        copies = cfg.state_copy == "coordinator" and not cfg.train.privacy.er_secagg
+        self.cadence = CheckpointCadence.of(plan, cfg.standby_round_interval(), copies)
+        self.keep_checkpoints = self.cadence.keep_checkpoints(cfg.keep_checkpoints)
         self.fresh = False  # a fresh start: workers set an earlier run's files aside
         self.last_manifest_round = 0
 
@@ -207,7 +211,7 @@ class RoundStore:
     ) -> None:
         """Round ``rnd`` ended with ``arrays``: snapshot it, checkpoint it if the plan says."""
         snap = RoundState(rnd, copy.deepcopy(arrays), server_state)
-        if self.plan.checkpoints(rnd):
+        if self.cadence.ordered(rnd):
             snap.manifest = self.write_checkpoint(rnd, replies, snap)
             self.last_manifest_round = rnd
         self.snapshots[rnd] = snap
@@ -251,8 +255,9 @@ class RoundStore:
         self.state.set(checkpoint=str(rdir / MANIFEST))
         self.manifests = [rdir / MANIFEST, *[m for m in self.manifests if m.parent != rdir]]
         log.info("round %d: checkpoint manifest %s", rnd, rdir / MANIFEST)
-        if self.cfg.keep_checkpoints:
-            self.prune(self.cfg.keep_checkpoints)
+        self.cadence.written(rnd, workers)
+        if self.keep_checkpoints:
+            self.prune(self.keep_checkpoints)
         return {**manifest, "dir": str(rdir)}
 
     def _worker_entries(self, rnd: int, replies: list[Message], rdir: Path):
@@ -291,5 +296,5 @@ class RoundStore:
         for d in rounds:
             if d.name < oldest_kept:
                 shutil.rmtree(d, ignore_errors=True)
-                log.info("pruned %s (--keep-checkpoints %d)", d, keep)
+                log.info("pruned %s (keeping the newest %d manifests)", d, keep)
         self.manifests = [m for m in self.manifests if m.parent.exists()]

@@ -108,6 +108,9 @@ class Coordinator:
         self._handovers = self.store.saved_handovers()
         self.service.restore_handovers(self._handovers)
         self.state.handover_sink = self.store.save_handovers
+        # while a standby waits, checkpoint copies often enough to hand a rank over cheaply
+        self.store.cadence.standby_waiting = lambda: bool(self.service.pool.live())
+        self.state.standby = lambda: self.store.cadence.status(self.service.pool.live())
         self.recovery = Recovery(cfg, self.state, self.grid, self.service, self.store)
         self.strategy: Any = None
         self._server: grpc.Server | None = None
@@ -283,8 +286,9 @@ class Coordinator:
             update_clip=UpdateClip.of(self.train),
             state_copy=self.cfg.state_copy == "coordinator",
             barrier_snapshots=self.cfg.barrier_snapshots,
+            checkpoints=self.store.cadence.order,
             # One more file than manifests: a worker writes round r before its manifest commits.
-            keep_checkpoints=self.cfg.keep_checkpoints + 1 if self.cfg.keep_checkpoints else 0,
+            keep_checkpoints=self.store.keep_checkpoints + 1 if self.store.keep_checkpoints else 0,
         )
 
     def _run_strategy(self, snap: RoundState) -> None:
@@ -362,10 +366,11 @@ class Coordinator:
             return
         n = self.train.bounds.suspect_after
         why = f"evicted as a suspect ({n} {what}; --evict-suspects)"
+        replaced = self.service.pool.identity_of(rank)
         if self.service.hand_over(rank, why) is None:
             log.error("worker-%d is suspect but no standby waits: it stays in the ring", rank)
             return
-        self.service.mark_lost(rank, why)
+        self.service.mark_lost(rank, why, replaced)
 
     def after_evaluate(self, rnd: int, replies: list[Message]) -> None:
         self.recorder.record_eval(rnd, replies)

@@ -86,6 +86,12 @@ class StandbyPool:
                 live = [s for s in live if s.name == name]
             return min(live, key=lambda s: s.index) if live else None
 
+    def live(self) -> list[str]:
+        """The standbys waiting now that a handover can take, by name."""
+        with self._lock:
+            now = time.monotonic()
+            return sorted(s.name for s in self.waiting.values() if now - s.seen <= self.alive_s)
+
     def names(self) -> list[str]:
         """The standbys waiting now (live or not), by name."""
         return sorted(s.name for s in self.waiting.values())

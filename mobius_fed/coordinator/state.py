@@ -59,6 +59,7 @@ class RunState:
     handovers: list[HandoverModel] = field(default_factory=list)
     config: dict[str, Any] | None = None  # the run's configuration, for status and dashboard
     privacy: Callable[[int], dict[str, Any] | None] | None = None  # step → status block
+    standby: Callable[[], dict[str, Any]] | None = None  # status's standby block
     # per site, by its name (worker-2, or standby-0 once it holds a rank): a handover's
     # standby starts clean and the replaced site's record stays
     clipped: dict[str, int] = field(default_factory=dict)  # site → E/R updates clipped
@@ -299,6 +300,7 @@ class RunState:
                 "ring_health": self._ring_health(edges),
                 "incidents": [i.model_dump() for i in self.incidents],
                 "handovers": [h.model_dump() for h in self.handovers],
+                "standby": None if self.standby is None else self.standby(),
                 "config": self.config,
                 "pace": self._pace(),
                 "privacy": self._privacy_block(),

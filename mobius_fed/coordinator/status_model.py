@@ -131,6 +131,11 @@ class IncidentModel(BaseModel):
     rank: int | None
     edge: str | None = Field(description="the ring edges involved")
     round: int = Field(description="the round in flight when it was detected (0: none)")
+    site: str | None = Field(
+        None,
+        description="the site lost, by name: worker-2, or the standby that held the rank; "
+        "a handover's incident names the replaced site, never its standby (null: an edge)",
+    )
     detected_at: float = Field(description="unix time")
     detection_s: float | None = Field(description="detection − the culprit's last sign of life")
     state: IncidentState = IncidentState.OPEN
@@ -160,6 +165,26 @@ class HandoverModel(BaseModel):
     )
 
 
+class StandbyStatusModel(BaseModel):
+    """Standby sites waiting, and what a handover to one would redo (docs/recovery.md)."""
+
+    waiting: list[str] = Field(description="standbys a handover can take now (standby-<n>)")
+    checkpoint_every: int | None = Field(
+        description="steps between checkpoints (each with every worker's copy) while a "
+        "standby waits: standby_checkpoint_every, or checkpoint_every where that is less "
+        "(null: only at the end)"
+    )
+    redo_steps: int | None = Field(
+        description="the most steps a handover redoes once the first copy is taken "
+        "(checkpoint_every); null: unbounded, see note"
+    )
+    copy_step: int | None = Field(
+        description="the step of the newest checkpoint with every worker's copy: a "
+        "handover now takes the group from there (null: none yet, from the start)"
+    )
+    note: str | None = Field(None, description="why redo_steps is null")
+
+
 class StatusModel(BaseModel):
     """``GET /v1/status``: where the run stands (same document as gRPC ``GetStatus``)."""
 
@@ -185,6 +210,9 @@ class StatusModel(BaseModel):
     incidents: list[IncidentModel] = Field(default_factory=list)
     handovers: list[HandoverModel] = Field(
         default_factory=list, description="ranks handed to standby sites"
+    )
+    standby: StandbyStatusModel | None = Field(
+        None, description="standbys waiting and the steps a handover to one redoes"
     )
     train_loss: float | None = Field(
         None, description="training loss of the latest step every origin reported (mean)"

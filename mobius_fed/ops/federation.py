@@ -29,7 +29,7 @@ from mobius_fed.ops import OpsError
 from mobius_fed.ops.local import default_threads, prepared_dir, site_dirs, split_sites
 from mobius_fed.ops.ports import free_ports
 from mobius_fed.ops.supervisor import Child, ProcessTable
-from mobius_fed.transport.tls import NodeTLS
+from mobius_fed.transport.tls import NodeTLS, node_name_of
 from mobius_fed.warmstart import ChildProcess, WarmProcess
 
 if TYPE_CHECKING:  # torch loads only when a federation is made, not at import
@@ -304,6 +304,9 @@ class LocalFederation:
         name, rc, n = child.name, child.returncode, child.restarts
         if (rc == 0 and name != "coordinator") or self._phase_now() in ENDED:
             return None
+        if (by := self._replaced_by(name)) is not None:  # refused by the coordinator for good
+            self._say(f"{name} exited with {rc}; not restarting: {by} holds its rank now")
+            return None
         if n >= self.max_restarts:
             self._say(f"{name} exited with {rc}; not restarting ({n}/{self.max_restarts} used)")
             if name == "coordinator":
@@ -313,6 +316,15 @@ class LocalFederation:
         if name == "coordinator":  # back from its newest complete manifest, or afresh
             child.argv = self.coordinator_cmd(resume="auto")
         return 0.0 if n == 0 else min(0.5 * 2**n, 5.0)  # back off a crash loop
+
+    def _replaced_by(self, name: str) -> str | None:
+        """The standby that replaced site ``name`` in a handover (its identity is refused
+        from then on: docs/recovery.md), as the latest status says; None if not replaced."""
+        for h in (self._last or {}).get("handovers") or ():
+            with contextlib.suppress(ValueError, TypeError):  # not an identity: not this one
+                if node_name_of(h["replaced"]) == name:
+                    return node_name_of(h["standby"])
+        return None
 
     def _phase_now(self) -> str | None:
         """The run's phase from a fresh status (the last one seen if the coordinator is down)."""
