@@ -7,6 +7,7 @@ multi-process tests drive it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
