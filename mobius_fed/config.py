@@ -182,9 +182,7 @@ class SyncConfig(BaseModel):
             if on
         ]
         if clash:
-            return (
-                f"{self.named()} cannot be combined with {', '.join(clash)} yet"
-            )
+            return f"{self.named()} cannot be combined with {', '.join(clash)} yet"
         return None
 
 
@@ -373,8 +371,8 @@ class TrainConfig(BaseModel):
         if self.subspace.on and self.subspace.mode == "tokens":
             self._check_tokens_mode()
         self._check_rings()
-        if problem := self.sync.problem(self):
-            raise ValueError(problem)
+        if why := self.sync.problem(self):
+            raise ValueError(why)
         self.model()  # raises on a rank above d_model
         return self
 

@@ -65,6 +65,12 @@ def up_main(args: argparse.Namespace) -> int:
 
     train = common.train_config_from_args(args)
     strategy_options = parse_options(args.strategy_option)
+    from mobius_fed.strategies import sync_strategy
+
+    try:  # --sync-outer against --strategy: refused before anything starts
+        sync_strategy(args.strategy, strategy_options, train)
+    except ValueError as exc:
+        raise common.CliError(str(exc)) from None
     claim_out(Path(args.out), args.resume, getattr(args, "force", False))
     # The handler raises Terminated in this (main) thread; every child then gets the same
     # signal. The hard deadline is only a safety net beyond the children's grace.
