@@ -134,6 +134,16 @@ def test_local_equals_the_strategy_driven_reference(sites, sync: dict) -> None:
     assert [plain.train_step().origin_losses for _ in range(cfg.steps)] != losses
 
 
+def test_the_reference_refuses_a_strategy_that_would_not_decode_or_step(sites) -> None:
+    cfg = TrainConfig(**BASE, steps=2, sync_every=1, sync={"outer": "diloco", "codec": "int8"})
+    plain = make_strategy("diloco", cfg.P, RoundPlan.of(cfg))
+    with pytest.raises(ValueError, match="sync codec is 'int8', the strategy decodes 'none'"):
+        train_with_strategy(_engine(cfg, sites), plain)
+    fedavg = make_strategy("fedavg", cfg.P, RoundPlan.of(cfg), er_codec="int8")
+    with pytest.raises(ValueError, match="sync outer step is diloco, the strategy is FedAvg"):
+        train_with_strategy(_engine(cfg, sites), fedavg)
+
+
 def test_local_resumes_residuals_and_late_rounds_exactly(sites, tmp_path: Path) -> None:
     cfg = TrainConfig(
         **BASE, steps=6, sync_every=2, sync={"outer": "diloco", "codec": "int4", "delay": 1}

@@ -18,12 +18,23 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import Strategy
 
+from mobius_fed.config import TrainConfig
 from mobius_fed.defences.secagg import MASKED, Round, SiteMasker
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
 from mobius_fed.engine.rings import RingsEngine
 from mobius_fed.messages import GROUP, GROUP_BASE
 from mobius_fed.model import Replica
-from mobius_fed.strategies import STEP_END, STEP_START, TrainOrder, encode_delta, group_arrays
+from mobius_fed.strategies import (
+    STEP_END,
+    STEP_START,
+    DiLoCo,
+    ErCodecRounds,
+    TrainOrder,
+    encode_delta,
+    group_arrays,
+    unwrapped,
+    wrapper_of,
+)
 from mobius_fed.transport.flower_wire import (
     COORDINATOR_NODE_ID,
     RunGrid,
@@ -165,6 +176,23 @@ def load_group(engine: RingsEngine, site: int, arrays: ArrayRecord) -> dict[str,
     return state
 
 
+def check_sync_strategy(cfg: TrainConfig, strategy: Strategy) -> None:
+    """The strategy must decode the E/R codec and take the outer step the config names, as
+    the coordinator's does (else payload bytes would be averaged as numbers)."""
+    codec = getattr(wrapper_of(strategy, ErCodecRounds), "codec", "none")
+    if codec != cfg.sync.codec:
+        raise ValueError(
+            f"the config's sync codec is {cfg.sync.codec!r}, the strategy decodes {codec!r}: "
+            "build it with make_strategy(..., er_codec=cfg.sync.codec), as the coordinator does"
+        )
+    if cfg.sync.outer == "diloco" and not isinstance(unwrapped(strategy), DiLoCo):
+        raise ValueError(
+            "the config's sync outer step is diloco, the strategy is "
+            f"{type(unwrapped(strategy)).__name__}: build it from sync_strategy(name, options, "
+            "cfg), as the coordinator does"
+        )
+
+
 def train_with_strategy(engine: ReferenceEngine | RingsEngine, strategy: Strategy) -> EngineGrid:
     """Train ``engine`` to ``cfg.steps`` with ``strategy`` doing every replica average."""
     engine.average_replicas = False  # averaging is the strategy's job here
@@ -181,6 +209,7 @@ def train_with_strategy(engine: ReferenceEngine | RingsEngine, strategy: Strateg
             "no secagg: build it with make_strategy(..., secagg=SecAgg.of(cfg)), as the "
             "coordinator does"
         )
+    check_sync_strategy(engine.cfg, strategy)
     set_task_identity(COORDINATOR_NODE_ID)
     grid = EngineGrid(engine)
     # The coordinator's relay; one attempt, no incidents here.
