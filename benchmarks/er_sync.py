@@ -7,11 +7,13 @@ codec of the pseudo-gradient (``--sync-codec`` none = fp32, int8, int4; error fe
 over seeds), its paired Δ against the every-step fp32 baseline (H = 1, fedavg, fp32, τ = 0)
 with a Student-t 95 % interval over seeds, and the E/R bytes one site sends per step (its
 payload ÷ H). An arm within +0.02 of the baseline on the interval's upper end meets the
-issue's target. Results are kept per run (``--out``/runs/<arm>-s<seed>.json) and reused
-(the runs themselves go to a temporary directory and are deleted).
+issue's target. Results are kept per run (``--out``/runs/<arm>-s<seed>.json, by default
+under benchmarks/results/er_sync/<preset>-P<workers>-<steps>steps/) and reused by a later
+call with the same setting (the runs themselves go to a temporary directory and are deleted).
 
     python benchmarks/er_sync.py --quick                    # 2 arms, cpu-tiny, a smoke
     python benchmarks/er_sync.py --preset cpu-small --seeds 3 --steps 120 --jobs 2
+    python benchmarks/er_sync.py --preset width-192 --seeds 3 --steps 120 --jobs 2
     python benchmarks/er_sync.py --preset cpu-small --seeds 3 --H 1 10 --codec none int4
 """
 
@@ -70,7 +72,10 @@ def run_one(arm: Arm, seed: int, args: argparse.Namespace, data: Path | None) ->
     runs = args.out / "runs"
     done = runs / f"{arm.name}-s{seed}.json"
     if done.is_file():
-        return json.loads(done.read_text())
+        kept = json.loads(done.read_text())
+        if {k: kept.get(k) for k in setting(args)} == setting(args):
+            return kept
+        sys.exit(f"{done} is of another setting ({kept}): choose another --out")
     out = args.work / f"{arm.name}-s{seed}"
     argv = [sys.executable, "-m", "mobius_fed.cli.main", "local", "--preset", args.preset,
             "--workers", str(args.workers), "--steps", str(args.steps), "--seed", str(seed),
@@ -85,10 +90,16 @@ def run_one(arm: Arm, seed: int, args: argparse.Namespace, data: Path | None) ->
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(out, ignore_errors=True)  # its checkpoint: not kept
     evals = [r for r in rows if "eval_loss" in r]
-    result = {"arm": arm.name, "seed": seed, "eq8": evals[-1]["eval_loss"], "steps": args.steps}
+    result = {"arm": arm.name, "seed": seed, "eq8": evals[-1]["eval_loss"], **setting(args)}
     runs.mkdir(parents=True, exist_ok=True)
     done.write_text(json.dumps(result) + "\n")
     return result
+
+
+def setting(args: argparse.Namespace) -> dict:
+    """What a kept result must share with this table to be reused."""
+    return {"preset": args.preset, "workers": args.workers, "steps": args.steps,
+            "extra": list(args.extra)}  # fmt: skip
 
 
 def er_bytes_per_step(arm: Arm, args: argparse.Namespace) -> float:
@@ -166,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codec", nargs="+", default=["none", "int8", "int4"])
     ap.add_argument("--delay", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (one thread each)")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "er_sync")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results (default: benchmarks/results/er_sync/<preset>-P<workers>-<steps>steps)",
+    )
     ap.add_argument(
         "--quick", action="store_true", help="smoke: cpu-tiny, P = 2, 6 steps, 2 arms, 2 seeds"
     )
@@ -175,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.preset, args.workers, args.steps, args.seeds = "cpu-tiny", 2, 6, 2
         args.H, args.outer, args.codec, args.delay = [2], ["fedavg"], ["int4"], [1]
-        args.out = args.out.with_name(args.out.name + "-quick")
+    if args.out is None:
+        name = f"{args.preset}-P{args.workers}-{args.steps}steps"
+        args.out = ROOT / "benchmarks" / "results" / "er_sync" / name
     arms = arms_of(args)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work = Path(tempfile.mkdtemp(prefix="er_sync-"))  # sites and runs in flight
