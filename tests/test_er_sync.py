@@ -134,6 +134,22 @@ def test_local_equals_the_strategy_driven_reference(sites, sync: dict) -> None:
     assert [plain.train_step().origin_losses for _ in range(cfg.steps)] != losses
 
 
+@pytest.mark.parametrize("sync", SETTINGS)
+def test_evaluating_between_barriers_changes_nothing_local_trains(sites, sync: dict) -> None:
+    """``mobius-fed local`` evaluates at any step: an evaluation between barriers (every
+    step here, E/R every 3) leaves the training exactly as without it."""
+    losses = {}
+    for every in (1, 0):
+        cfg = TrainConfig(**{**BASE, "eval_every": every}, steps=5, sync_every=3, sync=sync)
+        engine = _engine(cfg, sites)
+        losses[every] = []
+        for _ in range(cfg.steps):
+            losses[every].append(engine.train_step().origin_losses)
+            if every:
+                engine.evaluate()
+    assert losses[1] == losses[0]
+
+
 def test_the_reference_refuses_a_strategy_that_would_not_decode_or_step(sites) -> None:
     cfg = TrainConfig(**BASE, steps=2, sync_every=1, sync={"outer": "diloco", "codec": "int8"})
     plain = make_strategy("diloco", cfg.P, RoundPlan.of(cfg))

@@ -69,8 +69,10 @@ class LocalErRound:
 
     @contextmanager
     def evaluating(self, replicas: Sequence[Replica]) -> Iterator[None]:
-        """Evaluate G (with τ = 1 each site's own E/R comes back afterwards)."""
-        if self.global_er is None:
+        """With τ = 1, evaluate G, the model (each site's own E/R comes back afterwards);
+        with τ = 0 the replicas as they are (G itself at a barrier, as a coordinator
+        evaluates; between barriers, as ``mobius-fed local`` always did)."""
+        if self.global_er is None or not self.cfg.sync.delay:
             yield
             return
         state = self.global_er.to_torch_state_dict()
