@@ -175,7 +175,10 @@ class SyncConfig(BaseModel):
             name
             for name, on in (
                 ("rings > 1", train.rings > 1),
-                ("privacy.er_secagg (masked sums need exact arithmetic)", pc.er_secagg),
+                (
+                    "privacy.er_secagg (masked sums need exact arithmetic, not a codec's)",
+                    pc.er_secagg and self.codec != "none",
+                ),
                 ("privacy.er_noise", pc.er_noise > 0),
                 ("subspace.learn", train.subspace.learn),
             )

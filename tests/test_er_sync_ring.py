@@ -17,6 +17,7 @@ import pytest
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
+from mobius_fed.defences.secagg import SecAgg
 from mobius_fed.engine import ReferenceEngine
 from mobius_fed.engine.federated import EngineGrid, train_with_strategy
 from mobius_fed.er_sync import payload_spec
@@ -42,6 +43,7 @@ def reference(fed: LocalFederation) -> EngineGrid:
         options,
         update_clip=UpdateClip.of(cfg),
         er_codec=cfg.sync.codec,
+        secagg=SecAgg.of(cfg),
     )
     return train_with_strategy(ReferenceEngine(cfg, sites), strategy)
 
@@ -57,8 +59,13 @@ def check_exact(fed: LocalFederation, hist: dict) -> None:
 
 
 def er_bytes(train: TrainConfig) -> int:
-    """What one site's E/R reply takes: fp32 arrays, or the codec's payloads."""
+    """What one site's E/R reply takes: fp32 arrays, the codec's payloads, or under SecAgg
+    the masked update (one integer of the wire dtype per value)."""
     spec = spec_of(build_replica(train.model(), train.seed).shared_state_dict())
+    secagg = SecAgg.of(train)
+    if secagg is not None:
+        n = sum(math.prod(shape) for shape, _ in spec.values())
+        return n * secagg.q.wire_dtype.itemsize
     if train.sync.codec != "none":
         spec = payload_spec(spec, train.sync.codec)
     size = {"float32": 4, "uint8": 1}
@@ -73,17 +80,27 @@ def er_bytes(train: TrainConfig) -> int:
         pytest.param(
             {"outer": "diloco", "codec": "int8", "delay": 1}, "fedavg", 5, id="diloco-int8-delay1"
         ),
+        pytest.param(
+            {"delay": 1},
+            "fedavg",
+            5,
+            id="delay1-secagg",
+            marks=pytest.mark.long,
+        ),
     ],
 )
 def test_sync_settings_equal_the_reference_exactly(
-    tmp_path: Path, sync: dict, strategy: str, steps: int
+    tmp_path: Path, sync: dict, strategy: str, steps: int, request: pytest.FixtureRequest
 ) -> None:
     """P = 2, E/R every 2 steps (the last round, at step 5, falls off the grid): every
     (step, origin) loss and every held-out loss equal the reference's bit for bit; with a
     codec each site's residual carries over, with τ = 1 each site trains on from its own E/R
-    and merges round r's average at the end of round r + 1; every train reply's E/R bytes
-    are the exact payload (fp32 arrays, or the codec's)."""
-    train = TrainConfig(**BASE, steps=steps, sync_every=2, sync=sync)
+    and merges round r's average at the end of round r + 1 (also under Secure Aggregation,
+    long marker: the masked update is the merged E/R's); every train reply's E/R bytes are
+    the exact payload (fp32 arrays, the codec's, or the masked update)."""
+    secagg = request.node.callspec.id.endswith("secagg")  # τ = 1 under Secure Aggregation
+    privacy = {"er_secagg": True} if secagg else {}
+    train = TrainConfig(**BASE, steps=steps, sync_every=2, sync=sync, privacy=privacy)
     fed = LocalFederation(tmp_path, train, strategy=strategy, threads=1)
     fed.prepare().start()
     try:

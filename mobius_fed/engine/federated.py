@@ -147,12 +147,11 @@ class EngineGrid(RunGrid):
         """What site ``rank`` sends: its E/R arrays (under a sync codec or delay, what its
         ErSite sends), or with SecAgg only its masked update."""
         engine = self.engine
-        if engine.cfg.sync.on_sites:
+        if engine.cfg.sync.on_sites:  # τ = 1 merges first; a codec sends payloads
             assert isinstance(engine, ReferenceEngine)
-            return {
-                "arrays": engine.er_sites[rank].end_round(engine.replicas[rank].shared_state_dict())
-            }
-        arrays = _arrays(self.engine.replicas[rank])
+            arrays = engine.er_sites[rank].end_round(engine.replicas[rank].shared_state_dict())
+        else:
+            arrays = _arrays(engine.replicas[rank])
         if self.maskers is None:
             return {"arrays": arrays}
         order = Round.of(conf, self.engine.cfg.P)
