@@ -91,6 +91,104 @@ class BoundsConfig(BaseModel):
     )
 
 
+ER_CODECS = ("none", "int8", "fp8", "fp8e5m2", "int6", "int5", "int4", "int3", "int2")
+MAX_SYNC_DELAY = 1
+
+
+class SyncConfig(BaseModel):
+    """How the E/R replicas are synced at each barrier (every ``sync_every`` steps,
+    docs/ring-or-diloco.md "E/R sync: rare, small and late"): the outer step, the codec of
+    each site's pseudo-gradient and how many rounds late the round's result lands."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    outer: Literal["fedavg", "diloco"] | None = Field(
+        None,
+        description="outer step of the E/R round: fedavg (the average) or diloco (Nesterov "
+        "SGD on the pseudo-gradient, outer_lr / outer_momentum; the coordinator's "
+        "--strategy diloco); unset: the coordinator's --strategy (fedavg by default)",
+    )
+    codec: str = Field(
+        "none",
+        description="codec of each site's E/R pseudo-gradient (global E/R − its replica): "
+        "int8, int4, ... (none: the replica travels in fp32)",
+        json_schema_extra={"choices": list(ER_CODECS)},
+    )
+    error_feedback: bool = Field(
+        True,
+        description="with a codec: each site adds what its last payload rounded away into "
+        "its next pseudo-gradient (--no-sync-error-feedback: off)",
+    )
+    delay: int = Field(
+        0,
+        ge=0,
+        description=f"τ: rounds the E/R round's result lands late (0 or 1, at most "
+        f"{MAX_SYNC_DELAY}); with 1 a site trains on from its own E/R and adds the global "
+        "change of round r at the end of round r + 1",
+    )
+
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, v: str) -> str:
+        if v not in ER_CODECS:
+            raise ValueError(
+                f"sync codec {v!r}: the E/R path takes {', '.join(ER_CODECS)} (lowrank needs "
+                "matrices, and the E/R holds vectors)"
+            )
+        return v
+
+    @property
+    def on_sites(self) -> bool:
+        """Whether a site does more than send its replica and load the average."""
+        return self.codec != "none" or self.delay > 0
+
+    @property
+    def active(self) -> bool:
+        """Whether the barrier differs from plain FedAvg of fp32 replicas."""
+        return self.on_sites or self.outer == "diloco"
+
+    def named(self) -> str:
+        """The settings that differ from their defaults: ``sync.codec=int8 sync.delay=1``."""
+        own = self.model_dump()
+        plain = SyncConfig().model_dump()
+        return " ".join(f"sync.{k}={v}" for k, v in own.items() if v != plain[k])
+
+    def problem(self, train: TrainConfig) -> str | None:
+        """Why ``train`` cannot run these settings (None: it can)."""
+        if self.delay > MAX_SYNC_DELAY:
+            return (
+                f"sync delay τ={self.delay} exceeds the limit {MAX_SYNC_DELAY}: a site keeps "
+                "one round's sent E/R, so the result of round r lands at the end of r + 1 at "
+                "the latest"
+            )
+        if not self.active:
+            return None
+        if train.sync_every < 1:
+            return (
+                f"{self.named()} needs E/R barriers: sync_every={train.sync_every} never "
+                "syncs (set sync_every ≥ 1)"
+            )
+        if not self.on_sites:
+            return None
+        pc = train.privacy
+        clash = [
+            name
+            for name, on in (
+                ("rings > 1", train.rings > 1),
+                (
+                    "privacy.er_secagg (masked sums need exact arithmetic, not a codec's)",
+                    pc.er_secagg and self.codec != "none",
+                ),
+                ("privacy.er_noise", pc.er_noise > 0),
+                ("subspace.learn", train.subspace.learn),
+            )
+            if on
+        ]
+        if clash:
+            return f"{self.named()} cannot be combined with {', '.join(clash)} yet"
+        return None
+
+
 class TrainConfig(BaseModel):
     """Everything that defines the math of a run: equal configs give equal losses."""
 
@@ -177,6 +275,7 @@ class TrainConfig(BaseModel):
     subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     bounds: BoundsConfig = Field(default_factory=BoundsConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -271,29 +370,14 @@ class TrainConfig(BaseModel):
                 "stays home); use mode 'stream'"
             )
         if self.privacy.preset == "states-only":
-            self._check_states_only()
+            _check_states_only(self)
         if self.subspace.on and self.subspace.mode == "tokens":
             self._check_tokens_mode()
         self._check_rings()
+        if why := self.sync.problem(self):
+            raise ValueError(why)
         self.model()  # raises on a rank above d_model
         return self
-
-    def _check_states_only(self) -> None:
-        """The private wire mode refuses what would send ids or undo its defence."""
-        pc, sub = self.privacy, self.subspace
-        why = None
-        if not sub.on or sub.mode != "home":
-            why = (
-                "it needs a home-mode subspace (subspace mode 'home', rank > 0): mode 'tokens' "
-                "sends the token ids, mode 'stream' and no subspace send E(x) itself"
-                f" (got rank {sub.rank}, mode {sub.mode!r})"
-            )
-        elif pc.input_noise <= 0:
-            why = "privacy.input_noise = 0 turns off the noise on the first send"
-        elif pc.home_input == "off":
-            why = "privacy.home_input = 'off' sends the shared E(x)'s image through U"
-        if why:
-            raise ValueError(f"privacy.preset 'states-only' refused: {why}")
 
     def _check_rings(self) -> None:
         """R rings of P groups (docs/rings.md): workers = R·P, ring syncs at E/R barriers."""
@@ -444,6 +528,24 @@ class TrainConfig(BaseModel):
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def _check_states_only(cfg: TrainConfig) -> None:
+    """The private wire mode refuses what would send ids or undo its defence."""
+    pc, sub = cfg.privacy, cfg.subspace
+    why = None
+    if not sub.on or sub.mode != "home":
+        why = (
+            "it needs a home-mode subspace (subspace mode 'home', rank > 0): mode 'tokens' "
+            "sends the token ids, mode 'stream' and no subspace send E(x) itself"
+            f" (got rank {sub.rank}, mode {sub.mode!r})"
+        )
+    elif pc.input_noise <= 0:
+        why = "privacy.input_noise = 0 turns off the noise on the first send"
+    elif pc.home_input == "off":
+        why = "privacy.home_input = 'off' sends the shared E(x)'s image through U"
+    if why:
+        raise ValueError(f"privacy.preset 'states-only' refused: {why}")
+
+
 # privacy.preset = states-only: the wire it fills where a configuration leaves it unset.
 STATES_ONLY: dict[str, Any] = {
     "rank_divisor": 4,  # k = d / 4
@@ -467,4 +569,5 @@ LATER_SETTINGS: dict[tuple[str, ...], Any] = {
     ("privacy", "preset"): "off",
     ("privacy", "input_epsilon_target"): None,
     ("bounds",): BoundsConfig().model_dump(mode="json"),
+    ("sync",): SyncConfig().model_dump(mode="json"),
 }

@@ -98,6 +98,7 @@ OPTIONAL_FIGURES = {  # a train report's wire key → its field, for figures a w
     "bytes-sent": "bytes_sent",
     "frames-sent": "frames_sent",
     "sync-bytes": "sync_bytes",
+    "er-bytes": "er_bytes",
 }
 
 
@@ -115,6 +116,7 @@ class TrainReport(_Wire):
     bytes_sent: float | None = None
     frames_sent: float | None = None
     sync_bytes: float | None = None  # R > 1: what a ring sync's F_i (or δ) took, on its round
+    er_bytes: float | None = None  # the E/R it sent at the barrier (fp32, a codec's, masked)
 
     def items(self) -> dict[str, Any]:
         return {**super().items(), "loss": self.losses[-1]}

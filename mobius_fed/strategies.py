@@ -34,6 +34,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from mobius_fed.checkpoint import ARRAYS_TAG
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.defences.secagg import MASKED
+from mobius_fed.er_sync import decode_er
 from mobius_fed.messages import (  # noqa: F401 - engine reads STEP_START here
     ARRAYS,
     GROUP,
@@ -378,6 +379,54 @@ class SecAggRounds(StrategyWrapper):
         return self.strategy.aggregate_train(server_round, replies)
 
 
+class ErCodecRounds(StrategyWrapper):
+    """The E/R pseudo-gradients through a codec (``sync.codec``): each reply's payloads
+    become θ̂ = G − decode(payload) (:func:`~mobius_fed.er_sync.decode_er`, G: the arrays
+    the round was sent), so every wrapper and the strategy inside see E/R arrays as
+    without a codec."""
+
+    def __init__(self, strategy: Strategy, codec: str) -> None:
+        super().__init__(strategy)
+        self.codec = codec
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        if self.sent is None:
+            raise ValueError(f"round {server_round}: E/R payloads, but no E/R was sent")
+        for reply in replies:
+            if not reply.has_error() and ARRAYS in reply.content.array_records:
+                payload = reply.content.array_records[ARRAYS]
+                reply.content[ARRAYS] = decode_er(payload, self.sent, self.codec)
+        return self.strategy.aggregate_train(server_round, replies)
+
+
+def sync_strategy(
+    name: str, options: dict[str, Any] | None, train: TrainConfig
+) -> tuple[str, dict[str, Any]]:
+    """The Flower strategy and options of a run whose E/R outer step is ``train.sync.outer``
+    (unset: ``name`` decides): ``diloco`` is :class:`DiLoCo` with ``outer_lr`` and
+    ``outer_momentum`` unless ``options`` set them. A ``name`` that contradicts the outer
+    step is refused, naming both."""
+    outer, key, options = train.sync.outer, name.lower(), dict(options or {})
+    if outer == "diloco" and key not in ("fedavg", "diloco"):
+        raise ConfigError(
+            f"--sync-outer diloco conflicts with --strategy {name}: the E/R outer step is "
+            "the strategy's (use --strategy diloco, or leave --strategy at fedavg)"
+        )
+    if outer == "fedavg" and key != "fedavg":
+        raise ConfigError(
+            f"--sync-outer fedavg conflicts with --strategy {name}: the E/R outer step is "
+            "the strategy's (leave --sync-outer unset to use the strategy's own)"
+        )
+    if outer == "diloco" or key == "diloco":
+        options.setdefault("server_learning_rate", train.outer_lr)
+        options.setdefault("server_momentum", train.outer_momentum)
+        return "diloco", options
+    return name, options
+
+
 class BarrierRounds(StrategyWrapper):
     """The outermost wrapper: one Flower round = one barrier of ``plan``. It numbers rounds
     on from ``round_offset`` (a resumed run; FedAdam's bias correction depends on it), puts
@@ -676,15 +725,17 @@ def make_strategy(
     secagg: Any = None,
     rings: RingPlan | None = None,
     update_clip: UpdateClip | None = None,
+    er_codec: str = "none",
     **barrier: Any,
 ) -> BarrierRounds:
     """The run's strategy: the Flower strategy ``name`` inside one wrapper per feature,
-    ``BarrierRounds(RingSync(ErDp(SecAggRounds(ErAveraging(ErClip(flower))))))`` (the ones
-    turned on). ``P``: the number of workers (all R·P sites with several rings).
+    ``BarrierRounds(RingSync(ErCodecRounds(ErDp(SecAggRounds(ErAveraging(ErClip(flower)))))))``
+    (the ones turned on). ``P``: the number of workers (all R·P sites with several rings).
 
     ``er_privacy`` turns on :class:`ErDp`, ``secagg`` :class:`SecAggRounds`, ``rings``
     :class:`RingSync`, ``update_clip`` (``UpdateClip.of(cfg)``) :class:`ErClip`, except
-    under SecAgg, where no single update is visible; ``barrier``
+    under SecAgg, where no single update is visible; ``er_codec`` (``sync.codec``)
+    :class:`ErCodecRounds`; ``barrier``
     goes to :class:`BarrierRounds`: ``hooks``, ``state_copy``, ``keep_checkpoints``,
     ``barrier_snapshots``, ``checkpoints`` (another name is a TypeError there).
     """
@@ -696,6 +747,8 @@ def make_strategy(
         strategy = SecAggRounds(strategy, secagg)
     if er_privacy is not None:  # under SecAgg the sites clip their own updates
         strategy = ErDp(strategy, er_privacy, clip_here=secagg is None)
+    if er_codec != "none":
+        strategy = ErCodecRounds(strategy, er_codec)
     if rings is not None:
         strategy = RingSync(strategy, rings)
     return BarrierRounds(strategy, plan, round_offset, **barrier)

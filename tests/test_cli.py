@@ -450,3 +450,16 @@ def test_up_standbys_start_standby_sites_beside_the_workers(tmp_path) -> None:
     cmd = fed.worker_cmd(P + 1)
     assert "--standby" in cmd and str(fed.sites / f"site-{P + 1}") in cmd
     assert str(fed.bundle("standby-1").cert) in cmd
+
+
+def test_sync_settings_the_path_cannot_take_are_refused(tmp_path, cli) -> None:
+    """A τ above its limit, and an E/R outer step the strategy contradicts, are refused
+    before anything runs, naming the value and the limit (or both values)."""
+    proc = cli("local", *TINY, "--sync-delay", "2", "--out", "OUT")
+    err = _flat(proc.stderr)
+    assert proc.returncode == 2 and "τ=2" in err and "limit 1" in err, err
+    proc = cli("up", *TINY, "--sync-outer", "diloco", "--strategy", "fedadam", "--out", "UP")
+    err = _flat(proc.stderr)
+    assert proc.returncode == 2, err
+    assert "--sync-outer diloco conflicts with --strategy fedadam" in err, err
+    assert not (tmp_path / "UP").exists() and "Traceback" not in proc.stderr

@@ -77,6 +77,8 @@ def cmd_local(args: argparse.Namespace) -> int:
         f"P={cfg.P} L={cfg.loops} K={cfg.K} order={cfg.order}, {cfg.steps} steps, "
         f"{threads} thread(s), data: {', '.join(str(s.directory) for s in sites)}"
     )
+    if cfg.sync.active:
+        console.print(f"E/R every {cfg.sync_every} step(s): {cfg.sync.named()}")
     start = time.perf_counter()
     with step_progress("loss {task.fields[loss]:.4f}", "{task.fields[tps]:,.0f} tok/s") as bar:
         task = bar.add_task("train", total=cfg.steps, loss=float("nan"), tps=0.0)

@@ -65,6 +65,12 @@ def up_main(args: argparse.Namespace) -> int:
 
     train = common.train_config_from_args(args)
     strategy_options = parse_options(args.strategy_option)
+    from mobius_fed.strategies import sync_strategy
+
+    try:  # --sync-outer against --strategy: refused before anything starts
+        sync_strategy(args.strategy, strategy_options, train)
+    except ValueError as exc:
+        raise common.CliError(str(exc)) from None
     claim_out(Path(args.out), args.resume, getattr(args, "force", False))
     # The handler raises Terminated in this (main) thread; every child then gets the same
     # signal. The hard deadline is only a safety net beyond the children's grace.
@@ -229,6 +235,8 @@ def _print_endpoints(fed: LocalFederation) -> None:
 
 def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
     """Prepare, start and watch the federation; the final status."""
+    from mobius_fed.strategies import sync_strategy
+
     fed.write_endpoints("starting")  # `status` finds the run before certs, data, processes
     fed.prepare()
     console.print(
@@ -236,7 +244,8 @@ def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
         + (f" ({train.rings} rings of {train.P})" if train.rings > 1 else "")
         + " on 127.0.0.1, "
         f"{train.preset}, L={train.loops} {train.order}, {train.steps} steps, "
-        f"{args.strategy} every {train.sync_every} step(s)"
+        f"{sync_strategy(args.strategy, {}, train)[0]} every {train.sync_every} step(s)"
+        + (f" ({train.sync.named()})" if train.sync.on_sites else "")
         + (
             f", groups synced across rings every {train.ring_sync_every} ({train.ring_outer})"
             if train.rings > 1

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mobius_fed.config import ENV_PREFIX, ConfigError, TrainConfig
 from mobius_fed.settings import layered_config, settings_of
+from mobius_fed.strategies import sync_strategy
 from mobius_fed.transport.tls import NodeTLS
 
 
@@ -112,6 +113,7 @@ class CoordinatorConfig(BaseModel):
             )
         if self.train.sync_every < 1:
             raise ValueError("train.sync_every must be ≥ 1: each Flower round is one barrier")
+        sync_strategy(self.strategy, self.strategy_options, self.train)  # --sync-outer agrees
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
         self.checkpoint_round_interval()

@@ -34,6 +34,7 @@ from mobius_fed.coordinator.state import RunState
 from mobius_fed.defences.er_dp import ErPrivacy
 from mobius_fed.defences.report import status_block
 from mobius_fed.defences.secagg import SecAgg
+from mobius_fed.er_sync import payload_spec
 from mobius_fed.machines import LIVE_PHASES, IncidentState, Phase
 from mobius_fed.model import build_group, build_replica
 from mobius_fed.proto import control_pb2, control_pb2_grpc
@@ -45,6 +46,7 @@ from mobius_fed.strategies import (
     make_strategy,
     restore_server_state,
     server_state,
+    sync_strategy,
     wrapper_of,
 )
 from mobius_fed.transport.compress import Codec
@@ -75,7 +77,7 @@ class Coordinator:
             P=cfg.train.workers,
             steps=cfg.train.steps,
             rings=cfg.train.rings,
-            strategy=cfg.strategy,
+            strategy=sync_strategy(cfg.strategy, cfg.strategy_options, cfg.train)[0],
             num_rounds=self.plan.num_rounds,
             layers=cfg.train.model().group_layers,
             loops=cfg.train.loops,
@@ -85,6 +87,8 @@ class Coordinator:
         self.state.metrics  # noqa: B018 - histograms exist before the first round ends
         replica = build_replica(cfg.train.model(), cfg.train.seed)
         spec = spec_of(replica.shared_state_dict())  # no private home layer
+        if cfg.train.sync.codec != "none":  # a train reply's E/R: the codec's exact payloads
+            spec = payload_spec(spec, cfg.train.sync.codec)
         groups = group_specs(cfg.train)
         self.grid = ControlGrid(
             cfg.train.workers,
@@ -273,17 +277,19 @@ class Coordinator:
                     f"{names(missing)} sent no SecAgg public key (privacy.er_secagg is on)"
                 )
             self.secagg.relay([keys[r] for r in range(self.train.P)], self.recovery.ring_id)
+        name, options = sync_strategy(self.cfg.strategy, self.cfg.strategy_options, self.train)
         return make_strategy(
-            self.cfg.strategy,
+            name,
             self.train.workers,
             self.plan,
-            self.cfg.strategy_options,
+            options,
             round_offset=rnd,
             hooks=self,
             er_privacy=self.er_privacy,
             secagg=self.secagg,
             rings=RingPlan.of(self.train),
             update_clip=UpdateClip.of(self.train),
+            er_codec=self.train.sync.codec,
             state_copy=self.cfg.state_copy == "coordinator",
             barrier_snapshots=self.cfg.barrier_snapshots,
             checkpoints=self.store.cadence.order,

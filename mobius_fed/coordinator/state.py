@@ -177,6 +177,7 @@ class RunState:
                 w.wait_s_total += w.wait_s or 0.0
                 w.bytes_sent_total += fig.get("bytes_sent") or 0.0
                 w.sync_bytes_total += fig.get("sync_bytes") or 0.0
+                w.er_bytes_total += fig.get("er_bytes") or 0.0
         if self._metrics is not None:
             self._metrics.observe_round(seconds, steps, workers)
 

@@ -67,6 +67,11 @@ class WorkerModel(BaseModel):
     sync_bytes_total: float = Field(
         0.0, description="R > 1: bytes of its ring syncs (F_i or its encoded δ) over the run"
     )
+    er_bytes_total: float = Field(
+        0.0,
+        description="bytes of the E/R it sent at barriers over the run (fp32 arrays, a sync "
+        "codec's payloads, or a masked update)",
+    )
 
 
 class EdgeModel(BaseModel):
@@ -260,7 +265,7 @@ class RoundModel(BaseModel):
     workers: dict[str, dict[str, float | None]] = Field(
         default_factory=dict,
         description="rank → its figures: train_s, and where reported wait_s, compute_s, "
-        "bytes_sent, frames_sent, sync_bytes (R > 1, a ring-sync round)",
+        "bytes_sent, frames_sent, sync_bytes (R > 1, a ring-sync round), er_bytes",
     )
 
 

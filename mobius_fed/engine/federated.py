@@ -10,19 +10,31 @@ therefore applied by the same Flower code as in a distributed run.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from contextlib import ExitStack
 from typing import cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import Strategy
 
+from mobius_fed.config import TrainConfig
 from mobius_fed.defences.secagg import MASKED, Round, SiteMasker
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
 from mobius_fed.engine.rings import RingsEngine
 from mobius_fed.messages import GROUP, GROUP_BASE
 from mobius_fed.model import Replica
-from mobius_fed.strategies import STEP_END, STEP_START, TrainOrder, encode_delta, group_arrays
+from mobius_fed.strategies import (
+    STEP_END,
+    STEP_START,
+    DiLoCo,
+    ErCodecRounds,
+    TrainOrder,
+    encode_delta,
+    group_arrays,
+    unwrapped,
+    wrapper_of,
+)
 from mobius_fed.transport.flower_wire import (
     COORDINATOR_NODE_ID,
     RunGrid,
@@ -66,16 +78,17 @@ class EngineGrid(RunGrid):
         if not messages:
             return []
         ranks = [rank_of_node(msg.metadata.dst_node_id) for msg in messages]
+        kind = messages[0].metadata.message_type
+        conf = messages[0].content.config_records["config"]
+        states = {}
         for msg, rank in zip(messages, ranks):
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-            state = msg.content.array_records["arrays"].to_torch_state_dict()
-            self.engine.replicas[rank].load_shared_state_dict(state)
+            states[rank] = state = msg.content.array_records["arrays"].to_torch_state_dict()
+            self._load_er(kind, rank, state)
             if GROUP in msg.content and isinstance(self.engine, RingsEngine):
                 self.bases[rank] = load_group(self.engine, rank, msg.content.array_records[GROUP])
             if GROUP_BASE in msg.content:
                 self.bases[rank] = msg.content.array_records[GROUP_BASE].to_torch_state_dict()
-        kind = messages[0].metadata.message_type
-        conf = messages[0].content.config_records["config"]
         replies = []
         if kind == "train":
             start, end = int(cast(int, conf[STEP_START])), int(cast(int, conf[STEP_END]))
@@ -101,7 +114,7 @@ class EngineGrid(RunGrid):
                     )
                 replies.append(self._reply(msg, RecordDict({**update, "metrics": metrics})))
         else:
-            ev = self.engine.evaluate()
+            ev = self._evaluate(states)
             self.evals.append(ev)
             for msg, rank in zip(messages, ranks):
                 metrics = MetricRecord({"num-examples": 1, "eval-loss": ev.origin_losses[rank]})
@@ -109,9 +122,36 @@ class EngineGrid(RunGrid):
         set_task_identity(COORDINATOR_NODE_ID)
         return replies
 
+    def _load_er(self, kind: str, rank: int, state: Mapping[str, torch.Tensor]) -> None:
+        """A message's E/R for site ``rank``, taken as a worker takes it: loaded, or under a
+        sync codec or delay by the site's ErSite (train; evaluate: :meth:`_evaluate`)."""
+        engine = self.engine
+        if not engine.cfg.sync.on_sites:
+            engine.replicas[rank].load_shared_state_dict(dict(state))
+        elif kind == "train":
+            assert isinstance(engine, ReferenceEngine)  # rings > 1 refuse sync settings
+            engine.er_sites[rank].start_round(engine.replicas[rank].shared_state_dict(), state)
+
+    def _evaluate(self, states: Mapping[int, Mapping[str, torch.Tensor]]) -> EvalResult:
+        engine = self.engine
+        if not engine.cfg.sync.on_sites:
+            return engine.evaluate()
+        assert isinstance(engine, ReferenceEngine)
+        with ExitStack() as stack:  # the global E/R; with τ = 1 each site's own comes back
+            for rank, state in states.items():
+                site, replica = engine.er_sites[rank], engine.replicas[rank]
+                stack.enter_context(site.evaluating(replica.shared_state_dict(), state))
+            return engine.evaluate()
+
     def _update(self, rank: int, start: ArrayRecord, conf: ConfigRecord) -> dict[str, ArrayRecord]:
-        """What site ``rank`` sends: its E/R arrays, or with SecAgg only its masked update."""
-        arrays = _arrays(self.engine.replicas[rank])
+        """What site ``rank`` sends: its E/R arrays (under a sync codec or delay, what its
+        ErSite sends), or with SecAgg only its masked update."""
+        engine = self.engine
+        if engine.cfg.sync.on_sites:  # τ = 1 merges first; a codec sends payloads
+            assert isinstance(engine, ReferenceEngine)
+            arrays = engine.er_sites[rank].end_round(engine.replicas[rank].shared_state_dict())
+        else:
+            arrays = _arrays(engine.replicas[rank])
         if self.maskers is None:
             return {"arrays": arrays}
         order = Round.of(conf, self.engine.cfg.P)
@@ -135,6 +175,23 @@ def load_group(engine: RingsEngine, site: int, arrays: ArrayRecord) -> dict[str,
     return state
 
 
+def check_sync_strategy(cfg: TrainConfig, strategy: Strategy) -> None:
+    """The strategy must decode the E/R codec and take the outer step the config names, as
+    the coordinator's does (else payload bytes would be averaged as numbers)."""
+    codec = getattr(wrapper_of(strategy, ErCodecRounds), "codec", "none")
+    if codec != cfg.sync.codec:
+        raise ValueError(
+            f"the config's sync codec is {cfg.sync.codec!r}, the strategy decodes {codec!r}: "
+            "build it with make_strategy(..., er_codec=cfg.sync.codec), as the coordinator does"
+        )
+    if cfg.sync.outer == "diloco" and not isinstance(unwrapped(strategy), DiLoCo):
+        raise ValueError(
+            "the config's sync outer step is diloco, the strategy is "
+            f"{type(unwrapped(strategy)).__name__}: build it from sync_strategy(name, options, "
+            "cfg), as the coordinator does"
+        )
+
+
 def train_with_strategy(engine: ReferenceEngine | RingsEngine, strategy: Strategy) -> EngineGrid:
     """Train ``engine`` to ``cfg.steps`` with ``strategy`` doing every replica average."""
     engine.average_replicas = False  # averaging is the strategy's job here
@@ -151,6 +208,7 @@ def train_with_strategy(engine: ReferenceEngine | RingsEngine, strategy: Strateg
             "no secagg: build it with make_strategy(..., secagg=SecAgg.of(cfg)), as the "
             "coordinator does"
         )
+    check_sync_strategy(engine.cfg, strategy)
     set_task_identity(COORDINATOR_NODE_ID)
     grid = EngineGrid(engine)
     # The coordinator's relay; one attempt, no incidents here.

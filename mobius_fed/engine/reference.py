@@ -23,8 +23,10 @@ from mobius_fed.data import SiteData
 from mobius_fed.data.loader import Split
 from mobius_fed.defences.nopeek import build_nopeek
 from mobius_fed.defences.site_layers import build_site_replica
+from mobius_fed.engine.er_round import LocalErRound
 from mobius_fed.engine.hops import build_hops
 from mobius_fed.engine.stream import Entry, StreamMaps, load_subspace_state, subspace_state
+from mobius_fed.er_sync import ErSite
 from mobius_fed.hop import Direction, HopContext, HopPhase
 from mobius_fed.model import BlockGroup, Replica, build_group
 from mobius_fed.model.layers import resolve_device
@@ -86,6 +88,9 @@ class ReferenceEngine:
         self.maps = StreamMaps(cfg, self.device)
         for i, (group, replica) in enumerate(zip(self.groups, self.replicas)):
             self.maps.bind(i, group, replica)  # a learned U: each worker's own copy
+        # each origin's end of the E/R round (sync codec, delay); mobius-fed local's barrier
+        self.er_sites = [ErSite(cfg.sync) for _ in range(cfg.P)]
+        self.er_round = LocalErRound(cfg, self.er_sites)
 
     def _hop(
         self, phase: HopPhase, direction: Direction, step: int, s: int, slot: int, m: int
@@ -149,6 +154,8 @@ class ReferenceEngine:
                 "(mobius-fed up, compose), or drive this engine with "
                 "mobius_fed.engine.federated.train_with_strategy"
             )
+        if self.average_replicas and cfg.sync.active and self.er_round.global_er is None:
+            self.er_round.begin(self.replicas)  # G = origin 0's E/R, as a strategy starts
         t0 = time.perf_counter()
         origin_losses = self.compute_gradients()
         for opts in self.group_opts + self.replica_opts:
@@ -160,7 +167,10 @@ class ReferenceEngine:
         self.step += 1
         sync = cfg.sync_every  # a barrier every sync steps and at the end; 0: none
         if self.average_replicas and sync and (self.step % sync == 0 or self.step == cfg.steps):
-            average_parameters(self.replicas)
+            if cfg.sync.active:  # outer step, codec, delay: the coordinator's path
+                self.er_round.barrier(self.replicas)
+            else:
+                average_parameters(self.replicas)
         return StepResult(
             step=self.step - 1,
             loss=sum(origin_losses) / P,
@@ -229,7 +239,14 @@ class ReferenceEngine:
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
     def evaluate(self) -> EvalResult:
-        """Paper Eq. 8: the equally weighted mean over origins of the path-specific loss."""
+        """Paper Eq. 8: the equally weighted mean over origins of the path-specific loss
+        (under sync settings, of the global E/R: a site's own comes back afterwards)."""
+        if not self.average_replicas:  # a strategy's grid loads what it evaluates
+            return self._evaluate()
+        with self.er_round.evaluating(self.replicas):
+            return self._evaluate()
+
+    def _evaluate(self) -> EvalResult:
         cfg = self.cfg
         per_origin = []
         for s in range(cfg.P):
@@ -256,6 +273,7 @@ class ReferenceEngine:
             "group_opts": [[o.state_dict() for o in opts] for opts in self.group_opts],
             "replica_opts": [[o.state_dict() for o in opts] for opts in self.replica_opts],
             **subspace_state(self.replicas),
+            **({"er_sync": self.er_round.state_dict()} if self.cfg.sync.active else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -272,6 +290,8 @@ class ReferenceEngine:
             for opt, sd in zip(opts, sds):
                 opt.load_state_dict(sd)
         load_subspace_state(self.replicas, state)
+        if "er_sync" in state:
+            self.er_round.load_state_dict(state["er_sync"], self.replicas)
 
     def save(self, path: Path) -> Path:
         return save_checkpoint(path, self.state_dict())

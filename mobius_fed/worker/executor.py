@@ -26,6 +26,7 @@ from mobius_fed.defences.site_layers import build_site_replica
 from mobius_fed.engine.hops import build_hops
 from mobius_fed.engine.stream import StreamMaps, load_subspace_state, subspace_state
 from mobius_fed.engine.wire_stages import CodecStage, codecs
+from mobius_fed.er_sync import ErSite
 from mobius_fed.hop import HopContext
 from mobius_fed.model import build_group
 from mobius_fed.model.layers import resolve_device
@@ -83,6 +84,7 @@ class RingExecutor:
         self._local: dict[FrameKey, Tensor] = {}
         self._wait = 0.0
         self.slowdown = 1.0  # benchmarks: behave as a site this many times slower
+        self.er = ErSite(cfg.sync)  # its end of the E/R round (codec, residual, delay)
 
     # ------------------------------------------------------------ transport
     def _emit(self, key: FrameKey, tensor: Tensor, dest: int, ctx: HopContext) -> None:
@@ -265,6 +267,7 @@ class RingExecutor:
             "replica_opts": [o.state_dict() for o in self.replica_opts],
             "cursor": {"seed": self.cfg.seed, "next_step": self.step},
             **subspace_state([self.replica]),
+            **({"er_sync": self.er.state_dict()} if self.cfg.sync.on_sites else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -282,3 +285,4 @@ class RingExecutor:
         ):
             opt.load_state_dict(sd)
         load_subspace_state([self.replica], state)
+        self.er.load_state_dict(state.get("er_sync", {}))

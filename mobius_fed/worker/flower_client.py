@@ -29,6 +29,7 @@ from mobius_fed.checkpoint import (
     write_bytes_atomic,
 )
 from mobius_fed.defences.secagg import MASKED, PUBLIC_KEY, Round, SiteMasker
+from mobius_fed.er_sync import record_bytes
 from mobius_fed.machines import WorkerState
 from mobius_fed.messages import (
     ARRAYS,
@@ -63,15 +64,20 @@ def replica_arrays(executor: RingExecutor) -> ArrayRecord:
 _FLOATS = ("float16", "float32", "float64")
 
 
-def load_replica(executor: RingExecutor, arrays: ArrayRecord) -> None:
-    """Load the averaged E/R arrays: exactly the replica's shared names and shapes (its
-    private home layer is neither sent nor overwritten), any float dtype (a server
-    optimizer such as FedAdam computes in float64; cast as the reference does)."""
+def replica_state(executor: RingExecutor, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    """The averaged E/R arrays as tensors: exactly the replica's shared names and shapes
+    (its private home layer is neither sent nor overwritten), any float dtype (a server
+    optimizer such as FedAdam computes in float64)."""
     spec = spec_of(executor.replica.shared_state_dict())
     for name, array in arrays.items():
         if name in spec and spec[name][1] in _FLOATS and str(array.dtype) in _FLOATS:
             spec[name] = (spec[name][0], str(array.dtype))
-    state = array_record_to_torch(arrays, expected=spec)
+    return dict(array_record_to_torch(arrays, expected=spec))
+
+
+def load_replica(executor: RingExecutor, arrays: ArrayRecord) -> None:
+    """Load the averaged E/R arrays (:func:`replica_state`), cast as the reference does."""
+    state = replica_state(executor, arrays)
     with torch.no_grad():
         for name, p in executor.replica.shared_state_dict().items():
             p.copy_(state[name])
@@ -242,10 +248,18 @@ class WorkerHandlers:
                 f"worker-{executor.rank} is at step {executor.step}, round asks for {start}..{end}"
             )
         masks = None if self.secagg is None else Round.of(msg.content[CONFIG], executor.cfg.P)
-        load_replica(executor, msg.content.array_records[ARRAYS])
+        sync = executor.cfg.sync.on_sites  # a codec or a delay: the site's ErSite decides
+        if sync:
+            state = replica_state(executor, msg.content.array_records[ARRAYS])
+            executor.er.start_round(executor.replica.shared_state_dict(), state)
+        else:
+            load_replica(executor, msg.content.array_records[ARRAYS])
         self._take_group(msg)
         self.on_state(WorkerState.TRAINING)
         report = self._train_steps(start, end)
+        # the E/R that leaves (τ = 1: merged first; a codec: its residual kept), before the
+        # snapshot, so that a rollback to this barrier resumes after both
+        er = executor.er.end_round(executor.replica.shared_state_dict()) if sync else None
         t0 = time.perf_counter()  # the barrier snapshot's cost on the critical path
         snap = copy.deepcopy(executor.state_dict())
         if not order.checkpoint and order.barrier_snapshot:
@@ -253,15 +267,17 @@ class WorkerHandlers:
         report = dataclasses.replace(report, snapshot_s=time.perf_counter() - t0)
         group = self._group_reply() if order.ring_sync else None  # R > 1: F_i goes back
         if group is not None:  # the ring sync's bytes, counted apart from the ring links'
-            sync = sum(a.numpy().nbytes for a in group.values())
-            report = dataclasses.replace(report, sync_bytes=float(sync))
+            report = dataclasses.replace(report, sync_bytes=float(record_bytes(group)))
         if masks is None:  # SecAgg off
-            reply = RecordDict({ARRAYS: replica_arrays(executor), METRICS: report.to_record()})
+            er = replica_arrays(executor) if er is None else er
+            report = dataclasses.replace(report, er_bytes=float(record_bytes(er)))
+            reply = RecordDict({ARRAYS: er, METRICS: report.to_record()})
         else:  # only the masked update leaves: the coordinator can read just the sum
             assert self.secagg is not None  # masks are read only when SecAgg is on
             masked = self.secagg.masked(
                 replica_arrays(executor), msg.content.array_records[ARRAYS], masks
             )
+            report = dataclasses.replace(report, er_bytes=float(record_bytes(masked)))
             reply = RecordDict({MASKED: masked, METRICS: report.to_record()})
         if group is not None:  # to be averaged across the rings
             reply[GROUP] = group
@@ -316,11 +332,14 @@ class WorkerHandlers:
         return ck
 
     def evaluate(self, msg: Message) -> Message:
-        load_replica(self.executor, msg.content.array_records[ARRAYS])
+        executor = self.executor
+        state = replica_state(executor, msg.content.array_records[ARRAYS])
         self._take_group(msg)
         self.on_state(WorkerState.EVALUATING)
         t0 = time.perf_counter()
-        loss = self.executor.evaluate()
+        # the global E/R; with τ = 1 the site's own comes back afterwards (it trains on)
+        with executor.er.evaluating(executor.replica.shared_state_dict(), state):
+            loss = executor.evaluate()
         self.on_state(WorkerState.READY)
         metrics = MetricRecord(
             {"num-examples": 1, "eval-loss": loss, "eval-seconds": time.perf_counter() - t0}
