@@ -6,7 +6,8 @@
 Reads the JSON lines tests/timing_plugin.py writes (one per test: node id, xdist worker,
 wall seconds, CPU seconds of the test's process tree) and prints the ``--top`` slowest by
 wall time with their CPU time and CPU share (CPU ÷ wall: 1.0 keeps one core busy, 0.1
-mostly waits), then each xdist worker's busy wall and the whole run's CPU.
+mostly waits), then each xdist worker's busy wall and the whole run's CPU. Exits 1 naming
+each test over 30 s whose ``slow`` marker gives no reason.
 """
 
 from __future__ import annotations
@@ -41,13 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         busy[r["worker"]] += r["wall"]
     wall, cpu = sum(r["wall"] for r in rows), sum(r["cpu"] for r in rows)
-    over30 = sum(1 for r in rows if r["wall"] > 30)
+    over30 = [r for r in rows if r["wall"] > 30]
     print(
         f"\n{len(rows)} tests; {wall:.0f} s of test wall time, {cpu:.0f} s CPU "
-        f"(share {cpu / wall:.2f}); {over30} over 30 s; per worker: "
+        f"(share {cpu / wall:.2f}); {len(over30)} over 30 s; per worker: "
         + ", ".join(f"{w} {s:.0f} s" for w, s in sorted(busy.items()))
     )
-    return 0
+    unexplained = [r["test"] for r in over30 if not r.get("reason")]
+    for name in unexplained:  # docs/testing.md: a test over 30 s says why in its marker
+        print(f"over 30 s without slow(reason=...): {name}")
+    return 1 if unexplained else 0
 
 
 if __name__ == "__main__":

@@ -86,6 +86,31 @@ LONGEST_FIRST = (
 )
 
 
+# The quick tier (`python -m pytest -m quick`, docs/testing.md): every test that is not
+# `slow` or `long`, less the namespace testbed and these, which start daemons, a browser or a
+# tracker, or train or attack for seconds (node-id prefixes; each took over 5 s in a measured
+# run, `python scripts/test_times.py`). The full suite runs them all.
+NOT_QUICK = (
+    "test_cli.py::test_status_follows_up_from_start_to_kill",  # a real `up`, killed
+    "test_cli.py::test_experiment_prints_the_table",  # trains every arm of a table
+    "test_identity.py::",  # impostor daemons in processes of their own
+    "test_patient_attacks.py::",  # trains a victim and its attackers
+    "test_tracking.py::test_wandb_offline",  # W&B in a process of its own
+    "test_howto.py::test_the_run_blocks_of_a_page_run",  # each page's commands, trained
+    "test_link.py::test_an_idle_link_outlives_many_keepalive_periods",  # waits out keepalives
+)
+
+
+def _quick(item: pytest.Item) -> bool:
+    name = item.nodeid.rsplit("/", 1)[-1]
+    return not (
+        item.get_closest_marker("slow")
+        or item.get_closest_marker("long")
+        or GROUPS.get(item.path.name) == "netns"
+        or name.startswith(NOT_QUICK)
+    )
+
+
 def _rank(item: pytest.Item) -> tuple[int, int]:
     name = item.nodeid.rsplit("/", 1)[-1]
     for i, prefix in enumerate(LONGEST_FIRST):
@@ -98,6 +123,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.path.name in GROUPS:
             item.add_marker(pytest.mark.xdist_group(GROUPS[item.path.name]))
+        if _quick(item):
+            item.add_marker(pytest.mark.quick)
     items.sort(key=_rank)  # stable: collection order within each rank
 
 

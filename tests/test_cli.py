@@ -345,6 +345,7 @@ def processes_naming(path: Path) -> list[int]:
     return found
 
 
+@pytest.mark.slow(reason="a real `up` killed, then five cold `mobius-fed` processes read its run")
 def test_status_follows_up_from_start_to_kill_and_up_refuses_the_dead_runs_out(tmp_path) -> None:
     """A real `up`: status (found as soon as endpoints.json exists) waits for the
     coordinator and answers; after `kill -9` of up it reports the run dead with the last

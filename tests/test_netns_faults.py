@@ -172,6 +172,7 @@ def _log_excerpt(tb: Testbed, lines: int = 40) -> str:
 
 # --------------------------------------------------------------------------- the test
 @needs_netns
+@pytest.mark.slow(reason="the claim is a 30 s WAN cut, longer than every timeout it crosses")
 def test_wan_cut_of_30s_heals_with_the_uninterrupted_losses(tmp_path: Path):
     root = tmp_path / "testbed"
     seen: dict = {}

@@ -83,7 +83,7 @@ def _copy_checkout(dest: Path) -> None:
             shutil.copy2(src, dest / name)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the README's two commands as written: two pip installs, a new venv")
 @pytest.mark.skipif(bool(os.environ.get(INNER)), reason="inside the quick-start test's copy")
 def test_quickstart_commands_return_in_a_script(tmp_path: Path) -> None:
     commands = quickstart_commands(README.read_text())

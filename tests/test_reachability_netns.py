@@ -120,6 +120,7 @@ def drop_inbound(tb: Testbed, service: str) -> None:
 
 
 @needs_netns
+@pytest.mark.slow(reason="a namespace testbed with a relay, trained, cut and healed in one run")
 def test_outbound_only_sites_train_in_the_testbed_and_a_relay_cut_heals(tmp_path: Path):
     compose = reach_compose(tmp_path / "compose.yaml")
     seen: dict = {}

@@ -67,6 +67,9 @@ class TestTimes:
         yield
         wall = time.monotonic() - wall0
         cpu = max(0.0, tree_cpu(os.getpid()) - cpu0)
+        slow = item.get_closest_marker("slow")
+        reason = slow.kwargs.get("reason") if slow is not None else None
         line = {"test": item.nodeid, "worker": self.worker, "wall": wall, "cpu": cpu}
+        line |= {"reason": reason} if reason else {}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
