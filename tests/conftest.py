@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,24 @@ def corpus_engine():
         return ReferenceEngine(cfg, [SiteData(d, cfg.model().seq_len, cfg.encoding) for d in dirs])
 
     return make
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch, capsys):
+    """``cli(*args)``: ``mobius-fed ARGS`` through the command's own ``main`` in this process,
+    in ``tmp_path``, giving what a subprocess would (exit status, stdout, stderr) without
+    starting an interpreter and importing torch again: seconds per call on 2 shared cores.
+    The subprocess tests (tests/test_cli.py ``mobius_fed``) keep the entry point covered."""
+    from mobius_fed.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse and run_guarded's refusals
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out, err)
+
+    return run

@@ -34,27 +34,6 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
-@pytest.fixture
-def cli(tmp_path, monkeypatch, capsys):
-    """``cli(*args)``: ``mobius-fed ARGS`` through the command's own ``main`` in this process,
-    in ``tmp_path``, giving what a subprocess would (exit status, stdout, stderr) without
-    starting an interpreter and importing torch again: seconds per call on 2 shared cores.
-    The subprocess tests (``mobius_fed``) keep the entry point and the daemons covered."""
-    from mobius_fed.cli.main import main
-
-    monkeypatch.chdir(tmp_path)
-
-    def run(*args: str) -> subprocess.CompletedProcess:
-        try:
-            code = main(list(args))
-        except SystemExit as exc:  # argparse and run_guarded's refusals
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(list(args), code, out, err)
-
-    return run
-
-
 @pytest.mark.parametrize(
     ("args", "expected"),
     [

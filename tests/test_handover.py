@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -398,12 +396,6 @@ def _handover_round(doc: dict | None) -> int | None:
     return handovers[0].get("round")
 
 
-def _replace(fed: LocalFederation, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mobius_fed.cli.main", "replace", *args]
-    cmd += ["--coordinator", f"127.0.0.1:{fed.coord_port}", "--certs", str(fed.certs)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
-
-
 def wait_for_copy(fed: LocalFederation, timeout: float = 180) -> dict:
     """Status once a checkpoint holds every worker's copy and the ring trained 2 steps on."""
     deadline = time.monotonic() + timeout
@@ -417,23 +409,25 @@ def wait_for_copy(fed: LocalFederation, timeout: float = 180) -> dict:
 
 
 @pytest.mark.slow
-def test_mobius_fed_replace_hands_a_live_worker_over_only_with_force(tmp_path: Path) -> None:
+def test_mobius_fed_replace_hands_a_live_worker_over_only_with_force(tmp_path: Path, cli) -> None:
     """As ``mobius-fed up --standbys 1`` runs it (checkpoints only at the end, supervised):
     with the standby waiting, copies come every 5 steps (status says so), so the forced
     replace redoes at most 5 steps; the refused worker-2 is not restarted, and the incident
     names worker-2, not the standby."""
-    # 40 steps: still training after two CLIs
-    fed = federation(tmp_path, steps=40, checkpoint_every=0, max_restarts=5).prepare().start()
+    # 60 steps: still training after two replace commands (run in this process, `cli`: a
+    # cold interpreter each took long enough on a loaded machine for the run to end first)
+    fed = federation(tmp_path, steps=60, checkpoint_every=0, max_restarts=5).prepare().start()
     doc = wait_for_copy(fed)
     standby = doc["standby"]
     assert standby["waiting"] == ["standby-0"] and standby["redo_steps"] == 5, standby
     console = Console(record=True, width=200)
     render_status(doc, console)  # mobius-fed status says it too
     assert "standby-0 waiting; a handover redoes at most 5 steps" in console.export_text()
-    refused = _replace(fed, "worker-2", "--with", "standby-0")
+    where = ("--coordinator", f"127.0.0.1:{fed.coord_port}", "--certs", str(fed.certs))
+    refused = cli("replace", "worker-2", "--with", "standby-0", *where)
     assert refused.returncode != 0 and "worker-2 is alive" in refused.stderr, refused
     assert "--force" in refused.stderr
-    done = _replace(fed, "worker-2", "--with", "standby-0", "--force")
+    done = cli("replace", "worker-2", "--with", "standby-0", "--force", *where)
     assert done.returncode == 0, done.stderr
     assert "worker-2 handed over to standby-0" in done.stdout
     old = fed.procs["worker-2"]

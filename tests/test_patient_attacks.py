@@ -108,6 +108,7 @@ def test_every_patient_attack_reads_an_undefended_first_hop_well_above_the_floor
         PatientAudit(cfg, sites, corpus_bytes(0, 100), windows=(0, 2))
 
 
+@pytest.mark.slow(reason="trains a defended victim, then every patient attacker at every window")
 def test_the_audit_at_the_attackers_strength_reads_the_old_preset_far_above_the_floor(
     sites, tmp_path
 ):

@@ -92,7 +92,7 @@ def test_quickstart_commands_return_in_a_script(tmp_path: Path) -> None:
     _copy_checkout(checkout)
     venv.EnvBuilder(with_pip=True, system_site_packages=True).create(env_dir)
     # as a newcomer's shell: no PYTHONPATH, and `up` starts each child as a fresh interpreter
-    drop = ("PYTHONPATH", "PYTHONHOME", "MOBIUS_WARM_START")
+    drop = ("PYTHONPATH", "PYTHONHOME", "MOBIUS_WARM_START", "TEST_TIMES")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(
         VIRTUAL_ENV=str(env_dir),
