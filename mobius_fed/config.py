@@ -16,6 +16,7 @@ from mobius_fed.model.config import (
     ModelConfig,
     Precision,
     SubspaceConfig,
+    bottleneck_problem,
     make_model_config,
     show_split,
     split_problem,
@@ -369,6 +370,8 @@ class TrainConfig(BaseModel):
                 "would reach the groups before its origin's with no input (its embedding "
                 "stays home); use mode 'stream'"
             )
+        if self.subspace.on and self.subspace.mode == "bottleneck":
+            self._check_bottleneck()
         if self.privacy.preset == "states-only":
             _check_states_only(self)
         if self.subspace.on and self.subspace.mode == "tokens":
@@ -408,6 +411,26 @@ class TrainConfig(BaseModel):
         ]
         if clash:
             raise ValueError(f"rings > 1 cannot be combined with {', '.join(clash)} yet")
+
+    def _check_bottleneck(self) -> None:
+        """Subspace mode ``bottleneck`` (docs/explanation/subspace.md): each group's learned
+        encoder sends k of the stream's d channels; there is no shared U."""
+        sub = self.subspace
+        if problem := bottleneck_problem(sub.rank, PRESETS[self.preset]["d_model"]):
+            raise ValueError(problem)
+        if sub.learn:
+            raise ValueError(
+                "subspace mode 'bottleneck' cannot be combined with subspace.learn: there is "
+                "no shared U to learn (each group's encoder and decoder already train with "
+                "the group); drop --subspace-learn"
+            )
+        if sub.writes != "full":
+            raise ValueError(
+                "subspace mode 'bottleneck' needs subspace writes 'full' (--subspace-writes "
+                "full): the blocks write at full width inside a group and only what leaves "
+                "it is encoded; writes 'basis' would make them write through a U the "
+                "bottleneck does not have"
+            )
 
     def _check_tokens_mode(self) -> None:
         """Subspace mode ``tokens`` sends each micro-batch's token ids to every group on its
@@ -453,6 +476,7 @@ class TrainConfig(BaseModel):
             subspace_rank=self.subspace.rank,
             subspace_writes=self.subspace.writes,
             subspace_learn=self.subspace.learn,
+            subspace_bottleneck=self.subspace.on and self.subspace.mode == "bottleneck",
             loss_chunk=self.memory.loss_chunk,
             home_input=self.privacy.home_input,
             split=tuple(self.layers_per_group) if self.layers_per_group else None,
