@@ -559,7 +559,9 @@ def _check_states_only(cfg: TrainConfig) -> None:
     if not sub.on or sub.mode != "home":
         why = (
             "it needs a home-mode subspace (subspace mode 'home', rank > 0): mode 'tokens' "
-            "sends the token ids, mode 'stream' and no subspace send E(x) itself"
+            "sends the token ids, mode 'stream' and no subspace send E(x) itself, mode "
+            "'bottleneck' sends the origin's encoding of E(x) (its identity path is k of "
+            "E(x)'s channels)"
             f" (got rank {sub.rank}, mode {sub.mode!r})"
         )
     elif pc.input_noise <= 0:
