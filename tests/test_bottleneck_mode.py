@@ -227,3 +227,36 @@ def test_ring_equals_reference_with_bottleneck(tmp_path: Path, P, order, loops, 
         rows = [json.loads(x) for x in (ring.out(i) / "metrics.jsonl").read_text().splitlines()]
         sent += max(r.get("bytes_sent", 0) for r in rows)
     assert 0 < sent < (0.3 if not wire else 0.12) * full, (sent, full)
+
+
+def test_front_pairs_each_arm_with_fp32_and_the_plain_codec():
+    from tests.bench_loader import load_benchmark
+
+    compression = load_benchmark("compression")
+    codec, sub = "fwd=int8,bwd=int4,rounding=stochastic", "rank=8,mode=bottleneck,writes=full"
+    assert compression.parse_subspace(sub) == {"rank": 8, "mode": "bottleneck", "writes": "full"}
+    rows = []
+    for seed, (base, plain, mine) in enumerate([(3.0, 3.01, 3.1), (3.2, 3.2, 3.25)]):
+        for s, w, eq8, ratio in (
+            ("off", "none", base, 1.0),
+            ("off", codec, plain, 5.12),
+            (sub, codec, mine, 20.48),
+        ):
+            rows.append(
+                {
+                    "subspace": s,
+                    "wire": w,
+                    "order": "cyclic",
+                    "loops": 1,
+                    "seed": seed,
+                    "eq8": eq8,
+                    "ratio": ratio,
+                    "hop_bytes": [2112, 1088],
+                    "fp32_hop_bytes": 32768,
+                }
+            )
+    lines = compression.front_table(rows).splitlines()
+    assert lines[2].startswith(f"| {sub} | {codec} | cyclic L=1 | 2,112, 1,088 (32,768) | 20.5×")
+    # paired over two seeds: Δ = 0.1, 0.05 against fp32; 0.09, 0.05 against the codec
+    assert "+0.0750 ± 0.3177 (n=2)" in lines[2] and "+0.0700 ± 0.2541 (n=2)" in lines[2]
+    assert lines[-1].endswith("| 1.0× | 2 | — | — |")
