@@ -371,7 +371,7 @@ class TrainConfig(BaseModel):
                 "stays home); use mode 'stream'"
             )
         if self.subspace.on and self.subspace.mode == "bottleneck":
-            self._check_bottleneck()
+            _check_bottleneck(self)
         if self.privacy.preset == "states-only":
             _check_states_only(self)
         if self.subspace.on and self.subspace.mode == "tokens":
@@ -411,26 +411,6 @@ class TrainConfig(BaseModel):
         ]
         if clash:
             raise ValueError(f"rings > 1 cannot be combined with {', '.join(clash)} yet")
-
-    def _check_bottleneck(self) -> None:
-        """Subspace mode ``bottleneck`` (docs/explanation/subspace.md): each group's learned
-        encoder sends k of the stream's d channels; there is no shared U."""
-        sub = self.subspace
-        if problem := bottleneck_problem(sub.rank, PRESETS[self.preset]["d_model"]):
-            raise ValueError(problem)
-        if sub.learn:
-            raise ValueError(
-                "subspace mode 'bottleneck' cannot be combined with subspace.learn: there is "
-                "no shared U to learn (each group's encoder and decoder already train with "
-                "the group); drop --subspace-learn"
-            )
-        if sub.writes != "full":
-            raise ValueError(
-                "subspace mode 'bottleneck' needs subspace writes 'full' (--subspace-writes "
-                "full): the blocks write at full width inside a group and only what leaves "
-                "it is encoded; writes 'basis' would make them write through a U the "
-                "bottleneck does not have"
-            )
 
     def _check_tokens_mode(self) -> None:
         """Subspace mode ``tokens`` sends each micro-batch's token ids to every group on its
@@ -550,6 +530,27 @@ class TrainConfig(BaseModel):
                 del table[key]
         blob = json.dumps(doc, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _check_bottleneck(cfg: TrainConfig) -> None:
+    """Subspace mode ``bottleneck`` (docs/explanation/subspace.md): each group's learned
+    encoder sends k of the stream's d channels; there is no shared U."""
+    sub = cfg.subspace
+    if problem := bottleneck_problem(sub.rank, PRESETS[cfg.preset]["d_model"]):
+        raise ValueError(problem)
+    if sub.learn:
+        raise ValueError(
+            "subspace mode 'bottleneck' cannot be combined with subspace.learn: there is "
+            "no shared U to learn (each group's encoder and decoder already train with "
+            "the group); drop --subspace-learn"
+        )
+    if sub.writes != "full":
+        raise ValueError(
+            "subspace mode 'bottleneck' needs subspace writes 'full' (--subspace-writes "
+            "full): the blocks write at full width inside a group and only what leaves "
+            "it is encoded; writes 'basis' would make them write through a U the "
+            "bottleneck does not have"
+        )
 
 
 def _check_states_only(cfg: TrainConfig) -> None:

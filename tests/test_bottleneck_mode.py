@@ -260,3 +260,19 @@ def test_front_pairs_each_arm_with_fp32_and_the_plain_codec():
     # paired over two seeds: Δ = 0.1, 0.05 against fp32; 0.09, 0.05 against the codec
     assert "+0.0750 ± 0.3177 (n=2)" in lines[2] and "+0.0700 ± 0.2541 (n=2)" in lines[2]
     assert lines[-1].endswith("| 1.0× | 2 | — | — |")
+
+
+def test_checkpoint_resumes_the_coders_and_export_refuses(tmp_path, tiny_train, corpus_engine):
+    from mobius_fed.export import export_run
+    from mobius_fed.export.files import ExportError
+
+    cfg = TrainConfig(**tiny_train, workers=2, steps=3, subspace=BOTTLENECK)
+    engine = corpus_engine(cfg, tmp_path / "a")
+    engine.train_step()
+    ckpt = engine.save(tmp_path / "c.ckpt")
+    want = [engine.train_step().loss for _ in range(2)]
+    again = corpus_engine(cfg, tmp_path / "b")
+    again.load(ckpt)  # the coders are group weights: the checkpoint holds them
+    assert [again.train_step().loss for _ in range(2)] == want
+    with pytest.raises(ExportError, match="subspace mode 'bottleneck' cannot be exported yet"):
+        export_run(ckpt, tmp_path / "m")
