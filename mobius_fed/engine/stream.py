@@ -20,7 +20,8 @@ local step on W, which the barrier then averages.
 In mode ``bottleneck`` there is no U: a slot carries the k-wide code c = enc_i(h) of the
 group that wrote it, an application is enc_i(F_i(dec_i(c), t)) with worker i's own group's
 :class:`~mobius_fed.model.subspace.Bottleneck`, the origin sends enc_s(E(x_s)) and its head
-reads dec_s(c_K). The coders are group parameters, so each one's gradient stays on its
+reads dec_s(c_K); mode ``bottleneck-home`` adds b = E(x_s) back at the origin as ``home``
+does (slot 0 carries 0). The coders are group parameters, so each one's gradient stays on its
 worker and its group's optimizer trains it.
 """
 
@@ -34,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from mobius_fed.model.config import HOME_MODES
 from mobius_fed.model.groups import build_basis
 from mobius_fed.model.subspace import BottleneckBasis, StreamBasis, share_basis
 
@@ -70,7 +72,7 @@ class StreamMaps:
     """The run's maps between hidden states and what travels (identity when off)."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
-        self.bottleneck = cfg.subspace.on and cfg.subspace.mode == "bottleneck"
+        self.bottleneck = cfg.subspace.bottleneck
         basis = None if self.bottleneck else build_basis(cfg.model(), cfg.seed)
         self.basis = None if basis is None else StreamBasis(basis.to(device), cfg.subspace.mode)
         self.on = cfg.subspace.on  # a slot carries k-wide coordinates, not h
@@ -90,7 +92,7 @@ class StreamMaps:
         if self.bottleneck:
             if coder is None:
                 raise ValueError("subspace mode 'bottleneck': the group has no bottleneck")
-            self._bases[worker] = BottleneckBasis(coder)
+            self._bases[worker] = BottleneckBasis(coder, self.cfg.subspace.mode)
             return
         shared = getattr(replica, "subspace", None)
         if not self.learn or shared is None:
@@ -135,7 +137,7 @@ class StreamMaps:
             slot0 = torch.cat([zeros, ids.to(e.dtype).unsqueeze(-1)], dim=-1)
             return Entry(e, slot0, None, True, basis)
         base = None
-        if basis.mode == "home":
+        if basis.mode in HOME_MODES:
             base = e.detach().requires_grad_() if grad else e
         return Entry(e, basis.enter(e), base, basis=basis)
 

@@ -174,9 +174,9 @@ def export_run(run: Path, out: Path, origins: list[int] | None = None) -> list[P
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         raise ExportError(f"export: cannot read {run}: {exc}") from exc
     sub = model.cfg.subspace
-    if sub.on and sub.mode == "bottleneck":
+    if sub.bottleneck:
         raise ExportError(
-            "export: subspace mode 'bottleneck' cannot be exported yet: the exported model "
+            f"export: subspace mode {sub.mode!r} cannot be exported yet: the exported model "
             "applies a shared U between groups, and this run's groups each hold their own "
             "learned encoder and decoder instead"
         )

@@ -12,7 +12,9 @@ Precision = Literal["bf16", "fp32"]
 """Block arithmetic on CUDA: bf16 autocast (residual stream fp32) or fp32 throughout."""
 HomeInput = Literal["off", "rotation", "mlp", "block"]
 """The private input layer each origin applies to E(x) (``privacy.home_input``)."""
-SubspaceMode = Literal["stream", "home", "tokens", "bottleneck"]
+SubspaceMode = Literal["stream", "home", "tokens", "bottleneck", "bottleneck-home"]
+BOTTLENECK_MODES = ("bottleneck", "bottleneck-home")  # no U: learned coders per group
+HOME_MODES = ("home", "bottleneck-home")  # b = E(x) at the origin, cyclic order only
 SubspaceWrites = Literal["basis", "full"]
 
 
@@ -110,7 +112,8 @@ class SubspaceConfig(BaseModel):
         "ids travel with the coordinates and every group rebuilds b = E(x) from its own E; "
         "bottleneck: no U, each group's learned encoder (d → k, with an identity path over "
         "every (d/k)-th channel) sends k channels and the receiver's learned decoder restores "
-        "d (needs writes full, no learned U, k dividing d)",
+        "d (needs writes full, no learned U, k dividing d); bottleneck-home: the same, "
+        "with E(x) kept at its origin as in home (cyclic order only)",
     )
     writes: SubspaceWrites = Field(
         "basis",
@@ -136,6 +139,11 @@ class SubspaceConfig(BaseModel):
     @property
     def on(self) -> bool:
         return self.rank > 0
+
+    @property
+    def bottleneck(self) -> bool:
+        """A learned bottleneck (modes ``bottleneck``, ``bottleneck-home``): no U."""
+        return self.on and self.mode in BOTTLENECK_MODES
 
 
 def bottleneck_problem(k: int, d: int) -> str:

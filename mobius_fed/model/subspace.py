@@ -21,7 +21,9 @@ encoder d → k (every (d/k)-th channel, the identity path, plus a learned proje
 writes what the group sends, and a decoder k → d (the identity path's transpose plus a
 learned projection) that reads what it receives. One application is
 enc_i(F_i(dec_i(c), t)); the origin sends enc_s(E(x_s)) and its head reads dec_s(c_K)
-(:class:`BottleneckBasis`). docs/explanation/subspace.md "The learned bottleneck".
+(:class:`BottleneckBasis`). ``bottleneck-home`` keeps E(x_s) at the origin as ``home`` does:
+b = E(x_s) there, enc_s(F_s(dec_s(c) + b) − b), slot 0 carries 0 and the head reads
+dec_s(c_K) + E(x_s). docs/explanation/subspace.md "The learned bottleneck".
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mobius_fed.model.config import SubspaceMode
+from mobius_fed.model.config import HOME_MODES, SubspaceMode
 
 ADAM_BETAS = (0.9, 0.95)  # as model.training's AdamW
 
@@ -210,6 +212,11 @@ class StreamBasis:
     def U(self) -> Tensor:
         return self.source.U if isinstance(self.source, SharedBasis) else self.source
 
+    @property
+    def rank(self) -> int:
+        """k, the width of what a slot carries."""
+        return int(self.U.size(1))
+
     def coords(self, h: Tensor, b: Tensor | None = None) -> Tensor:
         """c = Uᵀ(h − b): [B, T, d] → [B, T, k]."""
         return (h if b is None else h - b) @ self.U
@@ -221,8 +228,8 @@ class StreamBasis:
 
     def enter(self, e: Tensor) -> Tensor:
         """Slot 0's coordinates from the embedding E(x_s): Uᵀ E (stream) or 0 (home)."""
-        if self.mode == "home":
-            return e.new_zeros(*e.shape[:-1], self.U.size(1))
+        if self.mode in HOME_MODES:
+            return e.new_zeros(*e.shape[:-1], self.rank)
         return self.coords(e)
 
     def apply(self, group: nn.Module, c: Tensor, t: int, b: Tensor | None) -> Tensor:
@@ -231,24 +238,27 @@ class StreamBasis:
 
 
 class BottleneckBasis(StreamBasis):
-    """The coordinate maps of one worker in mode ``bottleneck``: c = enc_i(h), h = dec_i(c)
-    with its group's :class:`Bottleneck` (b is always None: nothing is added back)."""
+    """The coordinate maps of one worker in a bottleneck mode: c = enc_i(h − b) and
+    h = dec_i(c) + b with its group's :class:`Bottleneck`. Mode ``bottleneck``: b = 0
+    everywhere and slot 0 carries enc_s(E(x_s)); mode ``bottleneck-home``: b = E(x_s) at the
+    origin's own worker (as in ``home``) and slot 0 carries 0, so E(x) never leaves it."""
 
-    def __init__(self, coder: Bottleneck) -> None:
-        self.coder, self.mode = coder, "bottleneck"
+    def __init__(self, coder: Bottleneck, mode: SubspaceMode = "bottleneck") -> None:
+        self.coder, self.mode = coder, mode
 
     @property
     def U(self) -> Tensor:
-        raise ValueError("subspace mode 'bottleneck' has no basis U (a learned encoder/decoder)")
+        raise ValueError(f"subspace mode {self.mode!r} has no basis U (a learned encoder/decoder)")
 
     @property
     def rank(self) -> int:
         return int(self.coder.channels.numel())
 
     def coords(self, h: Tensor, b: Tensor | None = None) -> Tensor:
-        assert b is None, "mode bottleneck adds no b"
-        return self.coder.encode(h)
+        """c = enc_i(h − b): [B, T, d] → [B, T, k]."""
+        return self.coder.encode(h if b is None else h - b)
 
     def expand(self, c: Tensor, b: Tensor | None = None) -> Tensor:
-        assert b is None, "mode bottleneck adds no b"
-        return self.coder.decode(c)
+        """h = dec_i(c) + b: [B, T, k] → [B, T, d]."""
+        h = self.coder.decode(c)
+        return h if b is None else h + b

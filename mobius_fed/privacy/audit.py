@@ -161,9 +161,9 @@ def check_victim(cfg: TrainConfig, victim: int) -> None:
 def refuse_bottleneck(cfg: TrainConfig, audit: str) -> None:
     """The audits rebuild a received hop as h = U·c (a shared U): the learned bottleneck
     (subspace mode ``bottleneck``) has no U, and its audit is not built yet (issue 55)."""
-    if cfg.subspace.on and cfg.subspace.mode == "bottleneck":
+    if cfg.subspace.bottleneck:
         raise ValueError(
-            f"{audit}: subspace mode 'bottleneck' is not audited yet: a received code is "
+            f"{audit}: subspace mode {cfg.subspace.mode!r} is not audited yet: a received code is "
             "rebuilt by the receiver's own learned decoder, not by a shared U, and the "
             "attacks here assume U"
         )
