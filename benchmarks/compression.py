@@ -73,10 +73,11 @@ SWITCH = {"on": True, "off": False}
 
 
 def parse_subspace(text: str) -> dict:
-    """``off`` or ``rank=K[,mode=stream|home|tokens|bottleneck][,writes=basis|full]
-    [,learn=on|off][,lr=LR][,schedule=run|constant]`` → TrainConfig.subspace's fields
+    """``off`` or ``rank=K[,mode=stream|home|tokens|bottleneck|bottleneck-home]
+    [,writes=basis|full][,learn=on|off][,lr=LR][,schedule=run|constant]`` →
+    TrainConfig.subspace's fields
     (``learn=on``: U trains, with its own Adam learning rate ``lr`` and ``schedule``;
-    ``mode=bottleneck`` needs ``writes=full``: each group's learned encoder and decoder)."""
+    the bottleneck modes need ``writes=full``: each group's learned encoder and decoder)."""
     if text == "off":
         return {}
     fields = dict(item.split("=", 1) for item in text.split(",") if item)
@@ -256,7 +257,8 @@ def _arg_parser() -> argparse.ArgumentParser:
         "--subspace",
         nargs="+",
         default=["off"],
-        help="off or rank=K[,mode=stream|home|tokens|bottleneck][,writes=basis|full]"
+        help="off or rank=K[,mode=stream|home|tokens|bottleneck|bottleneck-home]"
+        "[,writes=basis|full]"
         "[,learn=on|off]"
         "[,lr=LR][,schedule=run|constant] (TrainConfig.subspace; learn=on: U trains, "
         "averaged at each barrier, with its own Adam lr and schedule); each × each --wire",
