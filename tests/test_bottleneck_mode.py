@@ -313,3 +313,20 @@ def test_checkpoint_resumes_the_coders_and_export_refuses(tmp_path, tiny_train, 
     assert [again.train_step().loss for _ in range(2)] == want
     with pytest.raises(ExportError, match="subspace mode 'bottleneck' cannot be exported yet"):
         export_run(ckpt, tmp_path / "m")
+
+
+def test_a_ring_sync_averages_the_coders_with_the_groups(tmp_path) -> None:
+    """R = 2 rings of P = 2: each coder is a group weight, so the ring sync (Flower, every
+    F_i over the rings) leaves every ring with the same encoder and decoder, bit for bit."""
+    from mobius_fed.data import embedded_corpus, prepare_sites
+    from mobius_fed.engine.rings import RingsEngine
+    from tests.test_rings import BASE, run
+
+    dirs = prepare_sites(None, tmp_path, 4, text=embedded_corpus()[:200_000])
+    cfg = TrainConfig(workers=4, rings=2, ring_sync_every=2, subspace=BOTTLENECK, **BASE)
+    _, _, engine = run(cfg, dirs, [0, 1, 2, 3])
+    assert isinstance(engine, RingsEngine)
+    for i in range(cfg.P):
+        a, b = (ring.groups[i].bottleneck for ring in engine.rings)
+        assert a.encoder.abs().sum() > 0 and torch.equal(a.encoder, b.encoder)
+        assert torch.equal(a.decoder, b.decoder)
