@@ -73,9 +73,11 @@ SWITCH = {"on": True, "off": False}
 
 
 def parse_subspace(text: str) -> dict:
-    """``off`` or ``rank=K[,mode=stream|home|tokens][,writes=basis|full][,learn=on|off]
-    [,lr=LR][,schedule=run|constant]`` → TrainConfig.subspace's fields (``learn=on``: U
-    trains, with its own Adam learning rate ``lr`` and ``schedule``)."""
+    """``off`` or ``rank=K[,mode=stream|home|tokens|bottleneck|bottleneck-home]
+    [,writes=basis|full][,learn=on|off][,lr=LR][,schedule=run|constant]`` →
+    TrainConfig.subspace's fields
+    (``learn=on``: U trains, with its own Adam learning rate ``lr`` and ``schedule``;
+    the bottleneck modes need ``writes=full``: each group's learned encoder and decoder)."""
     if text == "off":
         return {}
     fields = dict(item.split("=", 1) for item in text.split(",") if item)
@@ -196,6 +198,7 @@ def run_arm(
         seconds = time.perf_counter() - t0
         eq8 = engine.evaluate().loss
     sent, fp32 = step_bytes(cfg)
+    fwd_hop, bwd_hop = hop_bytes(cfg)
     return {
         "order": order,
         "loops": loops,
@@ -209,6 +212,8 @@ def run_arm(
         "precision": precision if device == "cuda" else "fp32",
         "eq8": eq8,
         "ratio": fp32 / sent,
+        "hop_bytes": [fwd_hop, bwd_hop],  # one remote hop of one micro-batch, each way
+        "fp32_hop_bytes": 4 * (cfg.batch_size // cfg.micro_batches) * mc.seq_len * mc.d_model,
         "seconds": round(seconds, 1),
     }
 
@@ -252,7 +257,9 @@ def _arg_parser() -> argparse.ArgumentParser:
         "--subspace",
         nargs="+",
         default=["off"],
-        help="off or rank=K[,mode=stream|home|tokens][,writes=basis|full][,learn=on|off]"
+        help="off or rank=K[,mode=stream|home|tokens|bottleneck|bottleneck-home]"
+        "[,writes=basis|full]"
+        "[,learn=on|off]"
         "[,lr=LR][,schedule=run|constant] (TrainConfig.subspace; learn=on: U trains, "
         "averaged at each barrier, with its own Adam lr and schedule); each × each --wire",
     )
@@ -266,6 +273,13 @@ def _arg_parser() -> argparse.ArgumentParser:
         metavar="JSONL",
         help="print the width-law table of these result files (every preset, steps and seed "
         "in them), the power-law fit and the targets; train nothing",
+    )
+    p.add_argument(
+        "--front",
+        action="store_true",
+        help="print the front of --out (these steps, preset, seeds and arms): every "
+        "(subspace, wire) by its wire ratio, exact bytes per hop, and paired Δ Eq. 8 with "
+        "95 %% intervals against fp32 and against the plain codec; train nothing",
     )
     p.add_argument("--figure", help="with --width-law: write Δ vs d per scheme here (png)")
     p.add_argument(
@@ -331,7 +345,7 @@ def main() -> int:
         for o, L in (a.split(":") for a in args.arms)
         if key(o, L, w, seed, sub, priv) not in have
     ]
-    if args.table:
+    if args.table or args.front:
         todo = []
     cmd = [sys.executable, __file__, "--steps", str(args.steps), "--preset", args.preset]
     cmd += ["--device", args.device, "--precision", args.precision, "--one"]
@@ -341,8 +355,11 @@ def main() -> int:
         for r in done
         if r["steps"] == args.steps and r["preset"] == args.preset and r["seed"] in args.seeds
     ]
-    if args.table:  # every row of --out for these steps, preset and seeds
+    if args.table or args.front:  # every row of --out for these steps, preset and seeds
         rows = [r for r in rows if f"{r['order']}:{r['loops']}" in args.arms]
+    if args.front:
+        print(front_table(rows))
+        return 0
     if all(r["subspace"] == "off" and r["privacy"] == "off" for r in rows):
         print(table(rows))
     else:  # a defended arm is its own subspace row: "<subspace>; <privacy>"
@@ -385,13 +402,53 @@ T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
 
 def paired_interval(deltas: list[float]) -> str:
     """mean of paired Δs with its 95 % t interval (one seed: the value alone)."""
+    from mobius_fed.stats import ci95
+
     n = len(deltas)
-    mean = sum(deltas) / n
+    mean, half = ci95(deltas)
     if n < 2:
         return f"{mean:+.4f} (n=1)"
-    sd = (sum((d - mean) ** 2 for d in deltas) / (n - 1)) ** 0.5
-    half = T975.get(n - 1, 1.96) * sd / n**0.5
     return f"{mean:+.4f} ± {half:.4f} (n={n})"
+
+
+def front_table(rows: list[dict]) -> str:
+    """The front (issue 55): one line per (subspace, wire, order, L), highest wire ratio
+    first: exact payload bytes of one remote hop each way against fp32 hidden states, the
+    step's ratio, and the paired Δ Eq. 8 (same seed and data; 95 % t interval over seeds,
+    :func:`mobius_fed.stats.ci95`) against the unconstrained fp32 model and against the
+    plain codec (no subspace, the same wire)."""
+    eq8 = {(r["subspace"], r["wire"], r["order"], r["loops"], r["seed"]): r["eq8"] for r in rows}
+    arms = dict.fromkeys((r["subspace"], r["wire"], r["order"], r["loops"]) for r in rows)
+    lines = [
+        "| subspace | wire | order, L | bytes/hop fwd, bwd (fp32) | ratio | seeds "
+        "| Δ Eq. 8 vs fp32 (95 % CI) | Δ vs plain codec (95 % CI) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    body = []
+    for arm in arms:
+        sub, wire, order, loops = arm
+        mine = [r for r in rows if (r["subspace"], r["wire"], r["order"], r["loops"]) == arm]
+        seeds = sorted(r["seed"] for r in mine)
+        cells = []
+        for plain, base in enumerate((("off", "none"), ("off", wire))):
+            pairs = [
+                eq8[(*arm[:2], order, loops, s)] - eq8[(*base, order, loops, s)]
+                for s in seeds
+                if (*base, order, loops, s) in eq8
+            ]
+            # no Δ against itself, and no plain-codec Δ without a codec or a subspace
+            same = (wire == "none" or sub == "off") if plain else base == (sub, wire)
+            cells.append("—" if same or not pairs else paired_interval(pairs))
+        hop = mine[0].get("hop_bytes")
+        per_hop = "—" if hop is None else f"{hop[0]:,}, {hop[1]:,} ({mine[0]['fp32_hop_bytes']:,})"
+        body.append(
+            (
+                -mine[0]["ratio"],
+                f"| {sub} | {wire} | {order} L={loops} | {per_hop} | {mine[0]['ratio']:.1f}× "
+                f"| {len(seeds)} | {cells[0]} | {cells[1]} |",
+            )
+        )
+    return "\n".join(lines + [line for _, line in sorted(body)]) + "\n"
 
 
 def subspace_table(rows: list[dict]) -> str:

@@ -11,11 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mobius_fed.data.vocab import BUILTIN_VOCAB, encoding_vocab, hf_path
 from mobius_fed.model.config import (
+    HOME_MODES,
     PRESETS,
     MemoryConfig,
     ModelConfig,
     Precision,
     SubspaceConfig,
+    bottleneck_problem,
     make_model_config,
     show_split,
     split_problem,
@@ -363,12 +365,15 @@ class TrainConfig(BaseModel):
                 "subspace learn needs barriers (sync_every ≥ 1): a learned U is averaged at "
                 "each barrier, so that every worker uses the same U"
             )
-        if self.subspace.on and self.subspace.mode == "home" and self.order != "cyclic":
+        if self.subspace.on and self.subspace.mode in HOME_MODES and self.order != "cyclic":
+            other = "bottleneck" if self.subspace.bottleneck else "stream"
             raise ValueError(
-                "subspace mode 'home' needs the cyclic order: in the ordered order a stream "
-                "would reach the groups before its origin's with no input (its embedding "
-                "stays home); use mode 'stream'"
+                f"subspace mode {self.subspace.mode!r} needs the cyclic order: in the ordered "
+                "order a stream would reach the groups before its origin's with no input "
+                f"(its embedding stays home); use mode {other!r}"
             )
+        if self.subspace.bottleneck:
+            _check_bottleneck(self)
         if self.privacy.preset == "states-only":
             _check_states_only(self)
         if self.subspace.on and self.subspace.mode == "tokens":
@@ -453,6 +458,7 @@ class TrainConfig(BaseModel):
             subspace_rank=self.subspace.rank,
             subspace_writes=self.subspace.writes,
             subspace_learn=self.subspace.learn,
+            subspace_bottleneck=self.subspace.bottleneck,
             loss_chunk=self.memory.loss_chunk,
             home_input=self.privacy.home_input,
             split=tuple(self.layers_per_group) if self.layers_per_group else None,
@@ -528,11 +534,37 @@ class TrainConfig(BaseModel):
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def _check_bottleneck(cfg: TrainConfig) -> None:
+    """Subspace mode ``bottleneck`` (docs/explanation/subspace.md): each group's learned
+    encoder sends k of the stream's d channels; there is no shared U."""
+    sub = cfg.subspace
+    if problem := bottleneck_problem(sub.rank, PRESETS[cfg.preset]["d_model"]):
+        raise ValueError(problem)
+    if sub.learn:
+        raise ValueError(
+            f"subspace mode {sub.mode!r} cannot be combined with subspace.learn: there is "
+            "no shared U to learn (each group's encoder and decoder already train with "
+            "the group); drop --subspace-learn"
+        )
+    if sub.writes != "full":
+        raise ValueError(
+            f"subspace mode {sub.mode!r} needs subspace writes 'full' (--subspace-writes "
+            "full): the blocks write at full width inside a group and only what leaves "
+            "it is encoded; writes 'basis' would make them write through a U the "
+            "bottleneck does not have"
+        )
+
+
 def _check_states_only(cfg: TrainConfig) -> None:
     """The private wire mode refuses what would send ids or undo its defence."""
     pc, sub = cfg.privacy, cfg.subspace
     why = None
-    if not sub.on or sub.mode != "home":
+    if sub.bottleneck:
+        why = (
+            f"subspace mode {sub.mode!r} has not been audited (the privacy audits refuse "
+            "the learned bottleneck); the preset needs subspace mode 'home'"
+        )
+    elif not sub.on or sub.mode != "home":
         why = (
             "it needs a home-mode subspace (subspace mode 'home', rank > 0): mode 'tokens' "
             "sends the token ids, mode 'stream' and no subspace send E(x) itself"

@@ -16,6 +16,13 @@ every use of U by worker i (its applications, its origin's entry and head, its b
 writes) adds to that U's gradient, in the same order in both engines; at the end of each
 round (:meth:`StreamMaps.ends_round`) :meth:`StreamMaps.end_round` takes the worker's
 local step on W, which the barrier then averages.
+
+In mode ``bottleneck`` there is no U: a slot carries the k-wide code c = enc_i(h) of the
+group that wrote it, an application is enc_i(F_i(dec_i(c), t)) with worker i's own group's
+:class:`~mobius_fed.model.subspace.Bottleneck`, the origin sends enc_s(E(x_s)) and its head
+reads dec_s(c_K); mode ``bottleneck-home`` adds b = E(x_s) back at the origin as ``home``
+does (slot 0 carries 0). The coders are group parameters, so each one's gradient stays on its
+worker and its group's optimizer trains it.
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from mobius_fed.model.config import HOME_MODES
 from mobius_fed.model.groups import build_basis
-from mobius_fed.model.subspace import StreamBasis, share_basis
+from mobius_fed.model.subspace import BottleneckBasis, StreamBasis, share_basis
 
 if TYPE_CHECKING:
     from mobius_fed.config import TrainConfig
@@ -64,17 +72,28 @@ class StreamMaps:
     """The run's maps between hidden states and what travels (identity when off)."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
-        basis = build_basis(cfg.model(), cfg.seed)
+        self.bottleneck = cfg.subspace.bottleneck
+        basis = None if self.bottleneck else build_basis(cfg.model(), cfg.seed)
         self.basis = None if basis is None else StreamBasis(basis.to(device), cfg.subspace.mode)
+        self.on = cfg.subspace.on  # a slot carries k-wide coordinates, not h
         self.recompute = cfg.memory.recompute
-        self.tokens = self.basis is not None and cfg.subspace.mode == "tokens"
-        self.learn = self.basis is not None and cfg.subspace.learn
+        self.tokens = self.on and cfg.subspace.mode == "tokens"
+        self.learn = self.on and cfg.subspace.learn
         self.cfg = cfg
-        self._bases: dict[int, StreamBasis] = {}  # learned U: worker → its replica's
+        # learned U: worker → its replica's maps; bottleneck: worker → its group's coder
+        self._bases: dict[int, StreamBasis] = {}
 
     def bind(self, worker: int, group: nn.Module, replica: nn.Module) -> None:
         """Worker ``worker``'s group and replica: with a learned U, its maps (and its
-        blocks' writes through U) read the replica's :class:`SharedBasis`."""
+        blocks' writes through U) read the replica's :class:`SharedBasis`; in mode
+        ``bottleneck`` its maps are its group's encoder and decoder (every engine binds
+        every worker it runs)."""
+        coder = getattr(group, "bottleneck", None)
+        if self.bottleneck:
+            if coder is None:
+                raise ValueError("subspace mode 'bottleneck': the group has no bottleneck")
+            self._bases[worker] = BottleneckBasis(coder, self.cfg.subspace.mode)
+            return
         shared = getattr(replica, "subspace", None)
         if not self.learn or shared is None:
             return
@@ -86,7 +105,15 @@ class StreamMaps:
 
     def basis_of(self, worker: int | None) -> StreamBasis:
         """The maps of worker ``worker`` (the run's one fixed U unless U is learned; None:
-        the first bound worker's, equal to every worker's at a barrier)."""
+        the first bound worker's, equal to every worker's at a barrier). In mode
+        ``bottleneck`` the worker's group's coder (a worker is required)."""
+        if self.bottleneck:
+            if worker is None or worker not in self._bases:
+                raise ValueError(
+                    f"subspace mode 'bottleneck': worker {worker} is not bound (bind()); "
+                    "its maps are its own group's encoder and decoder"
+                )
+            return self._bases[worker]
         assert self.basis is not None
         if self.learn and worker is not None:
             if worker not in self._bases:
@@ -100,7 +127,7 @@ class StreamMaps:
         """Slot 0 of a stream from its embedding ``e`` = E(ids) (with ``grad``: a training
         step) at its origin ``worker`` (needed with a learned U). Mode ``tokens`` needs the
         token ids: slot 0 is [0, ids]."""
-        if self.basis is None:
+        if not self.on:
             return Entry(e, e)
         basis = self.basis_of(worker)
         if self.tokens:
@@ -110,7 +137,7 @@ class StreamMaps:
             slot0 = torch.cat([zeros, ids.to(e.dtype).unsqueeze(-1)], dim=-1)
             return Entry(e, slot0, None, True, basis)
         base = None
-        if basis.mode == "home":
+        if basis.mode in HOME_MODES:
             base = e.detach().requires_grad_() if grad else e
         return Entry(e, basis.enter(e), base, basis=basis)
 
@@ -153,11 +180,11 @@ class StreamMaps:
         With ``memory.recompute`` (in a training step) only the inputs are kept; the
         group's activations are recomputed in backward, bit for bit."""
         base = None
-        if self.basis is not None and entry is not None and worker == origin:
+        if self.on and entry is not None and worker == origin:
             base = entry.base
         if self.tokens and embed is None:
             raise ValueError("subspace mode 'tokens': an application needs its worker's E")
-        basis = None if self.basis is None else self.basis_of(worker)
+        basis = self.basis_of(worker) if self.on else None
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(self._apply, group, x, t, base, embed, basis, use_reentrant=False)
         return self._apply(group, x, t, base, embed, basis)
@@ -188,9 +215,9 @@ class StreamMaps:
 
     def head(self, x: Tensor, entry: Entry) -> Tensor:
         """The hidden state the head reads from slot K (at the origin)."""
-        if self.basis is None:
+        if not self.on:
             return x
-        basis = entry.basis or self.basis
+        basis = entry.basis or self.basis_of(None)
         if self.tokens:
             return basis.expand(self.split(x)[0], entry.embedded)
         return basis.expand(x, entry.base)

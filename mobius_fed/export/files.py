@@ -173,6 +173,13 @@ def export_run(run: Path, out: Path, origins: list[int] | None = None) -> list[P
         raise ExportError(f"export: {exc}") from exc
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         raise ExportError(f"export: cannot read {run}: {exc}") from exc
+    sub = model.cfg.subspace
+    if sub.bottleneck:
+        raise ExportError(
+            f"export: subspace mode {sub.mode!r} cannot be exported yet: the exported model "
+            "applies a shared U between groups, and this run's groups each hold their own "
+            "learned encoder and decoder instead"
+        )
     P = model.cfg.P
     wanted = list(range(P)) if origins is None else origins
     bad = [s for s in wanted if not 0 <= s < P]

@@ -12,7 +12,9 @@ Precision = Literal["bf16", "fp32"]
 """Block arithmetic on CUDA: bf16 autocast (residual stream fp32) or fp32 throughout."""
 HomeInput = Literal["off", "rotation", "mlp", "block"]
 """The private input layer each origin applies to E(x) (``privacy.home_input``)."""
-SubspaceMode = Literal["stream", "home", "tokens"]
+SubspaceMode = Literal["stream", "home", "tokens", "bottleneck", "bottleneck-home"]
+BOTTLENECK_MODES = ("bottleneck", "bottleneck-home")  # no U: learned coders per group
+HOME_MODES = ("home", "bottleneck-home")  # b = E(x) at the origin, cyclic order only
 SubspaceWrites = Literal["basis", "full"]
 
 
@@ -40,6 +42,9 @@ class ModelConfig(BaseModel):
         "basis", description="basis: blocks write through U; full: only the hops are projected"
     )
     subspace_learn: bool = Field(False, description="U trains (each replica holds W, U = orth(W))")
+    subspace_bottleneck: bool = Field(
+        False, description="each group owns a learned encoder d → k and decoder k → d (no U)"
+    )
     loss_chunk: int = Field(0, ge=0, description="tokens per head cross-entropy chunk; 0 = off")
     home_input: HomeInput = Field("off", description="each origin's private input layer")
     split: tuple[int, ...] | None = Field(
@@ -53,6 +58,13 @@ class ModelConfig(BaseModel):
             raise ValueError(problem)
         if self.subspace_rank > self.d_model:
             raise ValueError(f"subspace rank {self.subspace_rank} exceeds d_model={self.d_model}")
+        if self.subspace_bottleneck:
+            if problem := bottleneck_problem(self.subspace_rank, self.d_model):
+                raise ValueError(problem)
+            if self.subspace_writes != "full" or self.subspace_learn:
+                raise ValueError(
+                    "the bottleneck has no U: it needs subspace_writes 'full' and no learned U"
+                )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         return self
@@ -97,7 +109,11 @@ class SubspaceConfig(BaseModel):
         "stream",
         description="stream: the embedding is projected too (b = 0); home: the token "
         "embedding stays at its origin (b = E(x) there, cyclic order only); tokens: the token "
-        "ids travel with the coordinates and every group rebuilds b = E(x) from its own E",
+        "ids travel with the coordinates and every group rebuilds b = E(x) from its own E; "
+        "bottleneck: no U, each group's learned encoder (d → k, with an identity path over "
+        "every (d/k)-th channel) sends k channels and the receiver's learned decoder restores "
+        "d (needs writes full, no learned U, k dividing d); bottleneck-home: the same, "
+        "with E(x) kept at its origin as in home (cyclic order only)",
     )
     writes: SubspaceWrites = Field(
         "basis",
@@ -123,6 +139,27 @@ class SubspaceConfig(BaseModel):
     @property
     def on(self) -> bool:
         return self.rank > 0
+
+    @property
+    def bottleneck(self) -> bool:
+        """A learned bottleneck (modes ``bottleneck``, ``bottleneck-home``): no U."""
+        return self.on and self.mode in BOTTLENECK_MODES
+
+
+def bottleneck_problem(k: int, d: int) -> str:
+    """Why a bottleneck of width ``k`` cannot sit on a stream of width ``d``, or ""."""
+    if not 0 < k <= d:
+        return (
+            f"subspace mode 'bottleneck': rank k={k} must be in 1..d_model={d} (the code is "
+            "k channels of the d-wide stream)"
+        )
+    if d % k:
+        return (
+            f"subspace mode 'bottleneck': rank k={k} does not divide d_model={d}: the "
+            f"identity path keeps every (d/k)-th channel (try k = {d // 2}, {d // 4} or "
+            f"{d // 8})"
+        )
+    return ""
 
 
 def show_split(split: tuple[int, ...] | list[int]) -> str:
@@ -207,6 +244,7 @@ def make_model_config(
     subspace_rank: int = 0,
     subspace_writes: SubspaceWrites = "basis",
     subspace_learn: bool = False,
+    subspace_bottleneck: bool = False,
     loss_chunk: int = 0,
     home_input: HomeInput = "off",
     split: tuple[int, ...] | None = None,
@@ -238,6 +276,7 @@ def make_model_config(
         subspace_rank=subspace_rank,
         subspace_writes=subspace_writes,
         subspace_learn=subspace_learn,
+        subspace_bottleneck=subspace_bottleneck,
         loss_chunk=loss_chunk,
         home_input=home_input,
         split=split,

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from mobius_fed.model.config import ModelConfig
 from mobius_fed.model.knobs import residual_epsilon
 from mobius_fed.model.layers import Block
+from mobius_fed.model.subspace import Bottleneck
 
 # Group parameters that are not weight matrices of a layer (AdamW, never Muon).
 LOOP_PARAMETERS = ("depth_embedding",)
@@ -21,6 +22,8 @@ class BlockGroup(nn.Module):
     functions of the application index t alone, so any engine computes the same thing.
     With ``ModelConfig.subspace_rank`` k > 0 its blocks write through the basis U [d, k],
     unless ``subspace_writes`` is "full" (then only the hops are projected, by the engine).
+    With ``subspace_bottleneck`` it also owns its learned wire :class:`Bottleneck` (encoder
+    of what it sends, decoder of what it receives), which the engine applies around it.
     """
 
     def __init__(self, cfg: ModelConfig, basis: Tensor | None = None, index: int = 0) -> None:
@@ -39,6 +42,9 @@ class BlockGroup(nn.Module):
             nn.Parameter(torch.zeros(cfg.applications, cfg.d_model))
             if cfg.depth_embedding
             else None
+        )
+        self.bottleneck = (
+            Bottleneck(cfg.d_model, cfg.subspace_rank) if cfg.subspace_bottleneck else None
         )
 
     def forward(self, x: Tensor, t: int = 0) -> Tensor:

@@ -15,6 +15,15 @@ U = orth(W) (:func:`orthonormal`, a sign-fixed QR), a pure function of the avera
 U is the same on every worker in every step. At a round's end each worker takes one Adam
 step on W from U with the gradient it accumulated in U over the round; the average of
 those steps is retracted at the next use. docs/wan.md §7 "A learned U".
+
+``mode = "bottleneck"`` has no U: each block group owns a learned :class:`Bottleneck`, an
+encoder d → k (every (d/k)-th channel, the identity path, plus a learned projection) that
+writes what the group sends, and a decoder k → d (the identity path's transpose plus a
+learned projection) that reads what it receives. One application is
+enc_i(F_i(dec_i(c), t)); the origin sends enc_s(E(x_s)) and its head reads dec_s(c_K)
+(:class:`BottleneckBasis`). ``bottleneck-home`` keeps E(x_s) at the origin as ``home`` does:
+b = E(x_s) there, enc_s(F_s(dec_s(c) + b) − b), slot 0 carries 0 and the head reads
+dec_s(c_K) + E(x_s). docs/explanation/subspace.md "The learned bottleneck".
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mobius_fed.model.config import SubspaceMode
+from mobius_fed.model.config import HOME_MODES, SubspaceMode
 
 ADAM_BETAS = (0.9, 0.95)  # as model.training's AdamW
 
@@ -163,6 +172,35 @@ def share_basis(module: nn.Module, shared: SharedBasis) -> None:
             m.source = lambda: shared.U
 
 
+class Bottleneck(nn.Module):
+    """A group's learned wire bottleneck (``subspace.mode = "bottleneck"``), part of the group.
+
+    ``encode``: c = h[..., ::d/k] + A·h ([.., d] → [.., k]); ``decode``: h = Sᵀc + B·c
+    ([.., k] → [.., d]), where S selects every (d/k)-th channel (the identity path). A [k, d]
+    and B [d, k] start at zero (no random draw: the group's other weights draw what they
+    would without it) and train with the group from step 0, so at step 0 the bottleneck
+    is the identity path alone."""
+
+    channels: Tensor  # a buffer: the identity path's channel indices [k]
+
+    def __init__(self, d: int, k: int) -> None:
+        super().__init__()
+        if not 0 < k <= d or d % k:
+            raise ValueError(f"bottleneck rank k={k} must divide d_model={d}")
+        self.encoder = nn.Parameter(torch.zeros(k, d))
+        self.decoder = nn.Parameter(torch.zeros(d, k))
+        self.register_buffer("channels", torch.arange(k) * (d // k), persistent=False)
+
+    def encode(self, h: Tensor) -> Tensor:
+        """[.., d] → [.., k]: the identity path's channels plus the learned projection."""
+        return h.index_select(-1, self.channels) + nn.functional.linear(h, self.encoder.to(h.dtype))
+
+    def decode(self, c: Tensor) -> Tensor:
+        """[.., k] → [.., d]: the code back on its channels plus the learned projection."""
+        out = nn.functional.linear(c, self.decoder.to(c.dtype))
+        return out.index_add(-1, self.channels, c)
+
+
 class StreamBasis:
     """The coordinate maps of one worker: c = Uᵀ(h − b) and h = U·c + b; U fixed, or the
     worker's learned :class:`SharedBasis`."""
@@ -173,6 +211,11 @@ class StreamBasis:
     @property
     def U(self) -> Tensor:
         return self.source.U if isinstance(self.source, SharedBasis) else self.source
+
+    @property
+    def rank(self) -> int:
+        """k, the width of what a slot carries."""
+        return int(self.U.size(1))
 
     def coords(self, h: Tensor, b: Tensor | None = None) -> Tensor:
         """c = Uᵀ(h − b): [B, T, d] → [B, T, k]."""
@@ -185,10 +228,37 @@ class StreamBasis:
 
     def enter(self, e: Tensor) -> Tensor:
         """Slot 0's coordinates from the embedding E(x_s): Uᵀ E (stream) or 0 (home)."""
-        if self.mode == "home":
-            return e.new_zeros(*e.shape[:-1], self.U.size(1))
+        if self.mode in HOME_MODES:
+            return e.new_zeros(*e.shape[:-1], self.rank)
         return self.coords(e)
 
     def apply(self, group: nn.Module, c: Tensor, t: int, b: Tensor | None) -> Tensor:
         """One application in coordinates: Uᵀ(F_i(U·c + b, t) − b)."""
         return self.coords(group(self.expand(c, b), t), b)
+
+
+class BottleneckBasis(StreamBasis):
+    """The coordinate maps of one worker in a bottleneck mode: c = enc_i(h − b) and
+    h = dec_i(c) + b with its group's :class:`Bottleneck`. Mode ``bottleneck``: b = 0
+    everywhere and slot 0 carries enc_s(E(x_s)); mode ``bottleneck-home``: b = E(x_s) at the
+    origin's own worker (as in ``home``) and slot 0 carries 0, so E(x) never leaves it."""
+
+    def __init__(self, coder: Bottleneck, mode: SubspaceMode = "bottleneck") -> None:
+        self.coder, self.mode = coder, mode
+
+    @property
+    def U(self) -> Tensor:
+        raise ValueError(f"subspace mode {self.mode!r} has no basis U (a learned encoder/decoder)")
+
+    @property
+    def rank(self) -> int:
+        return int(self.coder.channels.numel())
+
+    def coords(self, h: Tensor, b: Tensor | None = None) -> Tensor:
+        """c = enc_i(h − b): [B, T, d] → [B, T, k]."""
+        return self.coder.encode(h if b is None else h - b)
+
+    def expand(self, c: Tensor, b: Tensor | None = None) -> Tensor:
+        """h = dec_i(c) + b: [B, T, k] → [B, T, d]."""
+        h = self.coder.decode(c)
+        return h if b is None else h + b

@@ -158,6 +158,17 @@ def check_victim(cfg: TrainConfig, victim: int) -> None:
         raise ValueError(f"victim {victim} is not an origin of P={cfg.P} workers")
 
 
+def refuse_bottleneck(cfg: TrainConfig, audit: str) -> None:
+    """The audits rebuild a received hop as h = U·c (a shared U): the learned bottleneck
+    (subspace mode ``bottleneck``) has no U, and its audit is not built yet (issue 55)."""
+    if cfg.subspace.bottleneck:
+        raise ValueError(
+            f"{audit}: subspace mode {cfg.subspace.mode!r} is not audited yet: a received code is "
+            "rebuilt by the receiver's own learned decoder, not by a shared U, and the "
+            "attacks here assume U"
+        )
+
+
 def own_text(cfg: TrainConfig, site: SiteData, batches: int) -> Tensor:
     """An attacker's own training text (its public text): [S, T] token ids."""
     return torch.cat(

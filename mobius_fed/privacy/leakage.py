@@ -29,7 +29,13 @@ from mobius_fed.engine.reference import ReferenceEngine
 from mobius_fed.model.training import average_parameters
 from mobius_fed.privacy import er_attacks, input_attacks
 from mobius_fed.privacy.attacks import train_inverter
-from mobius_fed.privacy.audit import check_victim, ensure_home_layers, held_out, own_text
+from mobius_fed.privacy.audit import (
+    check_victim,
+    ensure_home_layers,
+    held_out,
+    own_text,
+    refuse_bottleneck,
+)
 from mobius_fed.privacy.input_attacks import TOP, recovery
 from mobius_fed.privacy.leakage_report import HopRow, LeakageReport, UpdateRow
 from mobius_fed.privacy.observer import Observer
@@ -62,6 +68,7 @@ class LeakageAudit:
         log: Callable[[str], None] | None = None,
     ) -> None:
         check_victim(cfg, victim)
+        refuse_bottleneck(cfg, "the leakage audit")
         if cfg.privacy.er_noise > 0:
             raise ConfigError("the leakage audit measures plain FedAvg: set privacy.er_noise 0")
         if cfg.sync_every < 1:

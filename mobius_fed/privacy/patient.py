@@ -38,7 +38,12 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.reference import ReferenceEngine
 from mobius_fed.privacy import input_attacks as ia
-from mobius_fed.privacy.audit import ensure_home_layers, first_hop_attacker, own_text
+from mobius_fed.privacy.audit import (
+    ensure_home_layers,
+    first_hop_attacker,
+    own_text,
+    refuse_bottleneck,
+)
 from mobius_fed.privacy.decipher import CLUSTER_SWEEP, best_over_clusters, decipher
 from mobius_fed.privacy.observer import Observer
 
@@ -206,6 +211,7 @@ class PatientAudit:
             raise ValueError(
                 "the patient audit's public corpus is read as bytes: use encoding bytes"
             )
+        refuse_bottleneck(cfg, "the patient audit")
         if not windows or min(windows) < 1:
             raise ValueError(f"every window must be ≥ 1 step, not {tuple(windows)}")
         self.cfg, self.sites, self.public = cfg, list(sites), public
