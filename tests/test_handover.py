@@ -408,7 +408,7 @@ def wait_for_copy(fed: LocalFederation, timeout: float = 180) -> dict:
         time.sleep(0.1)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a standby takes a live worker's rank mid-run; the run goes to its end")
 def test_mobius_fed_replace_hands_a_live_worker_over_only_with_force(tmp_path: Path, cli) -> None:
     """As ``mobius-fed up --standbys 1`` runs it (checkpoints only at the end, supervised):
     with the standby waiting, copies come every 5 steps (status says so), so the forced
