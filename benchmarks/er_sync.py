@@ -186,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quick", action="store_true", help="smoke: cpu-tiny, P = 2, 6 steps, 2 arms, 2 seeds"
     )
+    ap.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: the table of every arm whose seeds are all kept under --out",
+    )
     ap.add_argument("extra", nargs="*", help="more `mobius-fed local` flags, after --")
     args = ap.parse_args(argv)
     if args.quick:
@@ -194,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         name = f"{args.preset}-P{args.workers}-{args.steps}steps"
         args.out = ROOT / "benchmarks" / "results" / "er_sync" / name
+    if args.report:
+        return report(args)
     arms = arms_of(args)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work = Path(tempfile.mkdtemp(prefix="er_sync-"))  # sites and runs in flight
@@ -217,6 +224,30 @@ def run_table(arms: list[Arm], args: argparse.Namespace) -> int:
     text = table(arms, results, args)
     (args.out / "table.md").write_text(text)
     print("\n" + text)
+    return 0
+
+
+def arm_of(name: str) -> Arm:
+    """The arm an ``Arm.name`` names (``H100-diloco-int4-tau1``)."""
+    h, outer, codec, tau = name.split("-")
+    return Arm(int(h[1:]), outer, "none" if codec == "fp32" else codec, int(tau[3:]))
+
+
+def report(args: argparse.Namespace) -> int:
+    """The table of the kept results alone: every arm with all ``--seeds`` seeds kept."""
+    seeds = set(range(args.seed, args.seed + args.seeds))
+    results: dict[tuple[str, int], float] = {}
+    for path in sorted((args.out / "runs").glob("*.json")):
+        kept = json.loads(path.read_text())
+        if {k: kept.get(k) for k in setting(args)} == setting(args):
+            results[kept["arm"], kept["seed"]] = kept["eq8"]
+    complete = {a for a, _ in results if all((a, s) in results for s in seeds)}
+    if BASELINE.name not in complete:
+        sys.exit(f"{args.out}: the baseline {BASELINE.name} lacks a seed of {sorted(seeds)}")
+    arms = sorted(map(arm_of, complete), key=lambda a: (a != BASELINE, a.H, a.name))
+    text = table(arms, results, args)
+    (args.out / "table.md").write_text(text)
+    print(text)
     return 0
 
 

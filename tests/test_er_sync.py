@@ -238,3 +238,32 @@ def test_default_sync_settings_keep_old_fingerprints() -> None:
     assert LATER_SETTINGS[("sync",)] == plain.model_dump(mode="json")["sync"]
     assert TrainConfig(sync={"codec": "int8"}).fingerprint() != plain.fingerprint()
     assert TrainConfig(sync={"outer": "fedavg"}).fingerprint() != plain.fingerprint()
+
+
+def test_the_quality_tables_report_reads_back_every_complete_arm(tmp_path):
+    """`benchmarks/er_sync.py --report` builds the table from kept results alone: an arm
+    name reads back as its arm, and an arm missing a seed is left out."""
+    import json
+
+    from tests.bench_loader import load_benchmark
+
+    bench = load_benchmark("er_sync")
+    for arm in (bench.Arm(1), bench.Arm(100, "diloco", "int4", 1), bench.Arm(10, "fedavg", "int8")):
+        assert bench.arm_of(arm.name) == arm
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    kept = {"preset": "cpu-tiny", "workers": 2, "steps": 6, "extra": []}
+    arms = [
+        ("H1-fedavg-fp32-tau0", (0, 1), 2.0),
+        ("H2-fedavg-int4-tau1", (0, 1), 2.1),
+        ("H2-diloco-fp32-tau0", (0,), 2.5),
+    ]
+    for name, seeds, eq8 in arms:
+        for s in seeds:
+            row = {"arm": name, "seed": s, "eq8": eq8 + s / 100, **kept}
+            (runs / f"{name}-s{s}.json").write_text(json.dumps(row))
+    argv = ["--report", "--preset", "cpu-tiny", "--workers", "2", "--steps", "6", "--seeds", "2"]
+    assert bench.main([*argv, "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "table.md").read_text()
+    assert "H2-fedavg-int4-tau1" in text and "+0.1000" in text, text
+    assert "H2-diloco" not in text, text  # one seed of two: not in the table
