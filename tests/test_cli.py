@@ -324,12 +324,15 @@ def processes_naming(path: Path) -> list[int]:
     return found
 
 
-@pytest.mark.slow(reason="a real `up` killed, then five cold `mobius-fed` processes read its run")
-def test_status_follows_up_from_start_to_kill_and_up_refuses_the_dead_runs_out(tmp_path) -> None:
+@pytest.mark.slow(reason="a real `up` killed, its run read by status, then `up` twice more")
+def test_status_follows_up_from_start_to_kill_and_up_refuses_the_dead_runs_out(
+    tmp_path, cli
+) -> None:
     """A real `up`: status (found as soon as endpoints.json exists) waits for the
     coordinator and answers; after `kill -9` of up it reports the run dead with the last
     step and checkpoint from the run directory; `up` into that --out then refuses unless
-    --resume or --force (which deletes the run's outputs, keeping certs and sites)."""
+    --resume or --force (which deletes the run's outputs, keeping certs and sites). Status
+    runs in this process (`cli`); `up` in processes of its own."""
     import signal
     import time
 
@@ -345,7 +348,7 @@ def test_status_follows_up_from_start_to_kill_and_up_refuses_the_dead_runs_out(t
         while not (run / "endpoints.json").is_file():
             assert up.poll() is None and time.monotonic() < deadline, up.stderr
             time.sleep(0.02)
-        proc = mobius_fed("status", "--run", "run", "--timeout", "120", cwd=tmp_path)
+        proc = cli("status", "--run", "run", "--timeout", "120")
         assert proc.returncode == 0, (proc.stdout, proc.stderr)
         assert "mobius-fed run" in proc.stdout and "workers" in proc.stdout
         while (manifest := latest_manifest(run / "coordinator")) is None:
@@ -365,13 +368,13 @@ def test_status_follows_up_from_start_to_kill_and_up_refuses_the_dead_runs_out(t
     manifest = latest_manifest(run / "coordinator")
     assert manifest is not None
     saved = json.loads(manifest.read_text())["step"]
-    proc = mobius_fed("status", "--run", "run", cwd=tmp_path)
+    proc = cli("status", "--run", "run")
     assert proc.returncode == 3, (proc.stdout, proc.stderr)
     out = _flat(proc.stdout)
     assert "run run: dead" in out and f"pid {up.pid}" in out, out
     assert "last known state: phase" in out and "last complete checkpoint: " in out, out
     assert "continue it with: mobius-fed up --out run --resume" in out, out
-    proc = mobius_fed("status", "--run", "run", "--json", cwd=tmp_path)
+    proc = cli("status", "--run", "run", "--json")
     doc = json.loads(proc.stdout)
     assert proc.returncode == 3 and doc["state"] == "dead", doc
     assert doc["last_known"]["step"] >= saved and doc["checkpoint"], doc
