@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mobius_fed.coordinator.status_doc import history_doc, status_doc
 from mobius_fed.coordinator.status_model import (
     HandoverModel,
     IncidentModel,
@@ -17,18 +18,14 @@ from mobius_fed.coordinator.status_model import (
     WorkerModel,
 )
 from mobius_fed.machines import (
-    DOWN_STATES,
     ENDED_PHASES,
     INCIDENT,
     PHASE,
     WORKER,
-    EdgeState,
     Machine,
     Phase,
-    RingState,
     WorkerState,
 )
-from mobius_fed.schedule import ring_successor
 from mobius_fed.transport.tls import node_name_of
 
 log = logging.getLogger("mobius.coordinator")
@@ -278,61 +275,12 @@ class RunState:
 
     # ------------------------------------------------------------- reports
     def status_doc(self) -> dict[str, Any]:
-        with self._lock:
-            now = time.time()
-            last_eval = self.evals[-1] if self.evals else None
-            return {
-                "run_id": self.run_id,
-                "phase": self.phase,
-                "round": self.round,
-                "num_rounds": self.num_rounds,
-                "step": self.step,
-                "steps": self.steps,
-                "strategy": self.strategy,
-                "error": self.error,
-                "checkpoint": self.checkpoint,
-                "started_at": self.started_at,
-                "finished_at": self.finished_at,
-                "eval_loss": last_eval["loss"] if last_eval else None,
-                "eval_origin_losses": last_eval["origin_losses"] if last_eval else None,
-                "server_time": now,
-                "rings": self.rings,
-                "ring": (edges := self._ring_doc()),
-                "ring_health": self._ring_health(edges),
-                "incidents": [i.model_dump() for i in self.incidents],
-                "handovers": [h.model_dump() for h in self.handovers],
-                "standby": None if self.standby is None else self.standby(),
-                "config": self.config,
-                "pace": self._pace(),
-                "privacy": self._privacy_block(),
-                "bounds": self._bounds_block(),
-                "train_loss": self._train_loss(),
-                "workers": [
-                    {
-                        **w.model_dump(),
-                        "heartbeat_age_s": None
-                        if w.last_heartbeat is None
-                        else max(0.0, now - w.last_heartbeat),
-                    }
-                    for w in (self.workers[i] for i in sorted(self.workers))
-                ],
-            }
+        """The status document (:mod:`mobius_fed.coordinator.status_doc`)."""
+        return status_doc(self)
 
-    def _pace(self) -> dict[str, Any] | None:
-        """The slowest worker by compute per step, and the next slowest's share of it."""
-        per = {r: w.step_compute_s for r, w in self.workers.items()}
-        if self.P < 2 or any(v is None or v <= 0 for v in per.values()):
-            return None
-        ranked = sorted(per, key=lambda r: (-(per[r] or 0.0), r))
-        slow, slow_s, next_s = ranked[0], per[ranked[0]] or 0.0, per[ranked[1]] or 0.0
-        share = next_s / slow_s
-        return {
-            "slowest": f"worker-{slow}",
-            "share": share,
-            "step_compute_s": slow_s,
-            "others_s": next_s,
-            "summary": f"worker-{slow} holds the ring to {share:.2f} of the others' pace",
-        }
+    def history_doc(self) -> dict[str, Any]:
+        """Every step's losses, the evaluations, rounds, incidents and handovers."""
+        return history_doc(self)
 
     def site(self, rank: int) -> str:
         """The name of the site that holds ``rank`` now (worker-<rank>, or its standby)."""
@@ -362,30 +310,6 @@ class RunState:
         log.error("%s (rank %d) is suspect: %d %s", site, rank, suspect_after, what)
         return True
 
-    def _bounds_block(self) -> dict[str, Any] | None:
-        """E/R updates clipped and frames refused per site, and the suspects (None while
-        nothing was clipped or refused)."""
-        if not self.clipped and not self.refused:
-            return None
-        n = self.suspect_after
-        bad = {s for s, k in self.clipped.items() if k >= n}
-        bad |= {s for s, k in self.refused.items() if k >= n}
-        return {
-            "er_clipped": dict(sorted(self.clipped.items())),
-            "frames_refused": dict(sorted(self.refused.items())),
-            "last": dict(sorted(self.clip_last.items())),
-            "suspects": sorted(bad),
-        }
-
-    def _privacy_block(self) -> dict[str, Any] | None:
-        if self.privacy is None:
-            return None
-        try:
-            return self.privacy(self.step)
-        except Exception as exc:  # status must answer whatever the report does
-            log.warning("privacy status block failed: %r", exc)
-            return {"error": f"privacy report failed: {exc!r}"}
-
     @property
     def ring_size(self) -> int:
         """Block groups (workers) per ring."""
@@ -393,98 +317,6 @@ class RunState:
 
     def ring_of(self, rank: int) -> int:
         return rank // self.ring_size
-
-    def _train_loss(self) -> float | None:
-        """Mean over origins of the latest step every origin reported."""
-        for n in sorted(self.losses, reverse=True):
-            per = self.losses[n]
-            if len(per) == self.P:
-                return sum(per.values()) / self.P
-        return None
-
-    def _ring_doc(self) -> list[dict[str, Any]]:
-        """Each ring edge i → i+1 as its sender reports it (unknown until it does)."""
-        edges = []
-        for i in range(self.P):
-            w, j = self.workers[i], ring_successor(i, self.ring_size)
-            lost = w.state in DOWN_STATES or self.workers[j].state in DOWN_STATES
-            out = w.edges.get("out", {}) if w.state not in DOWN_STATES else {}
-            state = EdgeState.DOWN if lost else out.get("state", EdgeState.UNKNOWN)
-            if self.phase in ENDED_PHASES and not lost:
-                state = EdgeState.CLOSED  # the run ended: links were closed on purpose
-            edges.append(
-                {
-                    "edge": f"worker-{i} → worker-{j}",
-                    "state": state,
-                    "reconnects": out.get("reconnects", 0),
-                    "down_s": out.get("down_s", 0.0),
-                    "bytes_per_s": w.bytes_per_s,  # what its sender reported
-                    "path": out.get("path"),  # direct | reversed | relayed (reachability)
-                    "tunnel_bytes_per_s": out.get("tunnel_bytes_per_s"),
-                    "wait_share": self.workers[j].wait_share,  # its receiver waiting on it
-                }
-            )
-        return edges
-
-    def _ring_health(self, edges: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Each ring's health from its workers' and its edges' states, worst first."""
-        out = []
-        for r in range(self.rings):
-            ranks = list(range(r * self.ring_size, (r + 1) * self.ring_size))
-            members = [self.workers[g] for g in ranks]
-            own = [edges[g] for g in ranks]  # edge g is worker-g's out-edge, in its ring
-            down = [f"worker-{w.rank} {w.state}" for w in members if w.state in DOWN_STATES]
-            down += [f"{e['edge']} down" for e in own if e["state"] == EdgeState.DOWN]
-            restoring = [f"worker-{w.rank} restoring" for w in members
-                         if w.state == WorkerState.RESTORING]  # fmt: skip
-            waiting = [f"worker-{w.rank} not registered" for w in members
-                       if w.state == WorkerState.EXPECTED]  # fmt: skip
-            again = [f"{e['edge']} reconnecting" for e in own
-                     if e["state"] == EdgeState.RECONNECTING]  # fmt: skip
-            state, why = RingState.HEALTHY, None
-            for s, reasons in (
-                (RingState.STALLED, down),
-                (RingState.RESTORING, restoring),
-                (RingState.WAITING, waiting),
-                (RingState.RECONNECTING, again),
-            ):
-                if reasons:
-                    state, why = s, "; ".join(reasons)
-                    break
-            else:
-                if self.phase in ENDED_PHASES:
-                    state = RingState.ENDED
-            out.append(
-                {
-                    "ring": r,
-                    "workers": ranks,
-                    "state": state,
-                    "healthy": state == RingState.HEALTHY,
-                    "step": min(w.step for w in members),
-                    "edges_up": sum(e["state"] == EdgeState.UP for e in own),
-                    "edges": len(own),
-                    "reason": why,
-                }
-            )
-        return out
-
-    def history_doc(self) -> dict[str, Any]:
-        with self._lock:
-            steps = []
-            for n in sorted(self.losses):
-                per = self.losses[n]
-                origin = [per.get(s) for s in range(self.P)]
-                known = [x for x in origin if x is not None]
-                mean = sum(known) / self.P if len(known) == self.P else None
-                steps.append({"step": n, "loss": mean, "origin_losses": origin})
-            return {
-                "run_id": self.run_id,
-                "steps": steps,
-                "evals": list(self.evals),
-                "rounds": list(self.rounds),
-                "incidents": [i.model_dump() for i in self.incidents],
-                "handovers": [h.model_dump() for h in self.handovers],
-            }
 
     @property
     def metrics(self) -> Any:
