@@ -10,7 +10,6 @@ import logging
 import math
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from mobius_fed.model import build_replica
 from mobius_fed.ops.federation import LocalFederation
 from mobius_fed.strategies import RoundPlan, UpdateClip, make_strategy, sync_strategy
 from mobius_fed.transport.safe_arrays import spec_of
+from tests.test_recovery import wait_for_step
 
 pytestmark = pytest.mark.slow
 logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -128,11 +128,7 @@ def test_a_killed_worker_resumes_its_residual_and_late_round_exactly(tmp_path: P
     fed = LocalFederation(tmp_path, train, **opts)
     fed.prepare().start()
     try:
-        deadline = time.monotonic() + 120
-        while (doc := fed.status()) is None or doc["step"] < 5:
-            assert time.monotonic() < deadline, fed.tail("coordinator")
-            fed.supervise()
-            time.sleep(0.05)
+        wait_for_step(fed, 5)
         os.kill(fed.procs["worker-1"].pid, signal.SIGKILL)
         final = fed.wait(timeout=240)
         hist = fed.rest("/v1/history")
