@@ -5,19 +5,62 @@ losses (the schema: :mod:`mobius_fed.coordinator.status_model`)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from mobius_fed.machines import DOWN_STATES, ENDED_PHASES, EdgeState, RingState, WorkerState
+from mobius_fed.coordinator.status_model import HandoverModel, IncidentModel, WorkerModel
+from mobius_fed.machines import (
+    DOWN_STATES,
+    ENDED_PHASES,
+    EdgeState,
+    Phase,
+    RingState,
+    WorkerState,
+)
 from mobius_fed.schedule import ring_successor
-
-if TYPE_CHECKING:
-    from mobius_fed.coordinator.state import RunState
 
 log = logging.getLogger("mobius.coordinator")
 
 
-def status_doc(state: RunState) -> dict[str, Any]:
+class RunView(Protocol):
+    """What these documents read of a run: :class:`~mobius_fed.coordinator.state.RunState`
+    (named here by its fields, so that the state module imports this one and not back)."""
+
+    run_id: str
+    P: int
+    steps: int
+    strategy: str
+    num_rounds: int
+    rings: int
+    phase: Phase
+    round: int
+    step: int
+    error: str | None
+    checkpoint: str | None
+    started_at: float
+    finished_at: float | None
+    workers: dict[int, WorkerModel]
+    losses: dict[int, dict[int, float]]
+    evals: list[dict[str, Any]]
+    rounds: list[dict[str, Any]]
+    incidents: list[IncidentModel]
+    handovers: list[HandoverModel]
+    config: dict[str, Any] | None
+    privacy: Callable[[int], dict[str, Any] | None] | None
+    standby: Callable[[], dict[str, Any]] | None
+    clipped: dict[str, int]
+    clip_last: dict[str, str]
+    refused: dict[str, int]
+    suspect_after: int
+    _lock: threading.RLock
+
+    @property
+    def ring_size(self) -> int: ...
+
+
+def status_doc(state: RunView) -> dict[str, Any]:
     with state._lock:
         now = time.time()
         last_eval = state.evals[-1] if state.evals else None
@@ -59,7 +102,7 @@ def status_doc(state: RunState) -> dict[str, Any]:
         }
 
 
-def pace(state: RunState) -> dict[str, Any] | None:
+def pace(state: RunView) -> dict[str, Any] | None:
     """The slowest worker by compute per step, and the next slowest's share of it."""
     per = {r: w.step_compute_s for r, w in state.workers.items()}
     if state.P < 2 or any(v is None or v <= 0 for v in per.values()):
@@ -76,7 +119,7 @@ def pace(state: RunState) -> dict[str, Any] | None:
     }
 
 
-def bounds_block(state: RunState) -> dict[str, Any] | None:
+def bounds_block(state: RunView) -> dict[str, Any] | None:
     """E/R updates clipped and frames refused per site, and the suspects (None while
     nothing was clipped or refused)."""
     if not state.clipped and not state.refused:
@@ -92,7 +135,7 @@ def bounds_block(state: RunState) -> dict[str, Any] | None:
     }
 
 
-def privacy_block(state: RunState) -> dict[str, Any] | None:
+def privacy_block(state: RunView) -> dict[str, Any] | None:
     if state.privacy is None:
         return None
     try:
@@ -102,7 +145,7 @@ def privacy_block(state: RunState) -> dict[str, Any] | None:
         return {"error": f"privacy report failed: {exc!r}"}
 
 
-def train_loss(state: RunState) -> float | None:
+def train_loss(state: RunView) -> float | None:
     """Mean over origins of the latest step every origin reported."""
     for n in sorted(state.losses, reverse=True):
         per = state.losses[n]
@@ -111,7 +154,7 @@ def train_loss(state: RunState) -> float | None:
     return None
 
 
-def ring_doc(state: RunState) -> list[dict[str, Any]]:
+def ring_doc(state: RunView) -> list[dict[str, Any]]:
     """Each ring edge i → i+1 as its sender reports it (unknown until it does)."""
     edges = []
     for i in range(state.P):
@@ -136,7 +179,7 @@ def ring_doc(state: RunState) -> list[dict[str, Any]]:
     return edges
 
 
-def ring_health(state: RunState, edges: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def ring_health(state: RunView, edges: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each ring's health from its workers' and its edges' states, worst first."""
     out = []
     for r in range(state.rings):
@@ -179,7 +222,7 @@ def ring_health(state: RunState, edges: list[dict[str, Any]]) -> list[dict[str, 
     return out
 
 
-def history_doc(state: RunState) -> dict[str, Any]:
+def history_doc(state: RunView) -> dict[str, Any]:
     with state._lock:
         steps = []
         for n in sorted(state.losses):
