@@ -176,13 +176,13 @@ def test_bad_standby_input_is_refused_with_the_reason() -> None:
     assert spec.standby and spec.run_id == "t"
     # replace: a live worker without --force, an unknown standby, not a worker's name
     with pytest.raises(ValueError, match=r"worker-0 is alive .* pass --force"):
-        svc.replace("worker-0", "standby-0", force=False)
+        svc.handovers.replace("worker-0", "standby-0", force=False)
     with pytest.raises(ValueError, match=r"standby-1 is not registered .* waiting: standby-0"):
-        svc.replace("worker-1", "standby-1", force=False)
+        svc.handovers.replace("worker-1", "standby-1", force=False)
     with pytest.raises(ValueError, match="not a worker's name"):
-        svc.replace("standby-0", "standby-0", force=False)
+        svc.handovers.replace("standby-0", "standby-0", force=False)
     with pytest.raises(ValueError, match="not a worker of this run"):
-        svc.replace("worker-7", "standby-0", force=False)
+        svc.handovers.replace("worker-7", "standby-0", force=False)
 
 
 def test_a_handed_over_rank_is_the_standbys_and_the_old_identity_is_refused() -> None:
@@ -190,11 +190,12 @@ def test_a_handed_over_rank_is_the_standbys_and_the_old_identity_is_refused() ->
     _register(svc, "mobius://worker/2")
     _register(svc, STANDBY_0, standby=True)
     svc.state.move_worker(2, WorkerState.LOST)
-    assert svc.replace("worker-2", "standby-0", force=False) == "worker-2 handed over to standby-0"
+    done = svc.handovers.replace("worker-2", "standby-0", force=False)
+    assert done == "worker-2 handed over to standby-0"
     spec = _register(svc, STANDBY_0, standby=True)  # the standby's next poll: its rank
     assert not spec.standby and spec.rank == 2
     assert svc.state.workers[2].identity == STANDBY_0
-    assert svc.identities() == ["mobius://worker/0", "mobius://worker/1", STANDBY_0]
+    assert svc.handovers.identities() == ["mobius://worker/0", "mobius://worker/1", STANDBY_0]
     with pytest.raises(Aborted, match=r"worker-2 .* was replaced by standby-0 .* refused from now"):
         _register(svc, "mobius://worker/2")
     (h,) = svc.state.status_doc()["handovers"]
@@ -216,19 +217,19 @@ def test_a_resumed_coordinator_keeps_the_handovers_it_recorded() -> None:
     _register(svc, "mobius://worker/2")
     _register(svc, STANDBY_0, standby=True)
     svc.state.move_worker(2, WorkerState.LOST)
-    svc.replace("worker-2", "standby-0", force=False)
+    svc.handovers.replace("worker-2", "standby-0", force=False)
     assert [h.round for h in saved[-1]] == [None]
     svc.state.handed_over(4, evaluates=False)
     (h,) = saved[-1]
     assert h.round == 4 and h.standby == STANDBY_0
 
     resumed = _service()
-    resumed.restore_handovers(saved[-1])
+    resumed.handovers.restore(saved[-1])
     with pytest.raises(Aborted, match=r"worker-2 .* was replaced by standby-0 .* refused from now"):
         _register(resumed, "mobius://worker/2")
     spec = _register(resumed, STANDBY_0, standby=True)  # the standby process, rejoining
     assert not spec.standby and spec.rank == 2
-    assert resumed.identities()[2] == STANDBY_0
+    assert resumed.handovers.identities()[2] == STANDBY_0
     resumed.state.restore_handovers(saved[-1], 6)  # resumed at or after the handover's round
     assert resumed.state.handovers[0].round == 4
     resumed.state.restore_handovers(saved[-1], 2)  # from before it: the standby takes round 2

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from mobius_fed.config import TrainConfig
-from mobius_fed.coordinator.control import heartbeat_problem
+from mobius_fed.coordinator.replies import heartbeat_problem
 from mobius_fed.ops.federation import LocalFederation
 from mobius_fed.ops.ports import free_ports
 from mobius_fed.proto import control_pb2, control_pb2_grpc

@@ -134,7 +134,7 @@ def test_bad_ring_settings_are_refused_with_the_reason(tmp_path: Path) -> None:
         )
     # a certificate whose rank is past the run's R·P workers: refused at registration,
     # naming the ring that rank would be in (the message the coordinator aborts with)
-    from mobius_fed.coordinator.control import not_enrolled
+    from mobius_fed.coordinator.enrolment import not_enrolled
 
     assert not_enrolled("mobius://worker/5", "", 4, rings=2) == (
         "identity mobius://worker/5 is not an enrolled worker of this run (P=4: workers 0–3, "

@@ -124,7 +124,7 @@ class Recovery:
         if not lost or not missing <= set(lost):
             return False
         why = f"it did not rejoin within {self.cfg.rejoin_timeout:.0f}s"
-        handed = [r for r in lost if self.service.hand_over(r, why) is not None]
+        handed = [r for r in lost if self.service.handovers.hand_over(r, why) is not None]
         return len(handed) == len(lost)
 
     def _record(self, raised: IncidentRaised) -> Incident:
@@ -285,7 +285,7 @@ class Recovery:
         self.ring_epoch += 1
         ring_id = self.ring_id = f"{self.cfg.run_id}/{self.boot}.{self.ring_epoch}"
         log.info("round %d restored everywhere; opening ring %s", rnd, ring_id)
-        peers, identities = self.service.peers(), self.service.identities()
+        peers, identities = self.service.peers(), self.service.handovers.identities()
         handed = identities if self.state.handovers else None  # who neighbours accept
         self.send_all(
             "query.ring",

@@ -1,7 +1,8 @@
-"""What a worker's reply must hold before the strategy or status sees it."""
+"""What a worker's reply (or heartbeat) must hold before the strategy or status sees it."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -9,7 +10,10 @@ from flwr.app import Message
 
 from mobius_fed.coordinator.grid import RunFailed
 from mobius_fed.defences.secagg import SecAggError, check_masked
+from mobius_fed.machines import REPORTED_STATES, EdgeState
 from mobius_fed.messages import GROUP, OPTIONAL_FIGURES
+from mobius_fed.proto import control_pb2
+from mobius_fed.relay.plan import DIRECT, PATHS
 from mobius_fed.transport.safe_arrays import UnsafeArrayError, validate_array_record
 from mobius_fed.transport.tls import worker_identity
 
@@ -77,4 +81,43 @@ def reply_problem(kind: str, content: Any) -> str | None:
             str(content["config"]["reason"])
     except (KeyError, TypeError, ValueError) as exc:
         return f"missing or malformed field ({exc!r})"
+    return None
+
+
+_EDGE_NUMBERS = (
+    ("reconnects", 1e9),
+    ("down_s", 1e9),
+    ("tunnel_bytes", 1e18),
+    ("tunnel_bytes_per_s", 1e12),
+)
+
+
+def heartbeat_problem(request: control_pb2.HeartbeatRequest, steps: int) -> str | None:
+    """Why a heartbeat cannot go into status or metrics (None: it can)."""
+    if request.state and request.state not in REPORTED_STATES:
+        return f"state {request.state[:40]!r} (expected one of {', '.join(REPORTED_STATES)})"
+    if request.step > steps:
+        return f"step {request.step} (the run has {steps} steps)"
+    if request.step and not in_range(request.last_loss, 1e4):
+        return f"last_loss {request.last_loss!r} (expected a finite loss in [0, 1e4))"
+    if not in_range(request.tokens_per_s, 1e12):
+        return f"tokens_per_s {request.tokens_per_s!r} (expected finite, in [0, 1e12))"
+    if request.links_json:
+        if len(request.links_json) > 4096:
+            return "links_json longer than 4096 characters"
+        try:
+            links = json.loads(request.links_json)
+        except ValueError:
+            return "links_json is not JSON"
+        if not isinstance(links, dict) or not set(links) <= {"in", "out"}:
+            return "links_json must be an object with 'in' and/or 'out'"
+        for side, edge in links.items():
+            if not isinstance(edge, dict) or edge.get("state", "unknown") not in tuple(EdgeState):
+                return f"links_json.{side}: unknown state"
+            if edge.get("path", DIRECT) not in PATHS:  # reachability (relay/plan.py)
+                return f"links_json.{side}.path: {str(edge.get('path'))[:20]!r}"
+            for key, top in _EDGE_NUMBERS:
+                v = edge.get(key, 0)
+                if not in_range(v, top):
+                    return f"links_json.{side}.{key}: {v!r}"
     return None

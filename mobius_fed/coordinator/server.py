@@ -110,7 +110,7 @@ class Coordinator:
         self.service.heartbeat_interval = cfg.heartbeat_interval
         # A resumed run's handovers hold before any registration is answered.
         self._handovers = self.store.saved_handovers()
-        self.service.restore_handovers(self._handovers)
+        self.service.handovers.restore(self._handovers)
         self.state.handover_sink = self.store.save_handovers
         # while a standby waits, checkpoint copies often enough to hand a rank over cheaply
         self.store.cadence.standby_waiting = lambda: bool(self.service.pool.live())
@@ -229,7 +229,7 @@ class Coordinator:
         except (CheckpointError, RunFailed) as exc:
             return self._fail(str(exc))
         if self.store.fresh and self._handovers:  # no manifest loaded: a fresh run after all
-            self.service.forget_handovers()
+            self.service.handovers.forget()
         else:
             self.state.restore_handovers(self._handovers, start.round)
         if start.round >= self.plan.num_rounds:  # resumed a finished run: nothing to train
@@ -373,7 +373,7 @@ class Coordinator:
         n = self.train.bounds.suspect_after
         why = f"evicted as a suspect ({n} {what}; --evict-suspects)"
         replaced = self.service.pool.identity_of(rank)
-        if self.service.hand_over(rank, why) is None:
+        if self.service.handovers.hand_over(rank, why) is None:
             log.error("worker-%d is suspect but no standby waits: it stays in the ring", rank)
             return
         self.service.mark_lost(rank, why, replaced)
