@@ -93,6 +93,21 @@ class BoundsConfig(BaseModel):
     )
 
 
+class AuditConfig(BaseModel):
+    """Checks that a site told the truth about what it sent (docs/security.md,
+    "Commitments"): with ``commitments`` each site signs, with its own TLS key, the sha256
+    of every ring frame it sent and received, and sends the list with its barrier reply;
+    the coordinator compares every edge's two ends. Nothing here changes the math."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    commitments: bool = Field(
+        True,
+        description="each site signs the sha256 of every ring frame it sent and received; "
+        "the coordinator compares each hop's sender and receiver (coordinated runs)",
+    )
+
+
 ER_CODECS = ("none", "int8", "fp8", "fp8e5m2", "int6", "int5", "int4", "int3", "int2")
 MAX_SYNC_DELAY = 1
 
@@ -278,6 +293,7 @@ class TrainConfig(BaseModel):
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     bounds: BoundsConfig = Field(default_factory=BoundsConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
+    audit: AuditConfig = Field(default_factory=AuditConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -602,4 +618,5 @@ LATER_SETTINGS: dict[tuple[str, ...], Any] = {
     ("privacy", "input_epsilon_target"): None,
     ("bounds",): BoundsConfig().model_dump(mode="json"),
     ("sync",): SyncConfig().model_dump(mode="json"),
+    ("audit",): AuditConfig().model_dump(mode="json"),
 }

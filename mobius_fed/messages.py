@@ -8,7 +8,8 @@ message type       coordinator → worker        worker → coordinator
 =================  ==========================  =======================================
 ``train``          E/R arrays + TrainOrder     E/R arrays + TrainReport (+ Checkpoint)
                    (+ synced group, R > 1)     (+ its group on a ring sync, R > 1)
-``evaluate``       E/R arrays + round/step     EvalReport
+                                               (+ Signed: its commitment)
+``evaluate``       E/R arrays + round/step     EvalReport (+ Signed: its commitment)
                    (+ synced group, R > 1)
 ``query.state``    (empty)                     StateReply
 ``query.restore``  RestoreOrder                RestoreReply
@@ -32,6 +33,9 @@ GROUP = "group"
 # R > 1 with a ring codec: the global F_i a worker's pseudo-gradient is taken against, sent
 # with the first train message of a strategy (a fresh run, or after a rollback)
 GROUP_BASE = "group-base"
+# audit.commitments: the signed digests of the ring frames a site sent and received in the
+# round (transport/commitments.py), in a train or evaluate reply
+COMMITMENT = "commitment"
 _W = TypeVar("_W", bound="_Wire")
 _CASTS = {"int": int, "bool": bool, "str": str, "bytes": bytes, "float": float}
 
@@ -134,6 +138,14 @@ class Checkpoint(_Wire):
     path: str
     sha256: str
     copy: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Signed(_Wire):
+    """A site's commitment (its canonical body) and the signature of its TLS key over it."""
+
+    body: bytes
+    signature: bytes
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,12 @@ From step ``EVIL_FROM`` (default 3) on:
   flips its sign);
 * ``EVIL_ER=s``: at every barrier after step ``EVIL_ER_FROM`` (default 0: every one) it
   scales its E/R update (what it sends back minus what the round sent it) by ``s``;
-* ``EVIL_LOSS=s``: it reports its training and validation losses ×``s``.
+* ``EVIL_LOSS=s``: it reports its training and validation losses ×``s``;
+* ``EVIL_COMMIT``: how it lies in its commitments (docs/security.md "Commitments"):
+  ``cover``: the frames it scales (``EVIL_SCALE``, ``EVIL_GRAD``) leave its ring link
+  scaled, but it commits the digest of the frames it should have sent; ``forge@r``,
+  ``omit@r``, ``late@r`` (comma-separated, r a round): its reply to round r carries a
+  commitment signed by another key, none, or its previous round's.
 
 Used by tests/test_bounds.py and benchmarks/poisoning.py as ``python -m tests.evil_worker``
 with the worker's flags.
@@ -14,17 +19,24 @@ with the worker's flags.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.app import Array, ArrayRecord
 from torch import Tensor
 
 import mobius_fed.worker.flower_client as flower_client
 from mobius_fed.cli.worker import main
+from mobius_fed.messages import COMMITMENT, Signed
+from mobius_fed.transport.commitments import TRAIN, sign
+from mobius_fed.worker.commitments import SENT
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
 from mobius_fed.worker.frames import BACKWARD, FORWARD, FrameKey
+from mobius_fed.worker.link import RingLinks
 
 FROM = int(os.environ.get("EVIL_FROM", "3"))
 SCALES = {
@@ -32,7 +44,24 @@ SCALES = {
     BACKWARD: float(os.environ.get("EVIL_GRAD", "1")),
 }
 
-if any(s != 1.0 for s in SCALES.values()):
+COMMIT = os.environ.get("EVIL_COMMIT", "")
+if COMMIT == "cover":  # the lie goes on the wire, the honest digest into the commitment
+    _send_tensor = RingLinks.send_tensor
+
+    def _covered_send(self: RingLinks, key: FrameKey, tensor: Tensor) -> None:
+        scale = SCALES.get(key.direction, 1.0)
+        if key.step < FROM or scale == 1.0 or self.ledger is None:
+            _send_tensor(self, key, tensor)
+            return
+        wire = self.rules.cfg.wire_dtype
+        honest = hashlib.sha256(b"".join(self.frames(key, tensor, wire=wire))).hexdigest()
+        self.ledger.record(key, SENT, self.peer(key.direction), honest)
+        out = self._outgoing(key.direction)
+        for data in self.frames(key, tensor * scale, wire=wire):
+            out.put(data)
+
+    RingLinks.send_tensor = _covered_send  # type: ignore[method-assign]
+elif any(s != 1.0 for s in SCALES.values()):
     _send = RingExecutor._send
 
     def _lying_send(self: RingExecutor, key: FrameKey, tensor: Tensor) -> None:
@@ -81,6 +110,30 @@ if "EVIL_ER" in os.environ:
 
     flower_client.load_replica = _remember
     flower_client.replica_arrays = _poisoned
+
+PLAN = {int(r): mode for mode, _, r in (x.partition("@") for x in COMMIT.split(",")) if r}
+if PLAN:
+    _commit = flower_client.WorkerHandlers._commit
+    _last: list[Signed] = []
+    _other = ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+    def _lying_commit(self: Any, reply: Any, rnd: int, phase: int, first: int, end: int) -> None:
+        mode = PLAN.get(rnd) if phase == TRAIN else None
+        if mode == "omit":
+            return
+        _commit(self, reply, rnd, phase, first, end)
+        if COMMITMENT not in reply or phase != TRAIN:
+            return
+        signed = Signed.of(reply[COMMITMENT])
+        if mode == "forge":
+            reply[COMMITMENT] = Signed(signed.body, sign(_other, signed.body)).to_record()
+        elif mode == "late" and _last:
+            reply[COMMITMENT] = _last[-1].to_record()
+        _last[:] = [signed]
+
+    flower_client.WorkerHandlers._commit = _lying_commit  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     raise SystemExit(main())

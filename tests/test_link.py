@@ -20,6 +20,7 @@ from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.certs import CertLayout, init_certs
 from mobius_fed.transport.codec import WIRE_DTYPES, chunk_count, encode_frames
 from mobius_fed.transport.tls import open_channel
+from mobius_fed.worker.commitments import RECEIVED, SENT, FrameLedger
 from mobius_fed.worker.frames import BACKWARD, FIN, FORWARD, TRAIN, FrameKey, FrameRules
 from mobius_fed.worker.link import LinkTimers, PeerError, RingLinks
 from tests.ring_harness import CutProxy
@@ -541,9 +542,12 @@ def _proxied(certs: CertLayout, **kw) -> tuple[list[RingLinks], CutProxy]:
 def test_a_cut_edge_reconnects_and_resends_exactly_once(certs: CertLayout) -> None:
     """The proxy resets the connection in the middle of a chunked tensor and refuses
     connections for 2 s: the edge reconnects, each side resends what the other did not
-    receive, and every tensor arrives once, bit for bit, in both directions."""
+    receive, and every tensor arrives once, bit for bit, in both directions; the digest
+    each end commits of every frame (docs/security.md "Commitments") is the other's."""
     links, proxy = _proxied(certs, link_grace=20.0)
     a, b = links
+    for link in links:  # before the first frame: each end records what it sent and received
+        link.ledger = link.router.ledger = FrameLedger()
     try:
         sent: dict[FrameKey, torch.Tensor] = {}
 
@@ -570,6 +574,10 @@ def test_a_cut_edge_reconnects_and_resends_exactly_once(certs: CertLayout) -> No
         assert out["state"] == "up" == inn["state"]
         assert a.forward_out.resent > 0, "worker 0 resent what worker 1 had not received"
         assert not a.rejected and not b.rejected
+        ends = [{(e.frame, e.way): e.sha256 for e in x.ledger.take(TRAIN, 0, 2)} for x in links]
+        assert len(ends[0]) == len(ends[1]) == 4
+        for (frame, way), digest in ends[0].items():
+            assert ends[1][frame, SENT if way == RECEIVED else RECEIVED] == digest
     finally:
         _close(links)
         proxy.close()

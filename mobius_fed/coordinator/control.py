@@ -30,6 +30,7 @@ from mobius_fed.transport.tls import (
     OPERATOR_IDENTITY,
     node_name_of,
     parse_identity,
+    peer_certificate,
     peer_identity_or_reason,
     require_peer,
     revoked_peer,
@@ -59,6 +60,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
         self.run_spec, self.P = run_spec, state.P
         self._registered: dict[int, str] = {}
         self._data: dict[int, tuple[str, int]] = {}  # rank -> its data's (tokenizer, vocab)
+        # rank -> the certificate its site registered with (it verifies its commitments)
+        self.certificates: dict[int, bytes] = {}
         self._cond = threading.Condition()
         self.enrolled = {worker_identity(i) for i in range(self.P)}
         self.enrolled |= {COORDINATOR_IDENTITY, OPERATOR_IDENTITY}
@@ -169,6 +172,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
             peers = [entry if i == rank else self._registered.get(i, "") for i in range(self.P)]
             check_edges(peers, rank, self.state.ring_size, context)
             self._registered[rank] = entry
+            if (cert := peer_certificate(context)) is not None:
+                self.certificates[rank] = cert
             self.state.move_worker(
                 rank,
                 WorkerState.REJOINING if rejoin else WorkerState.REGISTERED,

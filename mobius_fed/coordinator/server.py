@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mobius_fed.checkpoint import CheckpointError
 from mobius_fed.config import TrainConfig
+from mobius_fed.coordinator.commitments import CommitmentAudit
 from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.control import ControlService
 from mobius_fed.coordinator.grid import ControlGrid, RunFailed, names
@@ -49,6 +50,7 @@ from mobius_fed.strategies import (
     sync_strategy,
     wrapper_of,
 )
+from mobius_fed.transport.commitments import EVAL, TRAIN
 from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.flower_wire import COORDINATOR_NODE_ID, set_task_identity
 from mobius_fed.transport.revocation import CrlSource
@@ -116,6 +118,15 @@ class Coordinator:
         self.store.cadence.standby_waiting = lambda: bool(self.service.pool.live())
         self.state.standby = lambda: self.store.cadence.status(self.service.pool.live())
         self.recovery = Recovery(cfg, self.state, self.grid, self.service, self.store)
+        self.commitments: CommitmentAudit | None = None  # audit.commitments
+        if cfg.train.audit.commitments:
+            self.commitments = CommitmentAudit(
+                cfg.train,
+                certificate=self.service.certificates.get,
+                ring=lambda: self.recovery.ring_id,
+                site=self.state.site,
+            )
+            self.state.commitments = self.commitments.status
         self.strategy: Any = None
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
@@ -350,6 +361,9 @@ class Coordinator:
 
     def after_train(self, rnd: int, replies: list[Message], arrays: ArrayRecord | None) -> None:
         self.recorder.record_train(rnd, replies)
+        if self.commitments is not None:  # what each site signed it sent and received
+            first, end = self.plan.steps_of(rnd)
+            self.commitments.check(rnd, TRAIN, first, end, replies)
         clip = wrapper_of(self.strategy, ErClip)
         for rank, why in clip.round_clipped.items() if clip is not None else ():
             if self.state.record_clip(rank, why, self.train.bounds.suspect_after):
@@ -380,6 +394,9 @@ class Coordinator:
 
     def after_evaluate(self, rnd: int, replies: list[Message]) -> None:
         self.recorder.record_eval(rnd, replies)
+        if self.commitments is not None:
+            step = self.plan.steps_of(rnd)[1]
+            self.commitments.check(rnd, EVAL, step, step + 1, replies)
 
 
 def group_specs(train: TrainConfig) -> Callable[[int], Any] | None:

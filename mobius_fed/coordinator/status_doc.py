@@ -50,6 +50,7 @@ class RunView(Protocol):
     config: dict[str, Any] | None
     privacy: Callable[[int], dict[str, Any] | None] | None
     standby: Callable[[], dict[str, Any]] | None
+    commitments: Callable[[], dict[str, Any]] | None
     clipped: dict[str, int]
     clip_last: dict[str, str]
     refused: dict[str, int]
@@ -89,6 +90,7 @@ def status_doc(state: RunView) -> dict[str, Any]:
             "pace": pace(state),
             "privacy": privacy_block(state),
             "bounds": bounds_block(state),
+            "commitments": None if state.commitments is None else state.commitments(),
             "train_loss": train_loss(state),
             "workers": [
                 {

@@ -170,6 +170,46 @@ class HandoverModel(BaseModel):
     )
 
 
+class CommitmentIncidentModel(BaseModel):
+    """A lie or a fault the commitments showed (docs/security.md "Commitments")."""
+
+    kind: str = Field(
+        description="digest mismatch (a hop's sender and receiver committed different "
+        "bytes) | relay altered (a relay committed other bytes out than in) | missing "
+        "commitment | forged commitment (not signed by the site's certificate key) | late "
+        "commitment (for another round or ring incarnation) | malformed commitment"
+    )
+    what: str = Field(description="what was found, naming the sites and the first frame")
+    round: int = Field(description="the round whose reply carried it")
+    phase: str = Field(description="train or eval")
+    step: int | None = Field(None, description="the first step it concerns (null: the reply's)")
+    edge: str | None = Field(
+        None, description="the hop 'worker-<sender> → worker-<receiver>' (digest mismatch)"
+    )
+    site: str | None = Field(
+        None, description="the site it names (every kind but a digest mismatch): worker-2"
+    )
+    frames: int = Field(1, description="frames it concerns in that reply")
+    detected_at: float = Field(description="unix time")
+
+
+class CommitmentStatusModel(BaseModel):
+    """audit.commitments: what the sites' signed frame digests showed so far."""
+
+    replies_checked: int = Field(description="train and evaluate replies whose commitment was read")
+    frames_checked: int = Field(
+        description="frame hops whose sender's and receiver's digests were compared and equal"
+    )
+    incidents: list[CommitmentIncidentModel] = Field(
+        default_factory=list, description="the latest 100, oldest first"
+    )
+    by_kind: dict[str, int] = Field(default_factory=dict, description="incidents per kind")
+    sites: list[str] = Field(
+        default_factory=list,
+        description="sites named by an incident (both ends of a mismatched hop)",
+    )
+
+
 class StandbyStatusModel(BaseModel):
     """Standby sites waiting, and what a handover to one would redo (docs/recovery.md)."""
 
@@ -238,6 +278,11 @@ class StatusModel(BaseModel):
         description="E/R updates clipped at barriers and ring frames refused by a neighbour, "
         "per site, the last of each, and the suspects (docs/security.md, 'Bounds on what a "
         "site sends'); null until one is",
+    )
+    commitments: CommitmentStatusModel | None = Field(
+        None,
+        description="audit.commitments: frame hops compared and the incidents found "
+        "(docs/security.md 'Commitments'); null when off",
     )
     workers: list[WorkerModel]
 

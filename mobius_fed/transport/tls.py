@@ -376,6 +376,12 @@ def revoked_peer(context: grpc.ServicerContext) -> str | None:
     return identity_or_reason(certificate_uris(bytes(pems[0])))[0]
 
 
+def peer_certificate(context: grpc.ServicerContext) -> bytes | None:
+    """The PEM certificate the caller presented (gRPC verified its chain), or None."""
+    pems = (context.auth_context() or {}).get("x509_pem_cert", ())
+    return bytes(pems[0]) if len(pems) == 1 else None
+
+
 def peer_identity(context: grpc.ServicerContext) -> str | None:
     """The caller's ``mobius://`` identity, or None (see :func:`peer_identity_or_reason`)."""
     return peer_identity_or_reason(context)[0]

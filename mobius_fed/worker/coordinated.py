@@ -36,7 +36,13 @@ from mobius_fed.transport.flower_wire import (
     worker_node_id,
 )
 from mobius_fed.transport.revocation import CrlSource, apply_crl
-from mobius_fed.transport.tls import SecretsError, check_node_secrets, open_channel
+from mobius_fed.transport.tls import (
+    SecretsError,
+    certificate_identity,
+    check_node_secrets,
+    open_channel,
+)
+from mobius_fed.worker.commitments import Commitments
 from mobius_fed.worker.config import WorkerConfig
 from mobius_fed.worker.daemon import make_links
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
@@ -131,6 +137,7 @@ class WorkerNode:
         self.stub = control_pb2_grpc.ControlStub(self.channel)
         self.executor: RingExecutor | None = None
         self.links: RingLinks | None = None
+        self.commitments: Commitments | None = None  # audit.commitments: signed digests
         self.snapshots = Snapshots(Path(cfg.out_dir) / "checkpoints")
         # its own state (its heartbeats report it), moved through machines.OWN_WORKER's table
         self.own = StateCell(OWN_WORKER, WorkerState.REGISTERED, "this worker")
@@ -258,6 +265,11 @@ class WorkerNode:
         self.executor = RingExecutor(train, i, site, spec.run_id, self.cfg.peer_timeout)
         self.executor.slowdown = self.cfg.emulate_slowdown
         set_task_identity(worker_node_id(spec.rank))
+        if train.audit.commitments and not self.cfg.insecure:  # signed with its TLS key
+            tls = self.cfg.node_tls().load()
+            self.commitments = Commitments(
+                train, spec.rank, i, certificate_identity(tls.cert), tls.key, self.cfg.peer_timeout
+            )
 
     # ----------------------------------------------------------------- ring
     def rejoin_ring(
@@ -272,7 +284,10 @@ class WorkerNode:
         P = self.executor.cfg.P  # R rings: the peers of this worker's own ring
         base = (self.cfg.rank or 0) - self.executor.rank
         self.cfg = self.cfg.model_copy(update={"peers": peers[base : base + P]})
-        links = make_links(self.cfg, self.executor, self.run_key, identities or ())
+        ledger = None if self.commitments is None else self.commitments.ledger
+        if ledger is not None:
+            ledger.clear()  # a new incarnation: the old one's frames are never committed
+        links = make_links(self.cfg, self.executor, self.run_key, identities or (), ledger)
         if links is None:
             return
         links.start_server()
@@ -326,7 +341,9 @@ class WorkerNode:
         def on_step(r: WorkerStep) -> None:
             self.loss, self.tps = r.loss, tokens / max(r.seconds, 1e-9)
 
-        worker = WorkerHandlers(executor, self.snapshots, self.rejoin_ring, on_step, self.own.move)
+        worker = WorkerHandlers(
+            executor, self.snapshots, self.rejoin_ring, on_step, self.own.move, self.commitments
+        )
         app = make_client_app(worker)
         context = Context(
             run_id=FLOWER_RUN_ID,

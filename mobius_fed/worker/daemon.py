@@ -18,6 +18,7 @@ from mobius_fed.data import SiteData
 from mobius_fed.relay.edges import EdgeTunnels
 from mobius_fed.transport.revocation import CrlSource
 from mobius_fed.transport.tls import check_node_secrets
+from mobius_fed.worker.commitments import FrameLedger
 from mobius_fed.worker.config import WorkerConfig
 from mobius_fed.worker.executor import RingExecutor
 from mobius_fed.worker.link import RingLinks
@@ -30,11 +31,13 @@ def make_links(
     executor: RingExecutor,
     run_key: bytes = b"",
     identities: Sequence[str] = (),
+    ledger: FrameLedger | None = None,
 ) -> RingLinks | None:
     """The ring links of ``executor`` for ``cfg`` (not started; None when P = 1).
 
     Peers given as ring entries (relay/plan.py) get tunnels on the edges that need them;
-    ``identities``: who holds each global rank after a handover (the coordinator's word)."""
+    ``identities``: who holds each global rank after a handover (the coordinator's word);
+    ``ledger``: where the links record each frame's digest (audit.commitments)."""
     if cfg.train.P == 1:
         return None
     tunnels = None
@@ -56,6 +59,7 @@ def make_links(
         tunnels=tunnels,
         ring_base=(cfg.rank or 0) - executor.rank,  # R rings: site r·P + i runs F_i
         identities=tuple(identities),  # after a handover: who holds each rank
+        ledger=ledger,
     )
 
 

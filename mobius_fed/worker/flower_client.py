@@ -33,6 +33,7 @@ from mobius_fed.er_sync import record_bytes
 from mobius_fed.machines import WorkerState
 from mobius_fed.messages import (
     ARRAYS,
+    COMMITMENT,
     CONFIG,
     GROUP,
     GROUP_BASE,
@@ -46,7 +47,9 @@ from mobius_fed.messages import (
     TrainReport,
 )
 from mobius_fed.strategies import encode_delta
+from mobius_fed.transport.commitments import EVAL, TRAIN
 from mobius_fed.transport.safe_arrays import array_record_to_torch, spec_of
+from mobius_fed.worker.commitments import Commitments
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
 
 COPY_LIMIT_BYTES = 192 << 20  # a state copy rides in one control message (limit 256 MiB)
@@ -208,7 +211,8 @@ def make_client_app(worker: WorkerHandlers) -> ClientApp:
 class WorkerHandlers:
     """What a worker does with each coordinator message (see :mod:`mobius_fed.messages`);
     ``rejoin_ring(ring_id, peers, identities)`` replaces the executor's ring links, ``on_step`` and
-    ``on_state`` report each step and each state change."""
+    ``on_state`` report each step and each state change; with ``commitments`` each train
+    and evaluate reply carries the signed digests of the round's ring frames."""
 
     def __init__(
         self,
@@ -217,9 +221,11 @@ class WorkerHandlers:
         rejoin_ring: Callable[[str, list[str], list[str] | None], None],
         on_step: Callable[[WorkerStep], None],
         on_state: Callable[[WorkerState], None],
+        commitments: Commitments | None = None,
     ) -> None:
         self.executor, self.snapshots, self.rejoin_ring = executor, snapshots, rejoin_ring
         self.on_step, self.on_state = on_step, on_state
+        self.commitments = commitments  # audit.commitments: each reply carries one
         cfg = executor.cfg
         self.tokens_per_step = cfg.batch_size * cfg.model().seq_len
         # Secure Aggregation: a fresh key pair per process; the E/R update leaves masked.
@@ -281,6 +287,7 @@ class WorkerHandlers:
             reply = RecordDict({MASKED: masked, METRICS: report.to_record()})
         if group is not None:  # to be averaged across the rings
             reply[GROUP] = group
+        self._commit(reply, rnd, TRAIN, start, end)
         if order.checkpoint:
             reply["checkpoint"] = self._checkpoint(order, snap).to_record()
             self.snapshots.prune_disk(order.keep_checkpoints)
@@ -344,7 +351,30 @@ class WorkerHandlers:
         metrics = MetricRecord(
             {"num-examples": 1, "eval-loss": loss, "eval-seconds": time.perf_counter() - t0}
         )
-        return Message(RecordDict({METRICS: metrics}), reply_to=msg)
+        reply = RecordDict({METRICS: metrics})
+        rnd = msg.content.get(CONFIG, ConfigRecord()).get("round", 0)
+        rnd = rnd if isinstance(rnd, int) else 0
+        self._commit(reply, rnd, EVAL, executor.step, executor.step + 1)
+        return Message(reply, reply_to=msg)
+
+    def _commit(self, reply: RecordDict, rnd: int, phase: int, first: int, end: int) -> None:
+        """Add this worker's signed commitment of the round's ``phase`` frames at steps
+        [first, end) to ``reply``. A failure to sign loses only the commitment (the
+        coordinator names it missing), never the reply."""
+        if self.commitments is None:
+            return
+        executor = self.executor
+
+        def abandoned() -> bool:
+            links = executor.links
+            return links is None or links.inbox.error is not None
+
+        try:
+            signed = self.commitments.seal(executor.run_id, rnd, phase, first, end, abandoned)
+        except Exception:
+            log.exception("worker-%d: round %d's commitment not signed", executor.rank, rnd)
+            return
+        reply[COMMITMENT] = signed.to_record()
 
     def query_state(self, msg: Message) -> Message:
         reply = StateReply(sorted(self.snapshots.rounds()), self.executor.step).to_record()

@@ -19,10 +19,12 @@ resends included; link-control ACK frames are not counted.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ from mobius_fed.transport.codec import encode_frames, max_message_bytes
 from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.link_tuning import LinkTuning, refuse_renamed_variables
 from mobius_fed.transport.tls import NodeTLS
+from mobius_fed.worker.commitments import SENT, FrameLedger
 from mobius_fed.worker.config import dialable
 from mobius_fed.worker.frames import BACKWARD, FIN, FrameKey, FrameRules
 from mobius_fed.worker.link_client import SuccessorClient
@@ -78,6 +81,7 @@ class RingLinks:
         tunnels: EdgeTunnels | None = None,
         ring_base: int = 0,
         identities: tuple[str, ...] = (),
+        ledger: FrameLedger | None = None,
     ) -> None:
         if tuning is None:
             refuse_renamed_variables(os.environ)  # a stale MOBIUS_LINK_<X> must not be ignored
@@ -113,7 +117,10 @@ class RingLinks:
         self.inbox.describe_links = self._describe_edges
         self._capture = Capture(capture) if capture else None
         self._closing = threading.Event()
-        self.router = FrameRouter(rules, self.inbox, self._outgoing, self._capture, ack_every)
+        self.ledger = ledger  # audit.commitments: every frame's digest (worker/commitments)
+        self.router = FrameRouter(
+            rules, self.inbox, self._outgoing, self._capture, ack_every, ledger=ledger
+        )
         self.rejected = self.router.rejected
         self.server = PredecessorServer(s, self.router, self._closing)
         address = tunnels.successor_address if tunnels else successor
@@ -175,10 +182,24 @@ class RingLinks:
 
     def _send_frames(self, key: FrameKey, tensor: torch.Tensor, **encoding: Any) -> None:
         out = self._outgoing(key.direction)
+        digest = hashlib.sha256() if self.ledger is not None else None
+        for data in self.frames(key, tensor, **encoding):
+            if digest is not None:  # the bytes as they go on the wire, piece by piece
+                digest.update(data)
+            out.put(data)  # gRPC sends piece k while piece k+1 is built
+        if self.ledger is not None and digest is not None:
+            self.ledger.record(key, SENT, self.peer(key.direction), digest.hexdigest())
+
+    def frames(self, key: FrameKey, tensor: torch.Tensor, **encoding: Any) -> Iterator[bytes]:
+        """The serialized pieces of frame ``key`` carrying ``tensor`` (built lazily)."""
         # the key's fields are the frame header's
         header = dict(asdict(key), run_id=self.rules.run_id, chunk_bytes=self.chunk_bytes)
-        for data in encode_frames(tensor=tensor, **header, **encoding):
-            out.put(data)  # gRPC sends piece k while piece k+1 is built
+        return encode_frames(tensor=tensor, **header, **encoding)
+
+    def peer(self, direction: int) -> int:
+        """The neighbour a frame travelling ``direction`` goes to from here (ring-local)."""
+        step = -1 if direction == BACKWARD else 1
+        return (self.settings.rank + step) % self.settings.P
 
     def _outgoing(self, direction: int) -> Endpoint:
         """The session end that sends frames travelling ``direction``."""

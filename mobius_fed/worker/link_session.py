@@ -22,6 +22,7 @@ from mobius_fed.proto import ring_pb2
 from mobius_fed.transport.codec import FrameError, NonFiniteError, TensorAssembler, parse_frame
 from mobius_fed.transport.link_tuning import LinkTuning
 from mobius_fed.transport.tls import NodeTLS, worker_identity
+from mobius_fed.worker.commitments import RECEIVED, SENT, FrameLedger
 from mobius_fed.worker.frames import (
     ACK,
     CLOSE,
@@ -481,8 +482,10 @@ class FrameRouter:
         outgoing: Callable[[int], Endpoint],
         capture: Capture | None,
         ack_every: int,
+        ledger: FrameLedger | None = None,
     ) -> None:
         self.rules, self.inbox, self._outgoing = rules, inbox, outgoing
+        self.ledger = ledger  # audit.commitments: the digest of each frame delivered or relayed
         self.codecs = codecs(rules.cfg)  # (forward, backward), once per link
         self._capture, self._ack_every = capture, ack_every
         self.rejected: list[str] = []
@@ -550,10 +553,14 @@ class FrameRouter:
             tensor = s.pieces.add(key, frame, keep=mine, what=key.describe(), data=payload)
         except NonFiniteError as exc:
             raise self.rules.non_finite(key, exc) from exc
+        digest = None
+        if self.ledger is not None:  # the bytes as they came off the wire
+            digest = self.ledger.piece(side, key, frame.chunk, frame.chunks, data)
         if mine:
             if tensor is not None:
                 self.rules.check_tensor(key, tensor, side)  # the bounds (BoundError)
                 self.inbox.put(key, tensor, owner=s)
+                self._commit(key, RECEIVED, side, digest)
         else:
             held = s.relay_hold.setdefault(key, [])
             held.append(data)
@@ -563,8 +570,19 @@ class FrameRouter:
                 out = self._outgoing(frame.direction)
                 for piece in held:
                     out.put(piece)
+                self._commit(key, RECEIVED, side, digest)
+                self._commit(key, SENT, side, digest)  # the very bytes, passed on
         s.end.received()
         return False
+
+    def _commit(self, key: FrameKey, way: str, side: int, digest: str | None) -> None:
+        """Record frame ``key``, which came in on ``side``, in the ledger: RECEIVED from the
+        neighbour it came from, or SENT on to the next one (a relay)."""
+        if self.ledger is None or digest is None:
+            return
+        back = (side == FORWARD) != (way == SENT)  # from the predecessor, or on to it
+        peer = (self.rules.rank + (-1 if back else 1)) % self.rules.P
+        self.ledger.record(key, way, peer, digest)
 
     def _mark_relayed(self, key: FrameKey) -> None:
         with self._relay_lock:
