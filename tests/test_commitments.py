@@ -382,3 +382,20 @@ def test_the_setting_is_on_by_default_and_leaves_old_fingerprints_alone() -> Non
     )
     off = TrainConfig(preset="cpu-tiny", audit={"commitments": False})
     assert off.fingerprint() != TrainConfig(preset="cpu-tiny").fingerprint()
+
+
+def test_status_shows_the_incidents(sites: _Sites) -> None:
+    from rich.console import Console
+
+    from mobius_fed.cli.status import render_status
+    from mobius_fed.coordinator.status_model import CommitmentStatusModel
+
+    replies = sites.honest()
+    replies[2] = sites.reply(2, [replace(e, sha256=HEX) for e in sites.entries(2, 0, 2)])
+    assert sites.check(replies)  # every hop of worker-2's differs
+    block = sites.audit.status()
+    CommitmentStatusModel.model_validate(block)
+    console = Console(record=True, width=250)
+    render_status({"run_id": "t", "commitments": block}, console)
+    text = console.export_text()
+    assert "commitments (" in text and "digest mismatch" in text and "worker-2 → worker-" in text

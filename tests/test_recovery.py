@@ -93,6 +93,8 @@ def test_killed_worker_is_restarted_and_the_run_heals(tmp_path: Path):
     assert inc["detection_s"] is not None and inc["detection_s"] < 3.0, inc
     assert_redo_bound(fed, inc, lost=2)
     assert fed.restarts.get("worker-2") == 1
+    # the redone rounds' frames (a new ring incarnation) are committed and agree
+    assert final["commitments"]["incidents"] == [], final["commitments"]
     # --keep-checkpoints 2: two manifests; workers keep one file more
     rounds = sorted(p.name for p in (fed.coordinator_out / "checkpoints").iterdir())
     assert rounds == ["round-000012", "round-000014"], rounds

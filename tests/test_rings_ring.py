@@ -100,6 +100,8 @@ def test_rings_equal_the_reference_exactly(
     assert [(h["ring"], h["workers"], h["state"]) for h in final["ring_health"]] == [
         (r, list(range(r * P, r * P + P)), "ended") for r in range(R)
     ]
+    commitments = final["commitments"]  # every ring's hops, by global rank
+    assert commitments["incidents"] == [] and commitments["frames_checked"] > 0, commitments
     model = read_run(fed.coordinator_out)  # the synced groups, as export reads them
     for got_group, ref_group in zip(model.groups, engines[0].rings[0].groups, strict=True):
         ref_params = dict(ref_group.named_parameters())
@@ -166,6 +168,7 @@ def test_a_killed_worker_of_one_ring_heals_to_the_same_losses(tmp_path: Path) ->
     (inc,) = final["incidents"]
     assert inc["rank"] == 3 and inc["state"] == "recovered", inc
     assert "worker-2 → worker-3" in inc["edge"] and "worker-3 → worker-2" in inc["edge"]
+    assert final["commitments"]["incidents"] == [], final["commitments"]
     got = {(row["step"], g): v for row in hist["steps"] for g, v in enumerate(row["origin_losses"])}
     ref, ref_evals = reference(fed, "diloco")
     assert set(got) == set(ref) and max(abs(got[k] - ref[k]) for k in ref) == 0

@@ -408,6 +408,8 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         console.print(_standby_line(standby), highlight=False)
     if doc.get("privacy"):
         console.print(_privacy_table(doc["privacy"]))
+    if (commitments := doc.get("commitments") or {}).get("incidents"):
+        console.print(_commitment_table(commitments))
 
 
 def _pace_table(workers: list[dict[str, Any]]) -> Table:
@@ -484,6 +486,21 @@ def _incident_table(incidents: list[dict[str, Any]]) -> Table:
             _num(i.get("recovery_s"), "{:.2f}"),
             "-" if i.get("rollback_round") is None else f"round {i['rollback_round']}",
             "-" if i.get("steps_redone") is None else f"{i['steps_redone']} steps",
+        )
+    return log
+
+
+def _commitment_table(block: dict[str, Any]) -> Table:
+    """What the sites' signed frame digests showed (docs/security.md "Commitments")."""
+    title = f"commitments ({block.get('frames_checked', 0)} frame hops agree)"
+    log = _table(title, ("round", "step", "kind", "hop or site", "what"))
+    for i in block["incidents"]:
+        log.add_row(
+            str(i.get("round", "?")),
+            "-" if i.get("step") is None else str(i["step"]),
+            str(i.get("kind", "?")),
+            str(i.get("edge") or i.get("site") or "-"),
+            str(i.get("what", "")),
         )
     return log
 

@@ -132,6 +132,7 @@ class RunStateCollector(Collector):
             yield g
         yield from self._edges(status)
         yield from self._bounds(status)
+        yield from self._commitments(status)
         incidents = status.incidents
         totals = {
             **totals,
@@ -238,6 +239,29 @@ class RunStateCollector(Collector):
         handovers = _counter("mobius_handovers", "Ranks handed to a standby site.")
         handovers.add_metric([run], len(status.handovers))
         yield from (clipped, refused, suspect, handovers)
+
+    @staticmethod
+    def _commitments(status: StatusModel) -> Iterator[Metric]:
+        """audit.commitments (docs/security.md "Commitments"): frame hops whose two signed
+        digests agreed, and the incidents per kind."""
+        c = status.commitments
+        if c is None:
+            return
+        run = status.run_id
+        checked = _counter(
+            "mobius_commitment_frames_checked",
+            "Ring frame hops whose sender's and receiver's signed digests agreed.",
+        )
+        checked.add_metric([run], c.frames_checked)
+        found = _counter(
+            "mobius_commitment_incidents",
+            "Commitment incidents (digest mismatch, relay altered, forged, missing, late, "
+            "malformed).",
+            ("kind",),
+        )
+        for kind, n in sorted(c.by_kind.items()):
+            found.add_metric([run, kind], n)
+        yield from (checked, found)
 
     @staticmethod
     def _edges(status: StatusModel) -> Iterator[Metric]:

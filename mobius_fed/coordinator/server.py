@@ -118,20 +118,26 @@ class Coordinator:
         self.store.cadence.standby_waiting = lambda: bool(self.service.pool.live())
         self.state.standby = lambda: self.store.cadence.status(self.service.pool.live())
         self.recovery = Recovery(cfg, self.state, self.grid, self.service, self.store)
-        self.commitments: CommitmentAudit | None = None  # audit.commitments
-        if cfg.train.audit.commitments:
-            self.commitments = CommitmentAudit(
-                cfg.train,
-                certificate=self.service.certificates.get,
-                ring=lambda: self.recovery.ring_id,
-                site=self.state.site,
-            )
-            self.state.commitments = self.commitments.status
+        self.commitments = self._commitment_audit()
         self.strategy: Any = None
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
         self.rest: RestServer | None = None
         self.metrics_server: RestServer | None = None
+
+    def _commitment_audit(self) -> CommitmentAudit | None:
+        """audit.commitments: the check of each round's signed frame digests, its findings
+        in status (docs/security.md "Commitments")."""
+        if not self.train.audit.commitments:
+            return None
+        audit = CommitmentAudit(
+            self.train,
+            certificate=self.service.certificates.get,
+            ring=lambda: self.recovery.ring_id,
+            site=self.state.site,
+        )
+        self.state.commitments = audit.status
+        return audit
 
     # -------------------------------------------------------------- servers
     def start(self) -> None:

@@ -60,6 +60,16 @@ __all__ = ["LinkTimers", "PeerError", "RingLinks"]
 log = logging.getLogger("mobius.link")
 
 
+def _check_numbers(chunk_bytes: int, ack_every: int, link_grace: float) -> None:
+    """Refuse a piece size, an ACK interval or a grace out of range, naming it."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    if ack_every < 1:
+        raise ValueError(f"ack_every must be ≥ 1, got {ack_every}")
+    if link_grace < 0:
+        raise ValueError(f"link_grace must be ≥ 0, got {link_grace}")
+
+
 class RingLinks:
     """Server for the predecessor's stream plus client stream to the successor."""
 
@@ -89,12 +99,7 @@ class RingLinks:
         if tuning.allocator:
             tune_allocator()  # process-wide, once: the link's buffers stay on the heap
         chunk_bytes = tuning.chunk if chunk_bytes is None else chunk_bytes
-        if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
-        if ack_every < 1:
-            raise ValueError(f"ack_every must be ≥ 1, got {ack_every}")
-        if link_grace < 0:
-            raise ValueError(f"link_grace must be ≥ 0, got {link_grace}")
+        _check_numbers(chunk_bytes, ack_every, link_grace)
         self.rules, self.tuning, self.chunk_bytes = rules, tuning, chunk_bytes
         # Sent and received alike: a message larger than one of our pieces is refused
         # (RESOURCE_EXHAUSTED), so every worker of a ring must use the same piece size.

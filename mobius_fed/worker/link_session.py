@@ -556,24 +556,36 @@ class FrameRouter:
         digest = None
         if self.ledger is not None:  # the bytes as they came off the wire
             digest = self.ledger.piece(side, key, frame.chunk, frame.chunks, data)
-        if mine:
-            if tensor is not None:
-                self.rules.check_tensor(key, tensor, side)  # the bounds (BoundError)
-                self.inbox.put(key, tensor, owner=s)
-                self._commit(key, RECEIVED, side, digest)
-        else:
-            held = s.relay_hold.setdefault(key, [])
-            held.append(data)
-            if frame.chunk == frame.chunks - 1:
-                del s.relay_hold[key]
-                self._mark_relayed(key)
-                out = self._outgoing(frame.direction)
-                for piece in held:
-                    out.put(piece)
-                self._commit(key, RECEIVED, side, digest)
-                self._commit(key, SENT, side, digest)  # the very bytes, passed on
+        if not mine:
+            self._relay(key, frame, data, side, s, digest)
+        elif tensor is not None:
+            self.rules.check_tensor(key, tensor, side)  # the bounds (BoundError)
+            self.inbox.put(key, tensor, owner=s)
+            self._commit(key, RECEIVED, side, digest)
         s.end.received()
         return False
+
+    def _relay(
+        self,
+        key: FrameKey,
+        frame: ring_pb2.Frame,
+        data: bytes,
+        side: int,
+        s: Session,
+        digest: str | None,
+    ) -> None:
+        """Hold a validated piece of a frame for another worker; after its last piece,
+        forward them all as received."""
+        held = s.relay_hold.setdefault(key, [])
+        held.append(data)
+        if frame.chunk == frame.chunks - 1:
+            del s.relay_hold[key]
+            self._mark_relayed(key)
+            out = self._outgoing(frame.direction)
+            for piece in held:
+                out.put(piece)
+            self._commit(key, RECEIVED, side, digest)
+            self._commit(key, SENT, side, digest)  # the very bytes, passed on
 
     def _commit(self, key: FrameKey, way: str, side: int, digest: str | None) -> None:
         """Record frame ``key``, which came in on ``side``, in the ledger: RECEIVED from the

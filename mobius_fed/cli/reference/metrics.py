@@ -41,13 +41,15 @@ _STATUS = {
     "ring": [_EDGE | {"bytes_per_s": 1.0}],
     "ring_health": [_RING | {"edges_up": 1, "edges": 1}],
     "pace": _PACE | {"summary": ""},
+    "commitments": {"replies_checked": 1, "frames_checked": 1, "by_kind": {"late commitment": 1}},
     "workers": [_WORKER],
 }
 
 
 class _Run:
     """A run at its end in which every metric has a value: one worker reporting every
-    figure, one edge, one ring, a pace, a training and a validation loss."""
+    figure, one edge, one ring, a pace, a training and a validation loss, a commitment
+    incident."""
 
     run_id = "reference"
 
