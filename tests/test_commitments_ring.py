@@ -54,14 +54,21 @@ def _hops(train: TrainConfig, phase: int, steps: list[int]) -> int:
     )
 
 
-def test_a_clean_run_with_relays_commits_every_frame_and_equals_the_reference(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    "setting",
+    [
+        pytest.param({"order": "ordered", "micro_batches": 2}, id="ordered-relays-M2"),
+        pytest.param({"wire": {"fwd": "int8", "bwd": "fp8"}}, id="cyclic-lossy-wire"),
+    ],
+)
+def test_a_clean_run_commits_every_frame_and_equals_the_reference(
+    tmp_path: Path, setting: dict[str, Any]
 ) -> None:
-    """An ordered ring of 3 (frames relayed round the ring), 2 micro-batches: every hop of
-    every train and eval frame is compared and equal, no incident, and the losses are the
-    reference engine's bit for bit."""
-    train = TrainConfig(**BASE, workers=3, order="ordered", micro_batches=2, steps=4,
-                        eval_every=2)  # fmt: skip
+    """An ordered ring of 3 (frames relayed round the ring) with 2 micro-batches, and a
+    cyclic one whose frames carry a lossy codec's payloads: every hop of every train and
+    eval frame is compared and equal, no incident, and the losses are the reference
+    engine's bit for bit."""
+    train = TrainConfig(**BASE, workers=3, steps=4, eval_every=2, **setting)
     fed = LocalFederation(tmp_path, train, threads=1)
     final, hist = _run(fed)
     c = final["commitments"]
