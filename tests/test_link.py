@@ -22,6 +22,7 @@ from mobius_fed.transport.codec import WIRE_DTYPES, chunk_count, encode_frames
 from mobius_fed.transport.tls import open_channel
 from mobius_fed.worker.frames import BACKWARD, FIN, FORWARD, TRAIN, FrameKey, FrameRules
 from mobius_fed.worker.link import LinkTimers, PeerError, RingLinks
+from mobius_fed.worker.link_session import ACK_EVERY, Endpoint, FrameRouter, Inbox
 from tests.ring_harness import CutProxy
 
 RUN = "link-test"
@@ -627,6 +628,38 @@ def test_a_cut_longer_than_the_grace_names_the_edge(certs: CertLayout) -> None:
     finally:
         _close(links)
         proxy.close()
+
+
+def _fin(origin: int) -> bytes:
+    return ring_pb2.Frame(run_id=RUN, origin=origin, direction=FIN).SerializeToString()
+
+
+def test_a_relayed_fin_is_queued_and_counted_before_it_is_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """finish wakes once every FIN is recorded and then reads how far its out-edge must be
+    acknowledged: a FIN this worker relays must be queued by then, or finish may close the
+    link and drop it (the successor then waits out its FIN timeout); and counted, so that a
+    successor closing its links acknowledges it first."""
+    rules = FrameRules(_config(3), 0, RUN, lambda: 0)
+    inbox = Inbox(rules.current_step, frozenset({1, 2}))
+    out = Endpoint(None)
+    router = FrameRouter(rules, inbox, lambda direction: out, None, ACK_EVERY)
+    s = router.new_session("worker-2", FORWARD)
+    seen: list[tuple[int, int, int]] = []
+    record = inbox.add_fin
+
+    def add_fin(origin: int, owner: object = None) -> bool:
+        if origin not in inbox.fins:  # when it is recorded: queued to relay, counted
+            seen.append((origin, out.queued, s.end.rx))
+        return record(origin, owner)
+
+    monkeypatch.setattr(inbox, "add_fin", add_fin)
+    assert rules.route(FIN, 2) == [2, 0, 1], "worker 0 relays worker 2's FIN to worker 1"
+    router.accept(_fin(2), FORWARD, s)
+    router.accept(_fin(2), FORWARD, s)  # a repeat is neither recorded nor relayed again
+    assert seen == [(2, 1, 1)], seen
+    assert out.queued == 1 and inbox.fins == {2} and s.end.rx == 2
 
 
 def test_an_idle_link_outlives_many_keepalive_periods(certs: CertLayout) -> None:
