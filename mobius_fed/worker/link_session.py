@@ -436,10 +436,18 @@ class Endpoint:
                 self._capture.write(data)
             yield data
 
-    def wait_acked(self, seq: int, timeout: float) -> bool:
-        """Wait until the peer confirmed frames up to ``seq`` or the link ended for good."""
+    def unacknowledged(self) -> int:
+        """Frames put and not yet confirmed by the other end."""
         with self.cond:
-            return self.cond.wait_for(lambda: self.acked >= seq or self.done, timeout)
+            return self.queued - self.acked
+
+    def wait_acked(self, seq: int, timeout: float) -> bool:
+        """Wait until the peer confirmed frames up to ``seq`` (True), or the link ended for
+        good (``done``: no stream will bring a confirmation; a broken stream is re-dialled
+        first while frames are unconfirmed) or ``timeout`` passed (False)."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.acked >= seq or self.done, timeout)
+            return self.acked >= seq
 
 
 class Session:
