@@ -41,6 +41,15 @@ _STATUS = {
     "ring": [_EDGE | {"bytes_per_s": 1.0}],
     "ring_health": [_RING | {"edges_up": 1, "edges": 1}],
     "pace": _PACE | {"summary": ""},
+    "timeline": {
+        "round": 1,
+        "step_s": 1.0,
+        "compute_s": 0.5,
+        "wait_s": 0.2,
+        "other_s": 0.1,
+        "barrier_s": 0.2,
+        "summary": "",
+    },  # fmt: skip
     "workers": [_WORKER],
 }
 
