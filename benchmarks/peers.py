@@ -18,6 +18,9 @@ model size above which a site of a given GPU memory cannot hold the whole model.
 
 ``figure``: the figure of docs/ring-or-diloco.md from the JSON of the other two.
 
+``race``: the ring and DiLoCo as real processes on shaped links, measured end to end
+(``race.py``).
+
     python benchmarks/peers.py train --sites 4 \
         --json benchmarks/results/peers/peers-cpu-tiny-4sites.json
     python benchmarks/peers.py train --sites 8 \
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))  # the sibling benchmarks below
+import race
 
 RESULTS = Path(__file__).parent / "results" / "peers"
 CODEC = "fwd=int8,bwd=int4,rounding=stochastic"
@@ -775,7 +779,10 @@ def main(argv: list[str] | None = None) -> int:
     fg.add_argument("--tables", nargs="+", default=tables)
     fg.add_argument("--projection", type=Path, default=RESULTS / "projection.json")
     fg.add_argument("--out", type=Path, default=Path("docs/ring-or-diloco.png"))
+    race.add_parser(sub)
     args = ap.parse_args(argv)
+    if args.part == "race":
+        return race.main(args)
     if args.part == "train":
         train(args)
     elif args.part == "table":
