@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import statistics
 import sys
 import tempfile
@@ -265,6 +266,28 @@ def compute_per_step(rounds: list[dict]) -> float:
     return statistics.median(v / steps for v in per.values())
 
 
+def timeline(rounds: list[dict]) -> dict[str, float]:
+    """Where a step's time went, seconds per step over the run: the rounds' wall time
+    (coordinator clock, evaluations left out) and its barrier part (outside the slowest
+    worker's training), that worker's compute, wait for frames and other training time,
+    and the evaluations and start-up between rounds."""
+    steps = rounds[-1]["step"]
+    total = {"step": 0.0, "barrier": 0.0, "compute": 0.0, "wait": 0.0, "other": 0.0}
+    for r in rounds:
+        slow = max(r["workers"].values(), key=lambda f: f["train_s"])
+        total["step"] += r["seconds"]
+        total["barrier"] += max(0.0, r["seconds"] - slow["train_s"])
+        total["compute"] += slow.get("compute_s") or 0.0
+        total["wait"] += slow.get("wait_s") or 0.0
+        total["other"] += (
+            slow["train_s"] - (slow.get("compute_s") or 0.0) - (slow.get("wait_s") or 0.0)
+        )
+    wall = rounds[-1]["time"] - (rounds[0]["time"] - rounds[0]["seconds"])
+    out = {k: v / steps for k, v in total.items()}
+    out["between_rounds"] = (wall - total["step"]) / steps
+    return out
+
+
 def curve(rounds: list[dict], tokens_per_step: int) -> dict:
     """Eq. 8 against seconds since the first step began and against tokens."""
     t0 = rounds[0]["time"] - rounds[0]["seconds"]
@@ -338,6 +361,7 @@ def race(args) -> dict:
                 "link": {**link.__dict__, "k": link.k},
                 "compute_s": compute_per_step(rounds),
                 "curve": curve(rounds, cfg.tokens_per_step),
+                "timeline": timeline(rounds),
                 "projected_tokens_s": cfg.tokens_per_step / link.projected_step_s,
                 "seconds": time.perf_counter() - t0,
             }
@@ -454,7 +478,12 @@ def add_parser(sub) -> None:
     r.add_argument("--figure", type=Path, help="also write the figure here")
 
 
+def _stop(signum: int, _frame: object) -> None:
+    raise SystemExit(f"stopped by signal {signum}")  # the testbed in flight is torn down
+
+
 def main(args) -> int:
+    signal.signal(signal.SIGTERM, _stop)
     if args.quick:
         args.seeds, args.steps = [0], 300
     if args.report:
