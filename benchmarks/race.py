@@ -61,6 +61,7 @@ ER = {"MOBIUS_SYNC_EVERY": "10", "MOBIUS_SYNC__CODEC": "int4"}
 """The ring's E/R setting: every 10 steps, int4 with error feedback (issue 54 item 1's best
 within +0.02 Eq. 8 of every-step fp32 at cpu-small, docs/ring-or-diloco.md)."""
 SITES = 4
+MICRO = {"MOBIUS_MICRO_BATCHES": "2"}
 RANK_DIV = 4
 """Tokens mode's rank is d / 4 at both scales: at cpu-tiny's width 32, d / 8 (rank 4) cost
 +0.23 Eq. 8 against the codec ring after 1000 steps and d / 4 +0.04 (seed 0,
@@ -88,6 +89,8 @@ class RaceArm:
         kw["rings"] = int(e.get("MOBIUS_RINGS", "1"))
         kw["sync_every"] = int(e.get("MOBIUS_SYNC_EVERY", "1"))
         kw["ring_sync_every"] = int(e.get("MOBIUS_RING_SYNC_EVERY", "1"))
+        kw["micro_batches"] = int(e.get("MOBIUS_MICRO_BATCHES", "1"))
+        kw["ring_codec"] = e.get("MOBIUS_RING_CODEC", "none")
         if "MOBIUS_SYNC__CODEC" in e:
             kw["sync"] = {"codec": e["MOBIUS_SYNC__CODEC"]}
         if "MOBIUS_WIRE__FWD" in e:
@@ -118,9 +121,21 @@ def arms() -> list[RaceArm]:
             "ring-tokens",
         ),
         RaceArm("ring codec, E/R 10 int4", {**CODEC, **ER}, "ring-codec"),
+        # two micro-batches per stream: a worker computes one while the other travels
+        RaceArm(
+            f"ring tokens (d/{RANK_DIV}), codec, E/R 10 int4, M=2",
+            {**CODEC, **ER, **tokens, **MICRO},
+            "ring-tokens-m2",
+        ),
+        RaceArm("ring codec, E/R 10 int4, M=2", {**CODEC, **ER, **MICRO}, "ring-codec-m2"),
         diloco(10),
         diloco(50),  # the H that won the peers table at 4 sites (docs/ring-or-diloco.md)
         diloco(100),
+        # DiLoCo at its strongest here: its groups' pseudo-gradients in int4 (the E/R stay
+        # fp32: a compressed E/R outer step does not run across rings yet)
+        RaceArm(
+            "DiLoCo H=100, int4 groups", {**diloco(100).env, "MOBIUS_RING_CODEC": "int4"}, "diloco"
+        ),
     ]
 
 
@@ -141,7 +156,11 @@ def sent_bytes(cfg) -> dict[str, float]:
     er = sum(Codec(codec).payload_bytes(s) if codec != "none" else 4 * math.prod(s) for s in shapes)
     d = mc.d_model
     blocks = max(near_even_split(mc.n_layer, cfg.P)) if cfg.P > 1 else mc.n_layer
-    group = blocks * (12 * d * d + 2 * d) * 4  # the block's parameters (peers.block_params)
+    block = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d), (d,), (d,)]  # peers.block_params
+    ring_codec = None if cfg.ring_codec == "none" else Codec(cfg.ring_codec)
+    group = blocks * sum(
+        ring_codec.payload_bytes(s) if ring_codec else 4 * math.prod(s) for s in block
+    )
     return {
         "hops": float(hops if cfg.P > 1 else 0.0),
         "er": er / cfg.sync_every,
