@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import statistics
 import sys
@@ -242,6 +243,33 @@ def coordinator_env(arm: RaceArm, args, steps: int, seed: int) -> dict[str, str]
     return {**env, **arm.env}
 
 
+TICKS = os.sysconf("SC_CLK_TCK")
+FOREIGN_LIMIT = 0.25
+"""Cores of CPU that processes outside a run may use during it before the run is redone."""
+
+
+def machine_cpu() -> float:
+    """Busy CPU seconds of the whole machine so far (``/proc/stat``, idle and iowait out)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / TICKS
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process and its reaped children (a torn-down testbed's services:
+    ``ip netns exec`` execs into them, and the supervisor waits for each)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def wait_for_quiet(limit: float = 1.0, patience_s: float = 900.0) -> float:
+    """Wait (up to ``patience_s``) until the 1-minute load average is under ``limit``: a run
+    beside another CPU-heavy job would time that job, not the arm. The load at the start."""
+    deadline = time.monotonic() + patience_s
+    while (load := os.getloadavg()[0]) >= limit and time.monotonic() < deadline:
+        time.sleep(10)
+    return load
+
+
 def run_testbed(arm: RaceArm, args, steps: int, seed: int, link: Link | None) -> dict:
     """One run of ``arm``: the coordinator's per-round metrics, read after it exits."""
     from mobius_fed.testbed import Testbed
@@ -252,6 +280,8 @@ def run_testbed(arm: RaceArm, args, steps: int, seed: int, link: Link | None) ->
         shape = WanShape(int(link.rate_bps), link.delay_s)
         wan = {f"worker-{i}": shape for i in range(SITES)}  # the coordinator: a data centre
     env = {"coordinator": coordinator_env(arm, args, steps, seed)}
+    load = wait_for_quiet()
+    t0, machine0, own0 = time.monotonic(), machine_cpu(), own_cpu()
     with (
         tempfile.TemporaryDirectory(prefix="race") as tmp,
         Testbed(COMPOSE, tmp, env_overrides=env, wan=wan) as tb,
@@ -269,8 +299,21 @@ def run_testbed(arm: RaceArm, args, steps: int, seed: int, link: Link | None) ->
                                f"\n{tb.log_tail('coordinator')}")  # fmt: skip
         metrics = next(tb.volume_path("coordinator-state").rglob("metrics.jsonl"))
         rounds = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-    return {"rounds": [{k: v for k, v in r.items() if k not in ("losses", "origin_losses")}
-                       for r in rounds]}  # fmt: skip
+    rounds = [{k: v for k, v in r.items() if k not in ("losses", "origin_losses")} for r in rounds]
+    foreign = (machine_cpu() - machine0 - (own_cpu() - own0)) / (time.monotonic() - t0)
+    return {"rounds": rounds, "load_before": load, "foreign_cores": max(0.0, foreign)}
+
+
+def quiet_run(arm: RaceArm, args, steps: int, seed: int, link: Link | None) -> dict:
+    """:func:`run_testbed`, run again (twice at most) while other processes took more than
+    FOREIGN_LIMIT cores during it."""
+    for _ in range(3):
+        ran = run_testbed(arm, args, steps, seed, link)
+        if ran["foreign_cores"] <= FOREIGN_LIMIT:
+            break
+        print(f"{arm.name} seed {seed}: other processes used {ran['foreign_cores']:.2f} cores "
+              "during the run; running it again", flush=True)  # fmt: skip
+    return ran
 
 
 def compute_per_step(rounds: list[dict]) -> float:
@@ -360,7 +403,7 @@ def race(args) -> dict:
     calib = json.loads(calib_path.read_text()) if calib_path.exists() else {}
     for arm in chosen:
         if arm.kind not in calib:
-            rounds = run_testbed(arm, args, args.calibration_steps, 0, None)["rounds"]
+            rounds = quiet_run(arm, args, args.calibration_steps, 0, None)["rounds"]
             calib[arm.kind] = compute_per_step(rounds)
             calib_path.write_text(json.dumps(calib, indent=2) + "\n")
             ms = calib[arm.kind] * 1e3
@@ -373,8 +416,11 @@ def race(args) -> dict:
             link = scale_link(arm, args, calib[arm.kind])
             cfg = arm.train_config(args.preset, args.batch)
             t0 = time.perf_counter()
-            rounds = run_testbed(arm, args, args.steps, seed, link)["rounds"]
+            ran = quiet_run(arm, args, args.steps, seed, link)
+            rounds = ran["rounds"]
             doc = {
+                "load_before": ran["load_before"],
+                "foreign_cores": ran["foreign_cores"],
                 "arm": arm.name,
                 "seed": seed,
                 "link": {**link.__dict__, "k": link.k},
