@@ -49,7 +49,7 @@ _STATUS = {
         "other_s": 0.1,
         "barrier_s": 0.2,
         "summary": "",
-    },  # fmt: skip
+    },
     "workers": [_WORKER],
 }
 
