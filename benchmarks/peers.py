@@ -18,6 +18,9 @@ model size above which a site of a given GPU memory cannot hold the whole model.
 
 ``figure``: the figure of docs/ring-or-diloco.md from the JSON of the other two.
 
+``race``: the ring and DiLoCo as real processes on shaped links, measured end to end
+(``race.py``).
+
     python benchmarks/peers.py train --sites 4 \
         --json benchmarks/results/peers/peers-cpu-tiny-4sites.json
     python benchmarks/peers.py train --sites 8 \
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))  # the sibling benchmarks below
+import race
 
 RESULTS = Path(__file__).parent / "results" / "peers"
 CODEC = "fwd=int8,bwd=int4,rounding=stochastic"
@@ -400,10 +404,13 @@ SHAPES = (
     Shape("gpt2-small", 12, 768),  # the gpt2-small preset: 124M
     Shape("1B", 18, 2048),  # 18 blocks of width 2048 and the GPT-2 vocabulary: 1.01B
 )
-CODEC_RATIO = {"fp32": 1.0, "codec": (66 + 34) / (2 * 4 * 64)}
+CODEC_RATIO = {"fp32": 1.0, "codec": (66 + 34) / (2 * 4 * 64), "tokens d/4": 0.049153645833333336}
 """Hop bytes over fp32: int8 forward (64 values + a bf16 scale per group of 64: 66 B) and
 int4 backward (34 B) against 256 B of fp32 each way (as ``compression.step_bytes`` gives
-for ``--wire fwd=int8,bwd=int4``)."""
+for ``--wire fwd=int8,bwd=int4``). ``tokens d/4``: tokens mode with rank d / 4 and the same
+codec at gpt2-small (its hops' payload over fp32 states, ``race.sent_bytes``; tested)."""
+INT4_RATIO = 4.25 / 32
+"""E/R in int4 (a bf16 scale per group of 64: 4.25 bits a value) over fp32."""
 
 
 def ring_step_bytes(shape: Shape, P: int, batch: int, ratio: float, rank_div: int = 1) -> float:
@@ -423,6 +430,7 @@ def project_arm(
     rtt_s: float = 0.0,
     H: int = 1,
     er_every: int = 1,
+    er_ratio: float = 1.0,
     ratio: float = 1.0,
     rank_div: int = 1,
 ) -> dict[str, float]:
@@ -432,21 +440,23 @@ def project_arm(
     splits every origin's tokens over its P = ``sites`` groups, DiLoCo trains the whole model
     on its own tokens. The ring's step is ``wan.project``'s: its hops overlap compute
     (max(compute, transfer) + K·RTT, K = P), then its E/R are averaged once per ``er_every``
-    steps (blocking: fp32 out). DiLoCo's sync blocks too: compute + (fp32 weights out)/H +
-    RTT/H."""
+    steps (blocking: fp32 up to the coordinator, then the average back down). DiLoCo's sync
+    blocks too: compute + (fp32 weights up, then down)/H + RTT/H. The way down was left out
+    before the race measured it (``race.py``: DiLoCo H = 10 ran at 1.00× the projection with
+    it, about half without)."""
     from wan import project
 
     tokens_site = batch * shape.seq
     compute = 6 * shape.params * tokens_site / flops
-    er = shape.vocab * shape.d * 4
+    er = shape.vocab * shape.d * 4 * er_ratio
     if arm == "ring":
         hops = ring_step_bytes(shape, sites, batch, ratio, rank_div)
         step = project(compute, hops, rate_bps, rtt_s, sites)["step_s"]
-        step += (8 * er / rate_bps + rtt_s) / er_every
+        step += (race.ROUND_TRIP * 8 * er / rate_bps + rtt_s) / er_every
         sent = hops + er / er_every
     elif arm == "diloco":
         sent = 4 * shape.params / H
-        step = compute + (8 * 4 * shape.params / rate_bps + rtt_s) / H
+        step = compute + (race.ROUND_TRIP * 8 * 4 * shape.params / rate_bps + rtt_s) / H
     else:
         raise ValueError(f"arm {arm!r}: ring or diloco")
     steps = 1e9 / (sites * tokens_site)
@@ -464,16 +474,26 @@ H200_TFLOPS = round(6 * 123_586_560 * 173_106 / 1e12)
 173,106 tokens/s measured (docs/wan.md §6, ``benchmarks/gpu.py --batch 8 --tf32``), at 6·N
 FLOPs per token."""
 
+ER10 = {"er_every": 10, "er_ratio": INT4_RATIO}
 PROJECT_ARMS = (
     ("ring fp32", "ring", {}),
     ("ring codec int8/int4", "ring", {"ratio": CODEC_RATIO["codec"]}),
     ("ring states-only", "ring", {"ratio": CODEC_RATIO["codec"], "rank_div": 4}),
     ("ring codec, E/R every 100 steps", "ring", {"ratio": CODEC_RATIO["codec"], "er_every": 100}),
+    ("ring codec, E/R every 10 int4", "ring", {"ratio": CODEC_RATIO["codec"], **ER10}),
+    (
+        "ring tokens d/4 + codec, E/R every 10 int4",
+        "ring",
+        {"ratio": CODEC_RATIO["tokens d/4"], **ER10},
+    ),
     ("DiLoCo H=1", "diloco", {"H": 1}),
+    ("DiLoCo H=50", "diloco", {"H": 50}),
     ("DiLoCo H=100", "diloco", {"H": 100}),
 )
 RATES = (("0.1 Gbit/s", 1e8), ("1 Gbit/s", 1e9))
-UNMEASURED = {"ring codec, E/R every 100 steps": " (quality not measured)"}
+UNMEASURED: dict[
+    str, str
+] = {}  # every projected arm's quality is measured (docs/ring-or-diloco.md)
 GPUS = (("24 GB", 24 * 2**30), ("80 GB", 80 * 2**30))
 
 
@@ -532,7 +552,12 @@ def projection(args: argparse.Namespace) -> dict:
     cross = {}
     for rate_name, _ in RATES:
         hours = {(r["arm"], r["d"]): r for r in sweep if r["rate"] == rate_name}
-        for ring in ("ring codec int8/int4", "ring codec, E/R every 100 steps"):
+        for ring in (
+            "ring codec int8/int4",
+            "ring codec, E/R every 100 steps",
+            "ring codec, E/R every 10 int4",
+            "ring tokens d/4 + codec, E/R every 10 int4",
+        ):
             pts = [
                 (hours[(ring, d)]["params"], hours[(ring, d)]["hours_per_1B"],
                  hours[("DiLoCo H=100", d)]["hours_per_1B"])
@@ -775,7 +800,10 @@ def main(argv: list[str] | None = None) -> int:
     fg.add_argument("--tables", nargs="+", default=tables)
     fg.add_argument("--projection", type=Path, default=RESULTS / "projection.json")
     fg.add_argument("--out", type=Path, default=Path("docs/ring-or-diloco.png"))
+    race.add_parser(sub)
     args = ap.parse_args(argv)
+    if args.part == "race":
+        return race.main(args)
     if args.part == "train":
         train(args)
     elif args.part == "table":

@@ -235,6 +235,15 @@ class TrainConfig(BaseModel):
         description="codec of the pseudo-gradients a ring sync sends (int8, int4, ...; "
         "none: the groups travel in fp32)",
     )
+    ring_aggregate: Literal["mean", "median", "trimmed", "krum"] = Field(
+        "mean",
+        description="how a ring sync combines the R rings' F_i: mean (the weighted average), "
+        "or Flower's median, trimmed mean or Krum (R ≥ 3; docs/rings.md)",
+    )
+    ring_trim: float = Field(
+        0.34, ge=0, description="trimmed: fraction of the rings cut off each end (1/R to < 0.5)"
+    )
+    ring_krum_f: int = Field(1, ge=0, description="krum: rings that may lie (needs R ≥ 2f + 3)")
     outer_lr: float = Field(0.7, gt=0, description="diloco: outer learning rate")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: outer Nesterov momentum")
     loops: int = Field(1, ge=1, description="L: complete passes over the P groups")
@@ -394,41 +403,11 @@ class TrainConfig(BaseModel):
             _check_states_only(self)
         if self.subspace.on and self.subspace.mode == "tokens":
             self._check_tokens_mode()
-        self._check_rings()
+        _check_rings(self)
         if why := self.sync.problem(self):
             raise ValueError(why)
         self.model()  # raises on a rank above d_model
         return self
-
-    def _check_rings(self) -> None:
-        """R rings of P groups (docs/rings.md): workers = R·P, ring syncs at E/R barriers."""
-        R = self.rings
-        if self.workers % R:
-            raise ValueError(
-                f"rings={R} does not divide workers={self.workers}: R rings of P block groups "
-                f"need workers = R·P (e.g. workers={R * max(1, self.workers // R)})"
-            )
-        if R == 1:
-            return
-        if self.sync_every < 1 or self.ring_sync_every % self.sync_every:
-            raise ValueError(
-                f"ring_sync_every={self.ring_sync_every} must be a multiple of "
-                f"sync_every={self.sync_every} (≥ 1): a ring sync happens at an E/R barrier"
-            )
-        pc = self.privacy  # site-keyed features would key ring r's site i as site i
-        clash = [
-            name
-            for name, on in (
-                ("privacy.er_secagg", pc.er_secagg),
-                ("privacy.home_layer", pc.home_layer != "off"),
-                ("privacy.home_input", pc.home_input != "off"),
-                ("privacy.noise_key_dir", pc.noise_key_dir is not None),
-                ("subspace.learn", self.subspace.learn),
-            )
-            if on
-        ]
-        if clash:
-            raise ValueError(f"rings > 1 cannot be combined with {', '.join(clash)} yet")
 
     def _check_tokens_mode(self) -> None:
         """Subspace mode ``tokens`` sends each micro-batch's token ids to every group on its
@@ -497,7 +476,9 @@ class TrainConfig(BaseModel):
         """The settings every site of a run of rings must share, as a refusal names them."""
         text = f"workers={self.workers} rings={self.rings} ring_sync_every={self.ring_sync_every}"
         text += f" sync_every={self.sync_every} ring_outer={self.ring_outer}"
-        text += f" ring_codec={self.ring_codec}"
+        text += f" ring_codec={self.ring_codec} ring_aggregate={self.ring_aggregate}"
+        knob = {"trimmed": f"ring_trim={self.ring_trim}", "krum": f"ring_krum_f={self.ring_krum_f}"}
+        text += f" {knob[self.ring_aggregate]}" if self.ring_aggregate in knob else ""
         if self.ring_outer == "diloco":
             text += f" outer_lr={self.outer_lr} outer_momentum={self.outer_momentum}"
         return text
@@ -548,6 +529,72 @@ class TrainConfig(BaseModel):
                 del table[key]
         blob = json.dumps(doc, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+MIN_ROBUST_RINGS = 3  # fewer: a median or trimmed mean is the mean, and no ring is outvoted
+
+
+def ring_aggregate_problem(aggregate: str, rings: int, trim: float, krum_f: int) -> str | None:
+    """Why ``rings`` rings cannot sync their groups with ``aggregate`` (None: they can);
+    docs/rings.md "Robust aggregation across rings"."""
+    if aggregate == "mean":
+        return None
+    if rings < MIN_ROBUST_RINGS:
+        return (
+            f"ring_aggregate={aggregate} needs rings ≥ {MIN_ROBUST_RINGS} (got rings={rings}): "
+            "with fewer a median or trimmed mean is the mean, and no ring is outvoted"
+        )
+    if aggregate == "krum" and rings < 2 * krum_f + 3:
+        return (
+            f"ring_aggregate=krum with ring_krum_f={krum_f} needs rings ≥ 2·f + 3 = "
+            f"{2 * krum_f + 3} (got rings={rings}): lower ring_krum_f or add rings"
+        )
+    cut = int(trim * rings)  # Flower's trimmed mean cuts int(beta·n) off each end
+    if aggregate == "trimmed" and trim >= 0.5:
+        every = ", every ring" if 2 * cut >= rings else ""
+        return (
+            f"ring_trim={trim} cuts {cut} of rings={rings} off each end{every}: the limit is "
+            "ring_trim < 0.5 (Flower's trimmed mean)"
+        )
+    if aggregate == "trimmed" and cut == 0:
+        return (
+            f"ring_trim={trim} cuts int({trim}·{rings}) = 0 rings off each end, so the trimmed "
+            f"mean is the mean: set ring_trim ≥ 1/{rings} (e.g. {math.ceil(100 / rings) / 100})"
+        )
+    return None
+
+
+def _check_rings(cfg: TrainConfig) -> None:
+    """R rings of P groups (docs/rings.md): workers = R·P, ring syncs at E/R barriers."""
+    R = cfg.rings
+    if cfg.workers % R:
+        raise ValueError(
+            f"rings={R} does not divide workers={cfg.workers}: R rings of P block groups "
+            f"need workers = R·P (e.g. workers={R * max(1, cfg.workers // R)})"
+        )
+    if why := ring_aggregate_problem(cfg.ring_aggregate, R, cfg.ring_trim, cfg.ring_krum_f):
+        raise ValueError(why)
+    if R == 1:
+        return
+    if cfg.sync_every < 1 or cfg.ring_sync_every % cfg.sync_every:
+        raise ValueError(
+            f"ring_sync_every={cfg.ring_sync_every} must be a multiple of "
+            f"sync_every={cfg.sync_every} (≥ 1): a ring sync happens at an E/R barrier"
+        )
+    pc = cfg.privacy  # site-keyed features would key ring r's site i as site i
+    clash = [
+        name
+        for name, on in (
+            ("privacy.er_secagg", pc.er_secagg),
+            ("privacy.home_layer", pc.home_layer != "off"),
+            ("privacy.home_input", pc.home_input != "off"),
+            ("privacy.noise_key_dir", pc.noise_key_dir is not None),
+            ("subspace.learn", cfg.subspace.learn),
+        )
+        if on
+    ]
+    if clash:
+        raise ValueError(f"rings > 1 cannot be combined with {', '.join(clash)} yet")
 
 
 def _check_bottleneck(cfg: TrainConfig) -> None:
@@ -608,6 +655,9 @@ LATER_SETTINGS: dict[tuple[str, ...], Any] = {
     ("ring_sync_every",): 1,
     ("ring_outer",): "fedavg",
     ("ring_codec",): "none",
+    ("ring_aggregate",): "mean",
+    ("ring_trim",): 0.34,
+    ("ring_krum_f",): 1,
     ("outer_lr",): 0.7,
     ("outer_momentum",): 0.9,
     ("subspace", "writes"): "basis",

@@ -29,7 +29,6 @@ from flwr.serverapp.strategy import (
     FedYogi,
     Strategy,
 )
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from mobius_fed.checkpoint import ARRAYS_TAG
 from mobius_fed.config import ConfigError, TrainConfig
@@ -44,6 +43,7 @@ from mobius_fed.messages import (  # noqa: F401 - engine reads STEP_START here
     STEP_START,
     TrainOrder,
 )
+from mobius_fed.robust_sync import RingAggregate
 from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.flower_wire import rank_of_node
 
@@ -517,9 +517,11 @@ class BarrierRounds(StrategyWrapper):
 @dataclass(frozen=True)
 class RingPlan:
     """R rings of P groups (docs/rings.md): every H steps (and at the end) each group F_i is
-    averaged over the R rings, then the outer step ``outer`` (fedavg: the average; diloco:
-    :func:`nesterov_step` from the global F_i of the previous sync). ``initial(i)``: F_i's
-    weights at step 0, the first global weights of a DiLoCo outer step."""
+    combined over the R rings (``aggregate``: the mean, or Flower's median, trimmed mean or
+    Krum, :class:`~mobius_fed.robust_sync.RingAggregate`), then the outer step ``outer``
+    (fedavg: the aggregate; diloco: :func:`nesterov_step` from the global F_i of the previous
+    sync). ``initial(i)``: F_i's weights at step 0, the first global weights of a DiLoCo
+    outer step."""
 
     P: int
     R: int
@@ -530,6 +532,9 @@ class RingPlan:
     momentum: float = 0.9
     initial: Callable[[int], ArrayRecord] | None = None
     codec: str = "none"  # the pseudo-gradients' wire codec (none: F_i itself, fp32)
+    aggregate: str = "mean"  # mean, median, trimmed or krum (docs/rings.md)
+    trim: float = 0.34  # trimmed: the fraction cut off each end
+    krum_f: int = 1  # krum: the rings that may lie
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> RingPlan | None:
@@ -552,6 +557,9 @@ class RingPlan:
             cfg.outer_momentum,
             initial,
             cfg.ring_codec,
+            cfg.ring_aggregate,
+            cfg.ring_trim,
+            cfg.ring_krum_f,
         )
 
     def syncs(self, step_end: int) -> bool:
@@ -588,14 +596,16 @@ def decode_delta(record: ArrayRecord, like: ArrayRecord, codec: str) -> ArrayRec
 
 class RingSync(StrategyWrapper):
     """R rings of P groups: on a ring-sync round each worker sends its group F_i back
-    (``GROUP``); this wrapper takes those out of the replies, averages F_i over the R
-    workers r·P + i with Flower's own weighted average, applies the plan's outer step, and
-    sends the synced F_i with the next evaluate and train messages. The E/R go on to the
-    strategy inside, which averages them over all R·P sites."""
+    (``GROUP``); this wrapper takes those out of the replies, combines F_i over the R
+    workers r·P + i (Flower's weighted average, or its median, trimmed mean or Krum: the
+    plan's ``aggregate``), applies the plan's outer step, and sends the synced F_i with the
+    next evaluate and train messages. The E/R go on to the strategy inside, which averages
+    them over all R·P sites."""
 
     def __init__(self, strategy: Strategy, plan: RingPlan) -> None:
         super().__init__(strategy)
         self.plan = plan
+        self.combine = RingAggregate(plan.aggregate, plan.R, plan.trim, plan.krum_f)
         self.pending: dict[int, ArrayRecord] = {}  # synced groups not yet sent for training
         self.globals: dict[int, ArrayRecord] = {}  # diloco: global F_i of the last sync
         self.momentum: dict[int, Arrays] = {}  # diloco: F_i's outer momentum
@@ -657,9 +667,9 @@ class RingSync(StrategyWrapper):
                     f"{self.plan.R} rings"
                 )
             if self.plan.codec == "none":
-                self.pending[i] = self._outer(i, aggregate_arrayrecords(records, "num-examples"))
+                self.pending[i] = self._outer(i, self.combine(server_round, records))
             else:
-                self.pending[i] = self._outer_delta(i, records)
+                self.pending[i] = self._outer_delta(i, records, server_round)
         return super().aggregate_train(server_round, replies)
 
     def _outer(self, i: int, average: ArrayRecord) -> ArrayRecord:
@@ -672,14 +682,14 @@ class RingSync(StrategyWrapper):
         self.globals[i] = new
         return new
 
-    def _outer_delta(self, i: int, records: list[RecordDict]) -> ArrayRecord:
-        """With a codec: decode each ring's pseudo-gradient, average them (Flower's weighted
-        average), then θ − mean δ (fedavg) or the Nesterov step on mean δ (diloco)."""
+    def _outer_delta(self, i: int, records: list[RecordDict], server_round: int) -> ArrayRecord:
+        """With a codec: decode each ring's pseudo-gradient, combine them into δ̄ (the plan's
+        aggregate), then θ − δ̄ (fedavg) or the Nesterov step on δ̄ (diloco)."""
         plan, theta = self.plan, self._global(i)
         for record in records:
             record[ARRAYS] = decode_delta(record.array_records[ARRAYS], theta, plan.codec)
-        mean = aggregate_arrayrecords(records, "num-examples")
-        delta = {name: a.numpy() for name, a in mean.items()}
+        combined = self.combine(server_round, records)
+        delta = {name: a.numpy() for name, a in combined.items()}
         if plan.outer == "fedavg":
             new = ArrayRecord(
                 {n: Array(np.asarray(theta[n].numpy() - d)) for n, d in delta.items()}

@@ -96,6 +96,7 @@ NOT_QUICK = (
     "test_cli.py::test_experiment_prints_the_table",  # trains every arm of a table
     "test_identity.py::",  # impostor daemons in processes of their own
     "test_patient_attacks.py::",  # trains a victim and its attackers
+    "test_rings_robust.py::test_one_lying_ring",  # trains each aggregate clean and attacked
     "test_tracking.py::test_wandb_offline",  # W&B in a process of its own
     "test_howto.py::test_the_run_blocks_of_a_page_run",  # each page's commands, trained
     "test_link.py::test_an_idle_link_outlives_many_keepalive_periods",  # waits out keepalives

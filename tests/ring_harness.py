@@ -156,9 +156,11 @@ class Ring:
 class CutProxy:
     """A TCP proxy on loopback between a ring worker and its successor that can cut the
     connection (RST both ways) and refuse new ones for a while, or silently stop
-    forwarding on it (:meth:`freeze`), like a flaky WAN link.
+    forwarding on it (:meth:`freeze`; with ``answers_only`` only server → client), like a
+    flaky WAN link.
 
-    ``bytes_up``: bytes forwarded client → server so far; ``on_bytes(n, action)`` runs
+    ``bytes_up``: bytes forwarded client → server so far; ``swallowed``: client bytes a
+    black hole took (:meth:`wait_swallowed` waits for more); ``on_bytes(n, action)`` runs
     ``action`` (once) when that count first reaches ``n``. With ``swallow=m`` the open
     connections turn into a black hole at that moment, and ``action`` runs once ``m`` more
     client bytes were swallowed (or after ``within`` seconds): whatever the scheduling, the
@@ -169,14 +171,17 @@ class CutProxy:
         self.target = ("127.0.0.1", target_port)
         self.port = free_ports(1)[0]
         self.bytes_up = 0
+        self.swallowed = 0
         self.cuts = 0
         self._lock = threading.Lock()
+        self._swallowing = threading.Condition(self._lock)
         self._socks: list[socket.socket] = []
         self._trigger: tuple[int, Callable[[], None], int, float] | None = None
         self._swallow: tuple[int, Callable[[], None]] | None = None  # (bytes left, action)
         self._closed = False
         self._gen = 0  # connections accepted after freeze() have a higher generation
         self._frozen = -1
+        self._frozen_down = -1  # only server → client: the answers of these connections
         self._listener: socket.socket | None = None
         self._listen()
 
@@ -208,7 +213,7 @@ class CutProxy:
     def _pump(self, src: socket.socket, dst: socket.socket, up: bool, gen: int) -> None:
         try:
             while data := src.recv(1 << 16):
-                if gen <= self._frozen:
+                if gen <= self._frozen or (not up and gen <= self._frozen_down):
                     if up:
                         self._swallowed(len(data))
                     continue  # a black hole: bytes go in, nothing comes out, nothing closes
@@ -245,6 +250,8 @@ class CutProxy:
     def _swallowed(self, n: int, force: bool = False) -> None:
         action = None
         with self._lock:
+            self.swallowed += n
+            self._swallowing.notify_all()
             if self._swallow is not None:
                 left = self._swallow[0] - n
                 if left <= 0 or force:
@@ -253,6 +260,11 @@ class CutProxy:
                     self._swallow = (left, self._swallow[1])
         if action is not None:
             threading.Thread(target=action, daemon=True).start()
+
+    def wait_swallowed(self, more_than: int, timeout: float) -> bool:
+        """Wait until a black hole took more than ``more_than`` client bytes in all."""
+        with self._swallowing:
+            return self._swallowing.wait_for(lambda: self.swallowed > more_than, timeout)
 
     def on_bytes(
         self, n: int, action: Callable[[], None], swallow: int = 0, within: float = 2.0
@@ -282,11 +294,16 @@ class CutProxy:
         else:
             self._listener = listener
 
-    def freeze(self) -> None:
+    def freeze(self, answers_only: bool = False) -> None:
         """Swallow everything on the open connections without closing them (a black hole:
-        only keepalive can tell); new connections pass."""
+        only keepalive can tell); new connections pass. ``answers_only``: the client's bytes
+        still arrive, the server's never come back."""
         with self._lock:
-            self._frozen, self._gen = self._gen, self._gen + 1
+            if answers_only:
+                self._frozen_down = self._gen
+            else:
+                self._frozen = self._gen
+            self._gen += 1
 
     def close(self) -> None:
         self._closed = True

@@ -23,6 +23,7 @@ from mobius_fed.transport.tls import open_channel
 from mobius_fed.worker.commitments import RECEIVED, SENT, FrameLedger
 from mobius_fed.worker.frames import BACKWARD, FIN, FORWARD, TRAIN, FrameKey, FrameRules
 from mobius_fed.worker.link import LinkTimers, PeerError, RingLinks
+from mobius_fed.worker.link_session import ACK_EVERY, Endpoint, FrameRouter, Inbox
 from tests.ring_harness import CutProxy
 
 RUN = "link-test"
@@ -635,6 +636,116 @@ def test_a_cut_longer_than_the_grace_names_the_edge(certs: CertLayout) -> None:
     finally:
         _close(links)
         proxy.close()
+
+
+def _fin(origin: int) -> bytes:
+    return ring_pb2.Frame(run_id=RUN, origin=origin, direction=FIN).SerializeToString()
+
+
+def _finish_in_background(link: RingLinks, timeout: float) -> threading.Thread:
+    thread = threading.Thread(target=link.finish, args=(timeout,), daemon=True)
+    thread.start()
+    return thread
+
+
+def _sent_into(proxy: CutProxy, out: Endpoint, seq: int) -> None:
+    """Wait until frame ``seq`` was handed to gRPC, whose bytes a frozen ``proxy`` takes."""
+    deadline = time.monotonic() + TIMEOUT
+    taken = proxy.swallowed
+    while out.sent_hi < seq:  # woken by what the black hole takes: this frame's bytes
+        left = deadline - time.monotonic()
+        assert proxy.wait_swallowed(taken, left), f"frame {seq} was never sent"
+        taken = proxy.swallowed
+
+
+@pytest.mark.parametrize("lost", ["the FIN", "its acknowledgement"])
+def test_finish_redials_when_the_stream_breaks_before_its_fin_is_acknowledged(
+    certs: CertLayout, lost: str
+) -> None:
+    """The end of a run: worker 1's FIN reached worker 0, so worker 0 has every peer's FIN;
+    then worker 0's own FIN, or the acknowledgement coming back, vanishes in the proxy and
+    the connection is reset. finish must not take the broken stream for the end of the
+    session: it re-dials within the grace, resends what is unacknowledged, and returns on
+    the acknowledgement; worker 1 has the FIN at once, not after its FIN timeout."""
+    links, proxy = _proxied(certs, link_grace=20.0)
+    a, b = links
+    out = a.forward_out
+    try:
+        b.forward_out.put(_fin(1))  # what b.finish sends first
+        assert a.inbox.wait_fins(TIMEOUT), "worker 1's FIN never reached worker 0"
+        proxy.freeze(answers_only=lost != "the FIN")
+        fin_seq = out.queued + 1
+        finishing = _finish_in_background(a, TIMEOUT)
+        if lost == "the FIN":  # sent into the black hole
+            _sent_into(proxy, out, fin_seq)
+        else:  # it arrived; the acknowledgement does not come back
+            assert b.inbox.wait_fins(TIMEOUT), "worker 0's FIN never reached worker 1"
+        assert out.acked < fin_seq and finishing.is_alive(), "acknowledged through the freeze"
+        cut_at = time.monotonic()
+        proxy.cut()  # a reset; new connections pass
+        finishing.join(TIMEOUT)
+        assert not finishing.is_alive(), "finish did not return"
+        assert out.acked >= fin_seq, "finish returned without the FIN's acknowledgement"
+        assert b.inbox.wait_fins(TIMEOUT) and 0 in b.inbox.fins
+        assert time.monotonic() - cut_at < 5.0, "worker 1 waited for worker 0's FIN"
+        assert a.edge_states()["out"]["reconnects"] == 1 == b.edge_states()["in"]["reconnects"]
+        assert not a.rejected and not b.rejected
+    finally:
+        _close(links)
+        proxy.close()
+
+
+def test_finish_names_the_successor_that_never_acknowledged_its_fin(
+    certs: CertLayout, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The successor stays unreachable after the reset: finish waits for the FIN's
+    acknowledgement as long as it may, then says which successor never confirmed it."""
+    links, proxy = _proxied(certs, link_grace=20.0)
+    a, b = links
+    out = a.forward_out
+    try:
+        b.forward_out.put(_fin(1))
+        assert a.inbox.wait_fins(TIMEOUT)
+        proxy.freeze()
+        finishing = _finish_in_background(a, 2.0)  # waits min(2 s, 10 s) for the ack
+        _sent_into(proxy, out, 1)
+        threading.Thread(target=proxy.cut, args=(30.0,), daemon=True).start()
+        finishing.join(TIMEOUT)
+        assert not finishing.is_alive()
+        assert out.acked == 0 and 0 not in b.inbox.fins
+        assert "worker-1 never acknowledged" in caplog.text, caplog.text
+        assert "edge worker-0 → worker-1" in caplog.text, caplog.text
+    finally:
+        _close(links)
+        proxy.close()
+
+
+def test_a_relayed_fin_is_queued_and_counted_before_it_is_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """finish wakes once every FIN is recorded and then reads how far its out-edge must be
+    acknowledged: a FIN this worker relays must be queued by then, or finish may close the
+    link and drop it (the successor then waits out its FIN timeout); and counted, so that a
+    successor closing its links acknowledges it first."""
+    rules = FrameRules(_config(3), 0, RUN, lambda: 0)
+    inbox = Inbox(rules.current_step, frozenset({1, 2}))
+    out = Endpoint(None)
+    router = FrameRouter(rules, inbox, lambda direction: out, None, ACK_EVERY)
+    s = router.new_session("worker-2", FORWARD)
+    seen: list[tuple[int, int, int]] = []
+    record = inbox.add_fin
+
+    def add_fin(origin: int, owner: object = None) -> bool:
+        if origin not in inbox.fins:  # when it is recorded: queued to relay, counted
+            seen.append((origin, out.queued, s.end.rx))
+        return record(origin, owner)
+
+    monkeypatch.setattr(inbox, "add_fin", add_fin)
+    assert rules.route(FIN, 2) == [2, 0, 1], "worker 0 relays worker 2's FIN to worker 1"
+    router.accept(_fin(2), FORWARD, s)
+    router.accept(_fin(2), FORWARD, s)  # a repeat is neither recorded nor relayed again
+    assert seen == [(2, 1, 1)], seen
+    assert out.queued == 1 and inbox.fins == {2} and s.end.rx == 2
 
 
 def test_an_idle_link_outlives_many_keepalive_periods(certs: CertLayout) -> None:

@@ -89,6 +89,26 @@ def test_the_slowest_site_and_its_cost_in_status_and_metrics() -> None:
     assert "ms/block" in text and "50" in text  # worker-1: 1.2 s / 24 applications
 
 
+def test_where_a_steps_time_went_in_status_and_metrics() -> None:
+    """The latest round per step: the slowest worker's compute, wait and other training
+    time, and the barrier (the round's wall time outside the slowest worker's training)."""
+    st = RunState(run_id="r", P=2, steps=8, strategy="fedavg", num_rounds=2)
+    assert st.status_doc()["timeline"] is None
+    slow = {"train_s": 2.0, "compute_s": 1.2, "wait_s": 0.4}
+    st.record_round(1, 3.0, 2.0, workers={0: {"train_s": 1.5, "compute_s": 1.4}, 1: slow},
+                    steps=4)  # fmt: skip
+    t = st.status_doc()["timeline"]
+    assert t["round"] == 1 and t["step_s"] == 0.75 and t["compute_s"] == 0.3
+    assert t["wait_s"] == 0.1 and abs(t["other_s"] - 0.1) < 1e-12 and t["barrier_s"] == 0.25
+    assert t["summary"] == "step 0.750 s: compute 0.300, wait 0.100, other 0.100, barrier 0.250"
+    fams = {f.name: f for f in text_string_to_metric_families(st.prometheus())}
+    parts = {s.labels["part"]: s.value for s in fams["mobius_step_part_seconds"].samples}
+    assert parts == {"compute": 0.3, "wait": 0.1, "other": t["other_s"], "barrier": 0.25}
+    console = Console(record=True, width=200)
+    render_status(st.status_doc(), console)
+    assert "time per step, round 1: step 0.750 s: compute 0.300" in console.export_text()
+
+
 def test_each_rings_health_in_status_metrics_and_the_cli() -> None:
     """R = 2 rings of 2: per-worker series carry the ring; a lost worker of ring 1 stalls
     ring 1 (its edges down, named in the reason) while ring 0 stays healthy; once it

@@ -47,13 +47,13 @@ def test_projection_by_hand():
     steps = 1e9 / (4 * 2 * 16)
     d = peers.project_arm(shape, "diloco", H=10, **kw)
     assert d["compute_s"] == pytest.approx(compute)
-    assert d["step_s"] == pytest.approx(compute + 4 * N / 1e6 / 10)
+    assert d["step_s"] == pytest.approx(compute + 2 * 4 * N / 1e6 / 10)  # up, then down
     assert d["hours_per_1B"] == pytest.approx(steps * d["step_s"] / 3600)
     r = peers.project_arm(shape, "ring", rtt_s=0.01, **kw)
     hops = 2 * 4 * 2 * 16 * 64 * 4  # 2·P hidden states of batch × seq × d, fp32
     assert r["bytes_per_site_step"] == hops + 100 * 64 * 4
     assert r["step_s"] == pytest.approx(
-        max(compute, hops / 1e6) + 4 * 0.01 + 100 * 64 * 4 / 1e6 + 0.01
+        max(compute, hops / 1e6) + 4 * 0.01 + 2 * 100 * 64 * 4 / 1e6 + 0.01
     )
     codec = peers.project_arm(shape, "ring", ratio=peers.CODEC_RATIO["codec"], er_every=100, **kw)
     assert codec["bytes_per_site_step"] == pytest.approx(hops * 100 / 512 + 100 * 64 * 4 / 100)
@@ -71,6 +71,17 @@ def test_codec_ratio_is_the_wire_payload():
     cfg = TrainConfig(preset="cpu-tiny", workers=4, wire=WireConfig.parse_flag(peers.CODEC))
     sent, fp32 = step_bytes(cfg)
     assert sent / fp32 == pytest.approx(peers.CODEC_RATIO["codec"])
+
+
+def test_tokens_and_int4_ratios_are_the_payloads_at_gpt2_small():
+    race = load_benchmark("race")
+    arm = next(a for a in race.arms() if a.name.startswith("ring tokens (d/4)"))
+    sent = race.sent_bytes(arm.train_config("gpt2-small", 8))
+    shape = peers.SHAPES[0]
+    assert sent["hops"] == pytest.approx(
+        peers.ring_step_bytes(shape, 4, 8, peers.CODEC_RATIO["tokens d/4"])
+    )
+    assert sent["er"] * 10 == pytest.approx(shape.vocab * shape.d * 4 * peers.INT4_RATIO)
 
 
 def test_arms_for_four_and_eight_sites():

@@ -55,35 +55,41 @@ def ring(fed: LocalFederation) -> tuple[dict, dict, dict, list]:
 
 
 @pytest.mark.parametrize(
-    ("R", "P", "H", "outer", "steps", "codec"),
+    ("R", "P", "H", "outer", "steps", "codec", "aggregate"),
     [
-        pytest.param(2, 2, 1, "fedavg", 4, "none", id="R2-P2-H1-fedavg"),
-        pytest.param(2, 2, 2, "diloco", 5, "none", id="R2-P2-H2-diloco"),
-        pytest.param(2, 4, 1, "fedavg", 4, "none", id="R2-P4-H1-fedavg", marks=pytest.mark.long),
-        pytest.param(2, 4, 3, "diloco", 7, "none", id="R2-P4-H3-diloco", marks=pytest.mark.long),
+        pytest.param(2, 2, 1, "fedavg", 4, "none", "mean", id="R2-P2-H1-fedavg"),
+        pytest.param(2, 2, 2, "diloco", 5, "none", "mean", id="R2-P2-H2-diloco"),
         pytest.param(
-            2, 2, 2, "fedavg", 5, "int8", id="R2-P2-H2-fedavg-int8", marks=pytest.mark.long
+            2, 4, 1, "fedavg", 4, "none", "mean", id="R2-P4-H1-fedavg", marks=pytest.mark.long
         ),
         pytest.param(
-            2, 4, 2, "diloco", 4, "int4", id="R2-P4-H2-diloco-int4", marks=pytest.mark.long
+            2, 4, 3, "diloco", 7, "none", "mean", id="R2-P4-H3-diloco", marks=pytest.mark.long
         ),
+        pytest.param(
+            2, 2, 2, "fedavg", 5, "int8", "mean", id="R2-P2-H2-fedavg-int8", marks=pytest.mark.long
+        ),
+        pytest.param(
+            2, 4, 2, "diloco", 4, "int4", "mean", id="R2-P4-H2-diloco-int4", marks=pytest.mark.long
+        ),
+        pytest.param(3, 2, 2, "fedavg", 4, "none", "median", id="R3-P2-H2-fedavg-median"),
     ],
 )
 def test_rings_equal_the_reference_exactly(
-    tmp_path: Path, R: int, P: int, H: int, outer: str, steps: int, codec: str
+    tmp_path: Path, R: int, P: int, H: int, outer: str, steps: int, codec: str, aggregate: str
 ) -> None:
     """Every (step, site) loss and every site's held-out loss equal the reference's, bit
     for bit: per step all R rings train, every H steps (and at the end) each F_i is synced
     across the rings (DiLoCo's outer step for the E/R and the groups in the diloco run,
     whose last sync, at step 5 or 7, falls off the H grid; with a codec, each worker sends its
     pseudo-gradient as int8 or int4 and the coordinator decodes the same bytes the reference
-    encodes)."""
+    encodes; with ``median``, three rings' groups go through Flower's FedMedian)."""
     train = TrainConfig(
         workers=R * P,
         rings=R,
         ring_sync_every=H,
         ring_outer=outer,
         ring_codec=codec,
+        ring_aggregate=aggregate,
         steps=steps,
         **BASE,
     )

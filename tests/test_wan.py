@@ -16,6 +16,7 @@ from mobius_fed.testbed.wan import (
     parse_delay,
     parse_rate,
     parse_site_shapes,
+    send_buffer_bytes,
     tbf_args,
     wan_tools_missing,
 )
@@ -89,6 +90,30 @@ def test_shaping_holds(tmp_path):
     got = json.loads(r.stdout)
     assert got["rtt_ms"] == pytest.approx(40.0, rel=0.10), got
     assert got["mbit_s"] == pytest.approx(100.0, rel=0.10), got
+
+
+def test_send_buffers_hold_a_quarter_second_of_the_slowest_link():
+    """A real host's 4 MiB send buffer is 32 ms at 1 Gbit/s; the testbed's slow links get
+    buffers of the same order in time (SEND_BUFFER_S), so a keepalive ping's answer never
+    queues behind 30 s of data on a 1 Mbit/s link."""
+    slow, fast = WanShape(parse_rate("1mbit")), WanShape(parse_rate("1gbit"))
+    assert send_buffer_bytes([fast, slow]) == 65536  # 31 kB: the 64 KiB floor
+    assert send_buffer_bytes([fast]) == 10**9 // 8 // 4
+    assert send_buffer_bytes([WanShape(parse_rate("8mbit"), 0.1)]) == 10**6 * 4 // 10  # 2 RTTs
+    assert send_buffer_bytes([WanShape(None, 0.05)]) is None  # no rate: the host's default
+
+
+@needs_netns
+def test_every_namespace_of_a_shaped_testbed_has_the_send_buffer_cap(tmp_path):
+    compose = tmp_path / "compose.yaml"
+    compose.write_text('name: tbbuf\nservices:\n  a:\n    command: ["sleep", "60"]\n'
+                       '  b:\n    command: ["sleep", "60"]\n')  # fmt: skip
+    shape = WanShape(parse_rate("20mbit"))
+    with Testbed(compose, tmp_path / "root", wan={"a": shape}) as tb:
+        tb.up(timeout=30)
+        for svc in ("a", "b"):  # b is unshaped, but its sends cross a's download
+            got = tb.exec(svc, ["cat", "/proc/sys/net/ipv4/tcp_wmem"], timeout=10, check=True)
+            assert got.stdout.split()[-1] == str(20_000_000 // 8 // 4), (svc, got.stdout)
 
 
 def test_link_tuning_from_a_path_hint():

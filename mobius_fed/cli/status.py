@@ -398,6 +398,9 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
             f"next slowest {pace['others_s']:.3g} s)",
             highlight=False,
         )
+    if timeline := doc.get("timeline"):
+        console.print(f"time per step, round {timeline['round']}: {timeline['summary']}",
+                      highlight=False)  # fmt: skip
     if doc.get("ring"):
         console.print(_ring_table(doc["ring"]))
     if doc.get("incidents"):

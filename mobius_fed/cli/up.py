@@ -247,7 +247,8 @@ def _up(fed: LocalFederation, args, train: TrainConfig) -> dict[str, Any]:
         f"{sync_strategy(args.strategy, {}, train)[0]} every {train.sync_every} step(s)"
         + (f" ({train.sync.named()})" if train.sync.on_sites else "")
         + (
-            f", groups synced across rings every {train.ring_sync_every} ({train.ring_outer})"
+            f", groups synced across rings every {train.ring_sync_every} ({train.ring_outer}"
+            + (f", {train.ring_aggregate})" if train.ring_aggregate != "mean" else ")")
             if train.rings > 1
             else ""
         )

@@ -130,6 +130,17 @@ class RunStateCollector(Collector):
             )
             g.add_metric([run, status.pace.slowest], status.pace.share)
             yield g
+        if (t := status.timeline) is not None:
+            g = _gauge(
+                "mobius_step_part_seconds",
+                "Seconds per step of the latest training round by part: the slowest worker's "
+                "compute, wait (for ring frames) and other training time, and the barrier.",
+                ("part",),
+            )
+            for part in ("compute", "wait", "other", "barrier"):
+                if (v := getattr(t, f"{part}_s")) is not None:
+                    g.add_metric([run, part], v)
+            yield g
         yield from self._edges(status)
         yield from self._bounds(status)
         yield from self._commitments(status)

@@ -94,6 +94,11 @@ class RunRecorder:
             "step": end,
             "time": time.time(),
             "seconds": seconds,
+            "barrier_s": max(
+                0.0, seconds - max((f.get("train_s") or 0.0) for f in figures.values())
+            )
+            if figures
+            else None,  # the round's time outside training (status "timeline")
             "losses": [row["loss"] for row in steps],
             "origin_losses": [row["origin_losses"] for row in steps],
             "loss": steps[-1]["loss"] if steps else None,

@@ -88,6 +88,7 @@ def status_doc(state: RunView) -> dict[str, Any]:
             "standby": None if state.standby is None else state.standby(),
             "config": state.config,
             "pace": pace(state),
+            "timeline": timeline(state),
             "privacy": privacy_block(state),
             "bounds": bounds_block(state),
             "commitments": None if state.commitments is None else state.commitments(),
@@ -118,6 +119,33 @@ def pace(state: RunView) -> dict[str, Any] | None:
         "step_compute_s": slow_s,
         "others_s": next_s,
         "summary": f"worker-{slow} holds the ring to {share:.2f} of the others' pace",
+    }
+
+
+def timeline(state: RunView) -> dict[str, Any] | None:
+    """The latest training round per step: the slowest worker's compute, waits and the rest
+    of its training time, and the barrier (the round's time outside training)."""
+    if not state.rounds:
+        return None
+    r = state.rounds[-1]
+    steps, figs = r.get("steps") or 0, r.get("workers") or {}
+    timed = {k: f for k, f in figs.items() if f.get("train_s") is not None}
+    if steps <= 0 or not timed:
+        return None
+    slow = max(timed.values(), key=lambda f: f["train_s"])
+    compute = (slow.get("compute_s") or 0.0) / steps
+    wait = None if slow.get("wait_s") is None else slow["wait_s"] / steps
+    other = max(0.0, slow["train_s"] / steps - compute - (wait or 0.0))
+    step, barrier = r["seconds"] / steps, r["overhead_s"] / steps
+    parts = f"compute {compute:.3f}" + ("" if wait is None else f", wait {wait:.3f}")
+    return {
+        "round": r["round"],
+        "step_s": step,
+        "compute_s": compute,
+        "wait_s": wait,
+        "other_s": other,
+        "barrier_s": barrier,
+        "summary": f"step {step:.3f} s: {parts}, other {other:.3f}, barrier {barrier:.3f}",
     }
 
 

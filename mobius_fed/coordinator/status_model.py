@@ -127,6 +127,26 @@ class PaceModel(BaseModel):
     summary: str = Field(description="e.g. 'worker-2 holds the ring to 0.41 of the others' pace'")
 
 
+class TimelineModel(BaseModel):
+    """Where a step's time went in the latest training round: the slowest worker's parts
+    per step, and the barrier's (architecture §9)."""
+
+    round: int = Field(description="the training round these figures are from")
+    step_s: float = Field(description="the round's wall time per step (coordinator clock)")
+    compute_s: float = Field(description="the slowest worker's compute seconds per step")
+    wait_s: float | None = Field(
+        None, description="its seconds per step waiting for ring frames (None: not reported)"
+    )
+    other_s: float = Field(
+        description="its other training seconds per step: sends, codec, optimizer, bookkeeping"
+    )
+    barrier_s: float = Field(
+        description="per step, the round's time outside training: Flower messages, E/R and "
+        "ring-sync transfers both ways, aggregation"
+    )
+    summary: str = Field(description="e.g. 'step 0.121 s: compute 0.035, wait 0.061, …'")
+
+
 class IncidentModel(BaseModel):
     """A worker or ring edge lost, from detection to recovery."""
 
@@ -264,6 +284,9 @@ class StatusModel(BaseModel):
     )
     pace: PaceModel | None = Field(
         None, description="the slowest site and its cost (once every worker reported a round)"
+    )
+    timeline: TimelineModel | None = Field(
+        None, description="where a step's time went, the latest training round"
     )
     config: dict[str, Any] | None = Field(None, description="the run's configuration")
     privacy: dict[str, Any] | None = Field(

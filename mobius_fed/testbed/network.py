@@ -120,6 +120,12 @@ class TestbedNetwork:
         ns, switch = self.namespace(svc.name), self.switch_namespace
         self._make_namespace(ns)
         ip("-n", ns, "link", "set", "lo", "up")
+        if self.wan:
+            from mobius_fed.testbed.wan import limit_send_buffer, send_buffer_bytes
+
+            cap = send_buffer_bytes(self.wan.values())
+            if cap is not None:  # every host's queues hold no more time than a real one's
+                limit_send_buffer(ns, cap)
         for i, net in enumerate(svc.networks):
             k = nets.index(net)
             port, eth = f"n{k}s{j}", f"eth{i}"

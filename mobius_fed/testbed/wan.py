@@ -85,10 +85,42 @@ def parse_site_shapes(
 # ----------------------------------------------------------------------- tc / iptables
 
 
+SEND_BUFFER_S = 0.25
+"""Seconds of its link a shaped site's queues may hold: TCP send buffers and the delay
+line. A host's default send buffer (up to 4 MiB) is 32 ms at 1 Gbit/s and 0.3 s at
+0.1 Gbit/s; left at 4 MiB on a link a thousand times slower (a race's emulated links,
+``benchmarks/race.py``), it would queue 30 s ahead of a keepalive ping's answer, and gRPC
+closes a connection whose ping goes unanswered for 10 s (transport/tls.py)."""
+MIN_BUFFER = 64 << 10
+
+
 def hold_bytes(shape: WanShape) -> int:
-    """Bytes the delay line holds per direction before it stops reading."""
-    bdp = (shape.rate or 10**10) / 8 * shape.delay
-    return max(MIN_HOLD, int(2 * bdp))
+    """Bytes the delay line holds per direction before it stops reading: twice the
+    bandwidth-delay product, and on a shaped link no less than SEND_BUFFER_S of it."""
+    if shape.rate is None:
+        return max(MIN_HOLD, int(2 * 10**10 / 8 * shape.delay))
+    per_s = shape.rate / 8
+    return max(MIN_BUFFER, int(per_s * max(SEND_BUFFER_S, 2 * shape.delay)))
+
+
+def send_buffer_bytes(shapes: Iterable[WanShape]) -> int | None:
+    """The largest TCP send buffer of every namespace of a testbed with shaped rates: what
+    the slowest link carries in SEND_BUFFER_S (or in two round trips, if longer), at least
+    64 KiB; None when no link is rate-shaped (the host's default stays)."""
+    shaped = [s for s in shapes if s.rate is not None]
+    if not shaped:
+        return None
+    slowest = min(s.rate for s in shaped if s.rate is not None)
+    rtt = 2 * max(s.delay for s in shaped)
+    return max(MIN_BUFFER, int(slowest / 8 * max(SEND_BUFFER_S, 2 * rtt)))
+
+
+def limit_send_buffer(netns: str, nbytes: int) -> None:
+    """Cap TCP send buffers in ``netns`` at ``nbytes`` (its own ``net.ipv4.tcp_wmem``)."""
+    value = f"4096 {min(16384, nbytes)} {nbytes}"
+    _run(
+        ["ip", "netns", "exec", netns, "sh", "-c", f"echo '{value}' > /proc/sys/net/ipv4/tcp_wmem"]
+    )
 
 
 def tbf_args(rate: int) -> list[str]:

@@ -248,9 +248,29 @@ class RingLinks:
                 "worker-%d: not every peer finished within %.0fs", self.settings.rank, timeout
             )
         # The successor confirms every FIN at once (and with it everything before it):
-        # ours, and the ones relayed after it, which the successor still needs.
-        end.wait_acked(max(fin_seq, end.queued), min(timeout, 10.0))
+        # ours, and the ones relayed after it, which the successor still needs (each is
+        # queued before it is recorded). A stream that breaks before the confirmation is
+        # re-dialled within the grace and resumed: what it lost is sent again.
+        last, wait = max(fin_seq, end.queued), min(timeout, 10.0)
+        if not end.wait_acked(last, wait):
+            self._unconfirmed(last - end.acked, wait)
         self.close()
+
+    def _unconfirmed(self, frames: int, waited: float) -> None:
+        c = self.client
+        why = f"; last error: {c.session.last_error}" if c.session.last_error else ""
+        log.warning(
+            "worker-%d: successor worker-%d never acknowledged the last %d frame(s) of the "
+            "FIN exchange (within %.0fs; edge %s %s%s): it may wait for this worker's FIN "
+            "until its own timeout",
+            self.settings.base + self.settings.rank,
+            self.settings.base + c.succ,
+            frames,
+            waited,
+            c.edge_out,
+            c.state,
+            why,
+        )
 
     def close(self) -> None:
         """Close both links and release the listening port (idempotent)."""

@@ -297,18 +297,23 @@ class SuccessorClient:
             return None
 
     def _reconnect(self, err: str) -> bool:
-        """Re-dial until the session resumes (True) or the grace is spent (False)."""
+        """Re-dial until the session resumes (True) or the grace is spent (False).
+
+        Also after every peer finished, while the successor has not confirmed all this
+        worker sent: its FIN, or one it relays, may be what the break lost."""
         s = self.session
         s.down_since, s.last_error = time.monotonic(), err
-        if self.inbox.all_finished():
+        unconfirmed = s.end.unacknowledged()
+        if self.inbox.all_finished() and not unconfirmed:
             self._move(EdgeState.DOWN)
             return False
         self._move(EdgeState.RECONNECTING)
         log.warning(
-            "ring edge %s down (%s); reconnecting for up to %.0fs",
+            "ring edge %s down (%s); reconnecting for up to %.0fs (%d frame(s) unacknowledged)",
             self.edge_out,
             err,
             self.cfg.link_grace,
+            unconfirmed,
         )
         delay = self.cfg.timers.first_backoff_s
         while not self._closing.is_set():
@@ -346,15 +351,23 @@ class SuccessorClient:
                     PeerError(f"ring edge {self.edge_out}: reconnect refused: {s.last_error}")
                 )
                 return False
-        self._move(EdgeState.DOWN)
-        if not self._closing.is_set() and not self.inbox.all_finished():
-            msg = (
-                f"ring edge {self.edge_out} down for {self.cfg.link_grace:.0f}s "
-                f"(last error: {s.last_error})"
-            )
-            log.error("%s", msg)
-            self.inbox.fail(PeerError(msg))
+        self._grace_spent()
         return False
+
+    def _grace_spent(self) -> None:
+        """The re-dial gave up: fail the ring's wait unless the links close or it is over."""
+        self._move(EdgeState.DOWN)
+        msg = (
+            f"ring edge {self.edge_out} down for {self.cfg.link_grace:.0f}s "
+            f"(last error: {self.session.last_error})"
+        )
+        if self._closing.is_set():
+            return
+        if self.inbox.all_finished():  # only finish() waits: it names the successor
+            log.warning("%s", msg)
+            return
+        log.error("%s", msg)
+        self.inbox.fail(PeerError(msg))
 
 
 class _Retry(Exception):

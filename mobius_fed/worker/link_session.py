@@ -212,6 +212,10 @@ class Inbox:
                 self.fins.discard(origin)
             return len(keys)
 
+    def has_fin(self, origin: int) -> bool:
+        with self._cond:
+            return origin in self.fins
+
     def add_fin(self, origin: int, owner: object = None) -> bool:
         """Record worker ``origin``'s FIN; False if it was already recorded."""
         with self._cond:
@@ -433,10 +437,18 @@ class Endpoint:
                 self._capture.write(data)
             yield data
 
-    def wait_acked(self, seq: int, timeout: float) -> bool:
-        """Wait until the peer confirmed frames up to ``seq`` or the link ended for good."""
+    def unacknowledged(self) -> int:
+        """Frames put and not yet confirmed by the other end."""
         with self.cond:
-            return self.cond.wait_for(lambda: self.acked >= seq or self.done, timeout)
+            return self.queued - self.acked
+
+    def wait_acked(self, seq: int, timeout: float) -> bool:
+        """Wait until the peer confirmed frames up to ``seq`` (True), or the link ended for
+        good (``done``: no stream will bring a confirmation; a broken stream is re-dialled
+        first while frames are unconfirmed) or ``timeout`` passed (False)."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.acked >= seq or self.done, timeout)
+            return self.acked >= seq
 
 
 class Session:
@@ -491,6 +503,7 @@ class FrameRouter:
         self.rejected: list[str] = []
         self._relayed: set[FrameKey] = set()
         self._relay_lock = threading.Lock()
+        self._fin_lock = threading.Lock()
 
     def assembler(self, direction: int) -> TensorAssembler:
         """Piece validation/reassembly state for one incoming session: FORWARD (from the
@@ -527,13 +540,7 @@ class FrameRouter:
             return True
         verdict = self.rules.check_header(frame, side)
         if frame.direction == FIN:
-            # Idempotent: a FIN repeated (e.g. one a dropped session already passed on) is
-            # neither recorded again nor relayed; it carries nothing else.
-            if self.inbox.add_fin(frame.origin, owner=s) and verdict == RELAY:
-                self._outgoing(FIN).put(data)
-            if frame.origin == (self.rules.rank - 1) % self.rules.P:
-                s.fin_seen = True
-            s.end.received(flush=True)
+            self._fin(frame.origin, data, verdict == RELAY, s)
             return False
         # Every piece is validated in full (order, total, offset, size, dtype, full shape,
         # checksum, finiteness) before it is used; a relay holds a tensor's pieces until
@@ -595,6 +602,26 @@ class FrameRouter:
         back = (side == FORWARD) != (way == SENT)  # from the predecessor, or on to it
         peer = (self.rules.rank + (-1 if back else 1)) % self.rules.P
         self.ledger.record(key, way, peer, digest)
+
+    def _fin(self, origin: int, data: bytes, relay: bool, s: Session) -> None:
+        """Record worker ``origin``'s FIN, relaying it first where its route goes on.
+
+        Idempotent: a FIN repeated (e.g. one a dropped session already passed on) is
+        neither recorded again nor relayed; it carries nothing else. Relayed and counted
+        *before* it is recorded: ``RingLinks.finish`` wakes once every FIN is recorded, then
+        reads how far its out-edge must be acknowledged (a relayed FIN queued later would
+        be missed, or dropped by the links' close) and may close the links at once (a
+        closing end sends its count, this FIN's acknowledgement, only if it is counted).
+        """
+        with self._fin_lock:
+            new = not self.inbox.has_fin(origin)
+            if new and relay:
+                self._outgoing(FIN).put(data)
+            if origin == (self.rules.rank - 1) % self.rules.P:
+                s.fin_seen = True
+            s.end.received(flush=True)
+            if new:
+                self.inbox.add_fin(origin, owner=s)
 
     def _mark_relayed(self, key: FrameKey) -> None:
         with self._relay_lock:

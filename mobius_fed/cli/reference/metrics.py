@@ -42,6 +42,15 @@ _STATUS = {
     "ring_health": [_RING | {"edges_up": 1, "edges": 1}],
     "pace": _PACE | {"summary": ""},
     "commitments": {"replies_checked": 1, "frames_checked": 1, "by_kind": {"late commitment": 1}},
+    "timeline": {
+        "round": 1,
+        "step_s": 1.0,
+        "compute_s": 0.5,
+        "wait_s": 0.2,
+        "other_s": 0.1,
+        "barrier_s": 0.2,
+        "summary": "",
+    },
     "workers": [_WORKER],
 }
 

@@ -1,0 +1,65 @@
+"""The pure parts of benchmarks/race.py: each arm's bytes per step, the link that matches
+its traffic to gpt2-small's on a GPU site, the refusal of a link the shaper cannot make,
+and the time a curve takes to reach a loss."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from tests.bench_loader import load_benchmark
+
+race = load_benchmark("race")
+ARGS = SimpleNamespace(rate="1gbit", preset="cpu-tiny", batch=8, rtt_ms=0.0)
+
+
+def arm(prefix: str):
+    return next(a for a in race.arms() if a.name.startswith(prefix))
+
+
+def test_diloco_sends_its_whole_model_once_per_H_and_the_ring_its_hops():
+    from compression import step_bytes
+
+    from mobius_fed.model import build_group, build_replica
+
+    for H in (10, 50, 100):
+        cfg = arm(f"DiLoCo H={H}").train_config("cpu-tiny", 8)
+        mc = cfg.model()
+        params = sum(p.numel() for p in build_group(mc, 0, 0).parameters())
+        params += sum(p.numel() for p in build_replica(mc, 0).parameters())
+        b = race.sent_bytes(cfg)
+        assert b["hops"] == 0 and b["er"] + b["groups"] == pytest.approx(4 * params / H)
+    cfg = arm("ring codec").train_config("cpu-tiny", 8)
+    b = race.sent_bytes(cfg)
+    assert b["hops"] == step_bytes(cfg)[0] / 4 and b["groups"] == 0
+    er_fp32 = sum(p.numel() for p in build_replica(cfg.model(), 0).parameters()) * 4
+    assert er_fp32 / 10 / 8 < b["er"] < er_fp32 / 10 / 6  # int4 with its scales, every 10
+
+
+@pytest.mark.parametrize("prefix", ["ring tokens", "ring codec", "DiLoCo H=100"])
+def test_the_link_makes_the_arms_traffic_the_same_multiple_of_its_compute(prefix):
+    a = arm(prefix)
+    link = race.scale_link(a, ARGS, compute_cpu_s=0.04)
+    here = 8 * link.bytes_cpu / link.rate_bps / link.compute_cpu_s
+    gpu = 8 * link.bytes_gpu / 1e9 / link.compute_gpu_s
+    assert here == pytest.approx(gpu, rel=1e-9)
+    assert link.compute_gpu_s == pytest.approx(8 * 1024 / race.GPU_TOKENS_S)
+    # the projection at this scale is the GPU site's step times k
+    gpu_cfg = a.train_config("gpt2-small", 8)
+    step = race.step_model(gpu_cfg, link.compute_gpu_s, 1e9, 0.0)
+    assert link.projected_step_s == pytest.approx(link.k * step)
+
+
+def test_a_link_below_the_shapers_floor_is_refused_with_the_limit():
+    with pytest.raises(SystemExit, match="below the shaper's 8 kbit/s"):
+        race.scale_link(arm("DiLoCo H=100"), ARGS, compute_cpu_s=100.0)
+
+
+def test_time_to_a_loss_interpolates_between_evaluations_in_gpu_site_seconds():
+    run = {"link": {"k": 2.0}, "curve": {"seconds": [10.0, 20.0, 30.0], "eval": [3.0, 2.0, 1.5]}}
+    assert race.time_to(run, 2.5) == pytest.approx(7.5)  # halfway from 5 to 10 GPU seconds
+    assert race.time_to(run, 3.5) == pytest.approx(5.0)  # reached at the first evaluation
+    assert race.time_to(run, 1.0) is None
+    assert not math.isnan(race.time_to(run, 1.5))
