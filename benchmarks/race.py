@@ -364,18 +364,27 @@ def curve(rounds: list[dict], tokens_per_step: int) -> dict:
     }
 
 
-def gpu_seconds(run: dict) -> list[float]:
+def k_of(run: dict, own: bool = False) -> float:
+    """The run's k: its calibration's (the link was built from it), or with ``own`` the
+    compute per step the run itself measured over the GPU site's."""
+    if own:
+        return run["compute_s"] / run["link"]["compute_gpu_s"]
+    return run["link"]["k"]
+
+
+def gpu_seconds(run: dict, own: bool = False) -> list[float]:
     """The run's evaluation times in the GPU site's seconds: wall-clock ÷ k. Every part of an
     arm's step, compute and link, runs k times slower here than on the GPU site it stands
     for; k differs between arms because 4 workers share this machine's cores unequally
-    (DiLoCo's sites all compute at once, the ring's take turns)."""
-    return [t / run["link"]["k"] for t in run["curve"]["seconds"]]
+    (DiLoCo's sites all compute at once, the ring's take turns). The calibrated k makes the
+    link's part exact; the run's own k its compute's (``own``)."""
+    return [t / k_of(run, own) for t in run["curve"]["seconds"]]
 
 
-def time_to(run: dict, target: float) -> float | None:
+def time_to(run: dict, target: float, own: bool = False) -> float | None:
     """GPU-site seconds until the run first reaches ``target`` (linear between evaluations)."""
     prev = (0.0, math.inf)
-    for t, y in zip(gpu_seconds(run), run["curve"]["eval"]):
+    for t, y in zip(gpu_seconds(run, own), run["curve"]["eval"]):
         if y <= target:
             t0, y0 = prev
             if not math.isfinite(y0):
@@ -459,8 +468,9 @@ def report(out: Path, figure: Path | None = None) -> dict:
         f"Race {out.name}: Eq. 8 and wall-clock per arm (mean ± 95 % t over seeds)",
         "",
         "| arm | seeds | final Eq. 8 | wall s | GPU-site s | tok/s measured | tok/s projected | "
-        "measured ÷ projected | link kbit/s | k | time to DiLoCo H=100's Eq. 8 ÷ its time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "measured ÷ projected | link kbit/s | k (calibrated, run) | time to DiLoCo H=100's "
+        "Eq. 8 ÷ its time, k calibrated | … k of each run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows, summary = [], []
     for name in [n for n in names if n in by]:
@@ -471,36 +481,50 @@ def report(out: Path, figure: Path | None = None) -> dict:
         gpu = statistics.mean(r["curve"]["wall_s"] / r["link"]["k"] for r in rs)
         meas = statistics.mean(r["curve"]["tokens_s"] for r in rs)
         proj = statistics.mean(r["projected_tokens_s"] for r in rs)
-        ratios = []
-        for s in seeds:
-            if s in base:
-                target = base[s]["curve"]["eval"][-1]
-                t = time_to(by[name][s], target)
-                ratios.append(math.inf if t is None else t / gpu_seconds(base[s])[-1])
-        finite = [x for x in ratios if math.isfinite(x)]
-        if not ratios:
-            ratio_text = "—"
-        elif len(finite) < len(ratios):
-            ratio_text = f"not reached in {len(ratios) - len(finite)} of {len(ratios)} seeds"
-        else:
-            m, h = ci95(finite)
-            ratio_text = f"{m:.2f} ± {h:.2f}"
+        ratios, texts = {}, []
+        for own in (False, True):
+            ratios[own] = [race_ratio(by[name][s], base[s], own) for s in seeds if s in base]
+            texts.append(ratio_text(ratios[own], ci95))
         link = rs[0]["link"]
         lines.append(
             f"| {name} | {len(seeds)} | {final[0]:.4f} ± {final[1]:.4f} | {wall:.0f} | {gpu:.0f} | "
             f"{meas:.0f} | {proj:.0f} | {meas / proj:.2f} | {link['rate_bps'] / 1e3:.0f} | "
-            f"{link['k']:.2f} | {ratio_text} |"
+            f"{link['k']:.2f}, {statistics.mean(k_of(r, True) for r in rs):.2f} | "
+            f"{texts[0]} | {texts[1]} |"
         )
         rows.append({"arm": name, "seeds": seeds, "final": final, "wall_s": wall, "gpu_s": gpu,
-                     "tokens_s": meas, "projected_tokens_s": proj, "ratios": ratios})  # fmt: skip
+                     "tokens_s": meas, "projected_tokens_s": proj, "ratios": ratios[False],
+                     "ratios_own_k": ratios[True]})  # fmt: skip
         if name.startswith("ring"):
-            summary.append(f"ring ÷ DiLoCo H=100, time to its Eq. 8: {ratio_text} ({name})")
+            summary.append(
+                f"ring ÷ DiLoCo H=100, time to its Eq. 8: {texts[0]} ({name}; by each run's "
+                f"own compute: {texts[1]})"
+            )
     text = "\n".join([*lines, "", *summary]) + "\n"
     print(text)
     (out / "report.md").write_text(text)
     (out / "report.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
     plot(by, names, figure or out / "race.png")
     return {"rows": rows, "summary": summary}
+
+
+def race_ratio(run: dict, base: dict, own: bool) -> float:
+    """GPU-site time for ``run`` to reach ``base``'s final Eq. 8 over ``base``'s own time
+    (inf: never reached)."""
+    t = time_to(run, base["curve"]["eval"][-1], own)
+    return math.inf if t is None else t / gpu_seconds(base, own)[-1]
+
+
+def ratio_text(ratios: list[float], ci95) -> str:
+    finite = [x for x in ratios if math.isfinite(x)]
+    if not ratios:
+        return "—"
+    if len(finite) < len(ratios):
+        return f"not reached in {len(ratios) - len(finite)} of {len(ratios)} seeds"
+    if len(finite) == 1:
+        return f"{finite[0]:.2f}"
+    m, h = ci95(finite)
+    return f"{m:.2f} ± {h:.2f}"
 
 
 def plot(by: dict, names: list[str], path: Path) -> None:

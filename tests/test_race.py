@@ -63,3 +63,10 @@ def test_time_to_a_loss_interpolates_between_evaluations_in_gpu_site_seconds():
     assert race.time_to(run, 3.5) == pytest.approx(5.0)  # reached at the first evaluation
     assert race.time_to(run, 1.0) is None
     assert not math.isnan(race.time_to(run, 1.5))
+    # by the run's own compute (0.1 s a step against the GPU site's 0.05: k = 2 as well)
+    run |= {"compute_s": 0.1, "link": {"k": 4.0, "compute_gpu_s": 0.05}}
+    assert race.time_to(run, 2.5, own=True) == pytest.approx(7.5)
+    assert race.time_to(run, 2.5) == pytest.approx(3.75)
+    base = {"link": {"k": 1.0}, "curve": {"seconds": [10.0, 15.0], "eval": [2.8, 2.5]}}
+    assert race.race_ratio(run, base, own=False) == pytest.approx(3.75 / 15)
+    assert race.ratio_text([math.inf, 1.0], None) == "not reached in 1 of 2 seeds"
