@@ -106,6 +106,30 @@ class AuditConfig(BaseModel):
         description="each site signs the sha256 of every ring frame it sent and received; "
         "the coordinator compares each hop's sender and receiver (coordinated runs)",
     )
+    rate: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="audits by recomputation (docs/audits.md): the chance, drawn in secret "
+        "after the fact, that one round of one site is replayed and compared with what it "
+        "committed; the replay costs this fraction of the sites' compute (0: off; needs "
+        "commitments)",
+    )
+    window: int = Field(
+        0, ge=0, description="steps of an audited round replayed (0: all of its steps)"
+    )
+    keep_rounds: int = Field(
+        2,
+        ge=1,
+        description="rounds of received and sent frames (and group state) a site keeps "
+        "for an audit; older ones are dropped",
+    )
+    timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="an audit's upload that comes later than this after it was asked is "
+        "named 'audit timed out'",
+    )
 
 
 ER_CODECS = ("none", "int8", "fp8", "fp8e5m2", "int6", "int5", "int4", "int3", "int2")
