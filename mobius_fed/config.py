@@ -97,7 +97,9 @@ class AuditConfig(BaseModel):
     """Checks that a site told the truth about what it sent (docs/security.md,
     "Commitments"): with ``commitments`` each site signs, with its own TLS key, the sha256
     of every ring frame it sent and received, and sends the list with its barrier reply;
-    the coordinator compares every edge's two ends. Nothing here changes the math."""
+    the coordinator compares every edge's two ends. With ``rate`` > 0 it also replays, in
+    secret draws, a site's rounds from its upload and compares what its group sent
+    (docs/audits.md, "Audits by recomputation"). Nothing here changes the math."""
 
     model_config = ConfigDict(extra="forbid")
 

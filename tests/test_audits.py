@@ -268,3 +268,18 @@ def test_the_desk_asks_audits_and_names_a_refusal(site_dirs: list[Path], tmp_pat
     desk.wait()
     assert desk.status()["by_kind"] == {"audit refused": 1, "upload mismatch": 1}
     desk.close()
+
+
+def test_an_ordered_ring_with_micro_batches_replays_too(site_dirs: list[Path]) -> None:
+    """Order ``ordered`` with 2 micro-batches: worker-1's group hands stream 1's last slot
+    to its own home and takes its gradient back without a hop (the upload's local
+    frames); two steps in one round replay equal, and a window of one step replays it."""
+    cfg = TrainConfig(**{**CFG, "sync_every": 2}, workers=P, order="ordered", micro_batches=2)
+    ring = _Ring(cfg, site_dirs)
+    ring.round(0, steps=2)
+    for i in range(P):
+        found = audit(cfg, i, 0, ring.kept(i, 0, 0, 2), _upload(ring, i, 0))
+        assert found.kind is None and found.compared > 0, found
+    ring.stores[1].window = 1
+    up = _upload(ring, 1, 0)
+    assert up["end"] == 1
