@@ -127,10 +127,10 @@ class AuditConfig(BaseModel):
         "for an audit; older ones are dropped",
     )
     timeout_s: float = Field(
-        600.0,
+        3600.0,
         gt=0,
-        description="an audit's upload that comes later than this after it was asked is "
-        "named 'audit timed out'",
+        description="an audit's upload that comes later than this after the train order "
+        "asking for it was sent is named 'audit timed out' (keep it above a round's time)",
     )
 
 

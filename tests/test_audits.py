@@ -232,10 +232,10 @@ def _desk_reply(rank: int, content: dict[str, Any]) -> Any:
 
 
 def test_the_desk_asks_audits_and_names_a_refusal(site_dirs: list[Path], tmp_path: Path) -> None:
-    """Rate 1: after round 0 both sites are asked for it in the next order; worker-0's
-    upload passes its audit in the background, worker-1 sends none and is named ``audit
-    refused`` (a suspect, reported once). A garbled upload is a named mismatch, never a
-    crash."""
+    """Rate 1, the last round 1 (nothing drawn after it): both sites are asked for round
+    0; worker-0's upload passes its audit in the background, worker-1 sends none and is
+    named ``audit refused`` (a suspect, reported once). A garbled upload is a named
+    mismatch, never a crash."""
     init_certs(tmp_path / "certs", P)
     nodes = tmp_path / "certs" / "nodes"
     keys = [(nodes / f"worker-{r}" / "tls.key").read_bytes() for r in range(P)]
@@ -245,7 +245,7 @@ def test_the_desk_asks_audits_and_names_a_refusal(site_dirs: list[Path], tmp_pat
     ring.round(0)
     named: list[tuple[int, str]] = []
     desk = Audits(
-        cfg, certs.__getitem__, lambda r: f"worker-{r}", lambda r, w: named.append((r, w)), 5
+        cfg, certs.__getitem__, lambda r: f"worker-{r}", lambda r, w: named.append((r, w)), 1
     )
     replies = []
     for r in range(P):
@@ -283,3 +283,40 @@ def test_an_ordered_ring_with_micro_batches_replays_too(site_dirs: list[Path]) -
     ring.stores[1].window = 1
     up = _upload(ring, 1, 0)
     assert up["end"] == 1
+
+
+def test_a_round_trained_again_after_a_rollback_is_the_newest_kept() -> None:
+    store = AuditStore(keep=2)
+    state = {"group": {"w": torch.zeros(1)}, "group_opts": []}
+    for rnd in (3, 4, 5, 3):  # rounds 3..5, then a rollback to round 2: round 3 again
+        store.open_round(RING, rnd, rnd, state)
+        store.close_round(rnd + 1)
+    assert store.rounds == [3, 5]
+
+
+def test_what_cannot_be_audited_says_why() -> None:
+    base = dict(preset="cpu-tiny", workers=2)
+    assert unauditable(TrainConfig(**base)) is None
+    assert "device 'auto'" in str(unauditable(TrainConfig(**base, device="auto")))
+    lossy = TrainConfig(**base, wire={"fwd": "int8", "bwd": "fp8"})
+    assert "hop stages" in str(unauditable(lossy))
+
+
+def test_a_drawn_site_that_withholds_its_state_digest_is_named(tmp_path: Path) -> None:
+    """A site drawn for a round it signed a commitment for, but no state digest: it
+    cannot be audited, and is named ``audit refused``."""
+    init_certs(tmp_path / "certs", P)
+    certs = [
+        (tmp_path / "certs" / "nodes" / f"worker-{r}" / "tls.crt").read_bytes() for r in range(P)
+    ]
+    cfg = TrainConfig(**{**CFG, "audit": {"rate": 1.0}}, workers=P)
+    named: list[int] = []
+    desk = Audits(cfg, certs.__getitem__, lambda r: f"worker-{r}", lambda r, w: named.append(r), 5)
+    identity = certificate_identity(certs[1])
+    desk.commitment(1, 0, Commitment(RING, 0, TRAIN, 0, 1, 1, identity, ()))
+    desk.after_train(0, [_desk_reply(1, {})])
+    st = desk.status()
+    assert st["by_kind"] == {"audit refused": 1} and named == [1], st
+    assert "no commitment or state digest" in st["incidents"][0]["what"]
+    assert desk.asks() == ""
+    desk.close()

@@ -108,8 +108,12 @@ class Audits:
                 del self._kept[key]
 
     def asks(self) -> str:
-        """The train order's ``audit-asks``: "rank:round,…" ("" for none)."""
+        """The train order's ``audit-asks``: "rank:round,…" ("" for none); the upload's
+        time (``timeout_s``) counts from this order."""
+        now = time.time()
         with self._lock:
+            for key in self._asks:
+                self._asks[key] = now
             return ",".join(f"{k}:{r}" for k, r in sorted(self._asks))
 
     # ------------------------------------------------------------------ replies
@@ -190,22 +194,36 @@ class Audits:
         return n.state if same else None
 
     def _draw(self, rnd: int, ranks: list[int]) -> None:
+        """Draw round ``rnd`` of each rank that replied; a drawn site that signed no
+        commitment or state for it cannot be audited: it is named, as if it refused."""
         if rnd >= self.rounds:
             return
-        now = time.time()
+        now, unsigned = time.time(), []
         with self._lock:
             busy = {k for k, _ in self._asks}
             for rank in sorted(ranks):
-                k = self._kept.get((rank, rnd))
-                if k is None or k.state is None or rank in busy:
+                if rank in busy or not self.draw.drawn(rnd, rank):
                     continue
-                if not self.draw.drawn(rnd, rank):
+                k = self._kept.get((rank, rnd))
+                if k is None or k.state is None:  # no certificate: the commitments name it
+                    if self.certificate(rank) is not None:
+                        unsigned.append(rank)
                     continue
                 if self._queued + len(self._asks) >= self.queue:  # the auditor lags
                     self.skipped += 1
                     continue
                 self._asks[rank, rnd] = now
                 self.asked += 1
+        for rank in unsigned:
+            site = self.site(rank)
+            what = f"{site} signed no commitment or state digest for round {rnd}: no audit"
+            self._found(
+                rank, rnd, Finding(REFUSED, what), Kept(site=site, identity=self._who(rank))
+            )
+
+    def _who(self, rank: int) -> str:
+        cert = self.certificate(rank)
+        return "" if cert is None else certificate_identity(cert)
 
     # ---------------------------------------------------------------- auditor
     def _run(

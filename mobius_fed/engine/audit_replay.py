@@ -30,7 +30,6 @@ from mobius_fed.engine.hops import build_hops
 from mobius_fed.engine.stream import StreamMaps
 from mobius_fed.engine.wire_stages import codecs
 from mobius_fed.model import build_group
-from mobius_fed.model.layers import resolve_device
 from mobius_fed.model.training import make_optimizers, scale_grads, step_optimizers
 from mobius_fed.transport.codec import (
     FrameError,
@@ -55,8 +54,8 @@ __all__ = [
 
 def unauditable(cfg: TrainConfig, rank: int = 0) -> str | None:
     """Why a site of ``cfg`` cannot be audited by recomputation (None: it can)."""
-    if resolve_device(cfg.device).type != "cpu":
-        return "the sites do not run deterministic CPU kernels (no tolerance calibrated yet)"
+    if cfg.device != "cpu":  # "auto" too: each site resolves it on its own machine
+        return f"device {cfg.device!r}: GPU kernels need a tolerance (not calibrated yet)"
     if cfg.subspace.on:
         return "a subspace or bottleneck mode (its maps read the site's replica)"
     if build_nopeek(cfg) is not None:

@@ -117,9 +117,10 @@ class AuditStore:
             self._frames = {k: v for k, v in self._frames.items() if k[0][0] >= end}
             self._local = {k: v for k, v in self._local.items() if k[0] >= end}
             self._open = None
+            self._rounds.pop(r.rnd, None)  # a round trained again (after a rollback) is new
             self._rounds[r.rnd] = r
-            for old in sorted(self._rounds)[: -self.keep]:
-                del self._rounds[old]
+            while len(self._rounds) > self.keep:  # the oldest kept, not the lowest number
+                del self._rounds[next(iter(self._rounds))]
 
     @property
     def rounds(self) -> list[int]:
