@@ -320,3 +320,27 @@ def test_a_drawn_site_that_withholds_its_state_digest_is_named(tmp_path: Path) -
     assert "no commitment or state digest" in st["incidents"][0]["what"]
     assert desk.asks() == ""
     desk.close()
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        pytest.param({"optimizer": "muon"}, id="muon"),
+        pytest.param({"loops": 2, "micro_batches": 2}, id="loops-2-M2"),
+        pytest.param({"memory": {"recompute": True}}, id="recompute"),
+    ],
+)
+def test_honest_rounds_replay_equal_in_other_settings(
+    site_dirs: list[Path], setting: dict[str, Any]
+) -> None:
+    """Muon (its bf16 Newton–Schulz step), two loops over the ring with 2 micro-batches,
+    activations recomputed in backward: two rounds of one step, each group's round 0
+    replayed equal, and the state it leaves the one it signed at round 1."""
+    cfg = TrainConfig(**{**CFG, **setting}, workers=P)
+    ring = _Ring(cfg, site_dirs)
+    ring.round(0)
+    kept = [ring.kept(i, 0, 0, 1) for i in range(P)]
+    ring.round(1)
+    for i in range(P):
+        found = audit(cfg, i, 0, kept[i], _upload(ring, i, 0), ring.digests[i, 1])
+        assert found.kind is None and found.compared > 0, found
