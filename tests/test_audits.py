@@ -344,3 +344,20 @@ def test_honest_rounds_replay_equal_in_other_settings(
     for i in range(P):
         found = audit(cfg, i, 0, kept[i], _upload(ring, i, 0), ring.digests[i, 1])
         assert found.kind is None and found.compared > 0, found
+
+
+def test_status_shows_the_audit_incidents() -> None:
+    from rich.console import Console
+
+    from mobius_fed.cli.status import render_status
+    from mobius_fed.coordinator.status_model import AuditStatusModel
+
+    inc = {"kind": "audit failed", "what": "worker-2, round 1: it sent other values",
+           "site": "worker-2", "round": 1, "step": 0, "detected_at": 0.0}  # fmt: skip
+    block = {"rate": 1.0, "asked": 3, "passed": 2, "frames_compared": 10, "pending": 0,
+             "incidents": [inc], "by_kind": {"audit failed": 1}}  # fmt: skip
+    AuditStatusModel.model_validate(block)
+    console = Console(record=True, width=250)
+    render_status({"run_id": "t", "audits": block}, console)
+    text = console.export_text()
+    assert "audits (2 of 3 passed)" in text and "audit failed" in text and "worker-2" in text
