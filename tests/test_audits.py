@@ -314,10 +314,10 @@ def test_a_drawn_site_that_withholds_its_state_digest_is_named(tmp_path: Path) -
     desk = Audits(cfg, certs.__getitem__, lambda r: f"worker-{r}", lambda r, w: named.append(r), 5)
     identity = certificate_identity(certs[1])
     desk.commitment(1, 0, Commitment(RING, 0, TRAIN, 0, 1, 1, identity, ()))
-    desk.after_train(0, [_desk_reply(1, {})])
+    desk.after_train(0, [_desk_reply(1, {}), _desk_reply(0, {})])  # worker-0: no commitment
     st = desk.status()
     assert st["by_kind"] == {"audit refused": 1} and named == [1], st
-    assert "no commitment or state digest" in st["incidents"][0]["what"]
+    assert "signed no state digest" in st["incidents"][0]["what"]
     assert desk.asks() == ""
     desk.close()
 

@@ -194,8 +194,9 @@ class Audits:
         return n.state if same else None
 
     def _draw(self, rnd: int, ranks: list[int]) -> None:
-        """Draw round ``rnd`` of each rank that replied; a drawn site that signed no
-        commitment or state for it cannot be audited: it is named, as if it refused."""
+        """Draw round ``rnd`` of each rank that replied; a drawn site that signed its
+        commitment but no state digest cannot be audited: it is named, as if it refused
+        (one without a valid commitment is named by the commitments' check)."""
         if rnd >= self.rounds:
             return
         now, unsigned = time.time(), []
@@ -205,9 +206,10 @@ class Audits:
                 if rank in busy or not self.draw.drawn(rnd, rank):
                     continue
                 k = self._kept.get((rank, rnd))
-                if k is None or k.state is None:  # no certificate: the commitments name it
-                    if self.certificate(rank) is not None:
-                        unsigned.append(rank)
+                if k is None:  # no valid commitment: the commitments' check names it
+                    continue
+                if k.state is None:  # a commitment, but no signed state to restore
+                    unsigned.append(rank)
                     continue
                 if self._queued + len(self._asks) >= self.queue:  # the auditor lags
                     self.skipped += 1
@@ -216,7 +218,7 @@ class Audits:
                 self.asked += 1
         for rank in unsigned:
             site = self.site(rank)
-            what = f"{site} signed no commitment or state digest for round {rnd}: no audit"
+            what = f"{site} signed no state digest for round {rnd}: it cannot be audited"
             self._found(
                 rank, rnd, Finding(REFUSED, what), Kept(site=site, identity=self._who(rank))
             )
