@@ -361,3 +361,25 @@ def test_status_shows_the_audit_incidents() -> None:
     render_status({"run_id": "t", "audits": block}, console)
     text = console.export_text()
     assert "audits (2 of 3 passed)" in text and "audit failed" in text and "worker-2" in text
+
+
+def test_a_received_frame_cannot_be_passed_off_as_the_homes_own(honest: Any) -> None:
+    """Only what a site's home hands its own group without a hop may come as a local
+    tensor: a received frame left out of the upload and given as local instead is
+    missing. A frame it did not commit (one that came in after the seal) is left out."""
+    from mobius_fed.engine.audit_replay import load_state, state_bytes
+
+    ring, kept, uploads = honest
+    up = dict(uploads[1])
+    name = next(k for k in up if k.startswith("received|"))
+    local = load_state(up["local"])
+    local[name.replace("received|", "local|")] = torch.zeros(1)
+    up["local"] = state_bytes(local)
+    del up[name]
+    found = audit(ring.cfg, 1, 0, kept[1], up)
+    assert found.kind == MISMATCH and "lacks" in found.what, found
+    extra = {**uploads[1], "received|0.1.1.1.2.1": [b"late"]}
+    assert audit(ring.cfg, 1, 0, kept[1], extra).kind is None
+    junk = {**uploads[1], "state": state_bytes({"group": {}, "group_opts": []})}
+    assert audit(ring.cfg, 1, 0, Kept(**{**kept[1].__dict__, "state": state_digest(
+        {"group": {}, "group_opts": []})}), junk).kind == MISMATCH  # fmt: skip

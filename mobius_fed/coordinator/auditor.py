@@ -93,8 +93,12 @@ def audit(
     try:
         first, end = _scope(kept, upload, rnd)
         state = _state(kept, upload)
-        received, sent = _frames(train, kept, upload)
-        return _replay(train, rank, state, first, end, received, sent, kept, next_state)
+        try:
+            replay = GroupReplay(train, rank % train.P, state)
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise _Refused(MISMATCH, f"the uploaded state is not its group's ({exc})") from None
+        received, sent = _frames(train, kept, upload, replay)
+        return _replay(train, replay, first, end, received, sent, kept, next_state)
     except _Refused as r:
         return Finding(r.kind, r.what, r.step)
 
@@ -122,27 +126,33 @@ def _state(kept: Kept, upload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _frames(
-    train: TrainConfig, kept: Kept, upload: dict[str, Any]
+    train: TrainConfig, kept: Kept, upload: dict[str, Any], replay: GroupReplay
 ) -> tuple[dict[Frame, Tensor], dict[Frame, Tensor]]:
-    """The received frames (and its home's local ones) and the sent ones, decoded, each
-    checked against its committed digest."""
+    """The received frames (and what its home passed its own group without a hop) and
+    the sent ones, decoded, each checked against its committed digest. A frame it did
+    not commit is left out (one that came in after its commitment was sealed)."""
     received: dict[Frame, Tensor] = {}
     sent: dict[Frame, Tensor] = {}
     local = upload.get("local")
-    if isinstance(local, bytes):
-        for name, t in load_state(local).items():
-            parsed = parse_frame_name(name)
-            if parsed is not None and isinstance(t, Tensor):
-                received[parsed[1]] = t
+    try:
+        homes = load_state(local) if isinstance(local, bytes) else {}
+    except Exception as exc:
+        raise _Refused(MISMATCH, f"the uploaded local frames cannot be read ({exc})") from None
+    for name, t in homes.items():
+        parsed = parse_frame_name(str(name))
+        if parsed is not None and isinstance(t, Tensor) and replay.from_home(parsed[1]):
+            received[parsed[1]] = t
     for name, pieces in upload.items():
         parsed = parse_frame_name(name)
         if parsed is None or parsed[0] == "local":
             continue
         way, frame = parsed
         entry = kept.entries.get((frame, way))
+        if entry is None:
+            continue
         if not isinstance(pieces, list) or not all(isinstance(p, bytes) for p in pieces):
             raise _Refused(MISMATCH, f"frame {name} is not a list of pieces", frame[0])
-        if entry is None or hashlib.sha256(b"".join(pieces)).hexdigest() != entry.sha256:
+        if hashlib.sha256(b"".join(pieces)).hexdigest() != entry.sha256:
             raise _Refused(MISMATCH, f"{_show(frame, way)} is not what it committed", frame[0])
         try:
             tensor = decode_frame(train, frame, pieces)
@@ -154,8 +164,7 @@ def _frames(
 
 def _replay(
     train: TrainConfig,
-    rank: int,
-    state: dict[str, Any],
+    replay: GroupReplay,
     first: int,
     end: int,
     received: dict[Frame, Tensor],
@@ -163,10 +172,9 @@ def _replay(
     kept: Kept,
     next_state: str | None,
 ) -> Finding:
-    i = rank % train.P
-    if first == 0 and state_digest(initial_state(train, i)) != kept.state:
+    if first == 0 and state_digest(initial_state(train, replay.rank)) != kept.state:
         raise _Refused(FAILED, "its group state at step 0 is not the seed's", 0)
-    replay, compared = GroupReplay(train, i, state), 0
+    compared = 0
 
     def take(frame: Frame) -> Tensor:
         if frame not in received:

@@ -178,6 +178,17 @@ class GroupReplay:
             "group_opts": [o.state_dict() for o in self.opts],
         }
 
+    def from_home(self, frame: Frame) -> bool:
+        """Whether ``frame`` passes from this worker's home to its own group without a
+        hop (its embedding's slot 0, or its head's gradient): what an upload may give
+        as it is; every other frame it takes in must have come off the wire."""
+        _, phase, direction, s, slot, _ = frame
+        if phase != TRAIN or s != self.rank:
+            return False
+        if direction == FORWARD:
+            return slot == 0 and self._dest(FORWARD, s, 0) == self.rank
+        return slot == self.cfg.K and self._dest(BACKWARD, s, slot) == self.rank
+
     def _dest(self, direction: int, s: int, slot: int) -> int:
         path = self.paths[s]
         if direction == FORWARD:
