@@ -383,3 +383,15 @@ def test_a_received_frame_cannot_be_passed_off_as_the_homes_own(honest: Any) -> 
     junk = {**uploads[1], "state": state_bytes({"group": {}, "group_opts": []})}
     assert audit(ring.cfg, 1, 0, Kept(**{**kept[1].__dict__, "state": state_digest(
         {"group": {}, "group_opts": []})}), junk).kind == MISMATCH  # fmt: skip
+
+
+def test_a_local_tensor_of_another_shape_is_a_mismatch_not_an_error(honest: Any) -> None:
+    from mobius_fed.engine.audit_replay import load_state, state_bytes
+
+    ring, kept, uploads = honest
+    up = dict(uploads[0])
+    local = load_state(up["local"])
+    assert local, "worker-0's home hands its own group slot 0 (cyclic order)"
+    up["local"] = state_bytes({k: torch.zeros(3) for k in local})
+    found = audit(ring.cfg, 0, 0, kept[0], up)
+    assert found.kind == MISMATCH and "cannot be replayed" in found.what, found

@@ -98,7 +98,13 @@ def audit(
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise _Refused(MISMATCH, f"the uploaded state is not its group's ({exc})") from None
         received, sent = _frames(train, kept, upload, replay)
-        return _replay(train, replay, first, end, received, sent, kept, next_state)
+        try:
+            return _replay(train, replay, first, end, received, sent, kept, next_state)
+        except _Refused:
+            raise
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as exc:
+            # what it signed does not even run (a state or a local tensor of another shape)
+            raise _Refused(MISMATCH, f"its upload cannot be replayed ({exc})") from None
     except _Refused as r:
         return Finding(r.kind, r.what, r.step)
 
@@ -141,6 +147,8 @@ def _frames(
     for name, t in homes.items():
         parsed = parse_frame_name(str(name))
         if parsed is not None and isinstance(t, Tensor) and replay.from_home(parsed[1]):
+            if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
+                raise _Refused(MISMATCH, f"local frame {name} is not a finite float32 tensor")
             received[parsed[1]] = t
     for name, pieces in upload.items():
         parsed = parse_frame_name(name)
