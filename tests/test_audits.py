@@ -235,7 +235,7 @@ def test_the_desk_asks_audits_and_names_a_refusal(site_dirs: list[Path], tmp_pat
     """Rate 1, the last round 1 (nothing drawn after it): both sites are asked for round
     0; worker-0's upload passes its audit in the background, worker-1 sends none and is
     named ``audit refused`` (a suspect, reported once). A garbled upload is a named
-    mismatch, never a crash."""
+    mismatch, never a crash; one that comes after ``timeout_s`` is ``audit timed out``."""
     init_certs(tmp_path / "certs", P)
     nodes = tmp_path / "certs" / "nodes"
     keys = [(nodes / f"worker-{r}" / "tls.key").read_bytes() for r in range(P)]
@@ -267,6 +267,11 @@ def test_the_desk_asks_audits_and_names_a_refusal(site_dirs: list[Path], tmp_pat
     desk.after_train(2, [_desk_reply(0, {AUDIT_UPLOAD: ConfigRecord({"round": 0, "state": b"x"})})])
     desk.wait()
     assert desk.status()["by_kind"] == {"audit refused": 1, "upload mismatch": 1}
+    desk._asks[0, 0] = time.time() - 2 * cfg.audit.timeout_s  # asked long ago: late
+    desk.after_train(3, [_desk_reply(0, {AUDIT_UPLOAD: up})])
+    desk.wait()
+    assert desk.status()["by_kind"]["audit timed out"] == 1
+    assert desk.status()["suspects"] == ["worker-0", "worker-1"]
     desk.close()
 
 
