@@ -322,6 +322,10 @@ def test_a_drawn_site_that_withholds_its_state_digest_is_named(tmp_path: Path) -
     desk.after_train(0, [_desk_reply(1, {}), _desk_reply(0, {})])  # worker-0: no commitment
     st = desk.status()
     assert st["by_kind"] == {"audit refused": 1} and named == [1], st
+    garbled = {AUDIT_STATE: ConfigRecord({"body": b"{", "signature": b"x"})}
+    desk.commitment(0, 1, Commitment(RING, 1, TRAIN, 1, 2, 0, certificate_identity(certs[0]), ()))
+    desk.after_train(1, [_desk_reply(0, garbled)])  # unreadable: no state, named; no crash
+    assert named == [1, 0]
     assert "signed no state digest" in st["incidents"][0]["what"]
     assert desk.asks() == ""
     desk.close()

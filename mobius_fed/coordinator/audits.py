@@ -97,12 +97,10 @@ class Audits:
     # ------------------------------------------------------------- commitments
     def commitment(self, rank: int, rnd: int, c: Commitment) -> None:
         """A verified train commitment of ``rank`` for round ``rnd`` (CommitmentAudit)."""
-        with self._lock:
-            k = self._kept.setdefault((rank, rnd), Kept())
-            k.identity, k.ring, k.first, k.end = c.identity, c.ring, c.first, c.end
-            k.site = self.site(rank)
-            k.entries = {(e.frame, e.way): e for e in c.entries}
-            k.state = None  # its signed state digest comes with the same reply
+        entries = {(e.frame, e.way): e for e in c.entries}
+        k = Kept(c.identity, c.ring, c.first, c.end, entries, site=self.site(rank))
+        with self._lock:  # a new record: an audit under way keeps the one it was given
+            self._kept[rank, rnd] = k  # its signed state digest comes with the same reply
             old = rnd - self.train.audit.keep_rounds - 1
             for key in [key for key in self._kept if key[1] < old and key not in self._asks]:
                 del self._kept[key]
@@ -122,27 +120,34 @@ class Audits:
         Never raises."""
         if not self.on:
             return
-        try:
-            ranks = []
-            for reply in replies:
+        ranks = []
+        for reply in replies:
+            try:
                 rank = rank_of_node(reply.metadata.src_node_id)
                 ranks.append(rank)
                 self._state(reply, rank, rnd)
                 self._answer(reply, rank)
+            except Exception:  # one reply's trouble (or a bug) must not end the run
+                log.exception("round %d: a reply's audit records could not be handled", rnd)
+        try:
             self._draw(rnd, ranks)
-        except Exception:  # a bug here must not end the run
-            log.exception("round %d: audits could not be handled", rnd)
+        except Exception:
+            log.exception("round %d: no audits drawn", rnd)
 
     def _state(self, reply: Message, rank: int, rnd: int) -> None:
         """The signed digest of ``rank``'s group state at round ``rnd``'s start."""
         if AUDIT_STATE not in reply.content:
             return
-        signed = Signed.of(reply.content[AUDIT_STATE])
         cert = self.certificate(rank)
-        if cert is None or verify(cert, signed.body, signed.signature) is not None:
-            log.error("round %d: %s's state digest is not signed by it", rnd, self.site(rank))
+        try:
+            signed = Signed.of(reply.content[AUDIT_STATE])
+            why = None if cert is None else verify(cert, signed.body, signed.signature)
+            doc = json.loads(signed.body.decode("ascii")) if why is None else None
+        except (KeyError, TypeError, ValueError) as exc:
+            why, doc = f"unreadable ({exc!r})", None
+        if cert is None or not isinstance(doc, dict):
+            log.error("round %d: %s's state digest is refused: %s", rnd, self.site(rank), why)
             return
-        doc = json.loads(signed.body.decode("ascii"))
         identity = certificate_identity(cert)
         with self._lock:
             k = self._kept.get((rank, rnd))
