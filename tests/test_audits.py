@@ -404,3 +404,27 @@ def test_a_local_tensor_of_another_shape_is_a_mismatch_not_an_error(honest: Any)
     up["local"] = state_bytes({k: torch.zeros(3) for k in local})
     found = audit(ring.cfg, 0, 0, kept[0], up)
     assert found.kind == MISMATCH and "cannot be replayed" in found.what, found
+
+
+def test_a_worker_uploads_only_what_it_is_asked_and_says_what_it_lacks() -> None:
+    """The reply handler: the round's signed state digest always; the upload of a round
+    the order asks of this rank; for a round it no longer holds, why."""
+    from mobius_fed.messages import TrainOrder
+    from mobius_fed.worker.flower_client import WorkerHandlers
+
+    store = AuditStore(keep=1)
+    state = {"group": {"w": torch.ones(1)}, "group_opts": []}
+    handler = SimpleNamespace(commitments=SimpleNamespace(store=store, rank=1))
+    sealed = Signed(b"{}", b"sig")
+    for rnd in (1, 2):
+        store.open_round(RING, rnd, rnd - 1, state)
+        reply = RecordDict({})
+        order = TrainOrder(rnd, rnd - 1, rnd, False, audit_asks="0:1,1:1")
+        WorkerHandlers._audit_reply(handler, reply, order, sealed)  # type: ignore[arg-type]
+        assert AUDIT_STATE in reply
+        up = reply[AUDIT_UPLOAD]
+        assert up["round"] == 1
+        assert ("missing" in up) == (rnd == 2), dict(up)  # round 2 closed: 1 is gone
+    reply = RecordDict({})
+    WorkerHandlers._audit_reply(handler, reply, TrainOrder(3, 2, 3, False, audit_asks="0:2"), None)  # type: ignore[arg-type]
+    assert AUDIT_UPLOAD not in reply and AUDIT_STATE not in reply
