@@ -97,7 +97,9 @@ class AuditConfig(BaseModel):
     """Checks that a site told the truth about what it sent (docs/security.md,
     "Commitments"): with ``commitments`` each site signs, with its own TLS key, the sha256
     of every ring frame it sent and received, and sends the list with its barrier reply;
-    the coordinator compares every edge's two ends. Nothing here changes the math."""
+    the coordinator compares every edge's two ends. With ``rate`` > 0 it also replays, in
+    secret draws, a site's rounds from its upload and compares what its group sent
+    (docs/audits.md, "Audits by recomputation"). Nothing here changes the math."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -105,6 +107,30 @@ class AuditConfig(BaseModel):
         True,
         description="each site signs the sha256 of every ring frame it sent and received; "
         "the coordinator compares each hop's sender and receiver (coordinated runs)",
+    )
+    rate: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="audits by recomputation (docs/audits.md): the chance, drawn in secret "
+        "after the fact, that one round of one site is replayed and compared with what it "
+        "committed; the replay costs this fraction of the sites' compute (0: off; needs "
+        "commitments)",
+    )
+    window: int = Field(
+        0, ge=0, description="steps of an audited round replayed (0: all of its steps)"
+    )
+    keep_rounds: int = Field(
+        2,
+        ge=1,
+        description="rounds of received and sent frames (and group state) a site keeps "
+        "for an audit; older ones are dropped",
+    )
+    timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        description="an audit's upload that comes later than this after the train order "
+        "asking for it was sent is named 'audit timed out' (keep it above a round's time)",
     )
 
 

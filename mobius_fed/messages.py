@@ -9,6 +9,7 @@ message type       coordinator → worker        worker → coordinator
 ``train``          E/R arrays + TrainOrder     E/R arrays + TrainReport (+ Checkpoint)
                    (+ synced group, R > 1)     (+ its group on a ring sync, R > 1)
                                                (+ Signed: its commitment)
+                                               (+ audits: Signed state digest, upload)
 ``evaluate``       E/R arrays + round/step     EvalReport (+ Signed: its commitment)
                    (+ synced group, R > 1)
 ``query.state``    (empty)                     StateReply
@@ -36,6 +37,10 @@ GROUP_BASE = "group-base"
 # audit.commitments: the signed digests of the ring frames a site sent and received in the
 # round (transport/commitments.py), in a train or evaluate reply
 COMMITMENT = "commitment"
+# audits (docs/audits.md): in a train reply, the signed digest of the site's group state at
+# the round's start; and, when the order's ``audit-asks`` names the site, the upload of the
+# round it asks for (the group's state and that round's frames)
+AUDIT_STATE, AUDIT_UPLOAD = "audit-state", "audit-upload"
 _W = TypeVar("_W", bound="_Wire")
 _CASTS = {"int": int, "bool": bool, "str": str, "bytes": bytes, "float": float}
 
@@ -90,6 +95,7 @@ class TrainOrder(_Wire):
     keep_checkpoints: int = 0  # checkpoint files the worker keeps (0: all)
     barrier_snapshot: bool = False
     ring_sync: bool | None = None  # R > 1: send this worker's group back (a ring sync)
+    audit_asks: str | None = None  # audits: "rank:round,…", the past rounds to upload
 
     def fill(self, config: ConfigRecord) -> ConfigRecord:
         config.update(self.items())

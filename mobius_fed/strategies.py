@@ -478,10 +478,16 @@ class BarrierRounds(StrategyWrapper):
             state_copy=self.state_copy and checkpoint,
             keep_checkpoints=self.keep_checkpoints,
             barrier_snapshot=self.barrier_snapshots,
+            audit_asks=self._audit_asks(),
         ).fill(config)
         if self.hooks is not None and hasattr(self.hooks, "before_train"):
             self.hooks.before_train(rnd)
         return list(self.strategy.configure_train(rnd, arrays, config, grid))
+
+    def _audit_asks(self) -> str | None:
+        """Audits (docs/audits.md): the past rounds the owner asks the sites to upload."""
+        audits = getattr(self.hooks, "audits", None)
+        return None if audits is None else audits.asks()
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -413,6 +413,8 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         console.print(_privacy_table(doc["privacy"]))
     if (commitments := doc.get("commitments") or {}).get("incidents"):
         console.print(_commitment_table(commitments))
+    if (audits := doc.get("audits") or {}).get("incidents"):
+        console.print(_audit_table(audits))
 
 
 def _pace_table(workers: list[dict[str, Any]]) -> Table:
@@ -503,6 +505,21 @@ def _commitment_table(block: dict[str, Any]) -> Table:
             "-" if i.get("step") is None else str(i["step"]),
             str(i.get("kind", "?")),
             str(i.get("edge") or i.get("site") or "-"),
+            str(i.get("what", "")),
+        )
+    return log
+
+
+def _audit_table(block: dict[str, Any]) -> Table:
+    """What the audits by recomputation found (docs/audits.md)."""
+    title = f"audits ({block.get('passed', 0)} of {block.get('asked', 0)} passed)"
+    log = _table(title, ("round", "step", "kind", "site", "what"))
+    for i in block["incidents"]:
+        log.add_row(
+            str(i.get("round", "?")),
+            "-" if i.get("step") is None else str(i["step"]),
+            str(i.get("kind", "?")),
+            str(i.get("site") or "-"),
             str(i.get("what", "")),
         )
     return log

@@ -69,6 +69,8 @@ class CommitmentAudit:
         self.sites: set[str] = set()
         self.replies = self.frames = 0
         self._lock = threading.Lock()
+        # audits: told of each verified train commitment (rank, round, its commitment)
+        self.on_commitment: Callable[[int, int, Commitment], None] | None = None
 
     # ------------------------------------------------------------------ check
     def check(
@@ -83,6 +85,8 @@ class CommitmentAudit:
                 c = self._read(reply, rank, rnd, phase, first, end, found)
                 if c is not None:
                     have[rank] = {(e.frame, e.way, e.peer): e for e in c.entries}
+                    if self.on_commitment is not None and phase != EVAL:
+                        self.on_commitment(rank, rnd, c)
             checked = self._compare(have, phase, first, end, found)
         except Exception as exc:  # a bug here must not end the run
             log.exception("round %d: the commitments could not be checked", rnd)

@@ -144,6 +144,7 @@ class RunStateCollector(Collector):
         yield from self._edges(status)
         yield from self._bounds(status)
         yield from self._commitments(status)
+        yield from _audit_metrics(status)
         incidents = status.incidents
         totals = {
             **totals,
@@ -286,6 +287,32 @@ class RunStateCollector(Collector):
             if e.bytes_per_s is not None:
                 rate.add_metric([run, e.edge], e.bytes_per_s)
         yield from (up, rate, rec)
+
+
+def _audit_metrics(status: StatusModel) -> Iterator[Metric]:
+    """audit.rate (docs/audits.md): audits asked and passed, frames recomputed equal, and
+    the incidents per kind."""
+    a = status.audits
+    if a is None:
+        return
+    run = status.run_id
+    done = _counter("mobius_audits", "Audits by recomputation, by outcome.", ("outcome",))
+    done.add_metric([run, "asked"], a.asked)
+    done.add_metric([run, "passed"], a.passed)
+    done.add_metric([run, "skipped"], a.skipped)
+    frames = _counter(
+        "mobius_audit_frames_compared", "Sent frames recomputed by an audit and found equal."
+    )
+    frames.add_metric([run], a.frames_compared)
+    found = _counter(
+        "mobius_audit_incidents",
+        "Audit incidents (audit failed, upload mismatch, audit refused, audit timed out, "
+        "audit error).",
+        ("kind",),
+    )
+    for kind, n in sorted(a.by_kind.items()):
+        found.add_metric([run, kind], n)
+    yield from (done, frames, found)
 
 
 class CoordinatorMetrics:

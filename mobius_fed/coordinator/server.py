@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mobius_fed.checkpoint import CheckpointError
 from mobius_fed.config import TrainConfig
+from mobius_fed.coordinator.audits import Audits
 from mobius_fed.coordinator.commitments import CommitmentAudit
 from mobius_fed.coordinator.config import CoordinatorConfig
 from mobius_fed.coordinator.control import ControlService
@@ -119,6 +120,7 @@ class Coordinator:
         self.state.standby = lambda: self.store.cadence.status(self.service.pool.live())
         self.recovery = Recovery(cfg, self.state, self.grid, self.service, self.store)
         self.commitments = self._commitment_audit()
+        self.audits = self._audits()
         self.strategy: Any = None
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
@@ -138,6 +140,21 @@ class Coordinator:
         )
         self.state.commitments = audit.status
         return audit
+
+    def _audits(self) -> Audits | None:
+        """audit.rate: audits by recomputation beside the commitments (docs/audits.md)."""
+        if self.commitments is None or self.train.audit.rate <= 0:
+            return None
+        audits = Audits(
+            self.train,
+            certificate=self.service.certificates.get,
+            site=self.state.site,
+            on_suspect=lambda rank, why: self._evict_suspect(rank, reason=why),
+            rounds=self.plan.num_rounds,
+        )
+        self.commitments.on_commitment = audits.commitment
+        self.state.audits = audits.status
+        return audits
 
     # -------------------------------------------------------------- servers
     def start(self) -> None:
@@ -272,6 +289,8 @@ class Coordinator:
         except Exception as exc:  # a bug must end the run with a status, not a traceback
             log.exception("run %s: internal error", self.cfg.run_id)
             return self._fail(f"internal error in the coordinator: {exc!r}")
+        if self.audits is not None:  # the audits asked of the last rounds, in the status
+            self.audits.wait()
         self.state.finish(Phase.DONE)
         self.recorder.flush()
         self.grid.broadcast("stop", "done")
@@ -370,6 +389,8 @@ class Coordinator:
         if self.commitments is not None:  # what each site signed it sent and received
             first, end = self.plan.steps_of(rnd)
             self.commitments.check(rnd, TRAIN, first, end, replies)
+        if self.audits is not None:  # state digests, uploads asked, the next draw
+            self.audits.after_train(rnd, replies)
         clip = wrapper_of(self.strategy, ErClip)
         for rank, why in clip.round_clipped.items() if clip is not None else ():
             if self.state.record_clip(rank, why, self.train.bounds.suspect_after):
@@ -385,13 +406,16 @@ class Coordinator:
         if self.state.record_refusal(rank, why, self.train.bounds.suspect_after):
             self._evict_suspect(rank, "of its frames refused by its neighbours")
 
-    def _evict_suspect(self, rank: int, what: str = "of its E/R updates clipped") -> None:
+    def _evict_suspect(
+        self, rank: int, what: str = "of its E/R updates clipped", reason: str | None = None
+    ) -> None:
         """``--evict-suspects``: hand a new suspect's rank to a waiting standby and count
-        the suspect lost (its process is refused from now on), as ``replace --force``."""
+        the suspect lost (its process is refused from now on), as ``replace --force``.
+        ``reason``: why, when not ``suspect_after`` counts of ``what`` (an audit)."""
         if not self.cfg.evict_suspects:
             return
         n = self.train.bounds.suspect_after
-        why = f"evicted as a suspect ({n} {what}; --evict-suspects)"
+        why = f"evicted as a suspect ({reason or f'{n} {what}'}; --evict-suspects)"
         replaced = self.service.pool.identity_of(rank)
         if self.service.handovers.hand_over(rank, why) is None:
             log.error("worker-%d is suspect but no standby waits: it stays in the ring", rank)

@@ -58,6 +58,7 @@ class RunState:
     privacy: Callable[[int], dict[str, Any] | None] | None = None  # step → status block
     standby: Callable[[], dict[str, Any]] | None = None  # status's standby block
     commitments: Callable[[], dict[str, Any]] | None = None  # audit.commitments block
+    audits: Callable[[], dict[str, Any]] | None = None  # audit.rate: audits by recomputation
     # per site, by its name (worker-2, or standby-0 once it holds a rank): a handover's
     # standby starts clean and the replaced site's record stays
     clipped: dict[str, int] = field(default_factory=dict)  # site → E/R updates clipped

@@ -51,6 +51,7 @@ class RunView(Protocol):
     privacy: Callable[[int], dict[str, Any] | None] | None
     standby: Callable[[], dict[str, Any]] | None
     commitments: Callable[[], dict[str, Any]] | None
+    audits: Callable[[], dict[str, Any]] | None
     clipped: dict[str, int]
     clip_last: dict[str, str]
     refused: dict[str, int]
@@ -92,6 +93,7 @@ def status_doc(state: RunView) -> dict[str, Any]:
             "privacy": privacy_block(state),
             "bounds": bounds_block(state),
             "commitments": None if state.commitments is None else state.commitments(),
+            "audits": None if state.audits is None else state.audits(),
             "train_loss": train_loss(state),
             "workers": [
                 {

@@ -230,6 +230,42 @@ class CommitmentStatusModel(BaseModel):
     )
 
 
+class AuditIncidentModel(BaseModel):
+    """What an audit by recomputation found (docs/audits.md)."""
+
+    kind: str = Field(
+        description="audit failed (the replay of the site's group sent other frames, or "
+        "left another state, than it committed) | upload mismatch (the upload is not what "
+        "it committed) | audit refused (no upload, or the round not kept) | audit timed "
+        "out (the upload came after audit.timeout_s) | audit error (the auditor's own "
+        "failure: names no one)"
+    )
+    what: str = Field(description="what was found, naming the site, the round and the frame")
+    site: str | None = Field(None, description="the site it names: worker-2")
+    round: int = Field(description="the audited round")
+    step: int | None = Field(None, description="the first step that differed")
+    detected_at: float = Field(description="unix time")
+
+
+class AuditStatusModel(BaseModel):
+    """audit.rate: the audits by recomputation asked, done and what they found."""
+
+    rate: float = Field(description="the chance that a round of a site is audited")
+    asked: int = Field(description="uploads asked of the sites")
+    passed: int = Field(description="audits whose replay equalled every committed frame")
+    frames_compared: int = Field(description="sent frames recomputed and compared equal")
+    pending: int = Field(description="asked or queued, not yet done")
+    skipped: int = Field(0, description="drawn but not asked: the auditor lagged behind")
+    incidents: list[AuditIncidentModel] = Field(
+        default_factory=list, description="the latest 100, oldest first"
+    )
+    by_kind: dict[str, int] = Field(default_factory=dict, description="incidents per kind")
+    suspects: list[str] = Field(
+        default_factory=list, description="sites named by a failed, refused or mismatched audit"
+    )
+    unauditable: str | None = Field(None, description="why this run's sites cannot be audited")
+
+
 class StandbyStatusModel(BaseModel):
     """Standby sites waiting, and what a handover to one would redo (docs/recovery.md)."""
 
@@ -306,6 +342,11 @@ class StatusModel(BaseModel):
         None,
         description="audit.commitments: frame hops compared and the incidents found "
         "(docs/security.md 'Commitments'); null when off",
+    )
+    audits: AuditStatusModel | None = Field(
+        None,
+        description="audit.rate: audits by recomputation and what they found "
+        "(docs/audits.md); null when off",
     )
     workers: list[WorkerModel]
 

@@ -19,11 +19,13 @@ from collections.abc import Callable
 from typing import Any
 
 from mobius_fed.config import TrainConfig
+from mobius_fed.engine.audit_replay import unauditable
 from mobius_fed.messages import Signed
 from mobius_fed.transport.commitments import (
     EVAL,
     RECEIVED,
     SENT,
+    TRAIN,
     Commitment,
     Entry,
     Frame,
@@ -31,6 +33,7 @@ from mobius_fed.transport.commitments import (
     own_entries,
     sign,
 )
+from mobius_fed.worker.audits import AuditStore, state_body
 from mobius_fed.worker.frames import FrameKey
 
 __all__ = ["RECEIVED", "SENT", "Commitments", "FrameLedger"]
@@ -48,11 +51,18 @@ class FrameLedger:
     global rank of its ring's worker 0 (peers are recorded by global rank). The executor
     (sending), both link threads (receiving) and the reply handler (taking) call it."""
 
-    def __init__(self, base: int = 0) -> None:
+    def __init__(self, base: int = 0, store: AuditStore | None = None) -> None:
         self.base = base
+        self.store = store  # audits: the train frames' pieces are kept for an upload
         self._entries: dict[Claim, str] = {}
         self._partial: dict[tuple[int, FrameKey], Any] = {}  # (side, key) → its sha256 so far
+        self._pieces: dict[tuple[int, FrameKey], list[bytes]] = {}  # audits: pieces so far
+        self._whole: dict[FrameKey, list[bytes]] = {}  # audits: a received frame's pieces
         self._cond = threading.Condition()
+
+    @property
+    def keeping(self) -> bool:
+        return self.store is not None
 
     def piece(self, side: int, key: FrameKey, chunk: int, chunks: int, data: bytes) -> str | None:
         """Fold one received piece (a validated one, in order) of frame ``key`` that came
@@ -62,22 +72,40 @@ class FrameLedger:
             if h is None:  # cannot happen after validation: the pieces come in order
                 return None
             h.update(data)
+            if self.store is not None and key.phase == TRAIN:
+                held = [] if chunk == 0 else self._pieces.pop((side, key), [])
+                held.append(bytes(data))
+                if chunk + 1 < chunks:
+                    self._pieces[side, key] = held
+                else:
+                    self._whole[key] = held
             if chunk + 1 < chunks:
                 self._partial[side, key] = h
                 return None
             return h.hexdigest()
 
-    def record(self, key: FrameKey, way: str, peer: int, digest: str) -> None:
-        """Frame ``key`` was ``way`` (SENT or RECEIVED) to or from ring-local ``peer``."""
+    def record(
+        self, key: FrameKey, way: str, peer: int, digest: str, pieces: list[bytes] | None = None
+    ) -> None:
+        """Frame ``key`` was ``way`` (SENT or RECEIVED) to or from ring-local ``peer``
+        (``pieces``: a sent frame's, for an audit)."""
         with self._cond:
             self._entries[frame_of(key), way, self.base + peer] = digest
+            if way == RECEIVED:
+                pieces = self._whole.pop(key, None)
             self._cond.notify_all()
+        if self.store is not None and pieces is not None and key.phase == TRAIN:
+            self.store.frame(frame_of(key), way, pieces)
 
     def clear(self) -> None:
         """A new ring incarnation: nothing of the old one is committed."""
         with self._cond:
             self._entries.clear()
             self._partial.clear()
+            self._pieces.clear()
+            self._whole.clear()
+        if self.store is not None:
+            self.store.clear()
 
     def wait_for(
         self, claims: set[Claim], timeout: float, abandoned: Callable[[], bool]
@@ -124,7 +152,13 @@ class Commitments:
     ) -> None:
         self.cfg, self.rank, self.local, self.identity = cfg, rank, local, identity
         self._key, self.timeout = key_pem, timeout
-        self.ledger = FrameLedger(base=rank - local)
+        a = cfg.audit
+        why = unauditable(cfg, local) if a.rate > 0 else "audit.rate = 0"
+        if why is not None and a.rate > 0:
+            log.info("worker-%d: no audits by recomputation: %s", rank, why)
+        # audits (docs/audits.md): the last rounds' frames and group states, for an upload
+        self.store = AuditStore(a.keep_rounds, a.window) if why is None else None
+        self.ledger = FrameLedger(base=rank - local, store=self.store)
 
     def expected(self, phase: int, first: int, end: int) -> set[Claim]:
         """What this worker must commit for ``phase`` at steps [first, end)."""
@@ -162,6 +196,12 @@ class Commitments:
         entries = tuple(self.ledger.take(phase, first, end))
         body = Commitment(ring, rnd, phase, first, end, self.rank, self.identity, entries)
         data = body.encode()
+        return Signed(data, self.sign(data))
+
+    def seal_state(self, ring: str, rnd: int, first: int, digest: str) -> Signed:
+        """The signed digest of this worker's group state at the start of round ``rnd``
+        (step ``first``) on ring incarnation ``ring``: what an audit restores."""
+        data = state_body(ring, rnd, first, self.rank, self.identity, digest)
         return Signed(data, self.sign(data))
 
     def sign(self, data: bytes) -> bytes:

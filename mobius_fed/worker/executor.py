@@ -31,6 +31,7 @@ from mobius_fed.hop import HopContext
 from mobius_fed.model import build_group
 from mobius_fed.model.layers import resolve_device
 from mobius_fed.model.training import make_optimizers, mean_loss, scale_grads, step_optimizers
+from mobius_fed.worker.audits import AuditStore, frame_of
 from mobius_fed.worker.frames import (
     BACKWARD,
     EVAL,
@@ -85,11 +86,14 @@ class RingExecutor:
         self._wait = 0.0
         self.slowdown = 1.0  # benchmarks: behave as a site this many times slower
         self.er = ErSite(cfg.sync)  # its end of the E/R round (codec, residual, delay)
+        self.audit: AuditStore | None = None  # audits: keeps the frames passed without a hop
 
     # ------------------------------------------------------------ transport
     def _emit(self, key: FrameKey, tensor: Tensor, dest: int, ctx: HopContext) -> None:
         if dest == self.rank:
             self._local[key] = tensor
+            if self.audit is not None and key.phase == TRAIN:  # its home's, for an audit
+                self.audit.local(frame_of(key), tensor)
             return
         assert self.links is not None, "a ring of P > 1 needs links"
         codec = self._codecs[0 if key.direction == FORWARD else 1]
@@ -256,6 +260,14 @@ class RingExecutor:
         return fresh.state_dict()
 
     # ----------------------------------------------------------- checkpoint
+    def group_state(self) -> dict:
+        """Its block group and the group's optimizers: what an audit restores
+        (:class:`~mobius_fed.engine.audit_replay.GroupReplay`)."""
+        return {
+            "group": self.group.state_dict(),
+            "group_opts": [o.state_dict() for o in self.group_opts],
+        }
+
     def state_dict(self) -> dict:
         return {
             "rank": self.rank,

@@ -33,6 +33,8 @@ from mobius_fed.er_sync import record_bytes
 from mobius_fed.machines import WorkerState
 from mobius_fed.messages import (
     ARRAYS,
+    AUDIT_STATE,
+    AUDIT_UPLOAD,
     COMMITMENT,
     CONFIG,
     GROUP,
@@ -42,6 +44,7 @@ from mobius_fed.messages import (
     RestoreOrder,
     RestoreReply,
     RingOrder,
+    Signed,
     StateReply,
     TrainOrder,
     TrainReport,
@@ -49,6 +52,7 @@ from mobius_fed.messages import (
 from mobius_fed.strategies import encode_delta
 from mobius_fed.transport.commitments import EVAL, TRAIN
 from mobius_fed.transport.safe_arrays import array_record_to_torch, spec_of
+from mobius_fed.worker.audits import parse_asks
 from mobius_fed.worker.commitments import Commitments
 from mobius_fed.worker.executor import RingExecutor, WorkerStep
 
@@ -262,6 +266,7 @@ class WorkerHandlers:
             load_replica(executor, msg.content.array_records[ARRAYS])
         self._take_group(msg)
         self.on_state(WorkerState.TRAINING)
+        sealed = self._audit_open(rnd, start)  # audits: the group's state as the round starts
         report = self._train_steps(start, end)
         # the E/R that leaves (τ = 1: merged first; a codec: its residual kept), before the
         # snapshot, so that a rollback to this barrier resumes after both
@@ -288,6 +293,7 @@ class WorkerHandlers:
         if group is not None:  # to be averaged across the rings
             reply[GROUP] = group
         self._commit(reply, rnd, TRAIN, start, end)
+        self._audit_reply(reply, order, sealed)
         if order.checkpoint:
             reply["checkpoint"] = self._checkpoint(order, snap).to_record()
             self.snapshots.prune_disk(order.keep_checkpoints)
@@ -375,6 +381,38 @@ class WorkerHandlers:
             log.exception("worker-%d: round %d's commitment not signed", executor.rank, rnd)
             return
         reply[COMMITMENT] = signed.to_record()
+
+    # ----------------------------------------------------------------- audits
+    def _audit_open(self, rnd: int, first: int) -> Signed | None:
+        """Audits (docs/audits.md): keep the group's state at the start of round ``rnd``;
+        its signed digest, for the reply."""
+        c, executor = self.commitments, self.executor
+        if c is None or c.store is None:
+            return None
+        executor.audit = c.store
+        try:
+            digest = c.store.open_round(executor.run_id, rnd, first, executor.group_state())
+            return c.seal_state(executor.run_id, rnd, first, digest)
+        except Exception:
+            log.exception("worker-%d: round %d's state not kept for audits", executor.rank, rnd)
+            return None
+
+    def _audit_reply(self, reply: RecordDict, order: TrainOrder, state: Signed | None) -> None:
+        """The round's state digest, and the uploads the order asks of this site."""
+        c = self.commitments
+        if c is None or c.store is None:
+            return
+        c.store.close_round(order.step_end)
+        if state is not None:
+            reply[AUDIT_STATE] = state.to_record()
+        for rank, rnd in parse_asks(order.audit_asks or ""):
+            if rank != c.rank:
+                continue
+            upload = c.store.upload(rnd)
+            if upload is None:  # an honest site that no longer holds it says so
+                upload = ConfigRecord({"round": rnd, "missing": f"kept: {c.store.rounds}"})
+            reply[AUDIT_UPLOAD] = upload
+            log.info("worker-%d: round %d uploaded for an audit", c.rank, rnd)
 
     def query_state(self, msg: Message) -> Message:
         reply = StateReply(sorted(self.snapshots.rounds()), self.executor.step).to_record()

@@ -188,12 +188,16 @@ class RingLinks:
     def _send_frames(self, key: FrameKey, tensor: torch.Tensor, **encoding: Any) -> None:
         out = self._outgoing(key.direction)
         digest = hashlib.sha256() if self.ledger is not None else None
+        kept: list[bytes] | None = [] if self.ledger is not None and self.ledger.keeping else None
         for data in self.frames(key, tensor, **encoding):
             if digest is not None:  # the bytes as they go on the wire, piece by piece
                 digest.update(data)
+            if kept is not None:  # audits: the pieces, for an upload
+                kept.append(data)
             out.put(data)  # gRPC sends piece k while piece k+1 is built
         if self.ledger is not None and digest is not None:
-            self.ledger.record(key, SENT, self.peer(key.direction), digest.hexdigest())
+            peer = self.peer(key.direction)
+            self.ledger.record(key, SENT, peer, digest.hexdigest(), kept)
 
     def frames(self, key: FrameKey, tensor: torch.Tensor, **encoding: Any) -> Iterator[bytes]:
         """The serialized pieces of frame ``key`` carrying ``tensor`` (built lazily)."""

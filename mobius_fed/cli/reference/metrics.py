@@ -42,6 +42,14 @@ _STATUS = {
     "ring_health": [_RING | {"edges_up": 1, "edges": 1}],
     "pace": _PACE | {"summary": ""},
     "commitments": {"replies_checked": 1, "frames_checked": 1, "by_kind": {"late commitment": 1}},
+    "audits": {
+        "rate": 0.05,
+        "asked": 1,
+        "passed": 1,
+        "frames_compared": 1,
+        "pending": 0,
+        "by_kind": {"audit failed": 1},
+    },
     "timeline": {
         "round": 1,
         "step_s": 1.0,
@@ -58,7 +66,7 @@ _STATUS = {
 class _Run:
     """A run at its end in which every metric has a value: one worker reporting every
     figure, one edge, one ring, a pace, a training and a validation loss, a commitment
-    incident."""
+    incident, an audit incident."""
 
     run_id = "reference"
 
