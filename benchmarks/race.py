@@ -407,7 +407,7 @@ def race(args) -> dict:
         raise SystemExit(f"the race needs the namespace testbed: {reason}")
     out = RESULTS / tag(args)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    chosen = [a for a in arms() if not args.arms or any(k in a.name for k in args.arms)]
+    chosen = [a for a in arms() if not args.arms or any(picks(k, a.name) for k in args.arms)]
     calib_path = out / "calibration.json"
     calib = json.loads(calib_path.read_text()) if calib_path.exists() else {}
     for arm in chosen:
@@ -448,6 +448,11 @@ def race(args) -> dict:
                 flush=True,
             )
     return report(out)
+
+
+def picks(key: str, name: str) -> bool:
+    """``--arms`` KEY picks the arm NAME: KEY in NAME, or ``=NAME`` exactly."""
+    return key[1:] == name if key.startswith("=") else key in name
 
 
 def slug(name: str) -> str:
@@ -560,7 +565,9 @@ def add_parser(sub) -> None:
     r.add_argument("--rate", default="1gbit", help="the GPU site's link the race matches")
     r.add_argument("--rtt-ms", type=float, default=0.0, help="the GPU site's round trip")
     r.add_argument("--calibration-steps", type=int, default=60)
-    r.add_argument("--arms", nargs="+", help="only arms whose name contains one of these")
+    r.add_argument(
+        "--arms", nargs="+", help="only arms whose name contains one of these (=NAME: exactly)"
+    )
     r.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     r.add_argument("--quick", action="store_true", help="one seed, 300 steps")
     r.add_argument("--report", action="store_true", help="only the table and figure of kept runs")
