@@ -474,8 +474,8 @@ def report(out: Path, figure: Path | None = None) -> dict:
         "",
         "| arm | seeds | final Eq. 8 | wall s | GPU-site s | tok/s measured | tok/s projected | "
         "measured ÷ projected | link kbit/s | k (calibrated, run) | time to DiLoCo H=100's "
-        "Eq. 8 ÷ its time, k calibrated | … k of each run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Eq. 8 ÷ its time, k calibrated | … k of each run | other processes, cores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows, summary = [], []
     for name in [n for n in names if n in by]:
@@ -495,7 +495,7 @@ def report(out: Path, figure: Path | None = None) -> dict:
             f"| {name} | {len(seeds)} | {final[0]:.4f} ± {final[1]:.4f} | {wall:.0f} | {gpu:.0f} | "
             f"{meas:.0f} | {proj:.0f} | {meas / proj:.2f} | {link['rate_bps'] / 1e3:.0f} | "
             f"{link['k']:.2f}, {statistics.mean(k_of(r, True) for r in rs):.2f} | "
-            f"{texts[0]} | {texts[1]} |"
+            f"{texts[0]} | {texts[1]} | {max(r.get('foreign_cores', 0.0) for r in rs):.2f} |"
         )
         rows.append({"arm": name, "seeds": seeds, "final": final, "wall_s": wall, "gpu_s": gpu,
                      "tokens_s": meas, "projected_tokens_s": proj, "ratios": ratios[False],
