@@ -474,8 +474,9 @@ def report(out: Path, figure: Path | None = None) -> dict:
         "",
         "| arm | seeds | final Eq. 8 | wall s | GPU-site s | tok/s measured | tok/s projected | "
         "measured ÷ projected | link kbit/s | k (calibrated, run) | time to DiLoCo H=100's "
-        "Eq. 8 ÷ its time, k calibrated | … k of each run | other processes, cores |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Eq. 8 ÷ its time, k calibrated | … k of each run | … ÷ its projected time | "
+        "… ÷ the fastest DiLoCo arm's projected time | other processes, cores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows, summary = [], []
     for name in [n for n in names if n in by]:
@@ -490,12 +491,17 @@ def report(out: Path, figure: Path | None = None) -> dict:
         for own in (False, True):
             ratios[own] = [race_ratio(by[name][s], base[s], own) for s in seeds if s in base]
             texts.append(ratio_text(ratios[own], ci95))
+        ideal = [race_ratio(by[name][s], base[s], False, ideal=True) for s in seeds if s in base]
+        texts.append(ratio_text(ideal, ci95))
+        best = [strongest_ratio(by, name, s) for s in seeds if s in base]
+        texts.append(ratio_text(best, ci95))
         link = rs[0]["link"]
         lines.append(
             f"| {name} | {len(seeds)} | {final[0]:.4f} ± {final[1]:.4f} | {wall:.0f} | {gpu:.0f} | "
             f"{meas:.0f} | {proj:.0f} | {meas / proj:.2f} | {link['rate_bps'] / 1e3:.0f} | "
             f"{link['k']:.2f}, {statistics.mean(k_of(r, True) for r in rs):.2f} | "
-            f"{texts[0]} | {texts[1]} | {max(r.get('foreign_cores', 0.0) for r in rs):.2f} |"
+            f"{texts[0]} | {texts[1]} | {texts[2]} | {texts[3]} | "
+            f"{max(r.get('foreign_cores', 0.0) for r in rs):.2f} |"
         )
         rows.append({"arm": name, "seeds": seeds, "final": final, "wall_s": wall, "gpu_s": gpu,
                      "tokens_s": meas, "projected_tokens_s": proj, "ratios": ratios[False],
@@ -503,7 +509,8 @@ def report(out: Path, figure: Path | None = None) -> dict:
         if name.startswith("ring"):
             summary.append(
                 f"ring ÷ DiLoCo H=100, time to its Eq. 8: {texts[0]} ({name}; by each run's "
-                f"own compute: {texts[1]})"
+                f"own compute: {texts[1]}; against DiLoCo's projected time: {texts[2]}; against "
+                f"the fastest DiLoCo arm's projected time: {texts[3]})"
             )
     text = "\n".join([*lines, "", *summary]) + "\n"
     print(text)
@@ -513,11 +520,37 @@ def report(out: Path, figure: Path | None = None) -> dict:
     return {"rows": rows, "summary": summary}
 
 
-def race_ratio(run: dict, base: dict, own: bool) -> float:
+def race_ratio(run: dict, base: dict, own: bool, ideal: bool = False) -> float:
     """GPU-site time for ``run`` to reach ``base``'s final Eq. 8 over ``base``'s own time
-    (inf: never reached)."""
+    (inf: never reached); with ``ideal``, over the time ``base``'s projection gives for its
+    steps (DiLoCo as its step model says it could run, not as this coordinator ran it)."""
     t = time_to(run, base["curve"]["eval"][-1], own)
-    return math.inf if t is None else t / gpu_seconds(base, own)[-1]
+    if t is None:
+        return math.inf
+    if ideal:
+        steps = base["curve"]["steps"][-1]
+        return t / (steps * base["link"]["projected_step_s"] / base["link"]["k"])
+    return t / gpu_seconds(base, own)[-1]
+
+
+def ideal_run(run: dict) -> dict:
+    """``run`` as its projection says it could have gone: evaluations at steps × the
+    projected step, in GPU-site seconds."""
+    step = run["link"]["projected_step_s"] / run["link"]["k"]
+    curve = {"seconds": [s * step for s in run["curve"]["steps"]], "eval": run["curve"]["eval"]}
+    return {"link": {"k": 1.0}, "curve": curve}
+
+
+def strongest_ratio(by: dict, name: str, seed: int) -> float:
+    """GPU-site time for arm ``name`` to reach DiLoCo H = 100's final Eq. 8 (``seed``) over
+    the least time any DiLoCo arm of that seed would need at its projected speed: the
+    strongest opponent (e.g. int4 pseudo-gradients, both ways, and no round overhead)."""
+    target = by["DiLoCo H=100"][seed]["curve"]["eval"][-1]
+    times = [time_to(ideal_run(runs[seed]), target) for n, runs in by.items()
+             if n.startswith("DiLoCo") and seed in runs]  # fmt: skip
+    best = min((t for t in times if t is not None), default=None)
+    t = time_to(by[name][seed], target)
+    return math.inf if t is None or best is None else t / best
 
 
 def ratio_text(ratios: list[float], ci95) -> str:
