@@ -25,7 +25,9 @@ first remote hop, over every window an attacker may choose (``--windows`` length
 step 0, mid-run and at the end; ``--known`` fractions, ``--mask-seeds``; linear map, codebook,
 class means and an MLP decoder), against every setting of
 :data:`mobius_fed.privacy.pareto.SETTINGS` (or ``--variants``);
-``--price-only`` trains without attacking (Eq. 8 only, e.g. at cpu-small). Each run is
+``--price-only`` trains without attacking (Eq. 8 only, e.g. at cpu-small). A learned
+bottleneck's setting (``bottleneck-home d/4 + codec`` …) is attacked on its code and on the
+receiver's decoder output, the worst of both counting (docs/privacy.md §4k). Each run is
 appended to pareto.json in --out; ``--merge`` joins pareto.json files and draws the front:
 
     python benchmarks/privacy_audit.py --patient --preset cpu-tiny --steps 60 \
@@ -227,6 +229,8 @@ def patient(a: argparse.Namespace) -> int:
             sent, fp32 = step_bytes(cfg)
             ids = cfg.subspace.on and cfg.subspace.mode == "tokens"
             sends = "hidden states + token ids" if ids else "hidden states"
+            if cfg.subspace.bottleneck:
+                sends = "a learned code of hidden states"
             t0 = time.perf_counter()
             if public is None or ids:  # token ids in the clear: nothing for an attack to read
                 eng = ReferenceEngine(cfg, sites)

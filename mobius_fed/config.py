@@ -650,8 +650,9 @@ def _check_states_only(cfg: TrainConfig) -> None:
     why = None
     if sub.bottleneck:
         why = (
-            f"subspace mode {sub.mode!r} has not been audited (the privacy audits refuse "
-            "the learned bottleneck); the preset needs subspace mode 'home'"
+            f"subspace mode {sub.mode!r} has not been audited with the preset's defences "
+            "(the patient audit measures the bare bottleneck, docs/privacy.md §4k); the "
+            "preset needs subspace mode 'home'"
         )
     elif not sub.on or sub.mode != "home":
         why = (

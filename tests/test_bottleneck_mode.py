@@ -105,14 +105,16 @@ def test_bad_settings_are_refused_with_the_reason(tmp_path):
     assert not off.model().subspace_bottleneck, "rank 0 is off, whatever the mode"
 
 
-def test_audits_refuse_the_bottleneck(tiny_train):
+def test_the_leakage_audit_refuses_the_bottleneck_and_the_patient_audit_takes_it(tiny_train):
     from mobius_fed.privacy.leakage import LeakageAudit
     from mobius_fed.privacy.patient import PatientAudit
 
     cfg = TrainConfig(**tiny_train, workers=2, subspace=BOTTLENECK)
     with pytest.raises(ValueError, match="leakage audit: subspace mode 'bottleneck'"):
         LeakageAudit(cfg, [])
-    with pytest.raises(ValueError, match="patient audit: subspace mode 'bottleneck'"):
+    # the patient audit gets past the mode (tests/test_bottleneck_audit.py runs it): here it
+    # stops at the missing sites
+    with pytest.raises(ValueError, match="need one site per worker"):
         PatientAudit(cfg.model_copy(update={"encoding": "bytes"}), [], torch.zeros(1))
 
 

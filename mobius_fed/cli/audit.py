@@ -5,7 +5,10 @@ workers keep what they legitimately receive, then attacks: target recovery at th
 hop, input inversion at the first remote hop. ``--sweep`` repeats this for each defence
 strength and writes a trade-off table (and a figure with matplotlib). ``--leakage`` runs
 the input attacks at every hop of the victim's stream and the coordinator's attack on the
-victim's E/R update instead.
+victim's E/R update instead. ``--patient`` runs the patient neighbour (every site's first
+remote hop, every window of ``--windows``, known plaintext, an MLP decoder, clusters and a
+decipher with ``--public``'s bigrams): the audit that takes every subspace mode, the learned
+bottleneck included (its code and the receiver's decoder output are both attacked).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "inverter) and the coordinator's attack on the victim's E/R update: "
         "leakage.md and leakage.json in --out",
     )
+    add_patient_flags(p)
     p.add_argument(
         "--public-seed-noise",
         action="store_true",
@@ -83,6 +87,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_audit)
+
+
+def add_patient_flags(p: argparse.ArgumentParser) -> None:
+    """``--patient`` and what only it reads."""
+    p.add_argument(
+        "--patient",
+        action="store_true",
+        help="the patient neighbour at every site's first remote hop, every window and "
+        "attack (any subspace mode, the bottleneck's code included): patient.md and "
+        "patient.json in --out",
+    )
+    p.add_argument(
+        "--public",
+        type=Path,
+        default=Path("../shared/data/tinyshakespeare.txt"),
+        help="with --patient: a public text (read as bytes) whose bigrams the decipher uses",
+    )
+    p.add_argument(
+        "--windows", default="1,2,4,8,16,32", help="with --patient: window lengths in steps"
+    )
+    p.add_argument("--known", default="0.01,0.05", help="with --patient: known fractions")
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -104,14 +129,20 @@ def cmd_audit(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sites = resolve_sites(cfg, args.data, out)
+    if args.leakage and args.patient:
+        raise CliError("--leakage and --patient are two audits: run one at a time")
+    if (args.leakage or args.patient) and (args.sweep or args.only):
+        raise CliError(
+            f"--{'leakage' if args.leakage else 'patient'} runs no sweep: drop --sweep and --only"
+        )
     if args.leakage:
-        if args.sweep or args.only:
-            raise CliError("--leakage runs no sweep: drop --sweep and --only")
         return leakage(cfg, sites, args, out)
     keys = cfg.privacy.noise_key_dir
     if keys is None and not args.public_seed_noise:
         keys = str(out / "keys")
         write_site_keys(keys, cfg.P)
+    if args.patient:
+        return patient(with_keys(cfg, keys), sites, args, out)
     if args.sweep:
         rows = sweep(
             cfg,
@@ -125,7 +156,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
             console.print(f"wrote {path}")
         print((out / "sweep.md").read_text(), end="")
         return 0
-    cfg = cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"noise_key_dir": keys})})
+    cfg = with_keys(cfg, keys)
     report = Audit(
         cfg, sites, victim=args.victim, inverter_steps=args.inverter_steps, log=console.print
     ).run()
@@ -133,6 +164,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
     (out / "audit.json").write_text(doc + "\n")
     print(doc if args.json else describe(report))
     return 0
+
+
+def with_keys(cfg: TrainConfig, keys: str | None) -> TrainConfig:
+    """``cfg`` with its noise keyed by the site keys in ``keys`` (None: the public seed)."""
+    return cfg.model_copy(
+        update={"privacy": cfg.privacy.model_copy(update={"noise_key_dir": keys})}
+    )
 
 
 def leakage(
@@ -149,6 +187,28 @@ def leakage(
     (out / "leakage.json").write_text(doc + "\n")
     (out / "leakage.md").write_text(text + "\n")
     print(doc if args.json else text)
+    return 0
+
+
+def patient(
+    cfg: TrainConfig, sites: Sequence[SiteData], args: argparse.Namespace, out: Path
+) -> int:
+    """``--patient``: every site's first remote hop against the patient neighbour."""
+    from mobius_fed.privacy.patient import PatientAudit, public_tokens, write_report
+
+    try:
+        windows = [int(w) for w in args.windows.split(",")]
+        known = [float(f) for f in args.known.split(",")]
+    except ValueError as e:
+        raise CliError(
+            f"--windows takes integers, --known fractions, comma-separated: {e}"
+        ) from None
+    report = PatientAudit(
+        cfg, sites, public_tokens(args.public), windows=windows, known=known, log=console.print
+    ).run()
+    for path in write_report(report, out):
+        console.print(f"wrote {path}")
+    print((out / "patient.md").read_text(), end="")
     return 0
 
 

@@ -159,14 +159,48 @@ def check_victim(cfg: TrainConfig, victim: int) -> None:
 
 
 def refuse_bottleneck(cfg: TrainConfig, audit: str) -> None:
-    """The audits rebuild a received hop as h = U·c (a shared U): the learned bottleneck
-    (subspace mode ``bottleneck``) has no U, and its audit is not built yet (issue 55)."""
+    """The leakage audit rebuilds every hop as h = U·c (a shared U) and trains its inverter
+    and its rows of E through U: the learned bottleneck (subspace modes ``bottleneck``,
+    ``bottleneck-home``) has no U. The patient audit attacks it (the first remote hop's
+    code and the receiver's decoder output, :func:`receiver_rebuild`)."""
     if cfg.subspace.bottleneck:
         raise ValueError(
-            f"{audit}: subspace mode {cfg.subspace.mode!r} is not audited yet: a received code is "
-            "rebuilt by the receiver's own learned decoder, not by a shared U, and the "
-            "attacks here assume U"
+            f"{audit}: subspace mode {cfg.subspace.mode!r} is not audited here: its attacks "
+            "rebuild every hop with a shared U, and a received code is rebuilt by the "
+            "receiver's own learned decoder; the patient audit attacks the bottleneck "
+            "(mobius-fed audit --patient, benchmarks/privacy_audit.py --patient)"
         )
+
+
+def refuse_subspace(cfg: TrainConfig, audit: str) -> None:
+    """The one-victim audit attacks full-width hidden states with the head and an inverter
+    of its own states: with the subspace on a hop carries k-wide coordinates (or a learned
+    bottleneck's code), which it does not rebuild."""
+    sub = cfg.subspace
+    if sub.on:
+        raise ValueError(
+            f"{audit}: with subspace mode {sub.mode!r} (rank {sub.rank}) a hop carries k-wide "
+            "coordinates, and this audit attacks full-width hidden states; run the patient "
+            "audit (mobius-fed audit --patient), which attacks each site's first remote hop "
+            "as its receiver rebuilds it (and a bottleneck's code itself)"
+        )
+
+
+def receiver_rebuild(engine: ReferenceEngine) -> Callable[[Tensor, HopContext], Tensor] | None:
+    """In a bottleneck mode, what the worker receiving a forward hop computes from the code c
+    it receives: dec_r(c), with its own group's decoder as it is when the code arrives (an
+    :class:`Observer` evaluates it then: the decoder of that step, before that step's
+    update). A remote hop's receiver adds no b unless it is the stream's origin, so at a
+    first remote hop this is exactly what its group is applied to. None in other modes (a
+    hop is the state itself, or U·c with the public U)."""
+    if not engine.cfg.subspace.bottleneck:
+        return None
+    maps = engine.maps
+
+    def rebuild(c: Tensor, ctx: HopContext) -> Tensor:
+        return maps.basis_of(ctx.consumer).expand(c)
+
+    return rebuild
 
 
 def own_text(cfg: TrainConfig, site: SiteData, batches: int) -> Tensor:
@@ -217,6 +251,7 @@ class Audit:
         log: Callable[[str], None] | None = None,
     ) -> None:
         check_victim(cfg, victim)
+        refuse_subspace(cfg, "the one-victim audit")
         self.cfg, self.sites, self.victim = cfg, list(sites), victim
         self.inverter_steps, self.attacker_batches = inverter_steps, attacker_batches
         self.log = log or (lambda _msg: None)

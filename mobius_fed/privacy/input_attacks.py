@@ -136,12 +136,14 @@ def known_plaintext(
     known: Tensor,
     *,
     ridge: float = 1e-2,
+    prior: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Fit A (d×d) with h·A ≈ E(x) on the ``known`` positions (bool mask over the flattened
-    positions of ``h`` [..., d]) by least squares with a ridge towards the identity (the
-    residual stream starts as E(x), so A = I is the attacker's prior), then take the
-    nearest row of E to h·A at every unknown position. Returns (top-5 guesses, true
-    tokens) of the unknown positions."""
+    """Fit A (k×d) with h·A ≈ E(x) on the ``known`` positions (bool mask over the flattened
+    positions of ``h`` [..., k]) by least squares with a ridge towards ``prior`` [k, d] (by
+    default the identity, k = d: the residual stream starts as E(x), so A = I is the
+    attacker's prior; a k-wide code gives its own), then take the nearest row of E to h·A
+    at every unknown position. Returns (top-5 guesses, true tokens) of the unknown
+    positions."""
     x, t, known = _positions(h, tokens, known)
     n_known = int(known.sum())
     if n_known == 0:
@@ -153,10 +155,13 @@ def known_plaintext(
         raise ValueError("every position is known: nothing is left to recover")
     rows = embedding_rows(wte)
     xk, yk = x[known], rows[t[known]]
-    d = x.size(-1)
+    k = x.size(-1)
+    if prior is None:
+        if k != rows.size(-1):
+            raise ValueError(f"states of width {k} and rows of E of {rows.size(-1)}: give a prior")
+        prior = torch.eye(k)
     lam = ridge * max(float(xk.square().sum()) / n_known, 1e-12)  # > 0 even for h = 0
-    eye = torch.eye(d)
-    a = torch.linalg.solve(xk.T @ xk + lam * eye, xk.T @ yk + lam * eye)
+    a = torch.linalg.solve(xk.T @ xk + lam * torch.eye(k), xk.T @ yk + lam * prior.float())
     return nearest_row(x[~known] @ a, wte), t[~known]
 
 

@@ -50,6 +50,16 @@ SETTINGS: dict[str, dict] = {
     "tokens d/8 + codec": {"subspace": "rank=d/8,mode=tokens,writes=full", "wire": CODEC},
     "home d/4 + codec": {"subspace": "rank=d/4,mode=home,writes=full", "wire": CODEC},
     "home d/2 + codec": {"subspace": "rank=d/2,mode=home,writes=full", "wire": CODEC},
+    # the learned bottleneck (issue 55; §4k): attacked on its code and the receiver's dec(c)
+    "bottleneck-home d/4 + codec": {
+        "subspace": "rank=d/4,mode=bottleneck-home,writes=full",
+        "wire": CODEC,
+    },
+    "bottleneck-home d/8 + codec": {
+        "subspace": "rank=d/8,mode=bottleneck-home,writes=full",
+        "wire": CODEC,
+    },
+    "bottleneck d/4 + codec": {"subspace": "rank=d/4,mode=bottleneck,writes=full", "wire": CODEC},
     "codec + mlp + noise σ=1": {"wire": CODEC, "home_input": "mlp", "input_noise": 1.0},
     "codec + mlp + noise σ=2": {"wire": CODEC, "home_input": "mlp", "input_noise": 2.0},
     "home d/4 + codec + mlp": {

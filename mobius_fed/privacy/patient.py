@@ -18,16 +18,23 @@ and on the longest window of each place the unsupervised attacks, which need man
 positions: clusters + own frequencies and the decipher (clusters + an HMM with the bigrams of
 a public text, :mod:`mobius_fed.privacy.decipher`), best k of their sweeps.
 
+In a learned-bottleneck mode (``subspace.mode`` ``bottleneck`` or ``bottleneck-home``) the
+receiver holds two things of each hop, and every attack above runs on both: the k-wide code
+as it crossed the edge ("code"; the linear map is fitted towards the public identity path,
+and there is no nearest row of E at width k) and what the receiver's own decoder makes of it
+at that step, dec(c) ("dec(c)", the d-wide state its group is applied to). The rows name the
+surface; the worst per victim is over both.
+
 The report keeps every (place, window, victim, attack) and, per victim, the worst over all
 of them with the window and attack that achieved it: the largest exact recovery above that
-victim's floor for that window (docs/privacy.md §4i).
+victim's floor for that window (docs/privacy.md §4i, §4k).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,7 +49,7 @@ from mobius_fed.privacy.audit import (
     ensure_home_layers,
     first_hop_attacker,
     own_text,
-    refuse_bottleneck,
+    receiver_rebuild,
 )
 from mobius_fed.privacy.decipher import CLUSTER_SWEEP, best_over_clusters, decipher
 from mobius_fed.privacy.observer import Observer
@@ -52,6 +59,8 @@ DECIPHER_SWEEP = (48, 64, 96)
 WINDOWS = (1, 2, 4, 8, 16, 32)  # steps pooled: every length an attacker may choose
 PLACES = ("early", "mid", "trained")  # where a window sits: from step 0, mid-run, at the end
 KNOWN = (0.01, 0.05)  # fractions of a window's (position, token) pairs the attacker knows
+# What a bottleneck receiver holds of a hop: the code as received, its own decoder's output.
+SURFACES = ("code", "dec(c)")
 UNSUPERVISED = (
     "clusters + own frequencies (best k)",
     "decipher: clusters + public bigrams (best k)",
@@ -78,6 +87,7 @@ class PatientRow:
     window: int = 0  # the window's length in steps
     start: int = 0  # its first step
     mask_seed: int = 0  # the known-plaintext mask's seed
+    surface: str = ""  # a bottleneck's: "code" or "dec(c)" (also in ``attack``); else ""
 
 
 @dataclass
@@ -175,6 +185,15 @@ class PatientReport:
         return "\n".join(lines)
 
 
+def identity_path(k: int, wte: Tensor) -> Tensor:
+    """The bottleneck's public identity path as a map from a k-wide code onto E's width d:
+    code entry j on channel j·d/k ([k, d], what the decoder is at step 0)."""
+    d = wte.size(-1)
+    prior = torch.zeros(k, d)
+    prior[torch.arange(k), torch.arange(k) * (d // k)] = 1.0
+    return prior
+
+
 def public_tokens(path: Path, limit: int = 400_000) -> Tensor:
     """The attacker's public text as byte tokens (the ``bytes`` encoding)."""
     if not path.is_file():
@@ -211,7 +230,6 @@ class PatientAudit:
             raise ValueError(
                 "the patient audit's public corpus is read as bytes: use encoding bytes"
             )
-        refuse_bottleneck(cfg, "the patient audit")
         if not windows or min(windows) < 1:
             raise ValueError(f"every window must be ≥ 1 step, not {tuple(windows)}")
         self.cfg, self.sites, self.public = cfg, list(sites), public
@@ -237,83 +255,116 @@ class PatientAudit:
         ensure_home_layers(self.engine)
         self.hops: dict[int, tuple[int, int]] = {}
         self.observers: dict[int, Observer] = {}
+        self._observe(steps)
+        self.wte: dict[int, list[Tensor]] = {}  # step → every replica's E at its start
+
+    def _observe(self, steps: frozenset[int]) -> None:
+        """An observer at every stream's first remote hop, over the windows' ``steps`` (in a
+        bottleneck mode it also keeps the receiver's decoder output on arrival)."""
+        cfg = self.cfg
         for s in range(cfg.P):
             first = first_hop_attacker(cfg, s)
             if first is None:
                 continue
             slot, receiver = self.hops[s] = first
             obs = Observer(
-                rank=receiver, forward_slots={s: slot}, phases=("train",), train_steps=steps
+                rank=receiver,
+                forward_slots={s: slot},
+                phases=("train",),
+                train_steps=steps,
+                rebuild=receiver_rebuild(self.engine),
             )
             obs.attach(self.engine.hops)
             self.observers[s] = obs
         if not self.hops:
             raise ValueError("no stream leaves its home (P = 1): nothing to attack")
-        self.wte: dict[int, list[Tensor]] = {}  # step → every replica's E at its start
 
     def _snapshot(self) -> None:
         self.wte[self.engine.step] = [r.wte.weight.detach().clone() for r in self.engine.replicas]
 
-    def _window(self, s: int, start: int, length: int) -> tuple[Tensor, Tensor]:
-        """(received states [n, T, d], tokens [n, T]) of stream s over ``length`` steps."""
+    def _window(self, s: int, start: int, length: int) -> tuple[dict[str, Tensor], Tensor]:
+        """What the attacker holds of stream s over ``length`` steps, per surface ([n, T, width]
+        each), and the tokens [n, T]: the received states (with a U: U·c), under ""; in a
+        bottleneck mode the code as received and its own decoder's output at that step."""
         slot, _ = self.hops[s]
-        hs, xs = [], []
+        obs, basis = self.observers[s], self.engine.maps.basis
+        held: dict[str, list[Tensor]] = {}
+        xs = []
         for n in range(start, start + length):
-            micro = self.engine._micro("train", s, n)
-            for m, (x, _) in enumerate(micro):
-                h = self.observers[s].received[("train", n, s, slot, m)]
-                basis = self.engine.maps.basis
-                hs.append(h if basis is None else basis.expand(h))
+            for m, (x, _) in enumerate(self.engine._micro("train", s, n)):
+                key = ("train", n, s, slot, m)
+                h = obs.received[key]
+                if self.cfg.subspace.bottleneck:
+                    views = dict(zip(SURFACES, (h, obs.rebuilt[key])))
+                else:
+                    views = {"": h if basis is None else basis.expand(h)}
+                for name, view in views.items():
+                    held.setdefault(name, []).append(view)
                 xs.append(x)
-        return torch.cat(hs).float(), torch.cat(xs)
+        return {name: torch.cat(v).float() for name, v in held.items()}, torch.cat(xs)
 
     def _attack(self, place: str, length: int, start: int, s: int) -> list[PatientRow]:
         cfg, vocab = self.cfg, self.cfg.model().vocab_size
         _, attacker = self.hops[s]
-        h, x = self._window(s, start, length)
-        flat = h.reshape(-1, h.size(-1))
+        views, x = self._window(s, start, length)
         tok = x.reshape(-1)
-        wte = self.wte[start][attacker]
         own = own_text(cfg, self.sites[attacker], self.attacker_batches)
-        rows: list[PatientRow] = []
-
-        def add(name: str, r: ia.Recovery, k: int | None = None, seed: int = 0) -> None:
-            rows.append(
-                PatientRow(
-                    place, s, attacker, name, r.exact, r.top5, r.tokens, k, length, start, seed
-                )
+        floor = ia.recovery(ia.frequency_floor(own, tok.numel(), vocab), tok)
+        rows = [
+            PatientRow(
+                place, s, attacker, FLOOR, floor.exact, floor.top5, floor.tokens, None, length,
+                start,
             )
+        ]  # fmt: skip
+        for surface, h in views.items():
+            for name, r, k, seed in self._attacks(h, tok, own, attacker, start, length):
+                rows.append(
+                    PatientRow(
+                        place, s, attacker, f"{name} [{surface}]" if surface else name,
+                        r.exact, r.top5, r.tokens, k, length, start, seed, surface,
+                    )
+                )  # fmt: skip
+        return rows
 
-        add(FLOOR, ia.recovery(ia.frequency_floor(own, tok.numel(), vocab), tok))
-        add("nearest row of E", ia.recovery(ia.nearest_row(flat, wte), tok))
+    def _attacks(
+        self, h: Tensor, tok: Tensor, own: Tensor, attacker: int, start: int, length: int
+    ) -> Iterator[tuple[str, ia.Recovery, int | None, int]]:
+        """(attack, recovery, k or decoder width, mask seed) of every attack on one surface
+        ``h`` [n, T, width] of a window; a surface narrower than E (a bottleneck's code) has
+        no nearest row and fits its linear map towards the public identity path."""
+        cfg, vocab = self.cfg, self.cfg.model().vocab_size
+        flat = h.reshape(-1, h.size(-1))
+        wte = self.wte[start][attacker]
+        prior = None if flat.size(-1) == wte.size(-1) else identity_path(flat.size(-1), wte)
+        if prior is None:
+            yield "nearest row of E", ia.recovery(ia.nearest_row(flat, wte), tok), None, 0
         for seed in self.mask_seeds:
             for f in self.known:
                 mask = ia.known_mask(tok.numel(), f, cfg.seed + seed)
                 if int(mask.sum()) < 2:
                     continue  # too few positions for this fraction
-                g, rest = ia.known_plaintext(flat, tok, wte, mask)
-                add(known_attack(f, " + linear map"), ia.recovery(g, rest), seed=seed)
+                g, rest = ia.known_plaintext(flat, tok, wte, mask, prior=prior)
+                yield known_attack(f, " + linear map"), ia.recovery(g, rest), None, seed
                 g, rest = ia.known_codebook(flat, tok, mask)
-                add(known_attack(f, " as a codebook"), ia.recovery(g, rest), seed=seed)
+                yield known_attack(f, " as a codebook"), ia.recovery(g, rest), None, seed
                 g, rest = ia.known_class_means(flat, tok, mask)
-                add(known_attack(f, ": class means"), ia.recovery(g, rest), seed=seed)
+                yield known_attack(f, ": class means"), ia.recovery(g, rest), None, seed
                 if self.decoder:
                     g, rest, width = ia.known_decoder(flat, tok, mask, seed=cfg.seed + seed)
-                    add(known_attack(f, ": MLP decoder"), ia.recovery(g, rest), width, seed)
+                    yield known_attack(f, ": MLP decoder"), ia.recovery(g, rest), width, seed
         if self.unsupervised and length == self.window:
             r, k = best_over_clusters(
                 lambda k: ia.cluster_frequency(flat, own, vocab, clusters=k, seed=cfg.seed),
                 tok,
                 self.cluster_sweep,
             )
-            add(UNSUPERVISED[0], r, k)
+            yield UNSUPERVISED[0], r, k, 0
             r, k = best_over_clusters(
                 lambda k: decipher(h, self.public, vocab, clusters=k, seed=cfg.seed),
                 tok,
                 self.decipher_sweep,
             )
-            add(UNSUPERVISED[1], r, k)
-        return rows
+            yield UNSUPERVISED[1], r, k, 0
 
     def run(self) -> PatientReport:
         cfg, t0 = self.cfg, time.perf_counter()
