@@ -119,42 +119,13 @@ class Coordinator:
         self.store.cadence.standby_waiting = lambda: bool(self.service.pool.live())
         self.state.standby = lambda: self.store.cadence.status(self.service.pool.live())
         self.recovery = Recovery(cfg, self.state, self.grid, self.service, self.store)
-        self.commitments = self._commitment_audit()
-        self.audits = self._audits()
+        self.commitments = commitment_audit(self)
+        self.audits = recomputation_audits(self)
         self.strategy: Any = None
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
         self.rest: RestServer | None = None
         self.metrics_server: RestServer | None = None
-
-    def _commitment_audit(self) -> CommitmentAudit | None:
-        """audit.commitments: the check of each round's signed frame digests, its findings
-        in status (docs/security.md "Commitments")."""
-        if not self.train.audit.commitments:
-            return None
-        audit = CommitmentAudit(
-            self.train,
-            certificate=self.service.certificates.get,
-            ring=lambda: self.recovery.ring_id,
-            site=self.state.site,
-        )
-        self.state.commitments = audit.status
-        return audit
-
-    def _audits(self) -> Audits | None:
-        """audit.rate: audits by recomputation beside the commitments (docs/audits.md)."""
-        if self.commitments is None or self.train.audit.rate <= 0:
-            return None
-        audits = Audits(
-            self.train,
-            certificate=self.service.certificates.get,
-            site=self.state.site,
-            on_suspect=lambda rank, why: self._evict_suspect(rank, reason=why),
-            rounds=self.plan.num_rounds,
-        )
-        self.commitments.on_commitment = audits.commitment
-        self.state.audits = audits.status
-        return audits
 
     # -------------------------------------------------------------- servers
     def start(self) -> None:
@@ -462,3 +433,34 @@ def run_config_doc(cfg: CoordinatorConfig) -> dict[str, Any]:
 def privacy_source(train: Any):
     """``step → privacy status block`` (the privacy report's)."""
     return lambda step: status_block(train, step)
+
+
+def commitment_audit(coordinator: Coordinator) -> CommitmentAudit | None:
+    """audit.commitments: the check of each round's signed frame digests, its findings
+    in status (docs/security.md "Commitments")."""
+    if not coordinator.train.audit.commitments:
+        return None
+    audit = CommitmentAudit(
+        coordinator.train,
+        certificate=coordinator.service.certificates.get,
+        ring=lambda: coordinator.recovery.ring_id,
+        site=coordinator.state.site,
+    )
+    coordinator.state.commitments = audit.status
+    return audit
+
+
+def recomputation_audits(coordinator: Coordinator) -> Audits | None:
+    """audit.rate: audits by recomputation beside the commitments (docs/audits.md)."""
+    if coordinator.commitments is None or coordinator.train.audit.rate <= 0:
+        return None
+    audits = Audits(
+        coordinator.train,
+        certificate=coordinator.service.certificates.get,
+        site=coordinator.state.site,
+        on_suspect=lambda rank, why: coordinator._evict_suspect(rank, reason=why),
+        rounds=coordinator.plan.num_rounds,
+    )
+    coordinator.commitments.on_commitment = audits.commitment
+    coordinator.state.audits = audits.status
+    return audits
