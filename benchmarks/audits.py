@@ -19,7 +19,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))  # the sibling benchmark below
 
-from commitments import run_once  # noqa: E402
+from commitments import median_seconds, run_once  # noqa: E402
 
 from mobius_fed.config import TrainConfig  # noqa: E402
 
@@ -49,12 +48,7 @@ def pieces(train: TrainConfig, repeats: int = 10) -> dict[str, float]:
     state = initial_state(train, 0)
 
     def median(fn: Any) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(fn, repeats)
 
     site_s = median(lambda: (state_digest(state), state_bytes(state)))
     mc = train.model()

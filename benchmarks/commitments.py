@@ -33,6 +33,16 @@ from mobius_fed.ops.federation import LocalFederation  # noqa: E402
 from mobius_fed.transport.commitments import TRAIN, frame_hops  # noqa: E402
 
 
+def median_seconds(fn, repeats: int) -> float:
+    """The median wall time of ``repeats`` calls of ``fn`` (one piece's cost, in seconds)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _children_cpu_s() -> float:
     """CPU seconds (user + system) of this process's waited-for children so far."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -94,12 +104,7 @@ def pieces(train: TrainConfig, repeats: int = 20) -> dict[str, float]:
                                 tensor=t))  # fmt: skip
 
     def median(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(fn, repeats)
 
     digest_s = median(lambda: hashlib.sha256(b"".join(frames)).hexdigest())
     hops = frame_hops(train.order, P, train.loops, train.micro_batches, TRAIN, 0)
