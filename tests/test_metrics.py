@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
@@ -169,3 +170,36 @@ def test_one_ring_reports_its_health_without_a_rings_table() -> None:
     console = Console(record=True, width=200)
     render_status(json.loads(json.dumps(st.status_doc(), default=str)), console)
     assert " rings " not in console.export_text() and ring_summary(st.status_doc()) == ""
+
+
+def test_history_json_is_rewritten_at_most_every_interval_and_at_a_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """metrics.jsonl gets every round's line; history.json (the whole history) is rewritten
+    at most every HISTORY_EVERY_S while the run goes, at once at a checkpoint and at the end,
+    so a round's cost does not grow with the run's length; a round's line reads only its
+    own steps, the same rows as the whole history's."""
+    from mobius_fed.coordinator import recorder as rec
+    from mobius_fed.strategies import RoundPlan
+
+    now = [100.0]
+    monkeypatch.setattr(rec.time, "monotonic", lambda: now[0])
+    state = RunState(run_id="r", P=2, steps=40, strategy="fedavg", num_rounds=40)
+    recorder = rec.RunRecorder(tmp_path, state, RoundPlan(40, 1, 0, checkpoint_every=0))
+    history = tmp_path / rec.HISTORY_FILE
+    written: list[int] = []
+    for step in range(40):
+        for origin in (0, 1):
+            state.record_losses(origin, step, [float(step + origin)])
+        recorder._pending_line = {"round": step + 1, "step": step + 1}
+        recorder.flush()
+        written.append(len(json.loads(history.read_text())["steps"]))
+        now[0] += 0.25  # four rounds a second
+    assert [r["round"] for r in map(json.loads, (tmp_path / rec.METRICS_FILE).open())] == list(
+        range(1, 41)
+    )
+    assert written == [1 + 4 * (i // 4) for i in range(40)]  # once a second, not each round
+    recorder.write_history()  # a checkpoint: at once
+    assert len(json.loads(history.read_text())["steps"]) == 40
+    assert state.step_rows(10, 13) == state.history_doc()["steps"][10:13]
+    assert state.step_rows(10, 13)[0] == {"step": 10, "loss": 10.5, "origin_losses": [10.0, 11.0]}

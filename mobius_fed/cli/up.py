@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # torch loads only when up runs, not when `mobius-fed` builds
 
 
 STOP_GRACE = 5.0  # seconds children get after a forwarded signal, before SIGKILL
+STOP_DEADLINE = STOP_GRACE + 5.0  # up itself exits by then, whatever is left to unwind
 
 
 def claim_out(out: Path, resume: bool | str | None, force: bool) -> None:
@@ -74,7 +75,7 @@ def up_main(args: argparse.Namespace) -> int:
     claim_out(Path(args.out), args.resume, getattr(args, "force", False))
     # The handler raises Terminated in this (main) thread; every child then gets the same
     # signal. The hard deadline is only a safety net beyond the children's grace.
-    stop = GracefulStop("mobius-fed up", deadline=STOP_GRACE + 5).install()
+    stop = GracefulStop("mobius-fed up", deadline=STOP_DEADLINE).install()
     fed = _federation(args, train, strategy_options)
     final: dict[str, Any] | None = None
     linger = linger_default(args.linger)

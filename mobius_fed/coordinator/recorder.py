@@ -1,5 +1,8 @@
 """The run's record: each round's and evaluation's figures into the status model, and on
-disk as ``metrics.jsonl`` (one line per round) and ``history.json`` (rewritten each time)."""
+disk as ``metrics.jsonl`` (one line per round) and ``history.json`` (rewritten at most every
+``HISTORY_EVERY_S`` while the run goes, and at each checkpoint and its end: the whole
+history each time, so rewriting it every round grew the coordinator's share of a round with
+the run's length)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from mobius_fed.transport.flower_wire import rank_of_node
 log = logging.getLogger("mobius.coordinator")
 METRICS_FILE = "metrics.jsonl"
 HISTORY_FILE = "history.json"
+HISTORY_EVERY_S = 1.0
 
 
 class RunRecorder:
@@ -29,6 +33,7 @@ class RunRecorder:
         self.out, self.state, self.plan = Path(out_dir), state, plan
         self._pending_line: dict[str, Any] | None = None
         self._round_started = time.perf_counter()
+        self._history_written = -HISTORY_EVERY_S  # monotonic seconds: the first round writes
 
     def restart_clock(self) -> None:
         self._round_started = time.perf_counter()
@@ -87,8 +92,7 @@ class RunRecorder:
     ) -> None:
         """metrics.jsonl: one line per round; an evaluating round's waits for its Eq. 8."""
         self.flush()
-        hist = self.state.history_doc()
-        steps = [row for row in hist["steps"] if start <= row["step"] < end]
+        steps = self.state.step_rows(start, end)
         self._pending_line = {
             "round": rnd,
             "step": end,
@@ -116,14 +120,25 @@ class RunRecorder:
         line["eval_origin_losses"] = [per[s] for s in sorted(per)]
         self.flush()
 
-    def flush(self) -> None:
-        """Append the pending round line to metrics.jsonl and rewrite history.json."""
+    def flush(self, history: bool = False) -> None:
+        """Append the pending round line to metrics.jsonl; rewrite history.json if
+        ``history`` (the run's end) or ``HISTORY_EVERY_S`` passed since."""
         line, self._pending_line = self._pending_line, None
         try:
             self.out.mkdir(parents=True, exist_ok=True)
             if line is not None:
                 with open(self.out / METRICS_FILE, "a") as f:
                     f.write(json.dumps(json_safe(line), allow_nan=False) + "\n")
+        except OSError as exc:  # metrics on disk never end a run
+            log.error("cannot write the run's metrics in %s: %s", self.out, exc)
+        if history or time.monotonic() - self._history_written >= HISTORY_EVERY_S:
+            self.write_history()
+
+    def write_history(self) -> None:
+        """Rewrite history.json (every step, and the status): at a checkpoint, so that the
+        status on disk is never older than the newest manifest."""
+        self._history_written = time.monotonic()
+        try:
             doc = {**self.state.history_doc(), "status": self.state.status_doc()}
             write_bytes_atomic(
                 self.out / HISTORY_FILE, json.dumps(json_safe(doc), allow_nan=False).encode()

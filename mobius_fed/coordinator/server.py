@@ -263,7 +263,7 @@ class Coordinator:
         if self.audits is not None:  # the audits asked of the last rounds, in the status
             self.audits.wait()
         self.state.finish(Phase.DONE)
-        self.recorder.flush()
+        self.recorder.flush(history=True)
         self.grid.broadcast("stop", "done")
         self._await_workers_leaving(timeout=30)
         log.info(
@@ -338,7 +338,7 @@ class Coordinator:
         log.error("run %s failed: %s", self.cfg.run_id, reason)
         self.grid.fail(reason)
         self.state.finish(Phase.FAILED, reason)
-        self.recorder.flush()
+        self.recorder.flush(history=True)
         for inc in self.state.incidents:
             if inc.state == IncidentState.OPEN:
                 self.state.update_incident(inc, state=IncidentState.FAILED)
@@ -369,6 +369,8 @@ class Coordinator:
         self.recovery.in_flight = 0
         if arrays is not None:
             self.store.keep(rnd, arrays, server_state(self.strategy), replies)
+            if self.store.last_manifest_round == rnd:  # the status on disk as new as it
+                self.recorder.write_history()
         self.recorder.restart_clock()
 
     def _frame_refused(self, rank: int, why: str) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mobius_fed.coordinator.status_doc import history_doc, status_doc
+from mobius_fed.coordinator.status_doc import history_doc, status_doc, step_rows
 from mobius_fed.coordinator.status_model import (
     HandoverModel,
     IncidentModel,
@@ -283,6 +283,10 @@ class RunState:
     def history_doc(self) -> dict[str, Any]:
         """Every step's losses, the evaluations, rounds, incidents and handovers."""
         return history_doc(self)
+
+    def step_rows(self, start: int, end: int) -> list[dict[str, Any]]:
+        """The steps ``start ≤ n < end`` of :meth:`history_doc`, without building it."""
+        return step_rows(self, start, end)
 
     def site(self, rank: int) -> str:
         """The name of the site that holds ``rank`` now (worker-<rank>, or its standby)."""

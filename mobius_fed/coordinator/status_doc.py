@@ -254,18 +254,27 @@ def ring_health(state: RunView, edges: list[dict[str, Any]]) -> list[dict[str, A
     return out
 
 
-def history_doc(state: RunView) -> dict[str, Any]:
+def step_rows(state: RunView, start: int = 0, end: int | None = None) -> list[dict[str, Any]]:
+    """The recorded steps ``start ≤ n < end``: each step's mean loss (None until every
+    origin reported) and its per-origin losses."""
     with state._lock:
         steps = []
         for n in sorted(state.losses):
+            if n < start or (end is not None and n >= end):
+                continue
             per = state.losses[n]
             origin = [per.get(s) for s in range(state.P)]
             known = [x for x in origin if x is not None]
             mean = sum(known) / state.P if len(known) == state.P else None
             steps.append({"step": n, "loss": mean, "origin_losses": origin})
+        return steps
+
+
+def history_doc(state: RunView) -> dict[str, Any]:
+    with state._lock:
         return {
             "run_id": state.run_id,
-            "steps": steps,
+            "steps": step_rows(state),
             "evals": list(state.evals),
             "rounds": list(state.rounds),
             "incidents": [i.model_dump() for i in state.incidents],
