@@ -41,6 +41,7 @@ from mobius_fed.messages import (
     GROUP_BASE,
     METRICS,
     Checkpoint,
+    EvaluatedRecords,
     RestoreOrder,
     RestoreReply,
     RingOrder,
@@ -235,6 +236,7 @@ class WorkerHandlers:
         # Secure Aggregation: a fresh key pair per process; the E/R update leaves masked.
         self.secagg = SiteMasker(cfg, executor.rank) if cfg.privacy.er_secagg else None
         self.group_base: dict[str, torch.Tensor] | None = None  # R > 1 with a ring codec
+        self.evaluated = EvaluatedRecords()  # what the last evaluate brought, for the train
 
     def _take_group(self, msg: Message) -> None:
         base = load_group(self.executor, msg)
@@ -251,6 +253,7 @@ class WorkerHandlers:
         return encode_delta(self.executor.group, self.group_base, codec)
 
     def train(self, msg: Message) -> Message:
+        msg = self.evaluated.restore(msg)  # the synced model, if its evaluate brought it
         order, executor = TrainOrder.of(msg.content[CONFIG]), self.executor
         start, end, rnd = order.step_start, order.step_end, order.round
         if executor.step != start:
@@ -348,6 +351,7 @@ class WorkerHandlers:
         executor = self.executor
         state = replica_state(executor, msg.content.array_records[ARRAYS])
         self._take_group(msg)
+        self.evaluated.keep(msg)  # validated: the next train message may leave them out
         self.on_state(WorkerState.EVALUATING)
         t0 = time.perf_counter()
         # the global E/R; with τ = 1 the site's own comes back afterwards (it trains on)
@@ -422,6 +426,7 @@ class WorkerHandlers:
 
     def restore(self, msg: Message) -> Message:
         order, executor = RestoreOrder.of(msg.content[CONFIG]), self.executor
+        self.evaluated.forget()
         self.on_state(WorkerState.RESTORING)
         try:
             source = restore_round(executor, self.snapshots, order)
