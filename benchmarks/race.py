@@ -367,6 +367,20 @@ def timeline(rounds: list[dict]) -> dict[str, float]:
     return out
 
 
+def measured_bytes(rounds: list[dict]) -> dict[str, float]:
+    """Bytes per site and step the workers reported (median over workers): up, its E/R and
+    F_i payloads; down, the arrays that came down for its rounds (their evaluates' too),
+    beside :func:`sent_bytes`'s accounting in each kept run."""
+    per: dict[str, dict[str, float]] = {}
+    for r in rounds:
+        for w, m in r["workers"].items():
+            d = per.setdefault(w, {"up": 0.0, "down": 0.0})
+            d["up"] += (m.get("er_bytes") or 0.0) + (m.get("sync_bytes") or 0.0)
+            d["down"] += m.get("down_bytes") or 0.0
+    steps = rounds[-1]["step"]
+    return {k: statistics.median(d[k] for d in per.values()) / steps for k in ("up", "down")}
+
+
 def curve(rounds: list[dict], tokens_per_step: int) -> dict:
     """Eq. 8 against seconds since the first step began and against tokens."""
     t0 = rounds[0]["time"] - rounds[0]["seconds"]
@@ -453,6 +467,7 @@ def race(args) -> dict:
                 "compute_s": compute_per_step(rounds),
                 "curve": curve(rounds, cfg.tokens_per_step),
                 "timeline": timeline(rounds),
+                "bytes": {"measured": measured_bytes(rounds), "accounted": sent_bytes(cfg)},
                 "projected_tokens_s": cfg.tokens_per_step / link.projected_step_s,
                 "seconds": time.perf_counter() - t0,
             }

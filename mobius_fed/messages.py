@@ -114,6 +114,7 @@ OPTIONAL_FIGURES = {  # a train report's wire key → its field, for figures a w
     "frames-sent": "frames_sent",
     "sync-bytes": "sync_bytes",
     "er-bytes": "er_bytes",
+    "down-bytes": "down_bytes",
 }
 
 
@@ -132,6 +133,9 @@ class TrainReport(_Wire):
     frames_sent: float | None = None
     sync_bytes: float | None = None  # R > 1: what a ring sync's F_i (or δ) took, on its round
     er_bytes: float | None = None  # the E/R it sent at the barrier (fp32, a codec's, masked)
+    # the arrays that came down since its last train reply: this train message's and those
+    # of the evaluate before it (each record once, as it crossed the wire)
+    down_bytes: float | None = None
 
     def items(self) -> dict[str, Any]:
         return {**super().items(), "loss": self.losses[-1]}

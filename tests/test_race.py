@@ -88,3 +88,13 @@ def test_the_way_down_is_the_synced_model_in_fp32_once_per_sync():
     )
     ring = race.sent_bytes(arm("ring codec").train_config("cpu-tiny", 8))
     assert ring["groups_down"] == 0 and ring["er_down"] > 6 * ring["er"]  # int4 up, fp32 down
+
+
+def test_measured_bytes_are_the_workers_reports_per_step():
+    rounds = [
+        {"step": 100, "workers": {"0": {"er_bytes": 10.0, "sync_bytes": 90.0, "down_bytes": 400.0},
+                                  "1": {"er_bytes": 10.0, "down_bytes": 100.0}}},
+        {"step": 200, "workers": {"0": {"er_bytes": 10.0, "sync_bytes": 90.0, "down_bytes": 100.0},
+                                  "1": {"er_bytes": 10.0, "sync_bytes": 90.0}}},
+    ]  # fmt: skip
+    assert race.measured_bytes(rounds) == {"up": (200 + 110) / 2 / 200, "down": 300 / 200}

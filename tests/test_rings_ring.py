@@ -119,6 +119,7 @@ def test_rings_equal_the_reference_exactly(
     # each sync's bytes, counted apart from the ring links: F_i in fp32, or its encoded δ
     synced = [r["round"] for r in rounds if r["round"] % H == 0 or r["round"] == steps]
     codec = None if codec == "none" else Codec(codec)
+    er = 4 * sum(t.numel() for t in engines[0].replicas[0].shared_state_dict().values())
     for r in rounds:
         for g, w in r["workers"].items():
             params = engines[0].group(int(g)).parameters()
@@ -127,6 +128,11 @@ def test_rings_equal_the_reference_exactly(
                 for p in params
             )
             assert w.get("sync_bytes") == (want if r["round"] in synced else None), (r, g)
+            # the way down, once per barrier (an evaluate's model is not sent again): the
+            # E/R, the synced F_i after a sync, the global F_i once with a codec
+            group = 4 * sum(p.numel() for p in engines[0].group(int(g)).parameters())
+            with_group = r["round"] - 1 in synced or (r["round"] == 1 and codec is not None)
+            assert w.get("down_bytes") == er + (group if with_group else 0), (r, g)
     first = [e["edge"] for e in final["ring"]][: P + 1]  # ring 0 closes on itself
     assert P == 1 or (
         first[P - 1] == f"worker-{P - 1} → worker-0" and first[P] == f"worker-{P} → worker-{P + 1}"
