@@ -16,6 +16,10 @@ message type       coordinator → worker        worker → coordinator
 ``query.restore``  RestoreOrder                RestoreReply
 ``query.ring``     RingOrder                   ``ok``
 =================  ==========================  =======================================
+
+A train message right after an evaluate leaves out the array records that evaluate carried
+(``TrainOrder.from_evaluate`` names them; :class:`EvaluatedRecords` puts them back), so the
+synced model comes down once per barrier.
 """
 
 from __future__ import annotations
