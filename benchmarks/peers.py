@@ -440,8 +440,10 @@ def project_arm(
     splits every origin's tokens over its P = ``sites`` groups, DiLoCo trains the whole model
     on its own tokens. The ring's step is ``wan.project``'s: its hops overlap compute
     (max(compute, transfer) + K·RTT, K = P), then its E/R are averaged once per ``er_every``
-    steps (blocking: fp32 up to the coordinator, then the average back down). DiLoCo's sync
-    blocks too: compute + (fp32 weights up, then down)/H + RTT/H. The way down was left out
+    steps (blocking: up to the coordinator at ``er_ratio`` of fp32, then the average back
+    down in fp32, whatever the way up's codec). DiLoCo's sync blocks too: compute + (fp32
+    weights up, then down)/H + RTT/H; the way down comes once per sync (an evaluating
+    round's train message leaves out the model its evaluate brought). The way down was left out
     before the race measured it (``race.py``: DiLoCo H = 10 ran at 1.00× the projection with
     it, about half without)."""
     from wan import project
@@ -452,7 +454,8 @@ def project_arm(
     if arm == "ring":
         hops = ring_step_bytes(shape, sites, batch, ratio, rank_div)
         step = project(compute, hops, rate_bps, rtt_s, sites)["step_s"]
-        step += (race.ROUND_TRIP * 8 * er / rate_bps + rtt_s) / er_every
+        er_down = shape.vocab * shape.d * 4  # the synced E/R comes back in fp32
+        step += (8 * (er + er_down) / rate_bps + rtt_s) / er_every
         sent = hops + er / er_every
     elif arm == "diloco":
         sent = 4 * shape.params / H

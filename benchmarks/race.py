@@ -71,8 +71,18 @@ RANK_DIV = 4
 --subspace-rank 4|8 --wire fwd=int8,bwd=int4,rounding=stochastic``)."""
 ROUND_TRIP = 2
 """A blocking sync round crosses the site's link twice: its update up to the coordinator,
-the average back down, one after the other (``peers.project_arm`` counted the way up only)."""
+the average back down, one after the other (``peers.project_arm`` counted the way up only).
+The way down is the synced model in fp32 whatever the way up's codec (:func:`sent_bytes`),
+once per sync: an evaluating round's train message no longer carries it again."""
 EVAL_EVERY = 100
+NO_AUDITS = {"MOBIUS_AUDIT__RATE": "0"}
+"""DiLoCo's arms run without audits by recomputation. A site of P = 1 has no ring frame
+that another site commits, so its audit checks little, and what it uploads is every tensor
+its home and its blocks passed each other (batch × seq × d fp32, four a step) for the whole
+audited round plus its group's state, in the train reply the barrier waits for: at cpu-tiny,
+H = 100, about 15 MB, 90 to 230 s of the matched link per audit (one or two in each
+1000-step DiLoCo run kept before this), and nothing the projection counts. The ring arms
+keep the default rate (0.05)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,7 @@ def arms() -> list[RaceArm]:
     def diloco(H: int) -> RaceArm:
         env = {"MOBIUS_RINGS": str(SITES), "MOBIUS_SYNC_EVERY": str(H)}
         env |= {"MOBIUS_RING_SYNC_EVERY": str(H), "MOBIUS_RING_OUTER": "diloco"}
+        env |= NO_AUDITS
         return RaceArm(f"DiLoCo H={H}", {**env, "MOBIUS_STRATEGY": "diloco"}, "diloco")
 
     tokens = {"MOBIUS_SUBSPACE__MODE": "tokens", "MOBIUS_SUBSPACE__WRITES": "full"}
@@ -142,8 +153,11 @@ def arms() -> list[RaceArm]:
 
 # ------------------------------------------------------------------ bytes and scaling
 def sent_bytes(cfg) -> dict[str, float]:
-    """Bytes one site sends per step (exact payloads, amortised): ring hops, E/R (the sync
-    codec's payload) once per sync_every, its F_i (fp32) once per ring_sync_every."""
+    """Bytes one site's link carries per step (exact payloads, amortised): the ring hops it
+    sends; its E/R up (the sync codec's payload) and down (the synced E/R, fp32) once per
+    sync_every; its F_i up (the ring codec's payload, or fp32) and down (the synced F_i,
+    fp32) once per ring_sync_every. Each sync's way down comes once, with the evaluate
+    message on an evaluating round and otherwise with the train message."""
     from compression import step_bytes
 
     from mobius_fed.model import build_replica
@@ -153,29 +167,32 @@ def sent_bytes(cfg) -> dict[str, float]:
     mc = cfg.model()
     hops = step_bytes(cfg.model_copy(update={"workers": cfg.P, "rings": 1}))[0] / cfg.P
     shapes = [tuple(t.shape) for t in build_replica(mc, 0).shared_state_dict().values()]
-    codec = cfg.sync.codec
-    er = sum(Codec(codec).payload_bytes(s) if codec != "none" else 4 * math.prod(s) for s in shapes)
+
+    def payload(codec: str, shape: tuple[int, ...]) -> int:
+        return Codec(codec).payload_bytes(shape) if codec != "none" else 4 * math.prod(shape)
+
     d = mc.d_model
     blocks = max(near_even_split(mc.n_layer, cfg.P)) if cfg.P > 1 else mc.n_layer
     block = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d), (d,), (d,)]  # peers.block_params
-    ring_codec = None if cfg.ring_codec == "none" else Codec(cfg.ring_codec)
-    group = blocks * sum(
-        ring_codec.payload_bytes(s) if ring_codec else 4 * math.prod(s) for s in block
-    )
+    groups = cfg.rings > 1
+    group = {c: blocks * sum(payload(c, s) for s in block) for c in (cfg.ring_codec, "none")}
     return {
         "hops": float(hops if cfg.P > 1 else 0.0),
-        "er": er / cfg.sync_every,
-        "groups": group / cfg.ring_sync_every if cfg.rings > 1 else 0.0,
+        "er": sum(payload(cfg.sync.codec, s) for s in shapes) / cfg.sync_every,
+        "groups": group[cfg.ring_codec] / cfg.ring_sync_every if groups else 0.0,
+        "er_down": sum(payload("none", s) for s in shapes) / cfg.sync_every,
+        "groups_down": group["none"] / cfg.ring_sync_every if groups else 0.0,
     }
 
 
 def step_model(cfg, compute_s: float, rate_bps: float, rtt_s: float) -> float:
-    """Seconds per step by peers.py's model (the bytes of :func:`sent_bytes`)."""
+    """Seconds per step by peers.py's model (the bytes of :func:`sent_bytes`): a blocking
+    sync sends its update up, then receives the synced model down."""
     b = sent_bytes(cfg)
     if cfg.P > 1:  # a ring: hops overlap compute, K = P one-way delays a step, E/R blocks
         step = max(compute_s, 8 * b["hops"] / rate_bps) + cfg.P * rtt_s
-        return step + ROUND_TRIP * 8 * b["er"] / rate_bps + rtt_s / cfg.sync_every
-    sync = ROUND_TRIP * 8 * (b["er"] + b["groups"]) / rate_bps
+        return step + 8 * (b["er"] + b["er_down"]) / rate_bps + rtt_s / cfg.sync_every
+    sync = 8 * (b["er"] + b["groups"] + b["er_down"] + b["groups_down"]) / rate_bps
     return compute_s + sync + rtt_s / cfg.ring_sync_every
 
 
@@ -350,6 +367,20 @@ def timeline(rounds: list[dict]) -> dict[str, float]:
     return out
 
 
+def measured_bytes(rounds: list[dict]) -> dict[str, float]:
+    """Bytes per site and step the workers reported (median over workers): up, its E/R and
+    F_i payloads; down, the arrays that came down for its rounds (their evaluates' too),
+    beside :func:`sent_bytes`'s accounting in each kept run."""
+    per: dict[str, dict[str, float]] = {}
+    for r in rounds:
+        for w, m in r["workers"].items():
+            d = per.setdefault(w, {"up": 0.0, "down": 0.0})
+            d["up"] += (m.get("er_bytes") or 0.0) + (m.get("sync_bytes") or 0.0)
+            d["down"] += m.get("down_bytes") or 0.0
+    steps = rounds[-1]["step"]
+    return {k: statistics.median(d[k] for d in per.values()) / steps for k in ("up", "down")}
+
+
 def curve(rounds: list[dict], tokens_per_step: int) -> dict:
     """Eq. 8 against seconds since the first step began and against tokens."""
     t0 = rounds[0]["time"] - rounds[0]["seconds"]
@@ -436,6 +467,7 @@ def race(args) -> dict:
                 "compute_s": compute_per_step(rounds),
                 "curve": curve(rounds, cfg.tokens_per_step),
                 "timeline": timeline(rounds),
+                "bytes": {"measured": measured_bytes(rounds), "accounted": sent_bytes(cfg)},
                 "projected_tokens_s": cfg.tokens_per_step / link.projected_step_s,
                 "seconds": time.perf_counter() - t0,
             }

@@ -16,6 +16,10 @@ message type       coordinator → worker        worker → coordinator
 ``query.restore``  RestoreOrder                RestoreReply
 ``query.ring``     RingOrder                   ``ok``
 =================  ==========================  =======================================
+
+A train message right after an evaluate leaves out the array records that evaluate carried
+(``TrainOrder.from_evaluate`` names them; :class:`EvaluatedRecords` puts them back), so the
+synced model comes down once per barrier.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ GROUP = "group"
 # R > 1 with a ring codec: the global F_i a worker's pseudo-gradient is taken against, sent
 # with the first train message of a strategy (a fresh run, or after a rollback)
 GROUP_BASE = "group-base"
+# in a train order: the array records (comma-separated keys) this train message leaves out
+# because the evaluate message just before it carried the very same ones (the synced model
+# travels down once per barrier, not twice): the worker takes them from that evaluate
+FROM_EVALUATE = "from-evaluate"
 # audit.commitments: the signed digests of the ring frames a site sent and received in the
 # round (transport/commitments.py), in a train or evaluate reply
 COMMITMENT = "commitment"
@@ -96,6 +104,7 @@ class TrainOrder(_Wire):
     barrier_snapshot: bool = False
     ring_sync: bool | None = None  # R > 1: send this worker's group back (a ring sync)
     audit_asks: str | None = None  # audits: "rank:round,…", the past rounds to upload
+    from_evaluate: str | None = None  # FROM_EVALUATE: keys the last evaluate brought
 
     def fill(self, config: ConfigRecord) -> ConfigRecord:
         config.update(self.items())
@@ -109,6 +118,7 @@ OPTIONAL_FIGURES = {  # a train report's wire key → its field, for figures a w
     "frames-sent": "frames_sent",
     "sync-bytes": "sync_bytes",
     "er-bytes": "er_bytes",
+    "down-bytes": "down_bytes",
 }
 
 
@@ -127,6 +137,9 @@ class TrainReport(_Wire):
     frames_sent: float | None = None
     sync_bytes: float | None = None  # R > 1: what a ring sync's F_i (or δ) took, on its round
     er_bytes: float | None = None  # the E/R it sent at the barrier (fp32, a codec's, masked)
+    # the arrays that came down since its last train reply: this train message's and those
+    # of the evaluate before it (each record once, as it crossed the wire)
+    down_bytes: float | None = None
 
     def items(self) -> dict[str, Any]:
         return {**super().items(), "loss": self.losses[-1]}
@@ -196,3 +209,42 @@ class RingOrder(_Wire):
     ring_id: str
     peers: list[str]
     identities: list[str] | None = None
+
+
+class EvaluatedRecords:
+    """A site's copy of the array records its last evaluate message brought, for the train
+    message after it that leaves them out (``TrainOrder.from_evaluate``): the worker and the
+    reference engine's in-process node both take them back by :meth:`restore`."""
+
+    def __init__(self) -> None:
+        self.round: int | None = None
+        self.records: dict[str, Any] = {}
+
+    def keep(self, msg: Any) -> None:
+        """Keep the array records of evaluate message ``msg`` (its config names the round)."""
+        rnd = msg.content.get(CONFIG, ConfigRecord()).get("round")
+        self.round = rnd if isinstance(rnd, int) else None
+        self.records = dict(msg.content.array_records.items())
+
+    def forget(self) -> None:
+        """A restore or a new run: what an earlier evaluate brought belongs to another timeline."""
+        self.round, self.records = None, {}
+
+    def restore(self, msg: Any) -> Any:
+        """``msg`` (a train message) with the records its order says it left out put back;
+        a RuntimeError when this site holds no evaluate of the round before it."""
+        conf = msg.content[CONFIG]
+        keys = [k for k in str(conf.get(_key("from_evaluate"), "")).split(",") if k]
+        if not keys:
+            return msg
+        rnd = int(conf["round"])
+        missing = [k for k in keys if k not in self.records]
+        if self.round != rnd - 1 or missing:
+            raise RuntimeError(
+                f"round {rnd}'s train message leaves out {', '.join(keys)} for the evaluate of "
+                f"round {rnd - 1}, but this site kept round {self.round}'s "
+                f"({', '.join(sorted(self.records)) or 'nothing'})"
+            )
+        for key in keys:
+            msg.content[key] = self.records[key]
+        return msg

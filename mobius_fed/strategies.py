@@ -36,6 +36,8 @@ from mobius_fed.defences.secagg import MASKED
 from mobius_fed.er_sync import decode_er
 from mobius_fed.messages import (  # noqa: F401 - engine reads STEP_START here
     ARRAYS,
+    CONFIG,
+    FROM_EVALUATE,
     GROUP,
     GROUP_BASE,
     METRICS,
@@ -427,6 +429,44 @@ def sync_strategy(
     return name, options
 
 
+class EvaluateSent:
+    """The array records each node's evaluate message carried (round ``round``), so that
+    the train message of the next round leaves out those it would send again: the same
+    objects (the synced E/R and, R > 1, the synced F_i), named in its order's
+    ``from_evaluate`` for the node to take from its evaluate. Only nodes that answered that
+    evaluate without an error are spared; a new strategy (a rollback) starts knowing none."""
+
+    def __init__(self) -> None:
+        self.round: int | None = None
+        self.sent: dict[int, dict[str, ArrayRecord]] = {}
+        self.answered_by: set[int] = set()
+
+    def sending(self, rnd: int, messages: list[Message]) -> None:
+        self.round, self.answered_by = rnd, set()
+        self.sent = {m.metadata.dst_node_id: dict(m.content.array_records) for m in messages}
+
+    def answered(self, replies: list[Message]) -> None:
+        self.answered_by = {r.metadata.src_node_id for r in replies if not r.has_error()}
+
+    def leave_out(self, rnd: int, messages: list[Message]) -> list[Message]:
+        """``messages`` (round ``rnd``'s train messages), each without what its node's
+        evaluate of round ``rnd`` − 1 already brought (a copy of its RecordDict: Flower's
+        messages share one)."""
+        sent, answered = (self.sent, self.answered_by) if self.round == rnd - 1 else ({}, set())
+        self.round, self.sent, self.answered_by = None, {}, set()
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            brought = sent.get(node, {}) if node in answered else {}
+            keys = [k for k, rec in msg.content.array_records.items() if brought.get(k) is rec]
+            if not keys:
+                continue
+            content = {k: v for k, v in msg.content.items() if k not in keys}
+            config = ConfigRecord(dict(msg.content.config_records[CONFIG]))
+            config[FROM_EVALUATE] = ",".join(keys)
+            msg.content = RecordDict({**content, CONFIG: config})
+        return messages
+
+
 class BarrierRounds(StrategyWrapper):
     """The outermost wrapper: one Flower round = one barrier of ``plan``. It numbers rounds
     on from ``round_offset`` (a resumed run; FedAdam's bias correction depends on it), puts
@@ -450,6 +490,7 @@ class BarrierRounds(StrategyWrapper):
         self.checkpoints = checkpoints or plan.checkpoints
         self.state_copy, self.keep_checkpoints = state_copy, keep_checkpoints
         self.barrier_snapshots = barrier_snapshots
+        self.evaluated = EvaluateSent()
 
     @property
     def er_privacy(self) -> Any:
@@ -482,7 +523,8 @@ class BarrierRounds(StrategyWrapper):
         ).fill(config)
         if self.hooks is not None and hasattr(self.hooks, "before_train"):
             self.hooks.before_train(rnd)
-        return list(self.strategy.configure_train(rnd, arrays, config, grid))
+        messages = list(self.strategy.configure_train(rnd, arrays, config, grid))
+        return self.evaluated.leave_out(rnd, messages)
 
     def _audit_asks(self) -> str | None:
         """Audits (docs/audits.md): the past rounds the owner asks the sites to upload."""
@@ -507,13 +549,16 @@ class BarrierRounds(StrategyWrapper):
             return []
         config["round"] = rnd
         config[STEP_END] = self.plan.steps_of(rnd)[1]
-        return list(self.strategy.configure_evaluate(rnd, arrays, config, grid))
+        messages = list(self.strategy.configure_evaluate(rnd, arrays, config, grid))
+        self.evaluated.sending(rnd, messages)
+        return messages
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         replies = list(replies)
         rnd = self.global_round(server_round)
+        self.evaluated.answered(replies)
         metrics = self.strategy.aggregate_evaluate(rnd, replies)
         if self.hooks is not None and replies:
             self.hooks.after_evaluate(rnd, replies)

@@ -70,3 +70,31 @@ def test_time_to_a_loss_interpolates_between_evaluations_in_gpu_site_seconds():
     base = {"link": {"k": 1.0}, "curve": {"seconds": [10.0, 15.0], "eval": [2.8, 2.5]}}
     assert race.race_ratio(run, base, own=False) == pytest.approx(3.75 / 15)
     assert race.ratio_text([math.inf, 1.0], None) == "not reached in 1 of 2 seeds"
+
+
+def test_the_way_down_is_the_synced_model_in_fp32_once_per_sync():
+    """Whatever codec compresses the way up, the synced E/R and F_i come down in fp32,
+    once per sync; the step model charges up, then down."""
+    fp32 = race.sent_bytes(arm("DiLoCo H=100").train_config("cpu-tiny", 8))
+    int4 = race.sent_bytes(arm("DiLoCo H=100, int4").train_config("cpu-tiny", 8))
+    assert int4["groups"] < fp32["groups"] / 6 and int4["er"] == fp32["er"]
+    for b in (fp32, int4):
+        assert (b["er_down"], b["groups_down"]) == (fp32["er"], fp32["groups"])
+    cfg = arm("DiLoCo H=100, int4").train_config("gpt2-small", 8)
+    b, rate = race.sent_bytes(cfg), 1e9
+    down = 8 * (b["er_down"] + b["groups_down"]) / rate
+    assert race.step_model(cfg, 0.05, rate, 0.0) == pytest.approx(
+        0.05 + 8 * (b["er"] + b["groups"]) / rate + down
+    )
+    ring = race.sent_bytes(arm("ring codec").train_config("cpu-tiny", 8))
+    assert ring["groups_down"] == 0 and ring["er_down"] > 6 * ring["er"]  # int4 up, fp32 down
+
+
+def test_measured_bytes_are_the_workers_reports_per_step():
+    rounds = [
+        {"step": 100, "workers": {"0": {"er_bytes": 10.0, "sync_bytes": 90.0, "down_bytes": 400.0},
+                                  "1": {"er_bytes": 10.0, "down_bytes": 100.0}}},
+        {"step": 200, "workers": {"0": {"er_bytes": 10.0, "sync_bytes": 90.0, "down_bytes": 100.0},
+                                  "1": {"er_bytes": 10.0, "sync_bytes": 90.0}}},
+    ]  # fmt: skip
+    assert race.measured_bytes(rounds) == {"up": (200 + 110) / 2 / 200, "down": 300 / 200}

@@ -374,7 +374,8 @@ class RoundModel(BaseModel):
     workers: dict[str, dict[str, float | None]] = Field(
         default_factory=dict,
         description="rank → its figures: train_s, and where reported wait_s, compute_s, "
-        "bytes_sent, frames_sent, sync_bytes (R > 1, a ring-sync round), er_bytes",
+        "bytes_sent, frames_sent, sync_bytes (R > 1, a ring-sync round), er_bytes, "
+        "down_bytes (the arrays that came down for the round, its evaluate's included)",
     )
 
 

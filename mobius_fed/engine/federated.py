@@ -22,7 +22,7 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.defences.secagg import MASKED, Round, SiteMasker
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
 from mobius_fed.engine.rings import RingsEngine
-from mobius_fed.messages import GROUP, GROUP_BASE
+from mobius_fed.messages import GROUP, GROUP_BASE, EvaluatedRecords
 from mobius_fed.model import Replica
 from mobius_fed.strategies import (
     STEP_END,
@@ -60,6 +60,8 @@ class EngineGrid(RunGrid):
         cfg = engine.cfg  # Secure Aggregation: each site masks its update as a worker does
         self.maskers = [SiteMasker(cfg, s) for s in range(cfg.P)] if cfg.privacy.er_secagg else None
         self.bases: dict[int, dict[str, torch.Tensor]] = {}  # R > 1, a ring codec: global F_i
+        # what each node's last evaluate brought, for a train message that leaves it out
+        self.evaluated = [EvaluatedRecords() for _ in range(cfg.workers)]
 
     def get_node_ids(self) -> Iterable[int]:
         return [worker_node_id(s) for s in range(self.engine.cfg.workers)]
@@ -83,6 +85,10 @@ class EngineGrid(RunGrid):
         states = {}
         for msg, rank in zip(messages, ranks):
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            if kind == "train":  # the records its evaluate brought, as a worker takes them
+                self.evaluated[rank].restore(msg)
+            else:
+                self.evaluated[rank].keep(msg)
             states[rank] = state = msg.content.array_records["arrays"].to_torch_state_dict()
             self._load_er(kind, rank, state)
             if GROUP in msg.content and isinstance(self.engine, RingsEngine):

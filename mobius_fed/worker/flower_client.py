@@ -41,6 +41,7 @@ from mobius_fed.messages import (
     GROUP_BASE,
     METRICS,
     Checkpoint,
+    EvaluatedRecords,
     RestoreOrder,
     RestoreReply,
     RingOrder,
@@ -235,6 +236,8 @@ class WorkerHandlers:
         # Secure Aggregation: a fresh key pair per process; the E/R update leaves masked.
         self.secagg = SiteMasker(cfg, executor.rank) if cfg.privacy.er_secagg else None
         self.group_base: dict[str, torch.Tensor] | None = None  # R > 1 with a ring codec
+        self.evaluated = EvaluatedRecords()  # what the last evaluate brought, for the train
+        self.down_bytes = 0  # array bytes received since the last train reply
 
     def _take_group(self, msg: Message) -> None:
         base = load_group(self.executor, msg)
@@ -251,6 +254,8 @@ class WorkerHandlers:
         return encode_delta(self.executor.group, self.group_base, codec)
 
     def train(self, msg: Message) -> Message:
+        self.down_bytes += sum(record_bytes(r) for r in msg.content.array_records.values())
+        msg = self.evaluated.restore(msg)  # the synced model, if its evaluate brought it
         order, executor = TrainOrder.of(msg.content[CONFIG]), self.executor
         start, end, rnd = order.step_start, order.step_end, order.round
         if executor.step != start:
@@ -275,7 +280,10 @@ class WorkerHandlers:
         snap = copy.deepcopy(executor.state_dict())
         if not order.checkpoint and order.barrier_snapshot:
             self.snapshots.write_barrier(rnd, snap)
-        report = dataclasses.replace(report, snapshot_s=time.perf_counter() - t0)
+        report = dataclasses.replace(
+            report, snapshot_s=time.perf_counter() - t0, down_bytes=float(self.down_bytes)
+        )
+        self.down_bytes = 0
         group = self._group_reply() if order.ring_sync else None  # R > 1: F_i goes back
         if group is not None:  # the ring sync's bytes, counted apart from the ring links'
             report = dataclasses.replace(report, sync_bytes=float(record_bytes(group)))
@@ -346,8 +354,10 @@ class WorkerHandlers:
 
     def evaluate(self, msg: Message) -> Message:
         executor = self.executor
+        self.down_bytes += sum(record_bytes(r) for r in msg.content.array_records.values())
         state = replica_state(executor, msg.content.array_records[ARRAYS])
         self._take_group(msg)
+        self.evaluated.keep(msg)  # validated: the next train message may leave them out
         self.on_state(WorkerState.EVALUATING)
         t0 = time.perf_counter()
         # the global E/R; with τ = 1 the site's own comes back afterwards (it trains on)
@@ -422,6 +432,8 @@ class WorkerHandlers:
 
     def restore(self, msg: Message) -> Message:
         order, executor = RestoreOrder.of(msg.content[CONFIG]), self.executor
+        self.evaluated.forget()
+        self.down_bytes = 0
         self.on_state(WorkerState.RESTORING)
         try:
             source = restore_round(executor, self.snapshots, order)
