@@ -56,9 +56,19 @@ GPU_TOKENS_S = 173_106.0
 measured with ``benchmarks/gpu.py --batch 8 --tf32`` (docs/wan.md §6); the only GPU figure
 this project has measured. An H100 is somewhat slower: a slower GPU makes every link
 relatively faster, which helps the ring more than DiLoCo."""
+NO_AUDITS = {"MOBIUS_AUDIT__RATE": "0"}
+"""Every arm runs without audits by recomputation: the race compares the two methods, and
+an audit's upload (the frames a site received over its window, plus its group's state)
+rides in the train reply the barrier waits for. At DiLoCo's P = 1 that is every tensor its
+home and its blocks passed each other for the whole audited round (at cpu-tiny, H = 100,
+about 15 MB: 90 to 230 s of the matched link per audit, one or two in each 1000-step DiLoCo
+run kept before this), and nothing the projection counts. What audits cost a ring is
+measured on its own (docs/audits.md)."""
+
+
 CODEC = {"MOBIUS_WIRE__FWD": "int8", "MOBIUS_WIRE__BWD": "int4"}
 CODEC["MOBIUS_WIRE__ROUNDING"] = "stochastic"
-ER = {"MOBIUS_SYNC_EVERY": "10", "MOBIUS_SYNC__CODEC": "int4"}
+ER = {"MOBIUS_SYNC_EVERY": "10", "MOBIUS_SYNC__CODEC": "int4", **NO_AUDITS}
 """The ring's E/R setting: every 10 steps, int4 with error feedback (issue 54 item 1's best
 within +0.02 Eq. 8 of every-step fp32 at cpu-small, docs/ring-or-diloco.md)."""
 SITES = 4
@@ -75,14 +85,6 @@ the average back down, one after the other (``peers.project_arm`` counted the wa
 The way down is the synced model in fp32 whatever the way up's codec (:func:`sent_bytes`),
 once per sync: an evaluating round's train message no longer carries it again."""
 EVAL_EVERY = 100
-NO_AUDITS = {"MOBIUS_AUDIT__RATE": "0"}
-"""DiLoCo's arms run without audits by recomputation. A site of P = 1 has no ring frame
-that another site commits, so its audit checks little, and what it uploads is every tensor
-its home and its blocks passed each other (batch × seq × d fp32, four a step) for the whole
-audited round plus its group's state, in the train reply the barrier waits for: at cpu-tiny,
-H = 100, about 15 MB, 90 to 230 s of the matched link per audit (one or two in each
-1000-step DiLoCo run kept before this), and nothing the projection counts. The ring arms
-keep the default rate (0.05)."""
 
 
 @dataclass(frozen=True)
