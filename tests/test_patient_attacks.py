@@ -65,6 +65,9 @@ def test_cluster_sweep_keeps_the_best_count_and_bad_input_is_refused():
         BigramModel(secret[:1], 257)
 
 
+@pytest.mark.slow(
+    reason="every patient attacker at two windows and two places, every site a victim"
+)
 def test_every_patient_attack_reads_an_undefended_first_hop_well_above_the_floor(sites, tmp_path):
     """Windows of 1 and 2 steps at every place, every site a victim: nearest row, pooled
     known plaintext and the MLP decoder each read the undefended first hop far above the
