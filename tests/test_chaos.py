@@ -26,7 +26,7 @@ KINDS, chaos, parse_args, train_config = (
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.slow(reason="a ring under a kill, a freeze and cut links, healed after each")
+@pytest.mark.slow(reason="a ring through a killed worker and coordinator, a freeze and an edge cut")
 def test_a_short_chaos_run_heals_every_fault_and_equals_the_reference(tmp_path: Path):
     args = parse_args(
         ["--steps", "24", "--every", "2", "3", "--after-step", "2", "--freeze", "4.5", "5",
