@@ -70,6 +70,10 @@ GROUPS = {
 # here runs all the same.
 LONGEST_FIRST = (
     "test_quickstart.py::test_quickstart_commands_return_in_a_script",
+    "test_netns_faults.py::",  # with the other namespace modules, one group of ~190 s
+    "test_handover.py::test_mobius_fed_replace_hands",
+    "test_patient_attacks.py::test_the_audit_at_the_attackers_strength",
+    "test_bounds.py::test_a_site_returning_gradients_x1000",
     "test_cli.py::test_status_follows_up_from_start_to_kill",
     "test_chaos.py::",
     "test_coordinator.py::test_worker_that_never_comes_back",
@@ -100,6 +104,12 @@ NOT_QUICK = (
     "test_tracking.py::test_wandb_offline",  # W&B in a process of its own
     "test_howto.py::test_the_run_blocks_of_a_page_run",  # each page's commands, trained
     "test_link.py::test_an_idle_link_outlives_many_keepalive_periods",  # waits out keepalives
+    "test_bottleneck_audit.py::test_patient_audit",  # trains a victim, then its attackers
+    "test_bottleneck_audit.py::test_audit_command_runs",  # the same, through the command
+    "test_cli.py::test_up_writes_its_endpoints_before_preparing",  # a real `up`
+    "test_crossover.py::test_sigterm_stops_a_sweep",  # a sweep's cells as processes
+    "test_crossover.py::test_cli_sweep_over_lengths",  # trains every cell of a sweep
+    "test_research.py::test_sweep_runs_resumes_and_reports",  # the same
 )
 
 
