@@ -433,6 +433,7 @@ def project_arm(
     er_ratio: float = 1.0,
     ratio: float = 1.0,
     rank_div: int = 1,
+    down_ratio: float = 1.0,
 ) -> dict[str, float]:
     """Seconds per step and per 1 B tokens (over all sites together) of one arm.
 
@@ -441,8 +442,9 @@ def project_arm(
     on its own tokens. The ring's step is ``wan.project``'s: its hops overlap compute
     (max(compute, transfer) + K·RTT, K = P), then its E/R are averaged once per ``er_every``
     steps (blocking: up to the coordinator at ``er_ratio`` of fp32, then the average back
-    down in fp32, whatever the way up's codec). DiLoCo's sync blocks too: compute + (fp32
-    weights up, then down)/H + RTT/H; the way down comes once per sync (an evaluating
+    down at ``down_ratio`` of fp32: 1 for fp32, ``INT4_RATIO`` for ``--sync-down-codec
+    int4``). DiLoCo's sync blocks too: compute + (weights up at ``er_ratio``, then down at
+    ``down_ratio``, of fp32)/H + RTT/H; the way down comes once per sync (an evaluating
     round's train message leaves out the model its evaluate brought). The way down was left out
     before the race measured it (``race.py``: DiLoCo H = 10 ran at 1.00× the projection with
     it, about half without)."""
@@ -454,12 +456,13 @@ def project_arm(
     if arm == "ring":
         hops = ring_step_bytes(shape, sites, batch, ratio, rank_div)
         step = project(compute, hops, rate_bps, rtt_s, sites)["step_s"]
-        er_down = shape.vocab * shape.d * 4  # the synced E/R comes back in fp32
+        er_down = shape.vocab * shape.d * 4 * down_ratio  # the synced E/R, down codec's size
         step += (8 * (er + er_down) / rate_bps + rtt_s) / er_every
         sent = hops + er / er_every
     elif arm == "diloco":
-        sent = 4 * shape.params / H
-        step = compute + (race.ROUND_TRIP * 8 * 4 * shape.params / rate_bps + rtt_s) / H
+        sent = 4 * shape.params * er_ratio / H
+        both = er_ratio + down_ratio  # up, then down: race.ROUND_TRIP crossings at fp32
+        step = compute + (both * 8 * 4 * shape.params / rate_bps + rtt_s) / H
     else:
         raise ValueError(f"arm {arm!r}: ring or diloco")
     steps = 1e9 / (sites * tokens_site)
@@ -489,14 +492,25 @@ PROJECT_ARMS = (
         "ring",
         {"ratio": CODEC_RATIO["tokens d/4"], **ER10},
     ),
+    (
+        "ring tokens d/4 + codec, E/R every 10 int4 both ways",
+        "ring",
+        {"ratio": CODEC_RATIO["tokens d/4"], **ER10, "down_ratio": INT4_RATIO},
+    ),
     ("DiLoCo H=1", "diloco", {"H": 1}),
     ("DiLoCo H=50", "diloco", {"H": 50}),
     ("DiLoCo H=100", "diloco", {"H": 100}),
+    (
+        "DiLoCo H=100, int4 both ways",
+        "diloco",
+        {"H": 100, "er_ratio": INT4_RATIO, "down_ratio": INT4_RATIO},
+    ),
 )
 RATES = (("0.1 Gbit/s", 1e8), ("1 Gbit/s", 1e9))
-UNMEASURED: dict[
-    str, str
-] = {}  # every projected arm's quality is measured (docs/ring-or-diloco.md)
+UNMEASURED: dict[str, str] = {  # every other projected arm's quality is measured
+    "ring tokens d/4 + codec, E/R every 10 int4 both ways": " (quality: one paired look)",
+    "DiLoCo H=100, int4 both ways": " (quality not measured)",
+}
 GPUS = (("24 GB", 24 * 2**30), ("80 GB", 80 * 2**30))
 
 

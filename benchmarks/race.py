@@ -82,8 +82,12 @@ RANK_DIV = 4
 ROUND_TRIP = 2
 """A blocking sync round crosses the site's link twice: its update up to the coordinator,
 the average back down, one after the other (``peers.project_arm`` counted the way up only).
-The way down is the synced model in fp32 whatever the way up's codec (:func:`sent_bytes`),
-once per sync: an evaluating round's train message no longer carries it again."""
+The way down is the synced model in fp32, or with ``--sync-down-codec`` /
+``--ring-down-codec`` the codec's payload of its change (:func:`sent_bytes`), once per
+sync: an evaluating round's train message no longer carries it again."""
+DOWN = {"MOBIUS_SYNC__DOWN_CODEC": "int4"}
+"""The E/R's way down in int4 too: the payload of the synced E/R's change since the last
+broadcast (the coordinator keeps what the sites hold; docs/ring-or-diloco.md)."""
 EVAL_EVERY = 100
 
 
@@ -104,8 +108,11 @@ class RaceArm:
         kw["ring_sync_every"] = int(e.get("MOBIUS_RING_SYNC_EVERY", "1"))
         kw["micro_batches"] = int(e.get("MOBIUS_MICRO_BATCHES", "1"))
         kw["ring_codec"] = e.get("MOBIUS_RING_CODEC", "none")
+        kw["ring_down_codec"] = e.get("MOBIUS_RING_DOWN_CODEC", "fp32")
         if "MOBIUS_SYNC__CODEC" in e:
             kw["sync"] = {"codec": e["MOBIUS_SYNC__CODEC"]}
+        if "MOBIUS_SYNC__DOWN_CODEC" in e:
+            kw["sync"] = {**kw.get("sync", {}), "down_codec": e["MOBIUS_SYNC__DOWN_CODEC"]}
         if "MOBIUS_WIRE__FWD" in e:
             kw["wire"] = {"fwd": e["MOBIUS_WIRE__FWD"], "bwd": e["MOBIUS_WIRE__BWD"]}
         if "MOBIUS_SUBSPACE__MODE" in e:
@@ -134,6 +141,11 @@ def arms() -> list[RaceArm]:
             {**CODEC, **ER, **tokens},
             "ring-tokens",
         ),
+        RaceArm(
+            f"ring tokens (d/{RANK_DIV}), codec, E/R 10 int4 both ways",
+            {**CODEC, **ER, **DOWN, **tokens},
+            "ring-tokens",
+        ),
         RaceArm("ring codec, E/R 10 int4", {**CODEC, **ER}, "ring-codec"),
         # two micro-batches per stream: a worker computes one while the other travels
         RaceArm(
@@ -150,16 +162,26 @@ def arms() -> list[RaceArm]:
         RaceArm(
             "DiLoCo H=100, int4 groups", {**diloco(100).env, "MOBIUS_RING_CODEC": "int4"}, "diloco"
         ),
+        # and the synced groups back down as int4 payloads of their change (the E/R, under
+        # P = 1 a handful of tensors beside the blocks, stay fp32: a compressed E/R path
+        # does not run across rings yet)
+        RaceArm(
+            "DiLoCo H=100, int4 both ways",
+            {**diloco(100).env, "MOBIUS_RING_CODEC": "int4", "MOBIUS_RING_DOWN_CODEC": "int4"},
+            "diloco",
+        ),
     ]
 
 
 # ------------------------------------------------------------------ bytes and scaling
 def sent_bytes(cfg) -> dict[str, float]:
     """Bytes one site's link carries per step (exact payloads, amortised): the ring hops it
-    sends; its E/R up (the sync codec's payload) and down (the synced E/R, fp32) once per
-    sync_every; its F_i up (the ring codec's payload, or fp32) and down (the synced F_i,
-    fp32) once per ring_sync_every. Each sync's way down comes once, with the evaluate
-    message on an evaluating round and otherwise with the train message."""
+    sends; its E/R up (the sync codec's payload) and down (the synced E/R in fp32, or the
+    down codec's payload) once per sync_every; its F_i up (the ring codec's payload, or
+    fp32) and down (the synced F_i in fp32, or the ring down codec's payload) once per
+    ring_sync_every (the one fp32 broadcast a run starts with left out). Each sync's way
+    down comes once, with the evaluate message on an evaluating round and otherwise with
+    the train message."""
     from compression import step_bytes
 
     from mobius_fed.model import build_replica
@@ -177,13 +199,17 @@ def sent_bytes(cfg) -> dict[str, float]:
     blocks = max(near_even_split(mc.n_layer, cfg.P)) if cfg.P > 1 else mc.n_layer
     block = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d), (d,), (d,)]  # peers.block_params
     groups = cfg.rings > 1
-    group = {c: blocks * sum(payload(c, s) for s in block) for c in (cfg.ring_codec, "none")}
+    down, ring_down = (
+        c.replace("fp32", "none") for c in (cfg.sync.down_codec, cfg.ring_down_codec)
+    )
+    codecs = (cfg.ring_codec, ring_down)
+    group = {c: blocks * sum(payload(c, s) for s in block) for c in codecs}
     return {
         "hops": float(hops if cfg.P > 1 else 0.0),
         "er": sum(payload(cfg.sync.codec, s) for s in shapes) / cfg.sync_every,
         "groups": group[cfg.ring_codec] / cfg.ring_sync_every if groups else 0.0,
-        "er_down": sum(payload("none", s) for s in shapes) / cfg.sync_every,
-        "groups_down": group["none"] / cfg.ring_sync_every if groups else 0.0,
+        "er_down": sum(payload(down, s) for s in shapes) / cfg.sync_every,
+        "groups_down": group[ring_down] / cfg.ring_sync_every if groups else 0.0,
     }
 
 

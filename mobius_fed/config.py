@@ -135,6 +135,7 @@ class AuditConfig(BaseModel):
 
 
 ER_CODECS = ("none", "int8", "fp8", "fp8e5m2", "int6", "int5", "int4", "int3", "int2")
+DOWN_CODECS = ("fp32", "int8", "int4")
 MAX_SYNC_DELAY = 1
 
 
@@ -161,6 +162,12 @@ class SyncConfig(BaseModel):
         True,
         description="with a codec: each site adds what its last payload rounded away into "
         "its next pseudo-gradient (--no-sync-error-feedback: off)",
+    )
+    down_codec: Literal["fp32", "int8", "int4"] = Field(
+        "fp32",
+        description="codec of the way down: the synced E/R in fp32, or the codec's payload of "
+        "its change since the last broadcast (the coordinator keeps what every site holds; "
+        "needs a sync codec)",
     )
     delay: int = Field(
         0,
@@ -204,6 +211,12 @@ class SyncConfig(BaseModel):
                 "one round's sent E/R, so the result of round r lands at the end of r + 1 at "
                 "the latest"
             )
+        if self.down_codec != "fp32" and self.codec == "none":
+            return (
+                f"sync.down_codec={self.down_codec} needs a sync codec (sync.codec ≠ none): a "
+                "site's pseudo-gradient is taken against the E/R it holds, which lags the "
+                "coordinator's by what the way down has not sent yet"
+            )
         if not self.active:
             return None
         if train.sync_every < 1:
@@ -221,6 +234,11 @@ class SyncConfig(BaseModel):
                 (
                     "privacy.er_secagg (masked sums need exact arithmetic, not a codec's)",
                     pc.er_secagg and self.codec != "none",
+                ),
+                (
+                    "privacy.er_secagg (masks are taken against the global E/R, and a down "
+                    "codec leaves the sites another)",
+                    pc.er_secagg and self.down_codec != "fp32",
                 ),
                 ("privacy.er_noise", pc.er_noise > 0),
                 ("subspace.learn", train.subspace.learn),
@@ -260,6 +278,11 @@ class TrainConfig(BaseModel):
         "none",
         description="codec of the pseudo-gradients a ring sync sends (int8, int4, ...; "
         "none: the groups travel in fp32)",
+    )
+    ring_down_codec: Literal["fp32", "int8", "int4"] = Field(
+        "fp32",
+        description="codec of a ring sync's way down: the synced groups in fp32, or the "
+        "codec's payload of their change since the last sync (needs ring_codec)",
     )
     ring_aggregate: Literal["mean", "median", "trimmed", "krum"] = Field(
         "mean",
@@ -502,7 +525,8 @@ class TrainConfig(BaseModel):
         """The settings every site of a run of rings must share, as a refusal names them."""
         text = f"workers={self.workers} rings={self.rings} ring_sync_every={self.ring_sync_every}"
         text += f" sync_every={self.sync_every} ring_outer={self.ring_outer}"
-        text += f" ring_codec={self.ring_codec} ring_aggregate={self.ring_aggregate}"
+        text += f" ring_codec={self.ring_codec} ring_down_codec={self.ring_down_codec}"
+        text += f" ring_aggregate={self.ring_aggregate}"
         knob = {"trimmed": f"ring_trim={self.ring_trim}", "krum": f"ring_krum_f={self.ring_krum_f}"}
         text += f" {knob[self.ring_aggregate]}" if self.ring_aggregate in knob else ""
         if self.ring_outer == "diloco":
@@ -602,6 +626,12 @@ def _check_rings(cfg: TrainConfig) -> None:
         raise ValueError(why)
     if R == 1:
         return
+    if cfg.ring_down_codec != "fp32" and cfg.ring_codec == "none":
+        raise ValueError(
+            f"ring_down_codec={cfg.ring_down_codec} needs a ring codec (ring_codec ≠ none): a "
+            "worker's pseudo-gradient is taken against the groups it holds, which lag the "
+            "coordinator's by what the way down has not sent yet"
+        )
     if cfg.sync_every < 1 or cfg.ring_sync_every % cfg.sync_every:
         raise ValueError(
             f"ring_sync_every={cfg.ring_sync_every} must be a multiple of "
@@ -682,6 +712,7 @@ LATER_SETTINGS: dict[tuple[str, ...], Any] = {
     ("ring_sync_every",): 1,
     ("ring_outer",): "fedavg",
     ("ring_codec",): "none",
+    ("ring_down_codec",): "fp32",
     ("ring_aggregate",): "mean",
     ("ring_trim",): 0.34,
     ("ring_krum_f",): 1,
@@ -694,6 +725,7 @@ LATER_SETTINGS: dict[tuple[str, ...], Any] = {
     ("privacy", "preset"): "off",
     ("privacy", "input_epsilon_target"): None,
     ("bounds",): BoundsConfig().model_dump(mode="json"),
-    ("sync",): SyncConfig().model_dump(mode="json"),
+    ("sync", "down_codec"): "fp32",  # before ("sync",): a default sync then drops whole
+    ("sync",): SyncConfig().model_dump(mode="json", exclude={"down_codec"}),
     ("audit",): AuditConfig().model_dump(mode="json"),
 }

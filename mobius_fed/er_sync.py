@@ -145,3 +145,120 @@ def decode_er(record: ArrayRecord, sent: ArrayRecord, codec: str) -> ArrayRecord
 def record_bytes(record: ArrayRecord) -> int:
     """The exact bytes of a record's arrays (what crosses the wire, without framing)."""
     return sum(a.numpy().nbytes for a in record.values())
+
+
+# ----------------------------------------------------------------- the way down
+# In a train or evaluate config: the broadcast a down-codec record stands for (the global
+# round of the arrays it brings), and the broadcast its payload is taken against (-1: the
+# record is the held arrays themselves, in fp32). One pair of keys per way down (E/R, F_i).
+ER_DOWN = ("er-down-round", "er-down-from")
+GROUP_DOWN = ("group-down-round", "group-down-from")
+FULL = -1
+
+
+def add_down(held: Mapping[str, Tensor], payload: ArrayRecord, codec: Codec) -> State:
+    """held + decode(payload), per tensor in fp32: the one sum both ends of the way down
+    compute (so the coordinator's copy and every site's stay equal, bit for bit)."""
+    out = {}
+    for name, h in held.items():
+        a = payload[name].numpy()
+        out[name] = h + codec.decode(torch.from_numpy(np.array(a)), tuple(h.shape))
+    return out
+
+
+def _floats(record: ArrayRecord) -> State:
+    return {k: torch.from_numpy(np.array(a.numpy(), dtype=np.float32)) for k, a in record.items()}
+
+
+class DownLink:
+    """One end of a compressed way down (``sync.down_codec``, ``ring_down_codec``;
+    docs/ring-or-diloco.md "E/R sync: rare, small and late").
+
+    The coordinator's end keeps ``held``: exactly what every site holds after the last
+    broadcast. A broadcast of the new global arrays x sends the codec's payload of x − held,
+    and both ends set held ← held + decode(payload) (:func:`add_down`): what a payload
+    rounded away stays in x − held and goes with the next broadcast (error feedback on the
+    server). The first broadcast of a strategy (a fresh run, a rollback) sends held itself
+    in fp32. A site's end (:meth:`receive`) keeps its held with the broadcast's round, so
+    the same record seen twice (an evaluate, then the train message that leaves it out) is
+    applied once, and a payload taken against another held is refused."""
+
+    def __init__(self, codec: str) -> None:
+        self.codec = Codec(codec)
+        self.held: State | None = None
+        self.round: int | None = None  # the broadcast ``held`` stands for
+        self.record: ArrayRecord | None = None  # what that broadcast sent (one object)
+        self.base = FULL  # the broadcast that record is taken against
+
+    # ------------------------------------------------------------ coordinator
+    def send(self, arrays: ArrayRecord, rnd: int, full: bool) -> tuple[ArrayRecord, int]:
+        """The record for the broadcast of ``arrays`` (global round ``rnd``) and the round
+        it is taken against (:data:`FULL`: it is held itself). The same round again gives
+        the same object; ``full`` sends held in fp32 (the first message of a strategy)."""
+        if self.held is None:
+            self.held, self.record = _floats(arrays), None
+        elif self.round != rnd:
+            x = _floats(arrays)
+            payload = ArrayRecord(
+                {n: Array(self.codec.encode(x[n] - h).numpy()) for n, h in self.held.items()}
+            )
+            self.held = add_down(self.held, payload, self.codec)
+            self.record, self.base = payload, FULL if self.round is None else self.round
+        self.round = rnd
+        if self.record is None or (full and self.base != FULL):
+            self.record, self.base = ArrayRecord(_clone(self.held)), FULL
+        assert self.record is not None
+        return self.record, self.base
+
+    def resend(self) -> tuple[ArrayRecord, int]:
+        """held itself in fp32 (the broadcast of its round again)."""
+        if self.held is None:
+            raise ValueError("nothing was ever broadcast on this way down")
+        if self.base != FULL or self.record is None:
+            self.record, self.base = ArrayRecord(_clone(self.held)), FULL
+        return self.record, FULL
+
+    # ------------------------------------------------------------------ site
+    def receive(self, record: ArrayRecord, rnd: int, base: int) -> State:
+        """The held arrays after the broadcast of round ``rnd`` (``record``: held itself
+        when ``base`` is :data:`FULL`, else a payload taken against round ``base``)."""
+        if base == FULL:
+            self.held = _floats(record)
+        elif rnd != self.round:
+            if self.held is None or self.round != base:
+                raise ValueError(
+                    f"a way-down payload of round {rnd} is taken against round {base}, this "
+                    f"site holds round {self.round}: it cannot be decoded here"
+                )
+            self.held = add_down(self.held, record, self.codec)
+        assert self.held is not None
+        self.round = rnd
+        return _clone(self.held)
+
+    def forget(self) -> None:
+        """A rollback: the next broadcast brings held itself."""
+        self.held, self.round, self.record, self.base = None, None, None, FULL
+
+    def state(self) -> dict:
+        """The coordinator's end, for a checkpoint: held and its round."""
+        return {"held": None if self.held is None else _clone(self.held), "round": self.round}
+
+    def load_state(self, state: Mapping) -> None:
+        held = state.get("held")
+        self.held = None if held is None else _clone(held)
+        self.round, self.record, self.base = state.get("round"), None, FULL
+
+
+def take_down(
+    link: DownLink, record: ArrayRecord, config: Mapping, keys: tuple[str, str], names: set[str]
+) -> State:
+    """A site's end of a way down: the held arrays after the broadcast a message's
+    ``record`` and ``config`` (``keys``: :data:`ER_DOWN` or :data:`GROUP_DOWN`) bring; a
+    record without its broadcast's names, or with other tensors than ``names``, is refused."""
+    if keys[0] not in config or keys[1] not in config:
+        raise ValueError(
+            f"a {link.codec.name} way down, but the message names no broadcast ({keys[0]})"
+        )
+    if set(record.keys()) != names:
+        raise ValueError(f"a way-down record with tensors {sorted(set(record.keys()) ^ names)}")
+    return link.receive(record, int(config[keys[0]]), int(config[keys[1]]))

@@ -33,7 +33,7 @@ from flwr.serverapp.strategy import (
 from mobius_fed.checkpoint import ARRAYS_TAG
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.defences.secagg import MASKED
-from mobius_fed.er_sync import decode_er
+from mobius_fed.er_sync import ER_DOWN, GROUP_DOWN, DownLink, decode_er
 from mobius_fed.messages import (  # noqa: F401 - engine reads STEP_START here
     ARRAYS,
     CONFIG,
@@ -127,6 +127,7 @@ STRATEGIES: dict[str, type[FedAvg]] = {
 # Server-side state a strategy keeps between rounds (saved in checkpoints).
 SERVER_STATE_ATTRS = ("current_arrays", "momentum_vector", "m_t", "v_t")
 RING_STATE = "ring_sync"  # RingSync's synced groups and outer state (R > 1)
+DOWN_STATE = "er_down"  # ErDownRounds' held E/R (sync.down_codec)
 W = TypeVar("W", bound="StrategyWrapper")
 
 
@@ -404,6 +405,46 @@ class ErCodecRounds(StrategyWrapper):
         return self.strategy.aggregate_train(server_round, replies)
 
 
+class ErDownRounds(StrategyWrapper):
+    """The E/R's way down through a codec (``sync.down_codec``, :class:`DownLink`): every
+    train and evaluate message carries, instead of the global E/R x, the codec's payload of
+    x − held (or, first in a strategy, held itself in fp32), and its config names the
+    broadcast (:data:`~mobius_fed.er_sync.ER_DOWN`). Inside it every wrapper still sees x:
+    a site's pseudo-gradient, taken against its held, decodes against x (the server's
+    error feedback), so FedAvg and DiLoCo step x by the sites' mean progress."""
+
+    def __init__(self, strategy: Strategy, codec: str) -> None:
+        super().__init__(strategy)
+        self.down, self.full = DownLink(codec), True  # full: the strategy's first broadcast
+
+    def _swap(self, messages: Iterable[Message], arrays: ArrayRecord, rnd: int) -> list[Message]:
+        """``messages`` carrying the broadcast of ``arrays``, the global E/R after round
+        ``rnd`` (server rounds here are global: BarrierRounds numbers them)."""
+        messages = list(messages)
+        if not messages:
+            return messages
+        record, base = self.down.send(arrays, rnd, self.full)
+        for msg in messages:  # Flower's messages share one RecordDict: give each its own
+            config = ConfigRecord(dict(msg.content.config_records[CONFIG]))
+            config[ER_DOWN[0]], config[ER_DOWN[1]] = rnd, base
+            msg.content = RecordDict({**dict(msg.content.items()), ARRAYS: record, CONFIG: config})
+        return messages
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        messages = super().configure_train(server_round, arrays, config, grid)
+        messages = self._swap(messages, arrays, server_round - 1)
+        self.full = False
+        return messages
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        messages = self.strategy.configure_evaluate(server_round, arrays, config, grid)
+        return self._swap(messages, arrays, server_round)
+
+
 def sync_strategy(
     name: str, options: dict[str, Any] | None, train: TrainConfig
 ) -> tuple[str, dict[str, Any]]:
@@ -586,6 +627,7 @@ class RingPlan:
     aggregate: str = "mean"  # mean, median, trimmed or krum (docs/rings.md)
     trim: float = 0.34  # trimmed: the fraction cut off each end
     krum_f: int = 1  # krum: the rings that may lie
+    down_codec: str = "fp32"  # the synced F_i's way down (fp32, or a codec: DownLink)
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> RingPlan | None:
@@ -611,6 +653,7 @@ class RingPlan:
             cfg.ring_aggregate,
             cfg.ring_trim,
             cfg.ring_krum_f,
+            cfg.ring_down_codec,
         )
 
     def syncs(self, step_end: int) -> bool:
@@ -663,19 +706,43 @@ class RingSync(StrategyWrapper):
         # with a codec, a worker's pseudo-gradient is taken against the global F_i: it gets
         # that with the first train message of this strategy (a fresh run, a rollback)
         self.send_base = plan.codec != "none"
+        # a down codec: per group, what every worker of it holds (DownLink), and the round
+        # of the sync whose F_i is pending
+        on = plan.down_codec != "fp32"
+        self.down = {i: DownLink(plan.down_codec) for i in range(plan.P)} if on else None
+        self.pending_round = 0
 
     def _attach(self, messages: Iterable[Message], train: bool = False) -> list[Message]:
         messages = list(messages)
         for msg in messages:
             i = rank_of_node(msg.metadata.dst_node_id) % self.plan.P
-            extra = {}
+            extra: dict[str, Any] = {}
             if i in self.pending:
                 extra[GROUP] = self.pending[i]
             elif train and self.send_base:
                 extra[GROUP_BASE] = self._global(i)
+            if extra and self.down is not None:
+                extra[CONFIG] = self._down(i, extra, msg.content.config_records[CONFIG])
             if extra:  # Flower's messages share one RecordDict: give each its own
                 msg.content = RecordDict({**dict(msg.content.items()), **extra})
         return messages
+
+    def _down(self, i: int, extra: dict[str, Any], config: ConfigRecord) -> ConfigRecord:
+        """With a down codec, in ``extra``: the synced F_i as the payload of its change
+        since the last sync (on the strategy's first train, held itself in fp32), or as
+        ``GROUP_BASE`` the F_i the workers hold (the seed's before a sync), in fp32. Returns
+        the message's config, which names the broadcast (``GROUP_DOWN``)."""
+        assert self.down is not None
+        link = self.down[i]
+        if GROUP in extra:
+            extra[GROUP], base = link.send(extra[GROUP], self.pending_round, self.send_base)
+        else:
+            if link.held is None:
+                link.send(self._global(i), 0, True)
+            extra[GROUP_BASE], base = link.resend()
+        config = ConfigRecord(dict(config))
+        config[GROUP_DOWN[0]], config[GROUP_DOWN[1]] = link.round or 0, base
+        return config
 
     def _global(self, i: int) -> ArrayRecord:
         """F_i's global weights at the last sync (the seed's before the first)."""
@@ -717,6 +784,7 @@ class RingSync(StrategyWrapper):
                     f"round {server_round}: group F_{i} came back from {len(records)} of "
                     f"{self.plan.R} rings"
                 )
+            self.pending_round = server_round
             if self.plan.codec == "none":
                 self.pending[i] = self._outer(i, self.combine(server_round, records))
             else:
@@ -753,11 +821,19 @@ class RingSync(StrategyWrapper):
         return new
 
     def state(self) -> dict[str, Any]:
-        return {"pending": self.pending, "globals": self.globals, "momentum": self.momentum}
+        out = {"pending": self.pending, "globals": self.globals, "momentum": self.momentum}
+        if self.down is not None:  # what the workers hold, and the pending sync's round
+            out["down"] = {i: link.state() for i, link in self.down.items()}
+            out["pending_round"] = self.pending_round
+        return out
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.pending, self.globals = dict(state["pending"]), dict(state["globals"])
         self.momentum = dict(state["momentum"])
+        if self.down is not None and "down" in state:
+            for i, saved in state["down"].items():
+                self.down[int(i)].load_state(saved)
+            self.pending_round = int(state["pending_round"])
 
 
 def flower_strategy(name: str, P: int, options: dict[str, Any] | None = None) -> Strategy:
@@ -787,6 +863,7 @@ def make_strategy(
     rings: RingPlan | None = None,
     update_clip: UpdateClip | None = None,
     er_codec: str = "none",
+    er_down_codec: str = "fp32",
     **barrier: Any,
 ) -> BarrierRounds:
     """The run's strategy: the Flower strategy ``name`` inside one wrapper per feature,
@@ -796,7 +873,8 @@ def make_strategy(
     ``er_privacy`` turns on :class:`ErDp`, ``secagg`` :class:`SecAggRounds`, ``rings``
     :class:`RingSync`, ``update_clip`` (``UpdateClip.of(cfg)``) :class:`ErClip`, except
     under SecAgg, where no single update is visible; ``er_codec`` (``sync.codec``)
-    :class:`ErCodecRounds`; ``barrier``
+    :class:`ErCodecRounds`; ``er_down_codec`` (``sync.down_codec``) :class:`ErDownRounds`
+    (outside it); ``barrier``
     goes to :class:`BarrierRounds`: ``hooks``, ``state_copy``, ``keep_checkpoints``,
     ``barrier_snapshots``, ``checkpoints`` (another name is a TypeError there).
     """
@@ -810,6 +888,8 @@ def make_strategy(
         strategy = ErDp(strategy, er_privacy, clip_here=secagg is None)
     if er_codec != "none":
         strategy = ErCodecRounds(strategy, er_codec)
+    if er_down_codec != "fp32":
+        strategy = ErDownRounds(strategy, er_down_codec)
     if rings is not None:
         strategy = RingSync(strategy, rings)
     return BarrierRounds(strategy, plan, round_offset, **barrier)
@@ -822,6 +902,9 @@ def server_state(strategy: Strategy) -> dict[str, Any]:
     rings = wrapper_of(strategy, RingSync)
     if rings is not None:
         state[RING_STATE] = rings.state()
+    down = wrapper_of(strategy, ErDownRounds)
+    if down is not None:
+        state[DOWN_STATE] = down.down.state()
     return copy.deepcopy(state)
 
 
@@ -830,6 +913,9 @@ def restore_server_state(strategy: Strategy, state: dict[str, Any]) -> None:
     rings, ring_state = wrapper_of(strategy, RingSync), state.pop(RING_STATE, None)
     if rings is not None and ring_state is not None:
         rings.load_state(ring_state)
+    down, down_state = wrapper_of(strategy, ErDownRounds), state.pop(DOWN_STATE, None)
+    if down is not None and down_state is not None:
+        down.down.load_state(down_state)
     for k, v in state.items():
         setattr(inner, k, v)
 

@@ -113,6 +113,7 @@ SETTINGS = [
     pytest.param({"codec": "int4"}, id="int4-ef"),
     pytest.param({"delay": 1}, id="delay1"),
     pytest.param({"outer": "diloco", "codec": "int8", "delay": 1}, id="diloco-int8-delay1"),
+    pytest.param({"codec": "int4", "down_codec": "int4"}, id="int4-down"),
 ]
 
 
@@ -126,7 +127,14 @@ def test_local_equals_the_strategy_driven_reference(sites, sync: dict) -> None:
     losses = [local.train_step().origin_losses for _ in range(cfg.steps)]
     final = local.evaluate().origin_losses
     name, options = sync_strategy("fedavg", {}, cfg)
-    strategy = make_strategy(name, cfg.P, RoundPlan.of(cfg), options, er_codec=cfg.sync.codec)
+    strategy = make_strategy(
+        name,
+        cfg.P,
+        RoundPlan.of(cfg),
+        options,
+        er_codec=cfg.sync.codec,
+        er_down_codec=cfg.sync.down_codec,
+    )
     grid = train_with_strategy(_engine(cfg, sites), strategy)
     assert [r.origin_losses for r in grid.steps] == losses
     assert grid.evals[-1].origin_losses == final
@@ -235,7 +243,9 @@ def test_default_sync_settings_keep_old_fingerprints() -> None:
     """A manifest written before ``sync`` existed still resumes: the default settings drop
     out of the fingerprint, a changed one counts."""
     plain = TrainConfig()
-    assert LATER_SETTINGS[("sync",)] == plain.model_dump(mode="json")["sync"]
+    sync = plain.model_dump(mode="json")["sync"]
+    assert LATER_SETTINGS[("sync", "down_codec")] == sync.pop("down_codec")
+    assert LATER_SETTINGS[("sync",)] == sync
     assert TrainConfig(sync={"codec": "int8"}).fingerprint() != plain.fingerprint()
     assert TrainConfig(sync={"outer": "fedavg"}).fingerprint() != plain.fingerprint()
 

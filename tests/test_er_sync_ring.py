@@ -43,6 +43,7 @@ def reference(fed: LocalFederation) -> EngineGrid:
         options,
         update_clip=UpdateClip.of(cfg),
         er_codec=cfg.sync.codec,
+        er_down_codec=cfg.sync.down_codec,
         secagg=SecAgg.of(cfg),
     )
     return train_with_strategy(ReferenceEngine(cfg, sites), strategy)
@@ -76,6 +77,8 @@ def er_bytes(train: TrainConfig) -> int:
     ("sync", "strategy", "steps"),
     [
         pytest.param({"codec": "int4"}, "fedavg", 5, id="int4-ef"),
+        # both ways int4: the first train brings the E/R in fp32, later ones a payload
+        pytest.param({"codec": "int4", "down_codec": "int4"}, "fedavg", 5, id="int4-down"),
         pytest.param({"delay": 1}, "fedavg", 5, id="delay1"),
         pytest.param(
             {"outer": "diloco", "codec": "int8", "delay": 1}, "fedavg", 5, id="diloco-int8-delay1"
@@ -114,6 +117,11 @@ def test_sync_settings_equal_the_reference_exactly(
     for r in hist["rounds"]:
         assert [w.get("er_bytes") for w in r["workers"].values()] == [want] * 2, r
     assert [w["er_bytes_total"] for w in final["workers"]] == [want * 3] * 2
+    if train.sync.down_codec != "fp32":  # the way down: fp32 once, then the payload
+        fp32 = er_bytes(TrainConfig(**BASE))
+        down = er_bytes(TrainConfig(**BASE, sync={"codec": train.sync.down_codec}))
+        got = [[w.get("down_bytes") for w in r["workers"].values()] for r in hist["rounds"]]
+        assert got == [[fp32] * 2, [down] * 2, [down] * 2], got
     if sync.get("outer") == "diloco":
         assert final["strategy"] == "diloco"
 

@@ -62,6 +62,8 @@ def ring(fed: LocalFederation) -> tuple[dict, dict, dict, list]:
         # the race's DiLoCo: whole models (P = 1), int4 pseudo-gradients; a train message
         # after an evaluate carries no model, the site takes the evaluate's
         pytest.param(2, 1, 2, "diloco", 5, "int4", "mean", id="R2-P1-H2-diloco-int4"),
+        # and the synced groups come down as int4 payloads of their change (fp32 once)
+        pytest.param(2, 1, 2, "diloco", 5, "int4+down", "mean", id="R2-P1-H2-diloco-int4-down"),
         pytest.param(
             2, 4, 1, "fedavg", 4, "none", "mean", id="R2-P4-H1-fedavg", marks=pytest.mark.long
         ),
@@ -85,8 +87,11 @@ def test_rings_equal_the_reference_exactly(
     across the rings (DiLoCo's outer step for the E/R and the groups in the diloco run,
     whose last sync, at step 5 or 7, falls off the H grid; with a codec, each worker sends its
     pseudo-gradient as int8 or int4 and the coordinator decodes the same bytes the reference
-    encodes; with ``median``, three rings' groups go through Flower's FedMedian)."""
+    encodes; ``+down``: the synced groups come down as the codec's payload of their change
+    too; with ``median``, three rings' groups go through Flower's FedMedian)."""
+    codec, _, down = codec.partition("+")
     train = TrainConfig(
+        ring_down_codec=codec if down else "fp32",
         workers=R * P,
         rings=R,
         ring_sync_every=H,
@@ -115,10 +120,13 @@ def test_rings_equal_the_reference_exactly(
     model = read_run(fed.coordinator_out)  # the synced groups, as export reads them
     for got_group, ref_group in zip(model.groups, engines[0].rings[0].groups, strict=True):
         ref_params = dict(ref_group.named_parameters())
-        assert all(torch.equal(p, ref_params[k]) for k, p in got_group.named_parameters())
+        same = all(torch.equal(p, ref_params[k]) for k, p in got_group.named_parameters())
+        # a down codec: the sites hold the last broadcast, the export the coordinator's F_i
+        assert same != bool(down)
     # each sync's bytes, counted apart from the ring links: F_i in fp32, or its encoded δ
     synced = [r["round"] for r in rounds if r["round"] % H == 0 or r["round"] == steps]
-    codec = None if codec == "none" else Codec(codec)
+    codec, down_codec = (None, None) if codec == "none" else (Codec(codec), Codec(codec))
+    down_codec = down_codec if down else None
     er = 4 * sum(t.numel() for t in engines[0].replicas[0].shared_state_dict().values())
     for r in rounds:
         for g, w in r["workers"].items():
@@ -131,6 +139,9 @@ def test_rings_equal_the_reference_exactly(
             # the way down, once per barrier (an evaluate's model is not sent again): the
             # E/R, the synced F_i after a sync, the global F_i once with a codec
             group = 4 * sum(p.numel() for p in engines[0].group(int(g)).parameters())
+            if down_codec is not None and r["round"] > 1:  # the payload of F_i's change
+                params = engines[0].group(int(g)).parameters()
+                group = sum(down_codec.payload_bytes(tuple(p.shape)) for p in params)
             with_group = r["round"] - 1 in synced or (r["round"] == 1 and codec is not None)
             assert w.get("down_bytes") == er + (group if with_group else 0), (r, g)
     first = [e["edge"] for e in final["ring"]][: P + 1]  # ring 0 closes on itself

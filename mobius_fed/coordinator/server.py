@@ -297,6 +297,7 @@ class Coordinator:
             rings=RingPlan.of(self.train),
             update_clip=UpdateClip.of(self.train),
             er_codec=self.train.sync.codec,
+            er_down_codec=self.train.sync.down_codec,
             state_copy=self.cfg.state_copy == "coordinator",
             barrier_snapshots=self.cfg.barrier_snapshots,
             checkpoints=self.store.cadence.order,

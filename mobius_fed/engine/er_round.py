@@ -22,7 +22,7 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from mobius_fed.config import TrainConfig
-from mobius_fed.er_sync import ErSite, decode_er
+from mobius_fed.er_sync import DownLink, ErSite, decode_er
 from mobius_fed.model import Replica
 from mobius_fed.strategies import nesterov_step
 
@@ -34,6 +34,10 @@ class LocalErRound:
         self.cfg, self.sites = cfg, list(sites)
         self.global_er: ArrayRecord | None = None
         self.momentum: list[np.ndarray] | None = None
+        # sync.down_codec: what the sites hold (the coordinator's ErDownRounds, one process)
+        down = cfg.sync.down_codec
+        self.down = DownLink(down) if down != "fp32" else None
+        self.rounds = 0  # barriers so far: the broadcast's round
 
     def begin(self, replicas: Sequence[Replica]) -> None:
         """Before the first step: G = origin 0's E/R, every site starts from it."""
@@ -41,9 +45,18 @@ class LocalErRound:
         self.global_er = ArrayRecord({k: v.detach().clone() for k, v in shared.items()})
         self._start(replicas)
 
-    def _start(self, replicas: Sequence[Replica]) -> None:
+    def held(self) -> dict[str, torch.Tensor]:
+        """What the sites start a round from: G, or with a down codec their held copy
+        after its broadcast (:class:`~mobius_fed.er_sync.DownLink`)."""
         assert self.global_er is not None
-        state = self.global_er.to_torch_state_dict()
+        if self.down is None:
+            return self.global_er.to_torch_state_dict()
+        self.down.send(self.global_er, self.rounds, False)
+        assert self.down.held is not None
+        return {k: v.clone() for k, v in self.down.held.items()}
+
+    def _start(self, replicas: Sequence[Replica]) -> None:
+        state = self.held()
         for site, replica in zip(self.sites, replicas, strict=True):
             site.start_round(replica.shared_state_dict(), state)
 
@@ -65,6 +78,7 @@ class LocalErRound:
                 self.global_er, average, self.momentum, cfg.outer_lr, cfg.outer_momentum
             )
         self.global_er = average
+        self.rounds += 1
         self._start(replicas)
 
     @contextmanager
@@ -75,7 +89,7 @@ class LocalErRound:
         if self.global_er is None or not self.cfg.sync.delay:
             yield
             return
-        state = self.global_er.to_torch_state_dict()
+        state = self.held()
         with ExitStack() as stack:
             for site, replica in zip(self.sites, replicas, strict=True):
                 stack.enter_context(site.evaluating(replica.shared_state_dict(), state))
@@ -87,15 +101,21 @@ class LocalErRound:
             out["global"] = self.global_er.to_torch_state_dict()
         if self.momentum is not None:
             out["momentum"] = [torch.from_numpy(np.array(m)) for m in self.momentum]
+        if self.down is not None:
+            out["down"] = self.down.state()
+            out["rounds"] = self.rounds
         return out
 
     def load_state_dict(self, state: dict[str, Any], replicas: Sequence[Replica]) -> None:
         for site, saved in zip(self.sites, state["sites"], strict=True):
             site.load_state_dict(saved)
         self.global_er = None
+        if self.down is not None and "down" in state:
+            self.down.load_state(state["down"])
+            self.rounds = int(state["rounds"])
         if "global" in state:
             self.global_er = ArrayRecord({k: v.clone() for k, v in state["global"].items()})
-            glob = self.global_er.to_torch_state_dict()
+            glob = self.held()
             for site, replica in zip(self.sites, replicas, strict=True):  # the round's G
                 shared = replica.shared_state_dict()
                 site.base = {k: glob[k].to(p.dtype).to(p.device) for k, p in shared.items()}

@@ -22,6 +22,7 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.defences.secagg import MASKED, Round, SiteMasker
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
 from mobius_fed.engine.rings import RingsEngine
+from mobius_fed.er_sync import ER_DOWN, GROUP_DOWN, DownLink, take_down
 from mobius_fed.messages import GROUP, GROUP_BASE, EvaluatedRecords
 from mobius_fed.model import Replica
 from mobius_fed.strategies import (
@@ -29,6 +30,7 @@ from mobius_fed.strategies import (
     STEP_START,
     DiLoCo,
     ErCodecRounds,
+    ErDownRounds,
     TrainOrder,
     encode_delta,
     group_arrays,
@@ -62,6 +64,11 @@ class EngineGrid(RunGrid):
         self.bases: dict[int, dict[str, torch.Tensor]] = {}  # R > 1, a ring codec: global F_i
         # what each node's last evaluate brought, for a train message that leaves it out
         self.evaluated = [EvaluatedRecords() for _ in range(cfg.workers)]
+        # a down codec: what each site holds of the E/R (and F_i), as a worker keeps it
+        er, group = cfg.sync.down_codec, cfg.ring_down_codec
+        self.er_down = [DownLink(er) for _ in range(cfg.workers)] if er != "fp32" else None
+        on = group != "fp32" and cfg.rings > 1
+        self.group_down = [DownLink(group) for _ in range(cfg.workers)] if on else None
 
     def get_node_ids(self) -> Iterable[int]:
         return [worker_node_id(s) for s in range(self.engine.cfg.workers)]
@@ -89,12 +96,13 @@ class EngineGrid(RunGrid):
                 self.evaluated[rank].restore(msg)
             else:
                 self.evaluated[rank].keep(msg)
-            states[rank] = state = msg.content.array_records["arrays"].to_torch_state_dict()
+            states[rank] = state = self._received(msg, rank, "arrays")
             self._load_er(kind, rank, state)
             if GROUP in msg.content and isinstance(self.engine, RingsEngine):
-                self.bases[rank] = load_group(self.engine, rank, msg.content.array_records[GROUP])
+                group = self._received(msg, rank, GROUP)
+                self.bases[rank] = load_group(self.engine, rank, ArrayRecord(group))
             if GROUP_BASE in msg.content:
-                self.bases[rank] = msg.content.array_records[GROUP_BASE].to_torch_state_dict()
+                self.bases[rank] = self._received(msg, rank, GROUP_BASE)
         replies = []
         if kind == "train":
             start, end = int(cast(int, conf[STEP_START])), int(cast(int, conf[STEP_END]))
@@ -127,6 +135,17 @@ class EngineGrid(RunGrid):
                 replies.append(self._reply(msg, RecordDict({"metrics": metrics})))
         set_task_identity(COORDINATOR_NODE_ID)
         return replies
+
+    def _received(self, msg: Message, rank: int, key: str) -> dict[str, torch.Tensor]:
+        """The arrays record ``key`` of ``msg`` as site ``rank`` takes it (with a down
+        codec, what it holds after the broadcast, decoded by its DownLink as a worker's)."""
+        record = msg.content.array_records[key]
+        links = self.er_down if key == "arrays" else self.group_down
+        if links is None:
+            return record.to_torch_state_dict()
+        keys = ER_DOWN if key == "arrays" else GROUP_DOWN
+        conf = msg.content.config_records["config"]
+        return take_down(links[rank], record, conf, keys, set(record.keys()))
 
     def _load_er(self, kind: str, rank: int, state: Mapping[str, torch.Tensor]) -> None:
         """A message's E/R for site ``rank``, taken as a worker takes it: loaded, or under a
@@ -189,6 +208,14 @@ def check_sync_strategy(cfg: TrainConfig, strategy: Strategy) -> None:
         raise ValueError(
             f"the config's sync codec is {cfg.sync.codec!r}, the strategy decodes {codec!r}: "
             "build it with make_strategy(..., er_codec=cfg.sync.codec), as the coordinator does"
+        )
+    down = wrapper_of(strategy, ErDownRounds)
+    down_codec = "fp32" if down is None else down.down.codec.name
+    if down_codec != cfg.sync.down_codec:
+        raise ValueError(
+            f"the config's sync down codec is {cfg.sync.down_codec!r}, the strategy sends "
+            f"{down_codec!r}: build it with make_strategy(..., er_down_codec="
+            "cfg.sync.down_codec), as the coordinator does"
         )
     if cfg.sync.outer == "diloco" and not isinstance(unwrapped(strategy), DiLoCo):
         raise ValueError(

@@ -29,7 +29,7 @@ from mobius_fed.checkpoint import (
     write_bytes_atomic,
 )
 from mobius_fed.defences.secagg import MASKED, PUBLIC_KEY, Round, SiteMasker
-from mobius_fed.er_sync import record_bytes
+from mobius_fed.er_sync import ER_DOWN, FULL, GROUP_DOWN, DownLink, record_bytes, take_down
 from mobius_fed.machines import WorkerState
 from mobius_fed.messages import (
     ARRAYS,
@@ -96,29 +96,42 @@ def group_arrays(executor: RingExecutor) -> ArrayRecord:
     return ArrayRecord({k: v.detach().clone() for k, v in executor.group.named_parameters()})
 
 
-def load_group(executor: RingExecutor, msg: Message) -> dict[str, torch.Tensor] | None:
+def load_group(
+    executor: RingExecutor, msg: Message, down: DownLink | None = None
+) -> dict[str, torch.Tensor] | None:
     """Load the synced F_i a ring sync sent (R > 1), if this message carries it: exactly the
-    group's names and shapes, any float dtype, cast as the reference engine casts. Returns
-    the global F_i this message names (the synced one, or a ``GROUP_BASE``), if any."""
+    group's names and shapes, any float dtype, cast as the reference engine casts (with a
+    ``ring_down_codec``, ``down`` decodes it). Returns the global F_i this message names
+    (the synced one, or a ``GROUP_BASE``), if any."""
     own = dict(executor.group.named_parameters())
-    if GROUP_BASE in msg.content:
-        return _group_state(own, msg.content.array_records[GROUP_BASE])
-    if GROUP not in msg.content:
+    key = GROUP_BASE if GROUP_BASE in msg.content else GROUP
+    if key not in msg.content:
         return None
-    state = _group_state(own, msg.content.array_records[GROUP])
+    state = _group_state(
+        own, msg.content.array_records[key], down, msg.content.config_records[CONFIG]
+    )
+    if key == GROUP_BASE:
+        return state
     with torch.no_grad():
         for name, p in own.items():
             p.copy_(state[name])
     return state
 
 
-def _group_state(own: dict[str, torch.Tensor], arrays: ArrayRecord) -> dict[str, torch.Tensor]:
-    """``arrays`` as tensors, exactly F_i's names and shapes (any float dtype)."""
+def _group_state(
+    own: dict[str, torch.Tensor], arrays: ArrayRecord, down: DownLink | None, config: ConfigRecord
+) -> dict[str, torch.Tensor]:
+    """``arrays`` as tensors, exactly F_i's names and shapes (any float dtype); with a
+    down codec, the held F_i after the broadcast they bring."""
     spec = spec_of(own)
-    for name, array in arrays.items():
-        if name in spec and str(array.dtype) in _FLOATS:
-            spec[name] = (spec[name][0], str(array.dtype))
-    return dict(array_record_to_torch(arrays, expected=spec))
+    if down is None or config.get(GROUP_DOWN[1]) == FULL:
+        for name, array in arrays.items():
+            if name in spec and str(array.dtype) in _FLOATS:
+                spec[name] = (spec[name][0], str(array.dtype))
+        state = dict(array_record_to_torch(arrays, expected=spec))
+        if down is None:
+            return state
+    return take_down(down, arrays, config, GROUP_DOWN, set(spec))
 
 
 def checkpoint_path(directory: Path, rnd: int) -> Path:
@@ -238,11 +251,28 @@ class WorkerHandlers:
         self.group_base: dict[str, torch.Tensor] | None = None  # R > 1 with a ring codec
         self.evaluated = EvaluatedRecords()  # what the last evaluate brought, for the train
         self.down_bytes = 0  # array bytes received since the last train reply
+        # a down codec: the E/R (and, R > 1, the F_i) this site holds, as the coordinator does
+        down = cfg.sync.down_codec
+        self.er_down = DownLink(down) if down != "fp32" else None
+        down = cfg.ring_down_codec
+        self.group_down = DownLink(down) if down != "fp32" and cfg.rings > 1 else None
 
     def _take_group(self, msg: Message) -> None:
-        base = load_group(self.executor, msg)
+        base = load_group(self.executor, msg, self.group_down)
         if base is not None:
             self.group_base = base
+
+    def _er_state(self, msg: Message) -> dict[str, torch.Tensor]:
+        """The global E/R a message brings (with a down codec: what this site holds after
+        its broadcast, :class:`~mobius_fed.er_sync.DownLink`)."""
+        record, config = msg.content.array_records[ARRAYS], msg.content[CONFIG]
+        link = self.er_down
+        if link is None or config.get(ER_DOWN[1]) == FULL:
+            state = replica_state(self.executor, record)  # validated
+            if link is None:
+                return state
+        names = set(self.executor.replica.shared_state_dict())
+        return take_down(link, record, config, ER_DOWN, names)
 
     def _group_reply(self) -> ArrayRecord:
         """F_i for a ring sync: itself, or with a ring codec its encoded pseudo-gradient."""
@@ -265,7 +295,7 @@ class WorkerHandlers:
         masks = None if self.secagg is None else Round.of(msg.content[CONFIG], executor.cfg.P)
         sync = executor.cfg.sync.on_sites  # a codec or a delay: the site's ErSite decides
         if sync:
-            state = replica_state(executor, msg.content.array_records[ARRAYS])
+            state = self._er_state(msg)
             executor.er.start_round(executor.replica.shared_state_dict(), state)
         else:
             load_replica(executor, msg.content.array_records[ARRAYS])
@@ -355,7 +385,7 @@ class WorkerHandlers:
     def evaluate(self, msg: Message) -> Message:
         executor = self.executor
         self.down_bytes += sum(record_bytes(r) for r in msg.content.array_records.values())
-        state = replica_state(executor, msg.content.array_records[ARRAYS])
+        state = self._er_state(msg)
         self._take_group(msg)
         self.evaluated.keep(msg)  # validated: the next train message may leave them out
         self.on_state(WorkerState.EVALUATING)
@@ -434,6 +464,9 @@ class WorkerHandlers:
         order, executor = RestoreOrder.of(msg.content[CONFIG]), self.executor
         self.evaluated.forget()
         self.down_bytes = 0
+        for link in (self.er_down, self.group_down):  # the next broadcast brings held itself
+            if link is not None:
+                link.forget()
         self.on_state(WorkerState.RESTORING)
         try:
             source = restore_round(executor, self.snapshots, order)
