@@ -147,6 +147,7 @@ def arms() -> list[RaceArm]:
             "ring-tokens",
         ),
         RaceArm("ring codec, E/R 10 int4", {**CODEC, **ER}, "ring-codec"),
+        RaceArm("ring codec, E/R 10 int4 both ways", {**CODEC, **ER, **DOWN}, "ring-codec"),
         # two micro-batches per stream: a worker computes one while the other travels
         RaceArm(
             f"ring tokens (d/{RANK_DIV}), codec, E/R 10 int4, M=2",
