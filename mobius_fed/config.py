@@ -141,7 +141,7 @@ MAX_SYNC_DELAY = 1
 
 class SyncConfig(BaseModel):
     """How the E/R replicas are synced at each barrier (every ``sync_every`` steps,
-    docs/ring-or-diloco.md "E/R sync: rare, small and late"): the outer step, the codec of
+    docs/er-sync.md): the outer step, the codec of
     each site's pseudo-gradient and how many rounds late the round's result lands."""
 
     model_config = ConfigDict(extra="forbid")

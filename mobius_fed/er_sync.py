@@ -1,5 +1,5 @@
 """The E/R round's math at each site and its decoding at the coordinator (``TrainConfig.sync``;
-docs/ring-or-diloco.md, "E/R sync: rare, small and late").
+docs/er-sync.md).
 
 One :class:`ErSite` per site runs in the worker and, one per origin, in the reference
 engine, so a ring and the reference compute every E/R value by the same code:
@@ -172,7 +172,7 @@ def _floats(record: ArrayRecord) -> State:
 
 class DownLink:
     """One end of a compressed way down (``sync.down_codec``, ``ring_down_codec``;
-    docs/ring-or-diloco.md "E/R sync: rare, small and late").
+    docs/er-sync.md).
 
     The coordinator's end keeps ``held``: exactly what every site holds after the last
     broadcast. A broadcast of the new global arrays x sends the codec's payload of x − held,

@@ -1,5 +1,5 @@
 """The E/R round's sync settings on real processes (``--sync-outer``, ``--sync-codec``,
-``--sync-delay``; docs/ring-or-diloco.md "E/R sync: rare, small and late"): a coordinator and
+``--sync-delay``; docs/er-sync.md): a coordinator and
 P ``mobius-worker`` processes over mTLS equal the reference engine under the same Flower
 strategy exactly (max |Δ loss| = 0, train and eval), and each barrier's E/R bytes are the
 exact payload."""
