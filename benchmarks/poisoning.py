@@ -364,9 +364,10 @@ def widened_table(outcomes: list[Outcome], args: argparse.Namespace) -> tuple[st
     if not groups:
         return "", []
     rows = [
-        f"| attack (worker-{args.workers - 1}) | from step | detected by | verdict, steps after "
-        "the start | evicted at step | honest Δ Eq. 8 | runs | false accusations |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| attack (worker-{args.workers - 1}) | from step | detected by | lie found at step | "
+        "verdict, steps after the start | evicted at step | honest Δ Eq. 8 | runs | "
+        "false accusations |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     figures = []
     for attack, runs in groups.items():
@@ -381,7 +382,8 @@ def widened_table(outcomes: list[Outcome], args: argparse.Namespace) -> tuple[st
             delta = "(reference)"
         rows.append(
             f"| {f['name']} | {'—' if attack == 'clean' else f['start']} | {by} | "
-            f"{_steps(f['verdict_after'])} | {_steps(f['evicted_step'], False)} | {delta} | "
+            f"{_steps(f['lie_step'], False)} | {_steps(f['verdict_after'])} | "
+            f"{_steps(f['evicted_step'], False)} | {delta} | "
             f"{done}/{n} done | {f['false_accusations']} |"
         )
     return "\n".join(rows), figures
@@ -392,6 +394,22 @@ def clean_setting(bounds: str) -> str:
     (off, on), or P + 1 (a standby's site splits the corpus one way more, so the honest
     origins' data differ) without or with audits."""
     return bounds if bounds in ("evict", "audit") else "off"
+
+
+def tables(outcomes: list[Outcome], args: argparse.Namespace) -> tuple[str, list[dict]]:
+    """The classic and the widened table as text, and the widened rows' figures."""
+    widened, figures = widened_table(outcomes, args)
+    return "\n\n".join(t for t in (table(outcomes, args), widened) if t), figures
+
+
+def retable(path: Path) -> None:
+    """Rebuild the tables of the runs kept in ``path`` (written by this script) in place."""
+    doc = json.loads(path.read_text())
+    args = argparse.Namespace(**doc["config"])
+    outcomes = [Outcome(**r) for r in doc["runs"]]
+    doc["table"], doc["widened"] = tables(outcomes, args)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(doc["table"])
 
 
 def main() -> None:
@@ -415,7 +433,11 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300, help="seconds a run may take")
     ap.add_argument("--out", type=Path, default=RESULTS / "poisoning.json")
     ap.add_argument("--work", type=Path, help="keep the runs' directories here")
+    ap.add_argument("--retable", type=Path, help="rebuild the tables of a kept JSON, run nothing")
     args = ap.parse_args()
+    if args.retable:
+        retable(args.retable)
+        return
     settings = args.bounds.split(",")
     if bad := set(settings) - set(SETTINGS):
         ap.error(f"--bounds: {', '.join(sorted(bad))} is not one of {', '.join(SETTINGS)}")
@@ -443,14 +465,14 @@ def main() -> None:
                     outcomes.append(out)
                     print(f"seed {seed} {attack} bounds {bounds}: {cell(out, args)} "
                           f"{out.detections[:1]}", file=sys.stderr, flush=True)  # fmt: skip
-    text = "\n\n".join(t for t in (table(outcomes, args), widened_table(outcomes, args)[0]) if t)
+    text, figures = tables(outcomes, args)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "seconds": round(time.monotonic() - t0, 1),
         "runs": [asdict(o) for o in outcomes],
-        "widened": widened_table(outcomes, args)[1],
+        "widened": figures,
         "table": text,
     }
     args.out.write_text(json.dumps(doc, indent=1) + "\n")

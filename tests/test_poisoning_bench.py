@@ -130,7 +130,7 @@ def test_the_widened_row_counts_over_seeds() -> None:
     assert row["verdict_after"] == [8, None] and row["evicted_step"] == [20, None]
     assert row["delta"] == [0.01, 0.02]
     text, _ = poisoning.widened_table(runs, args)
-    assert "| gradients sign-flipped | 10 | audit 1/2 | +8, no | 20, no |" in text
+    assert "| gradients sign-flipped | 10 | audit 1/2 | 10, no | +8, no | 20, no |" in text
 
 
 def test_chaos_sums_what_the_audits_found_over_coordinator_incarnations() -> None:
