@@ -153,10 +153,10 @@ def test_a_suspect_named_after_the_last_step_is_not_evicted() -> None:
     from mobius_fed.coordinator.server import Coordinator
 
     c = object.__new__(Coordinator)
-    c.cfg = SimpleNamespace(evict_suspects=True)
+    c.cfg = SimpleNamespace(evict_suspects=True)  # type: ignore[assignment]
     c.train = TrainConfig(preset="cpu-tiny", workers=3, steps=30)
     c.service = MagicMock()
-    c.state = SimpleNamespace(step=29)
+    c.state = SimpleNamespace(step=29)  # type: ignore[assignment]
     c._evict_suspect(2, reason="audit failed")  # a step is left: handed over
     assert c.service.handovers.hand_over.call_count == 1
     c.state.step = 30
