@@ -14,10 +14,14 @@ edge. Faults, drawn at random:
 
 Printed at the end: the faults injected, incidents healed, steps redone, throughput
 (steps per second) against an undisturbed run of the same config, and the largest
-difference of any (step, origin) loss from the reference engine's (the run must equal it).
+difference of any (step, origin) loss from the reference engine's (the run must equal it);
+with audits on (``--audit-rate``, docs/audits.md) what they and the commitments found over
+the coordinator's incarnations: every suspect in a run without a liar is a false accusation.
 
     python benchmarks/chaos.py                          # cpu-tiny, P = 4, 30 minutes
     python benchmarks/chaos.py --steps 60 --every 5 10  # a few minutes
+    python benchmarks/chaos.py --steps 60 --every 4 8 --max-faults 4 --audit-rate 1 \
+        --no-baseline --report benchmarks/results/poisoning/chaos-audits.json
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mobius_fed.config import TrainConfig
+from mobius_fed.config import AuditConfig, TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.federated import train_with_strategy
 from mobius_fed.engine.reference import ReferenceEngine
@@ -75,9 +79,15 @@ class Tally:
     frozen: set[int] = field(default_factory=set)
     epoch: int = 0  # coordinator incarnations seen (incident ids restart with each)
 
+    audits: dict[int, dict[str, Any]] = field(default_factory=dict)  # epoch → its block
+    commitments: dict[int, dict[str, Any]] = field(default_factory=dict)
+
     def observe(self, doc: dict[str, Any]) -> None:
         for inc in doc["incidents"]:
             self.incidents[(self.epoch, inc["id"])] = inc
+        for block, seen in (("audits", self.audits), ("commitments", self.commitments)):
+            if doc.get(block):  # each coordinator incarnation counts from zero
+                seen[self.epoch] = doc[block]
         if doc["phase"] == Phase.WAITING:  # a restarted coordinator before its ring is back
             return
         if self.killed_at is not None:  # it resumed from its newest manifest
@@ -101,6 +111,24 @@ class Tally:
             ),
             "unhealed at the end": sum(i["state"] != IncidentState.RECOVERED for i in last),
             "steps redone": sum(i["steps_redone"] or 0 for i in incs) + self.coordinator_redone,
+            **self.audit_report(),
+        }
+
+    def audit_report(self) -> dict[str, Any]:
+        """Audits and commitments over the coordinator's incarnations: a clean run's
+        suspects and incidents are false accusations."""
+        a, c = list(self.audits.values()), list(self.commitments.values())
+        if not a and not c:
+            return {}
+        return {
+            "audits asked": sum(b["asked"] for b in a),
+            "audits passed": sum(b["passed"] for b in a),
+            "audits skipped": sum(b.get("skipped", 0) for b in a),
+            "audit incidents": [f"{i['kind']}: {i['what']}" for b in a for i in b["incidents"]],
+            "audit suspects": sorted({n for b in a for n in b["suspects"]}),
+            "commitment incidents": [
+                f"{i['kind']}: {i['what']}" for b in c for i in b["incidents"]
+            ],
         }
 
 
@@ -130,6 +158,7 @@ def inject(fed: ChaosFederation, kind: str, rng: random.Random, tally: Tally, ar
         if tally.killed_at is None:
             tally.killed_at = tally.step_seen
     elif kind == "edge cut":
+        assert fed.proxies, "an edge cut needs the proxied federation"
         i = rng.randrange(fed.train.P)
         seconds = rng.uniform(*args.cut)
         threading.Thread(target=fed.proxies[i].cut, args=(seconds,), daemon=True).start()
@@ -261,7 +290,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-every", type=int, default=2, help="rounds between manifests")
     ap.add_argument("--heartbeat-timeout", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=0)
+    audits = "audit.rate (docs/audits.md); the report counts what the audits found"
+    ap.add_argument("--audit-rate", type=float, default=AuditConfig().rate, help=audits)
+    ap.add_argument("--no-baseline", action="store_true", help="skip the undisturbed run")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--report", type=Path, help="also write the report here (JSON)")
     args = ap.parse_args(argv)
     bad = [k for k in args.sequence or () if k not in KINDS]
     if bad:
@@ -278,14 +311,19 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         batch_size=4,
         optimizer="adamw",
         eval_every=4,
+        audit={"rate": args.audit_rate},
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     root = args.out or Path(tempfile.mkdtemp(prefix="mobius-chaos-"))
-    report = chaos(root, train_config(args), args)
+    report = chaos(root, train_config(args), args, baseline=not args.no_baseline)
     print(json.dumps(report, indent=2))
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        argv_ = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.report.write_text(json.dumps({"config": argv_, **report}, indent=1) + "\n")
     ok = report["phase"] == "done" and not report["missing losses"]
     return 0 if ok and (report["max |Δloss| vs reference"] or 0.0) <= 1e-5 else 1
 

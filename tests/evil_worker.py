@@ -4,6 +4,10 @@ From step ``EVIL_FROM`` (default 3) on:
 * ``EVIL_SCALE=s``: it scales every hidden state it sends on the ring by ``s``;
 * ``EVIL_GRAD=s``: it scales every gradient it sends back on the ring by ``s`` (``-1``:
   flips its sign);
+* ``EVIL_NOISE=s``: it adds Gaussian noise of ``s`` times the tensor's RMS to every hidden
+  state and gradient it sends (after any scale);
+* ``EVIL_FRACTION=f``: the three above lie on a fraction ``f`` of its frames only (drawn
+  per frame from a hash of the frame's key, so a step trained again lies the same way);
 * ``EVIL_ER=s``: at every barrier after step ``EVIL_ER_FROM`` (default 0: every one) it
   scales its E/R update (what it sends back minus what the round sent it) by ``s``;
 * ``EVIL_LOSS=s``: it reports its training and validation losses ×``s``;
@@ -21,9 +25,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.app import Array, ArrayRecord
@@ -39,10 +45,45 @@ from mobius_fed.worker.frames import BACKWARD, FORWARD, FrameKey
 from mobius_fed.worker.link import RingLinks
 
 FROM = int(os.environ.get("EVIL_FROM", "3"))
-SCALES = {
+SCALES: dict[int, float] = {
     FORWARD: float(os.environ.get("EVIL_SCALE", "1")),
     BACKWARD: float(os.environ.get("EVIL_GRAD", "1")),
 }
+
+NOISE = float(os.environ.get("EVIL_NOISE", "0"))
+FRACTION = float(os.environ.get("EVIL_FRACTION", "1"))
+
+
+def _draw(key: FrameKey) -> int:
+    """64 bits drawn from the frame's key: the same for the same frame in every run."""
+    name = f"{key.phase}:{key.step}:{key.direction}:{key.origin}:{key.tick}:{key.micro}"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
+def chosen(key: FrameKey, fraction: float = FRACTION, start: int = FROM) -> bool:
+    """Whether frame ``key`` carries the lie: from step ``start``, a ``fraction`` of frames."""
+    return key.step >= start and (fraction >= 1 or _draw(key) < fraction * 2.0**64)
+
+
+def lie(
+    key: FrameKey,
+    tensor: Tensor,
+    scales: Mapping[Any, float] = SCALES,
+    noise: float = NOISE,
+    fraction: float = FRACTION,
+    start: int = FROM,
+) -> Tensor:
+    """What the liar sends instead of ``tensor`` as frame ``key``."""
+    if not chosen(key, fraction, start):
+        return tensor
+    out = tensor * scales.get(key.direction, 1.0)
+    if noise:
+        g = torch.Generator().manual_seed(_draw(key) >> 1)
+        z = torch.randn(tensor.shape, generator=g, dtype=torch.float32).to(tensor.device)
+        rms = tensor.detach().float().pow(2).mean().sqrt()
+        out = out + (noise * rms * z).to(tensor.dtype)
+    return out
+
 
 COMMIT = os.environ.get("EVIL_COMMIT", "")
 if COMMIT == "cover":  # the lie goes on the wire, the honest digest into the commitment
@@ -61,14 +102,11 @@ if COMMIT == "cover":  # the lie goes on the wire, the honest digest into the co
             out.put(data)
 
     RingLinks.send_tensor = _covered_send  # type: ignore[method-assign]
-elif any(s != 1.0 for s in SCALES.values()):
+elif any(s != 1.0 for s in SCALES.values()) or NOISE:
     _send = RingExecutor._send
 
     def _lying_send(self: RingExecutor, key: FrameKey, tensor: Tensor) -> None:
-        scale = SCALES.get(key.direction, 1.0)
-        if key.step >= FROM and scale != 1.0:
-            tensor = tensor * scale
-        _send(self, key, tensor)
+        _send(self, key, lie(key, tensor))
 
     RingExecutor._send = _lying_send  # type: ignore[method-assign]
 

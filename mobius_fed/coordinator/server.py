@@ -388,6 +388,9 @@ class Coordinator:
         ``reason``: why, when not ``suspect_after`` counts of ``what`` (an audit)."""
         if not self.cfg.evict_suspects:
             return
+        if self.state.step >= self.train.steps:  # a verdict after the last step: no round
+            log.error("worker-%d is suspect after the last step: named, not evicted", rank)
+            return  # is left to hand over (a handover now would leave the run recovering)
         n = self.train.bounds.suspect_after
         why = f"evicted as a suspect ({reason or f'{n} {what}'}; --evict-suspects)"
         replaced = self.service.pool.identity_of(rank)
