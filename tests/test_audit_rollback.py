@@ -21,6 +21,7 @@ def _store(tmp_path: Path, rounds: list[int], open_round: int | None = None) -> 
     store.state = SimpleNamespace(set=lambda **kw: None)  # type: ignore[assignment]
     store.snapshots, store.last_manifest_round = {}, max(rounds)
     store.audit_open = lambda: open_round
+    store.cadence = SimpleNamespace(copy_round=max(rounds))  # type: ignore[assignment]
     store.manifests = []
     for r in sorted(rounds):
         d = round_dir(tmp_path, r)
@@ -66,6 +67,7 @@ def test_a_rollback_before_newer_checkpoints_drops_them(tmp_path: Path) -> None:
     assert _on_disk(tmp_path) == [1, 2]
     assert [m.parent.name for m in store.manifests] == ["round-000002", "round-000001"]
     assert store.last_manifest_round == 2
+    assert store.cadence.copy_round is None  # status: no copy until the next checkpoint
 
 
 def _recovery(store: Any, before: int | None) -> Recovery:

@@ -19,8 +19,8 @@ Every step may fail the run instead (``RunFailed``): more incidents than
 that every worker can restore. On resume the open incidents close as ``recovered`` with
 the round rolled back to and the steps redone. An eviction for a failed audit of round r
 (:meth:`Recovery.roll_back_before`) caps the choice below r: no group keeps what it trained
-on the audited round. The phase, worker and incident states move
-only along the tables of :mod:`mobius_fed.machines`.
+on the audited round. The phase, worker and incident states move only along the tables of
+:mod:`mobius_fed.machines`.
 """
 
 from __future__ import annotations
@@ -205,9 +205,9 @@ class Recovery:
                 log.error("worker-%d cannot restore round %d: %s", rank, rnd, reason)
                 refused[rank].add(rnd)
         self._open_ring(rnd)
-        if self.before is not None:  # the rounds after it held the lie: none restores again
-            self.store.forget_after(rnd)
-            self.before = None
+        if self.before is not None and rnd < self.before:  # (a cap set after the choice
+            self.store.forget_after(rnd)  # waits for the restore its incident brings)
+            self.before = None  # the rounds after it held the lie: none restores again
         self.state.handed_over(rnd, self.plan.evaluates(rnd))
         snap = self.store.restored(rnd)
         self.state.rollback(self.plan.steps_of(rnd)[1], rnd)  # round 0 ends at step 0

@@ -221,6 +221,8 @@ class RoundStore:
         if self.manifests:
             self.state.set(checkpoint=str(self.manifests[0]))
         self.last_manifest_round = min(self.last_manifest_round, rnd)
+        if (self.cadence.copy_round or 0) > rnd:  # status: no copy to start from until
+            self.cadence.copy_round = None  # the next checkpoint round
 
     # ------------------------------------------------------------- a round
     def keep(
