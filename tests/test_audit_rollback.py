@@ -21,6 +21,7 @@ def _store(tmp_path: Path, rounds: list[int], open_round: int | None = None) -> 
     store.state = SimpleNamespace(set=lambda **kw: None)  # type: ignore[assignment]
     store.snapshots, store.last_manifest_round = {}, max(rounds)
     store.audit_open = lambda: open_round
+    store.rolled_back = lambda rnd: None
     store.cadence = SimpleNamespace(copy_round=max(rounds))  # type: ignore[assignment]
     store.manifests = []
     for r in sorted(rounds):
@@ -98,3 +99,18 @@ def test_two_failed_audits_roll_back_before_the_older() -> None:
     rec.roll_back_before(4)
     rec.roll_back_before(9)
     assert rec.before == 4
+
+
+def test_a_rollback_drops_the_audits_asked_and_the_later_commitments() -> None:
+    """After a rollback to round 4 no site is asked for a round it may no longer hold as it
+    trained it (no false ``audit refused``); those asks count as skipped."""
+    from mobius_fed.config import TrainConfig
+    from mobius_fed.coordinator.audits import Audits
+
+    desk = Audits(TrainConfig(preset="cpu-tiny", workers=2), lambda r: None, str, print, 9)
+    desk._asks = {(0, 3): 0.0, (1, 6): 0.0}
+    desk._kept = {(0, 3): None, (0, 5): None, (1, 6): None}  # type: ignore[dict-item]
+    desk.rolled_back(4)
+    assert desk.asks() == "" and desk.skipped == 2 and desk.oldest_open() is None
+    assert list(desk._kept) == [(0, 3)]
+    desk.close()

@@ -255,6 +255,15 @@ class Audits:
                 if not self._open[rnd]:
                     del self._open[rnd]
 
+    def rolled_back(self, rnd: int) -> None:
+        """The run rolled back to round ``rnd`` past newer rounds (a failed audit): the
+        audits asked are dropped (counted ``skipped``: a site may no longer hold the round
+        as it trained it), and so are the commitments of the rounds after ``rnd``."""
+        with self._lock:
+            self.skipped += len(self._asks)
+            self._asks.clear()
+            self._kept = {k: v for k, v in self._kept.items() if k[1] <= rnd}
+
     def oldest_open(self) -> int | None:
         """The oldest round an audit asked or under way may still fail (None: none): a
         failure rolls the run back before it, so its checkpoint must stay."""

@@ -97,6 +97,7 @@ class RoundStore:
         # the oldest round an audit may still fail (Audits.oldest_open): pruning keeps the
         # newest manifest before it, the round a failed audit rolls the run back to
         self.audit_open: Callable[[], int | None] = lambda: None
+        self.rolled_back: Callable[[int], None] = lambda rnd: None  # Audits.rolled_back
 
     # ------------------------------------------------------------ the start
     def start_state(self, recorder: RunRecorder) -> RoundState:
@@ -221,6 +222,7 @@ class RoundStore:
         if self.manifests:
             self.state.set(checkpoint=str(self.manifests[0]))
         self.last_manifest_round = min(self.last_manifest_round, rnd)
+        self.rolled_back(rnd)
         if (self.cadence.copy_round or 0) > rnd:  # status: no copy to start from until
             self.cadence.copy_round = None  # the next checkpoint round
 

@@ -477,6 +477,7 @@ def recomputation_audits(coordinator: Coordinator) -> Audits | None:
         rounds=coordinator.plan.num_rounds,
     )
     coordinator.store.audit_open = audits.oldest_open  # its checkpoint before stays
+    coordinator.store.rolled_back = audits.rolled_back
     coordinator.commitments.on_commitment = audits.commitment
     coordinator.state.audits = audits.status
     return audits
