@@ -245,7 +245,7 @@ def test_the_desk_asks_audits_and_names_a_refusal(site_dirs: list[Path], tmp_pat
     ring.round(0)
     named: list[tuple[int, str]] = []
     desk = Audits(
-        cfg, certs.__getitem__, lambda r: f"worker-{r}", lambda r, w: named.append((r, w)), 1
+        cfg, certs.__getitem__, lambda r: f"worker-{r}", lambda r, w, n: named.append((r, w)), 1
     )
     replies = []
     for r in range(P):
@@ -256,9 +256,11 @@ def test_the_desk_asks_audits_and_names_a_refusal(site_dirs: list[Path], tmp_pat
         replies.append(_desk_reply(r, {AUDIT_STATE: Signed(body, sign(keys[r], body)).to_record()}))
     desk.after_train(0, replies)
     assert desk.asks() == "0:0,1:0"
+    assert desk.oldest_open() == 0  # a failure would roll back before round 0's end
     up = ring.stores[0].upload(0)
     desk.after_train(1, [_desk_reply(0, {AUDIT_UPLOAD: up}), _desk_reply(1, {})])
     desk.wait()
+    assert desk.oldest_open() is None  # both verdicts out
     st = desk.status()
     assert (st["asked"], st["passed"], st["frames_compared"]) == (2, 1, 3), st
     assert st["by_kind"] == {"audit refused": 1} and st["suspects"] == ["worker-1"], st
@@ -316,7 +318,9 @@ def test_a_drawn_site_that_withholds_its_state_digest_is_named(tmp_path: Path) -
     ]
     cfg = TrainConfig(**{**CFG, "audit": {"rate": 1.0}}, workers=P)
     named: list[int] = []
-    desk = Audits(cfg, certs.__getitem__, lambda r: f"worker-{r}", lambda r, w: named.append(r), 5)
+    desk = Audits(
+        cfg, certs.__getitem__, lambda r: f"worker-{r}", lambda r, w, n: named.append(r), 5
+    )
     identity = certificate_identity(certs[1])
     desk.commitment(1, 0, Commitment(RING, 0, TRAIN, 0, 1, 1, identity, ()))
     desk.after_train(0, [_desk_reply(1, {}), _desk_reply(0, {})])  # worker-0: no commitment

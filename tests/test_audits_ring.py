@@ -15,6 +15,7 @@ import pytest
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.ops.federation import LocalFederation
+from mobius_fed.run_reader import checkpoint_dir
 from tests.test_commitments_ring import _EvilFederation, _run
 from tests.test_er_sync_ring import check_exact
 
@@ -85,3 +86,30 @@ def test_a_site_scaling_its_states_from_the_first_frame_is_evicted(
     (h,) = final["handovers"]
     assert h["rank"] == 2 and "audit failed" in h["why"], h
     assert final["workers"][2]["identity"] == h["standby"]
+
+
+@pytest.mark.slow(reason="a coordinator, 3 worker processes and a standby, 10 rounds")
+def test_an_eviction_for_a_failed_audit_rolls_back_before_the_audited_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """worker-2 is honest for rounds 1-2 and scales its hidden states ×10 from step 2
+    (round 3) on. Round 3's audit fails a few rounds later; the eviction rolls the run
+    back to round 2, the newest checkpoint before the audited round (not the newest one,
+    which holds the lie's effect on the honest groups), and redoes every step since."""
+    monkeypatch.setenv("EVIL_SCALE", "10")
+    monkeypatch.setenv("EVIL_FROM", "2")
+    monkeypatch.setenv("MOBIUS_EVICT_SUSPECTS", "true")
+    train = TrainConfig(**BASE, workers=3, steps=10)
+    fed = _EvilFederation(tmp_path, train, checkpoint_every=1, threads=1, standbys=1)
+    final, _ = _run(fed)
+    first = final["audits"]["incidents"][0]
+    assert (first["kind"], first["site"], first["round"]) == ("audit failed", "worker-2", 3)
+    (h,) = final["handovers"]
+    assert h["rank"] == 2 and "before round 3" in h["why"], h
+    (inc,) = [i for i in final["incidents"] if i["rank"] == 2]
+    assert inc["state"] == "recovered" and inc["rollback_round"] == 2, inc
+    in_flight = inc["round"] or inc["rollback_round"]
+    assert in_flight > 3 and inc["steps_redone"] == in_flight - 2, inc  # sync_every 1
+    rounds = sorted(int(d.name[6:]) for d in checkpoint_dir(fed.coordinator_out).glob("round-*"))
+    assert rounds == list(range(1, 11)), rounds  # the lie's checkpoints redone, none left
+    assert final["step"] == 10

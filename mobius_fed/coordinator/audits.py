@@ -8,8 +8,9 @@ the site for that round (``audit-asks``); its reply carries the upload, and a ba
 thread (:func:`~mobius_fed.coordinator.auditor.audit`) replays it: training never waits
 on an audit. A failed audit, an upload that is not what the site committed, or one that
 is refused or late is an incident naming the site, and the site a suspect (with
-``--evict-suspects`` its rank goes to a waiting standby). The auditor's own failure names
-no one.
+``--evict-suspects`` its rank goes to a waiting standby and the run rolls back to before
+the audited round). The auditor's own failure names no one. :meth:`Audits.oldest_open` is
+the oldest round whose verdict may still come: the checkpoint before it is kept.
 """
 
 from __future__ import annotations
@@ -61,15 +62,15 @@ class AuditDraw:
 class Audits:
     """Draws, asks, audits and keeps what it found for status. ``certificate(rank)``: the
     PEM certificate of the site holding ``rank``; ``site(rank)``: its name;
-    ``on_suspect(rank, why)``: a site an audit named; ``rounds``: the run's last round
-    (no order after it asks for anything)."""
+    ``on_suspect(rank, why, rnd)``: a site an audit of its round ``rnd`` named; ``rounds``:
+    the run's last round (no order after it asks for anything)."""
 
     def __init__(
         self,
         train: TrainConfig,
         certificate: Callable[[int], bytes | None],
         site: Callable[[int], str],
-        on_suspect: Callable[[int, str], None],
+        on_suspect: Callable[[int, str, int], None],
         rounds: int,
         secret: bytes | None = None,
     ) -> None:
@@ -81,6 +82,7 @@ class Audits:
         self.why_not = sorted(w for w in whys if w)[0] if whys else None
         self._kept: dict[tuple[int, int], Kept] = {}  # (rank, round) → its commitments
         self._asks: dict[tuple[int, int], float] = {}  # (rank, round) → asked at
+        self._open: dict[int, int] = {}  # round → its uploads queued, verdicts still to come
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="auditor")
         self._queued = self.asked = self.passed = self.compared = self.skipped = 0
         self.incidents: list[AuditIncidentModel] = []
@@ -186,6 +188,7 @@ class Audits:
                 nxt = self._next_state(rank, r, kept)
                 with self._lock:
                     self._queued += 1
+                    self._open[r] = self._open.get(r, 0) + 1
                 self._pool.submit(self._run, rank, r, kept, dict(up), nxt)
 
     def _next_state(self, rank: int, rnd: int, kept: Kept) -> str | None:
@@ -244,7 +247,28 @@ class Audits:
         finally:
             with self._lock:
                 self._queued -= 1
-        self._found(rank, rnd, found, kept)
+        try:
+            self._found(rank, rnd, found, kept)
+        finally:  # open until its verdict (and any eviction) is out
+            with self._lock:
+                self._open[rnd] -= 1
+                if not self._open[rnd]:
+                    del self._open[rnd]
+
+    def rolled_back(self, rnd: int) -> None:
+        """The run rolled back to round ``rnd`` past newer rounds (a failed audit): the
+        audits asked are dropped (counted ``skipped``: a site may no longer hold the round
+        as it trained it), and so are the commitments of the rounds after ``rnd``."""
+        with self._lock:
+            self.skipped += len(self._asks)
+            self._asks.clear()
+            self._kept = {k: v for k, v in self._kept.items() if k[1] <= rnd}
+
+    def oldest_open(self) -> int | None:
+        """The oldest round an audit asked or under way may still fail (None: none): a
+        failure rolls the run back before it, so its checkpoint must stay."""
+        with self._lock:
+            return min([r for _, r in self._asks] + list(self._open), default=None)
 
     def _found(self, rank: int, rnd: int, f: Finding, kept: Kept) -> None:
         """Keep what audit of ``kept`` (round ``rnd`` of ``rank``) found; a site it names
@@ -270,7 +294,7 @@ class Audits:
         log.error("audit: %s: %s", f.kind, what)
         cert = self.certificate(rank)
         if new and cert is not None and certificate_identity(cert) == kept.identity:
-            self.on_suspect(rank, f"{f.kind}: {what}")
+            self.on_suspect(rank, f"{f.kind}: {what}", rnd)
 
     # ----------------------------------------------------------------- status
     def status(self) -> dict[str, Any]:

@@ -17,8 +17,10 @@
 Every step may fail the run instead (``RunFailed``): more incidents than
 ``--max-incidents``, a rank that does not rejoin within ``--rejoin-timeout``, or no round
 that every worker can restore. On resume the open incidents close as ``recovered`` with
-the round rolled back to and the steps redone. The phase, worker and incident states move
-only along the tables of :mod:`mobius_fed.machines`.
+the round rolled back to and the steps redone. An eviction for a failed audit of round r
+(:meth:`Recovery.roll_back_before`) caps the choice below r: no group keeps what it trained
+on the audited round. The phase, worker and incident states move only along the tables of
+:mod:`mobius_fed.machines`.
 """
 
 from __future__ import annotations
@@ -73,6 +75,13 @@ class Recovery:
         self.ring_id = ""  # the ring incarnation training runs on (SecAgg's attempt label)
         self.public_keys: dict[int, bytes] = {}  # SecAgg: each rank's key, as it last said
         self.boot = secrets.token_hex(3)  # ring ids differ from any earlier coordinator's
+        self.before: int | None = None  # the next restore takes a round before this one
+
+    def roll_back_before(self, rnd: int) -> None:
+        """An audit of round ``rnd`` failed: the next restore takes the newest round before
+        it that every worker can restore (round 0 at worst), whatever newer ones exist."""
+        self.before = rnd if self.before is None else min(self.before, rnd)
+        log.warning("the next restore rolls back to a round before round %d", self.before)
 
     def drive(self, train_from: Callable[[RoundState], None]) -> None:
         """Restore the ring and ``train_from`` its round, again after every incident, until
@@ -196,6 +205,9 @@ class Recovery:
                 log.error("worker-%d cannot restore round %d: %s", rank, rnd, reason)
                 refused[rank].add(rnd)
         self._open_ring(rnd)
+        if self.before is not None and rnd < self.before:  # (a cap set after the choice
+            self.store.forget_after(rnd)  # waits for the restore its incident brings)
+            self.before = None  # the rounds after it held the lie: none restores again
         self.state.handed_over(rnd, self.plan.evaluates(rnd))
         snap = self.store.restored(rnd)
         self.state.rollback(self.plan.steps_of(rnd)[1], rnd)  # round 0 ends at step 0
@@ -225,6 +237,8 @@ class Recovery:
         self, have: dict[int, set[int]], refused: dict[int, set[int]]
     ) -> tuple[int, str]:
         for rnd in self.store.rounds():
+            if self.before is not None and rnd >= self.before:
+                continue  # it holds what an audit found a lie in
             manifest = self.store.manifest_doc(rnd)
             sources = []
             for rank in range(self.P):

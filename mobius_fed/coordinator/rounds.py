@@ -10,6 +10,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,10 @@ class RoundStore:
         self.keep_checkpoints = self.cadence.keep_checkpoints(cfg.keep_checkpoints)
         self.fresh = False  # a fresh start: workers set an earlier run's files aside
         self.last_manifest_round = 0
+        # the oldest round an audit may still fail (Audits.oldest_open): pruning keeps the
+        # newest manifest before it, the round a failed audit rolls the run back to
+        self.audit_open: Callable[[], int | None] = lambda: None
+        self.rolled_back: Callable[[int], None] = lambda rnd: None  # Audits.rolled_back
 
     # ------------------------------------------------------------ the start
     def start_state(self, recorder: RunRecorder) -> RoundState:
@@ -205,6 +210,22 @@ class RoundStore:
         self.fresh = False
         return snap
 
+    def forget_after(self, rnd: int) -> None:
+        """A rollback past newer checkpoints (a failed audit): their manifests held what
+        the run now redoes without the lie, so they go, on disk too (a later incident or a
+        ``--resume`` must never take one)."""
+        for m in [m for m in self.manifests if round_of(m) > rnd]:
+            (m.parent / MANIFEST).unlink(missing_ok=True)  # the commit point first
+            shutil.rmtree(m.parent, ignore_errors=True)
+            log.warning("checkpoint %s dropped: the run rolled back to round %d", m.parent, rnd)
+        self.manifests = [m for m in self.manifests if round_of(m) <= rnd]
+        if self.manifests:
+            self.state.set(checkpoint=str(self.manifests[0]))
+        self.last_manifest_round = min(self.last_manifest_round, rnd)
+        self.rolled_back(rnd)
+        if (self.cadence.copy_round or 0) > rnd:  # status: no copy to start from until
+            self.cadence.copy_round = None  # the next checkpoint round
+
     # ------------------------------------------------------------- a round
     def keep(
         self, rnd: int, arrays: ArrayRecord, server_state: dict[str, Any], replies: list[Message]
@@ -287,14 +308,26 @@ class RoundStore:
             yield rank, entry
 
     def prune(self, keep: int) -> None:
-        """Keep the ``keep`` newest complete manifests' round directories."""
+        """Keep the ``keep`` newest complete manifests' round directories and, while an
+        audit's verdict may still come, the newest complete one before its round (a failed
+        audit rolls back to it): ``keep`` + 1 at most."""
         rounds = sorted(checkpoint_dir(self.cfg.out_dir).glob("round-*"), reverse=True)
         complete = [d for d in rounds if (d / MANIFEST).is_file()]
         if len(complete) <= keep:
             return
         oldest_kept = complete[keep - 1].name
+        held = held_for_audit(complete, self.audit_open())
         for d in rounds:
-            if d.name < oldest_kept:
+            if d.name < oldest_kept and d != held:
                 shutil.rmtree(d, ignore_errors=True)
                 log.info("pruned %s (keeping the newest %d manifests)", d, keep)
         self.manifests = [m for m in self.manifests if m.parent.exists()]
+
+
+def held_for_audit(complete: list[Path], open_round: int | None) -> Path | None:
+    """Of ``complete`` (round directories with a manifest, newest first), the newest whose
+    round is before ``open_round``: where a failed audit of that round rolls back to
+    (None: no audit open, or none before it: the start, round 0, needs no file)."""
+    if open_round is None:
+        return None
+    return next((d for d in complete if round_of(d / MANIFEST) < open_round), None)

@@ -381,11 +381,16 @@ class Coordinator:
             self._evict_suspect(rank, "of its frames refused by its neighbours")
 
     def _evict_suspect(
-        self, rank: int, what: str = "of its E/R updates clipped", reason: str | None = None
+        self,
+        rank: int,
+        what: str = "of its E/R updates clipped",
+        reason: str | None = None,
+        audited: int | None = None,
     ) -> None:
         """``--evict-suspects``: hand a new suspect's rank to a waiting standby and count
         the suspect lost (its process is refused from now on), as ``replace --force``.
-        ``reason``: why, when not ``suspect_after`` counts of ``what`` (an audit)."""
+        ``reason``: why, when not ``suspect_after`` counts of ``what`` (an audit of round
+        ``audited``: the run then rolls back to a round before it, docs/audits.md)."""
         if not self.cfg.evict_suspects:
             return
         if self.state.step >= self.train.steps:  # a verdict after the last step: no round
@@ -393,10 +398,14 @@ class Coordinator:
             return  # is left to hand over (a handover now would leave the run recovering)
         n = self.train.bounds.suspect_after
         why = f"evicted as a suspect ({reason or f'{n} {what}'}; --evict-suspects)"
+        if audited is not None:
+            why += f"; the run rolls back to a round before round {audited}"
         replaced = self.service.pool.identity_of(rank)
         if self.service.handovers.hand_over(rank, why) is None:
             log.error("worker-%d is suspect but no standby waits: it stays in the ring", rank)
             return
+        if audited is not None:  # before the incident: its restore must see the cap
+            self.recovery.roll_back_before(audited)
         self.service.mark_lost(rank, why, replaced)
 
     def after_evaluate(self, rnd: int, replies: list[Message]) -> None:
@@ -464,9 +473,11 @@ def recomputation_audits(coordinator: Coordinator) -> Audits | None:
         coordinator.train,
         certificate=coordinator.service.certificates.get,
         site=coordinator.state.site,
-        on_suspect=lambda rank, why: coordinator._evict_suspect(rank, reason=why),
+        on_suspect=lambda rank, why, rnd: coordinator._evict_suspect(rank, reason=why, audited=rnd),
         rounds=coordinator.plan.num_rounds,
     )
+    coordinator.store.audit_open = audits.oldest_open  # its checkpoint before stays
+    coordinator.store.rolled_back = audits.rolled_back
     coordinator.commitments.on_commitment = audits.commitment
     coordinator.state.audits = audits.status
     return audits
