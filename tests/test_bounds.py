@@ -328,7 +328,7 @@ def _evil_ring(
     return ring, codes
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="two rings of 3, bounds on then off; the refuser waits out its peers")
 def test_a_site_sending_hidden_states_x1e6_over_grpc_is_refused_by_its_successor(
     tmp_path: Path,
 ) -> None:
@@ -354,7 +354,7 @@ def test_a_site_sending_hidden_states_x1e6_over_grpc_is_refused_by_its_successor
     assert any(losses.get(k) != ref[k] for k in ref if k[0] >= 3)  # the lie went through
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="two rings of 3, bounds on then off; the refuser waits out its peers")
 def test_a_site_returning_gradients_x1000_is_refused_by_its_predecessor(tmp_path: Path) -> None:
     """(Real workers, mTLS gRPC.) worker-0 scales every gradient it sends back by 1000 from
     step 3 on, once its predecessor holds a running median of its gradients (a warmup of 2

@@ -182,7 +182,7 @@ def test_certs_revoke_on_the_command_line(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- live ring
-@pytest.mark.slow
+@pytest.mark.slow(reason="a ring revokes a live worker, waits for its heartbeat and heals")
 def test_a_live_ring_refuses_a_revoked_worker_and_heals(tmp_path: Path) -> None:
     """Revoke worker-2's certificate while the ring trains (its site got a renewed key):
     within one heartbeat the coordinator refuses it and counts it lost, worker-3 refuses
