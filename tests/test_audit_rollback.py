@@ -114,3 +114,26 @@ def test_a_rollback_drops_the_audits_asked_and_the_later_commitments() -> None:
     assert desk.asks() == "" and desk.skipped == 2 and desk.oldest_open() is None
     assert list(desk._kept) == [(0, 3)]
     desk.close()
+
+
+def test_a_worker_forgets_every_later_round_on_disk_when_it_restores_an_earlier_one(
+    tmp_path: Path,
+) -> None:
+    """After a rollback to round 3 a worker keeps no file of rounds 4 and 5 (a timeline being
+    redone): kept, they would outrank the redone rounds' new checkpoints when pruning, which
+    would then delete each new one as it is written."""
+    from mobius_fed.worker.flower_client import Snapshots, barrier_path, checkpoint_path
+
+    snaps = Snapshots(tmp_path)
+    for rnd in (2, 3, 4, 5):
+        checkpoint_path(tmp_path, rnd).write_bytes(b"x")
+        barrier_path(tmp_path, rnd).write_bytes(b"x")
+        snaps.memory[rnd] = {}
+    snaps.forget_after(3)
+    assert snaps.rounds() == {0, 2, 3} and set(snaps.memory) == {2, 3}
+    checkpoint_path(tmp_path, 4).write_bytes(b"x")  # the redone round 4
+    snaps.prune_disk(2)
+    assert sorted(p.name for p in tmp_path.glob("round-*")) == [
+        "round-000003.ckpt",
+        "round-000004.ckpt",
+    ]

@@ -214,6 +214,7 @@ class Coordinator:
             self._linger()
             return rc
         finally:
+            self.recorder.flush(history=True)  # a stop signal: history.json as of now
             self.stop()
 
     def _linger(self) -> None:

@@ -259,9 +259,11 @@ def step_rows(state: RunView, start: int = 0, end: int | None = None) -> list[di
     origin reported) and its per-origin losses."""
     with state._lock:
         steps = []
-        for n in sorted(state.losses):
-            if n < start or (end is not None and n >= end):
-                continue
+        if end is None:
+            keys = [n for n in sorted(state.losses) if n >= start]
+        else:  # a round's steps: looked up, not found by a scan of the whole run
+            keys = [n for n in range(start, end) if n in state.losses]
+        for n in keys:
             per = state.losses[n]
             origin = [per.get(s) for s in range(state.P)]
             known = [x for x in origin if x is not None]

@@ -204,6 +204,16 @@ class Snapshots:
             return set()
         return {int(m.group(1)) for p in self.directory.iterdir() if (m := pattern.match(p.name))}
 
+    def forget_after(self, rnd: int) -> None:
+        """Forget every round after ``rnd``, in memory and on disk: a timeline being redone.
+        Kept, its files would outrank the redone rounds' new checkpoints when pruning."""
+        self.wait_written()
+        for later in [r for r in self.memory if r > rnd]:
+            del self.memory[later]
+        for pattern, path in ((CHECKPOINT_FILE, checkpoint_path), (BARRIER_FILE, barrier_path)):
+            for later in [r for r in self._matching(pattern) if r > rnd]:
+                path(self.directory, later).unlink(missing_ok=True)
+
     def rounds(self) -> set[int]:
         disk = self._matching(CHECKPOINT_FILE) | self._matching(BARRIER_FILE)
         return set(self.memory) | disk | {0}
@@ -507,8 +517,7 @@ def restore_round(executor: RingExecutor, snapshots: Snapshots, order: RestoreOr
     belong to a timeline that is being redone."""
     rnd = order.round
     executor.abandon_step()
-    for later in [r for r in snapshots.memory if r > rnd]:
-        del snapshots.memory[later]
+    snapshots.forget_after(rnd)
     if order.fresh:
         snapshots.set_aside()
     if rnd in snapshots.memory:
