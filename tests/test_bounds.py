@@ -429,7 +429,7 @@ def _clean_reference(fed: LocalFederation) -> list[list[float]]:
     return [e.origin_losses for e in grid.evals]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="three rings of 3 with a liar at every barrier: clip on, tight, off")
 def test_a_poisoned_er_update_is_clipped_by_the_coordinator_and_its_site_reported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
