@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import statistics
-import time
 
 import numpy as np
 import torch
+from commitments import median_seconds
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common import serde
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
@@ -29,15 +28,6 @@ from mobius_fed.config import TrainConfig
 from mobius_fed.defences.secagg import Round, SecAgg, SiteMasker
 from mobius_fed.model import build_replica
 from mobius_fed.transport.flower_wire import COORDINATOR_NODE_ID, set_task_identity
-
-
-def _median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _size(record: ArrayRecord | ConfigRecord) -> int:
@@ -68,7 +58,7 @@ def measure(preset: str, P: int, bits: int, repeats: int) -> dict[str, float]:
         again = Round(1, f"run/bench.{next(attempts)}", order.public_keys)
         maskers[0].masked(sites[0], start, again)
 
-    mask_s = _median_s(mask_once, repeats)
+    mask_s = median_seconds(mask_once, repeats)
     set_task_identity(COORDINATOR_NODE_ID)
     server = SecAgg.of(cfg)
     metrics = MetricRecord({"num-examples": 1})
@@ -77,9 +67,9 @@ def measure(preset: str, P: int, bits: int, repeats: int) -> dict[str, float]:
         return [Message(RecordDict({"secagg": m, "metrics": metrics}), dst_node_id=1,
                         message_type="train") for m in masked]  # fmt: skip
 
-    unmask_s = _median_s(lambda: server.unmask(replies(), start, list(range(P))), repeats)
+    unmask_s = median_seconds(lambda: server.unmask(replies(), start, list(range(P))), repeats)
     plain = [RecordDict({"arrays": a, "metrics": metrics}) for a in sites]
-    fedavg_s = _median_s(lambda: aggregate_arrayrecords(plain, "num-examples"), repeats)
+    fedavg_s = median_seconds(lambda: aggregate_arrayrecords(plain, "num-examples"), repeats)
     keys = ConfigRecord()
     order.fill(keys)
     return {
