@@ -461,7 +461,7 @@ def project_arm(
         sent = hops + er / er_every
     elif arm == "diloco":
         sent = 4 * shape.params * er_ratio / H
-        both = er_ratio + down_ratio  # up, then down: race.ROUND_TRIP crossings at fp32
+        both = er_ratio + down_ratio  # up, then down: a blocking sync round crosses the link twice
         step = compute + (both * 8 * 4 * shape.params / rate_bps + rtt_s) / H
     else:
         raise ValueError(f"arm {arm!r}: ring or diloco")

@@ -79,15 +79,10 @@ RANK_DIV = 4
 ``mobius-fed local --preset cpu-tiny --steps 1000 --batch-size 8 --optimizer adamw
 --sync-every 10 --sync-codec int4 --subspace-mode tokens --subspace-writes full
 --subspace-rank 4|8 --wire fwd=int8,bwd=int4,rounding=stochastic``)."""
-ROUND_TRIP = 2
-"""A blocking sync round crosses the site's link twice: its update up to the coordinator,
-the average back down, one after the other (``peers.project_arm`` counted the way up only).
-The way down is the synced model in fp32, or with ``--sync-down-codec`` /
-``--ring-down-codec`` the codec's payload of its change (:func:`sent_bytes`), once per
-sync: an evaluating round's train message no longer carries it again."""
 DOWN = {"MOBIUS_SYNC__DOWN_CODEC": "int4"}
 """The E/R's way down in int4 too: the payload of the synced E/R's change since the last
-broadcast (the coordinator keeps what the sites hold; docs/ring-or-diloco.md)."""
+broadcast (the coordinator keeps what the sites hold; docs/er-sync.md). A blocking sync
+round crosses the link twice, up then down, and each way is counted (:func:`sent_bytes`)."""
 EVAL_EVERY = 100
 
 
