@@ -145,7 +145,12 @@ class EngineGrid(RunGrid):
             return record.to_torch_state_dict()
         keys = ER_DOWN if key == "arrays" else GROUP_DOWN
         conf = msg.content.config_records["config"]
-        return take_down(links[rank], record, conf, keys, set(record.keys()))
+        if key == "arrays":  # the tensors this site holds, as a worker checks them
+            own = set(self.engine.replicas[rank].shared_state_dict())
+        else:  # a group sync: only rings of rings send one
+            assert isinstance(self.engine, RingsEngine)
+            own = set(dict(self.engine.group(rank).named_parameters()))
+        return take_down(links[rank], record, conf, keys, own)
 
     def _load_er(self, kind: str, rank: int, state: Mapping[str, torch.Tensor]) -> None:
         """A message's E/R for site ``rank``, taken as a worker takes it: loaded, or under a
