@@ -37,6 +37,8 @@ PROCESS_ENV = {
     "read (--allow-readable-key); default: refuse to start (docs/keys.md)",
     "MOBIUS_WARM_START": "1: `up` and the test suite fork `python -m mobius_fed…` children "
     "from a server that has imported torch (mobius_fed/warmstart.py); default: fresh interpreters",
+    "MOBIUS_WARM_PACKAGES": "with MOBIUS_WARM_START=1: more top-level packages (comma-separated) "
+    "whose `python -m` modules start warm; the test suite names `tests`",
     "MOBIUS_TRACKER": "also log metrics to tensorboard, mlflow or wandb (--tracker; an "
     "optional extra each); default none",
     # Former ring-link variables: a worker with one set refuses to start, naming the new one

@@ -12,8 +12,8 @@ directory and ``sys.argv``, and runs the module as ``__main__``: the same progra
 
 Turned on by ``MOBIUS_WARM_START=1`` (the test suite sets it, docs/testing.md); off, every
 child is a fresh interpreter. Only ``[sys.executable, "-m", "mobius_fed…", …]`` commands
-start warm; anything else (another interpreter, a venv, a namespace's ``ip netns exec``)
-starts cold.
+start warm (and those of a package named in ``MOBIUS_WARM_PACKAGES``); anything else
+(another interpreter, a venv, a namespace's ``ip netns exec``) starts cold.
 """
 
 from __future__ import annotations
@@ -35,7 +35,19 @@ from pathlib import Path
 from typing import Any, Protocol
 
 ENV = "MOBIUS_WARM_START"
-PRELOAD = ["torch", "torch._dynamo", "torch.optim"]
+PACKAGES_ENV = "MOBIUS_WARM_PACKAGES"
+# What the fork server imports once: torch, and the modules of every daemon it starts (a
+# worker, a coordinator, a relay; `up`'s own imports are a subset). None starts a thread or
+# touches gRPC's core at import (tests/test_warmstart.py), so the server stays fit to fork.
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.optim",
+    "mobius_fed.worker.daemon",
+    "mobius_fed.coordinator.server",
+    "mobius_fed.coordinator.rest",
+    "mobius_fed.relay",
+]
 PR_SET_PDEATHSIG = 1
 _MAIN_LOCK = threading.Lock()
 
@@ -50,9 +62,18 @@ def python_m(argv: Sequence[str]) -> bool:
     return len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m"
 
 
-def can_start(argv: Sequence[str]) -> bool:
-    """Whether :func:`spawn` starts ``argv`` warm: :func:`python_m` of this package's module."""
-    return python_m(argv) and argv[2].split(".")[0] == __name__.split(".")[0]
+def packages(env: Mapping[str, str] | None = None) -> set[str]:
+    """The top-level packages whose modules start warm: this one, and those named
+    (comma-separated) in ``MOBIUS_WARM_PACKAGES`` of ``env`` (the test suite names its own,
+    for the lying workers of tests/evil_worker.py)."""
+    named = (os.environ if env is None else env).get(PACKAGES_ENV, "")
+    return {__name__.split(".")[0], *(n.strip() for n in named.split(",") if n.strip())}
+
+
+def can_start(argv: Sequence[str], env: Mapping[str, str] | None = None) -> bool:
+    """Whether :func:`spawn` starts ``argv`` warm: :func:`python_m` of a module of
+    :func:`packages`."""
+    return python_m(argv) and argv[2].split(".")[0] in packages(env)
 
 
 def _context() -> multiprocessing.context.ForkServerContext:
@@ -135,7 +156,7 @@ def spawn(
 ) -> ChildProcess:
     """Start ``argv`` with its output appended to ``log``: warm where :func:`enabled` (in
     ``env``) and :func:`can_start`, otherwise a fresh interpreter."""
-    if enabled(env) and can_start(argv):
+    if enabled(env) and can_start(argv, env):
         return WarmProcess(argv, log, env, cwd, start_new_session)
     with open(log, "ab") as out:  # the child keeps its own copy
         return subprocess.Popen(

@@ -29,6 +29,7 @@ os.environ.update(
     MKL_NUM_THREADS=TEST_THREADS,
     MOBIUS_THREADS=TEST_THREADS,
     MOBIUS_WARM_START=WARM_START,
+    MOBIUS_WARM_PACKAGES="tests",  # the lying workers (tests/evil_worker.py) start warm too
     PYTHONPATH=os.pathsep.join(
         [str(REPO), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
     ),

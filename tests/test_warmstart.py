@@ -44,10 +44,31 @@ def test_which_commands_start_warm() -> None:
     assert not can_start(["/usr/bin/python3.99", "-m", "mobius_fed.cli.worker"])
     assert not can_start([sys.executable, "-m", "http.server"])
     assert not can_start(["ip", "netns", "exec", "site-0", sys.executable, "-m", "mobius_fed"])
+    evil = [sys.executable, "-m", "tests.evil_worker"]
+    assert can_start(evil, {"MOBIUS_WARM_PACKAGES": "other, tests"}) and not can_start(evil, {})
     assert enabled({"MOBIUS_WARM_START": "1"}) and not enabled({"MOBIUS_WARM_START": "0"})
     assert not enabled({})
     with pytest.raises(ValueError, match="-m MODULE` command"):
         WarmProcess(["ls"], "/dev/null")
+
+
+def test_the_preload_leaves_the_fork_server_fit_to_fork() -> None:
+    """Past torch, the preloaded daemon modules start no thread (no gRPC event engine, no
+    pool): a child forked after them holds no lock or thread state it did not start."""
+    probe = (
+        "import os, sys\n"
+        "from mobius_fed.warmstart import PRELOAD\n"
+        "tasks = lambda: sorted(open(f'/proc/self/task/{t}/comm').read().strip()"
+        " for t in os.listdir('/proc/self/task'))\n"
+        "for name in PRELOAD[:3]: __import__(name)\n"
+        "before = tasks()\n"
+        "for name in PRELOAD[3:]: __import__(name)\n"
+        "print(before == tasks(), before, tasks(), 'grpc' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out[0] == "True" and out[-1] == "True", out  # gRPC imported, no thread more
 
 
 def test_a_warm_child_is_the_python_m_it_replaces(tmp_path: Path) -> None:
@@ -87,14 +108,11 @@ def test_spawn_starts_warm_only_when_on(tmp_path: Path) -> None:
         p = spawn(guard, log, {**os.environ, "MOBIUS_WARM_START": on})
         assert isinstance(p, kind) and p.wait(timeout=60) == 1
         assert "usage: python -m mobius_fed.cli.parent_guard" in log.read_text()
-    p = spawn(
-        [*CHILD, "exit", "3"],
-        tmp_path / "cold.log",
-        {**os.environ, "MOBIUS_WARM_START": "1"},
-        cwd=REPO,
-    )
-    assert isinstance(p, subprocess.Popen) and p.wait(timeout=60) == 3  # not this package's
-    assert not _report(tmp_path / "cold.log")["torch_preloaded"]
+    for named, kind in (("", subprocess.Popen), ("tests", WarmProcess)):
+        env = {**os.environ, "MOBIUS_WARM_START": "1", "MOBIUS_WARM_PACKAGES": named}
+        p = spawn([*CHILD, "exit", "3"], tmp_path / f"{named}.log", env, cwd=REPO)
+        assert isinstance(p, kind) and p.wait(timeout=60) == 3  # another package: if named
+        assert _report(tmp_path / f"{named}.log")["torch_preloaded"] == bool(named)
 
 
 def test_a_warm_child_dies_with_the_process_that_started_it(tmp_path: Path) -> None:

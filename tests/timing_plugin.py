@@ -63,13 +63,16 @@ class TestTimes:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem):
-        wall0, cpu0 = time.monotonic(), tree_cpu(os.getpid())
+        start, wall0, cpu0 = time.time(), time.monotonic(), tree_cpu(os.getpid())
+        own0 = time.process_time()
         yield
         wall = time.monotonic() - wall0
         cpu = max(0.0, tree_cpu(os.getpid()) - cpu0)
+        own = time.process_time() - own0
         slow = item.get_closest_marker("slow")
         reason = slow.kwargs.get("reason") if slow is not None else None
         line = {"test": item.nodeid, "worker": self.worker, "wall": wall, "cpu": cpu}
+        line |= {"own": round(own, 3), "start": round(start, 2), "pid": os.getpid()}
         line |= {"reason": reason} if reason else {}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")

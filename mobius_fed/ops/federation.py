@@ -276,7 +276,7 @@ class LocalFederation:
         self._table.start(name, cmd)
 
     def _popen(self, child: Child, log: BinaryIO) -> ChildProcess:
-        if warmstart.enabled(self._env) and warmstart.can_start(child.argv):
+        if warmstart.enabled(self._env) and warmstart.can_start(child.argv, self._env):
             # forked from the fork server, which exits with this process; the child dies
             # with the fork server as a guarded one dies with this process
             return WarmProcess(child.argv, log.name, self._env, start_new_session=True)
