@@ -127,6 +127,7 @@ def demo(tmp_path_factory):
 
 
 @needs_netns
+@pytest.mark.slow(reason="the first of the two builds the demo: a 4-worker compose run, cold")
 def test_compose_demo_trains_and_cleans_up(demo):
     final = demo["final"]
     assert final["phase"] == "done", final
@@ -158,6 +159,7 @@ def test_compose_demo_trains_and_cleans_up(demo):
 
 
 @needs_netns
+@pytest.mark.slow(reason="the first of the two builds the demo: a 4-worker compose run, cold")
 def test_workers_hold_only_their_own_site_and_key(demo):
     procs = demo["procs"]
     keys = {i: demo["keys"][f"worker-{i}"] for i in range(WORKERS)}
@@ -185,7 +187,7 @@ def test_workers_hold_only_their_own_site_and_key(demo):
 
 
 @needs_netns
-@pytest.mark.slow
+@pytest.mark.slow(reason="two rings of two in namespaces: five cold daemons")
 def test_compose_runs_two_rings_of_two(tmp_path):
     """``testbed up --rings 2`` on docker/compose.yaml: the same four worker services form
     two rings of two (worker-g is ring g // 2, its edges within its own ring: a worker's
