@@ -8,6 +8,9 @@ alive at either end, user + system time plus the time of the children each has r
 (``/proc/PID/stat`` fields 14-17), so a daemon that a test started and waited for counts,
 and so does a forked child of the warm-start fork server. A descendant that outlives its
 parent and is reparented outside the tree is not counted: the figure is a lower bound.
+Each line also has ``own`` (the CPU of the test process alone: what the test computes
+in-process), ``start`` (epoch seconds) and ``pid`` (the test process), so that a process
+accounting log (``accton``) can be matched to the test that started each process.
 ``python scripts/test_times.py FILE`` reads the lines and prints the slowest tests with
 their CPU share.
 """
