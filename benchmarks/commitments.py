@@ -69,7 +69,7 @@ def run_once(train: TrainConfig, root: Path, threads: int) -> dict[str, Any]:
     tokens = train.workers * train.batch_size * train.model().seq_len
     seconds = sum(r["seconds"] for r in rounds)
     steps = sum(r["steps"] for r in rounds)
-    c = final.get("commitments") or {}
+    c, a = final.get("commitments") or {}, final.get("audits") or {}
     return {
         "tokens_per_s": tokens * steps / seconds,
         "cpu_s": cpu_s,
@@ -77,6 +77,7 @@ def run_once(train: TrainConfig, root: Path, threads: int) -> dict[str, Any]:
         "steps": steps,
         "frames_checked": c.get("frames_checked"),
         "incidents": len(c.get("incidents", [])),
+        "audits": {k: a[k] for k in ("asked", "passed", "skipped") if k in a},
     }
 
 

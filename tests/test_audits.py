@@ -432,3 +432,19 @@ def test_a_worker_uploads_only_what_it_is_asked_and_says_what_it_lacks() -> None
     reply = RecordDict({})
     WorkerHandlers._audit_reply(handler, reply, TrainOrder(3, 2, 3, False, audit_asks="0:2"), None)  # type: ignore[arg-type]
     assert AUDIT_UPLOAD not in reply and AUDIT_STATE not in reply
+
+
+def test_the_auditor_thread_yields_the_cpu_to_training() -> None:
+    """The replay runs in a thread of its own at a lower priority (Linux: per thread), so
+    that on a machine it shares with training it takes what training leaves."""
+    import os
+
+    from mobius_fed.coordinator.audits import AUDITOR_NICE
+
+    desk = Audits(TrainConfig(**CFG, workers=2), lambda r: None, str, lambda r, w, n: None, 1)
+    try:
+        here = os.getpriority(os.PRIO_PROCESS, 0)
+        there = desk._pool.submit(os.getpriority, os.PRIO_PROCESS, 0).result(timeout=30)
+    finally:
+        desk.close()
+    assert there == min(19, here + AUDITOR_NICE) and here == os.getpriority(os.PRIO_PROCESS, 0)

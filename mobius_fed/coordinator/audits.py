@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -40,8 +41,21 @@ from mobius_fed.transport.tls import certificate_identity
 log = logging.getLogger("mobius.coordinator")
 KEEP = 100  # incidents status keeps
 QUEUE = 4  # audits asked or waiting for the auditor, at least: no new draw beyond
+AUDITOR_NICE = 10  # the replay yields the CPU to training where it shares a machine with it
 REFUSED, TIMED_OUT, ERROR = "audit refused", "audit timed out", "audit error"
 NAMING = (FAILED, MISMATCH, REFUSED, TIMED_OUT)  # the kinds that make a site a suspect
+
+
+def _yield_cpu() -> None:
+    """Lower this thread's priority (the auditor's; Linux sets it per thread) by
+    ``AUDITOR_NICE``: the coordinator's other threads, and any site on its machine, go first."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(
+            os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + AUDITOR_NICE)
+        )
+    except (OSError, AttributeError):  # not Linux, or not allowed: it runs as it is
+        log.debug("the auditor runs at the coordinator's priority")
 
 
 class AuditDraw:
@@ -83,7 +97,7 @@ class Audits:
         self._kept: dict[tuple[int, int], Kept] = {}  # (rank, round) → its commitments
         self._asks: dict[tuple[int, int], float] = {}  # (rank, round) → asked at
         self._open: dict[int, int] = {}  # round → its uploads queued, verdicts still to come
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="auditor")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="auditor", initializer=_yield_cpu)
         self._queued = self.asked = self.passed = self.compared = self.skipped = 0
         self.incidents: list[AuditIncidentModel] = []
         self.by_kind: dict[str, int] = {}
