@@ -66,6 +66,18 @@ def test_a_sign_flip_from_the_first_frame_fails_its_first_audit(
     assert a["passed"] == 6, a  # worker-0's and worker-1's rounds 1..3
 
 
+def _scaling_site_with_a_standby(
+    root: Path, monkeypatch: pytest.MonkeyPatch, start: int, steps: int
+) -> LocalFederation:
+    """3 workers, a checkpoint every round, one standby, ``--evict-suspects``; worker-2
+    scales the hidden states it sends ×10 from step ``start`` on (and commits them)."""
+    monkeypatch.setenv("EVIL_SCALE", "10")
+    monkeypatch.setenv("EVIL_FROM", str(start))
+    monkeypatch.setenv("MOBIUS_EVICT_SUSPECTS", "true")
+    train = TrainConfig(**BASE, workers=3, steps=steps)
+    return _EvilFederation(root, train, checkpoint_every=1, threads=1, standbys=1)
+
+
 @pytest.mark.slow(reason="a coordinator, 3 worker processes and a standby")
 def test_a_site_scaling_its_states_from_the_first_frame_is_evicted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -73,12 +85,7 @@ def test_a_site_scaling_its_states_from_the_first_frame_is_evicted(
     """worker-2 scales every hidden state it sends ×10 from step 0 (its first frames set
     the bounds' medians: nothing is refused) and commits them. Its round-1 audit fails;
     with ``--evict-suspects`` standby-0 takes rank 2 and the run finishes."""
-    monkeypatch.setenv("EVIL_SCALE", "10")
-    monkeypatch.setenv("EVIL_FROM", "0")
-    monkeypatch.setenv("MOBIUS_EVICT_SUSPECTS", "true")
-    train = TrainConfig(**BASE, workers=3, steps=5)
-    fed = _EvilFederation(tmp_path, train, checkpoint_every=1, threads=1, standbys=1)
-    final, _ = _run(fed)
+    final, _ = _run(_scaling_site_with_a_standby(tmp_path, monkeypatch, start=0, steps=5))
     a = final["audits"]
     assert a["suspects"] == ["worker-2"], a
     assert a["incidents"][0]["kind"] == "audit failed", a
@@ -96,11 +103,7 @@ def test_an_eviction_for_a_failed_audit_rolls_back_before_the_audited_round(
     (round 3) on. Round 3's audit fails a few rounds later; the eviction rolls the run
     back to round 2, the newest checkpoint before the audited round (not the newest one,
     which holds the lie's effect on the honest groups), and redoes every step since."""
-    monkeypatch.setenv("EVIL_SCALE", "10")
-    monkeypatch.setenv("EVIL_FROM", "2")
-    monkeypatch.setenv("MOBIUS_EVICT_SUSPECTS", "true")
-    train = TrainConfig(**BASE, workers=3, steps=10)
-    fed = _EvilFederation(tmp_path, train, checkpoint_every=1, threads=1, standbys=1)
+    fed = _scaling_site_with_a_standby(tmp_path, monkeypatch, start=2, steps=10)
     final, _ = _run(fed)
     first = final["audits"]["incidents"][0]
     assert (first["kind"], first["site"], first["round"]) == ("audit failed", "worker-2", 3)
