@@ -25,10 +25,10 @@ def _server(certs: Path):
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from mobius_fed.transport.tls import GRPC_OPTIONS, NodeTLS, add_port
+    from mobius_fed.transport.tls import NodeTLS, add_port, grpc_options
 
     d = certs / "nodes" / "coordinator"
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=grpc_options())
     servicer = health.HealthServicer()
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)

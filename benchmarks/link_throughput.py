@@ -431,7 +431,7 @@ def _grpc_serve(spec: Spec, conn) -> None:
                 if ack is not None:
                     yield ack
 
-    base = list(tls.GRPC_OPTIONS) + list(spec.opts)
+    base = list(tls.grpc_options()) + list(spec.opts)
     server = grpc.server(ThreadPoolExecutor(max_workers=spec.streams + 4), options=base)
     ring_pb2_grpc.add_RingLinkServicer_to_server(Servicer(), server)
     node = layout.worker(1) if spec.tls else None
@@ -592,7 +592,7 @@ def _grpc_serve_aio(spec: Spec, conn) -> None:
                     yield ack
 
     async def serve() -> None:
-        server = grpc.aio.server(options=list(tls.GRPC_OPTIONS) + list(spec.opts))
+        server = grpc.aio.server(options=list(tls.grpc_options()) + list(spec.opts))
         ring_pb2_grpc.add_RingLinkServicer_to_server(Servicer(), server)
         node = _layout(spec).worker(1) if spec.tls else None
         tls.add_port(server, f"127.0.0.1:{spec.port}", node, insecure=not spec.tls)

@@ -231,6 +231,8 @@ class Link:
     rate_bps: float
     delay_s: float
     projected_step_s: float
+    keepalive_scale: float = 1.0
+
 
     @property
     def k(self) -> float:
@@ -241,6 +243,7 @@ def scale_link(arm: RaceArm, args, compute_cpu_s: float) -> Link:
     """The link that makes ``arm``'s traffic cost here what gpt2-small's would at args.rate;
     refused when the shaper cannot make it (below 8 kbit/s, or a delay over 10 s)."""
     from mobius_fed.transport.link_tuning import parse_rate
+    from mobius_fed.transport.tls import MAX_KEEPALIVE_SCALE
 
     rate_gpu = float(parse_rate(args.rate))
     gpu = arm.train_config("gpt2-small", 8)
@@ -258,7 +261,8 @@ def scale_link(arm: RaceArm, args, compute_cpu_s: float) -> Link:
     if delay > 10:
         raise SystemExit(f"{arm.name}: one-way delay {delay:.1f} s over the delay line's 10 s")
     projected = k * step_model(gpu, c_gpu, rate_gpu, args.rtt_ms / 1000)
-    return Link(compute_cpu_s, c_gpu, b_cpu, b_gpu, rate, delay, projected)
+    scale = min(MAX_KEEPALIVE_SCALE, max(1.0, rate_gpu / rate))
+    return Link(compute_cpu_s, c_gpu, b_cpu, b_gpu, rate, delay, projected, scale)
 
 
 # ------------------------------------------------------------------ one run in the testbed
@@ -321,6 +325,9 @@ def run_testbed(arm: RaceArm, args, steps: int, seed: int, link: Link | None) ->
         shape = WanShape(int(link.rate_bps), link.delay_s)
         wan = {f"worker-{i}": shape for i in range(SITES)}  # the coordinator: a data centre
     env = {"coordinator": coordinator_env(arm, args, steps, seed)}
+    if link is not None:  # the link's queues hold keepalive_scale × the GPU site's time
+        scale = {"MOBIUS_KEEPALIVE_SCALE": f"{link.keepalive_scale:.6g}"}
+        env = {svc: {**env.get(svc, {}), **scale} for svc in ["coordinator", *wan]}
     load = wait_for_quiet()
     t0, machine0, own0 = time.monotonic(), machine_cpu(), own_cpu()
     with (

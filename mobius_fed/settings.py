@@ -39,6 +39,10 @@ PROCESS_ENV = {
     "from a server that has imported torch (mobius_fed/warmstart.py); default: fresh interpreters",
     "MOBIUS_WARM_PACKAGES": "with MOBIUS_WARM_START=1: more top-level packages (comma-separated) "
     "whose `python -m` modules start warm; the test suite names `tests`",
+    "MOBIUS_KEEPALIVE_SCALE": "multiplies every gRPC keepalive time and timeout (control "
+    "streams: a ping every 30 s, answered within 10 s; ring links: 5 s and 5 s), from 1 to "
+    "10000; raise it where a link queues more than a few seconds of data (slower than about "
+    "1 Mbit/s): a dead peer is then noticed that much later. Default 1",
     "MOBIUS_TRACKER": "also log metrics to tensorboard, mlflow or wandb (--tracker; an "
     "optional extra each); default none",
     # Former ring-link variables: a worker with one set refuses to start, naming the new one

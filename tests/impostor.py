@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from mobius_fed.proto import ring_pb2
-from mobius_fed.transport.tls import GRPC_OPTIONS, NodeTLS, add_port
+from mobius_fed.transport.tls import NodeTLS, add_port, grpc_options
 
 _print_lock = threading.Lock()
 
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--edge", default="")
     args = ap.parse_args()
     d = Path(args.bundle)
-    server = grpc.server(futures.ThreadPoolExecutor(8), options=GRPC_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(8), options=grpc_options())
     server.add_generic_rpc_handlers((Everything(args.claim),))
     port = add_port(server, "127.0.0.1:0", NodeTLS(d / "ca.crt", d / "tls.crt", d / "tls.key"))
     server.start()

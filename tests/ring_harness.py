@@ -156,8 +156,8 @@ class Ring:
 class CutProxy:
     """A TCP proxy on loopback between a ring worker and its successor that can cut the
     connection (RST both ways) and refuse new ones for a while, or silently stop
-    forwarding on it (:meth:`freeze`; with ``answers_only`` only server → client), like a
-    flaky WAN link.
+    forwarding on it (:meth:`freeze`; with ``answers_only`` only server → client), or hold
+    its bytes for a while (:meth:`stall`), like a flaky or slow WAN link.
 
     ``bytes_up``: bytes forwarded client → server so far; ``swallowed``: client bytes a
     black hole took (:meth:`wait_swallowed` waits for more); ``on_bytes(n, action)`` runs
@@ -183,6 +183,7 @@ class CutProxy:
         self._frozen = -1
         self._frozen_down = -1  # only server → client: the answers of these connections
         self._listener: socket.socket | None = None
+        self._held_until = 0.0  # stall(): bytes wait in the proxy until then, none lost
         self._listen()
 
     def _listen(self) -> None:
@@ -217,6 +218,8 @@ class CutProxy:
                     if up:
                         self._swallowed(len(data))
                     continue  # a black hole: bytes go in, nothing comes out, nothing closes
+                if (hold := self._held_until - time.monotonic()) > 0:
+                    time.sleep(hold)  # a queue that holds this much of the link's time
                 dst.sendall(data)
                 if up:
                     self._count(len(data))
@@ -304,6 +307,11 @@ class CutProxy:
             else:
                 self._frozen = self._gen
             self._gen += 1
+
+    def stall(self, seconds: float) -> None:
+        """Hold every byte, both ways, for ``seconds`` and then pass it on, none lost: a link
+        whose queues hold that much data ahead of a keepalive ping's answer."""
+        self._held_until = time.monotonic() + seconds
 
     def close(self) -> None:
         self._closed = True

@@ -85,6 +85,12 @@ def test_booleans_and_compact_flags(monkeypatch) -> None:
         ({"MOBIUS_STEPS": "many"}, [], "steps (from MOBIUS_STEPS='many')"),
         ({NOISE: "-1"}, [], f"privacy.label_noise (from {NOISE}='-1')"),
         ({}, ["--lr-muon", "0"], "lr_muon (from --lr-muon"),
+        (
+            {"MOBIUS_KEEPALIVE_SCALE": "0.5"},
+            [],
+            "MOBIUS_KEEPALIVE_SCALE='0.5': expected a number from 1 to 10000",
+        ),
+        ({"MOBIUS_KEEPALIVE_SCALE": "slow"}, [], "MOBIUS_KEEPALIVE_SCALE='slow': expected"),
     ],
 )  # fmt: skip
 def test_bad_values_name_their_source(monkeypatch, env, argv, expected) -> None:

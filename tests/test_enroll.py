@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
-from mobius_fed.transport import GRPC_OPTIONS, add_port, open_channel, peer_identity
+from mobius_fed.transport import add_port, grpc_options, open_channel, peer_identity
 from mobius_fed.transport.certs import init_certs, leaf_certificate, load_ca, node_sans
 from mobius_fed.transport.enroll import (
     EnrollError,
@@ -82,7 +82,7 @@ def serve() -> Iterator:
     servers: list[grpc.Server] = []
 
     def start(tls: NodeTLS) -> str:
-        srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+        srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=grpc_options())
         ring_pb2_grpc.add_RingLinkServicer_to_server(_Echo(), srv)
         port = add_port(srv, "127.0.0.1:0", tls)
         srv.start()

@@ -618,6 +618,54 @@ def test_a_half_open_edge_is_taken_over_by_the_resumed_session(
         proxy.close()
 
 
+@pytest.mark.parametrize(("scale", "reconnects"), [(1, 1), (4, 0)])
+def test_the_keepalive_scale_outwaits_a_queue_ahead_of_the_pings(
+    certs: CertLayout, scale: float, reconnects: int
+) -> None:
+    """The link holds every byte for 3 s and loses none (a slow link's full queue ahead of
+    a ping's answer): pings that must be answered within 1 s end the connection and the
+    edge re-dials; the same timers × 4 (MOBIUS_KEEPALIVE_SCALE) wait it out on one
+    connection. Either way every tensor arrives once, bit for bit."""
+    links = _links(certs, 2, link_grace=20.0)
+    a, b = links
+    proxy = CutProxy(int(a.successor_addr.rsplit(":", 1)[1]))
+    a.successor_addr = f"127.0.0.1:{proxy.port}"
+    a.timers = FAST.scaled(scale)  # the server keeps its 5 s + 5 s: longer than the stall
+    try:
+        for link in links:
+            link.connect()
+        for step in (0, 1):
+            fwd = FrameKey(TRAIN, step, FORWARD, 0, 1, 0)
+            x = _x(50 + step)
+            a.send_tensor(fwd, x)
+            assert torch.equal(b.inbox.get(fwd, TIMEOUT, "forward"), x)
+            if step == 0:
+                proxy.stall(3.0)
+                time.sleep(3.5)
+        assert a.edge_states()["out"]["reconnects"] == reconnects
+        assert not a.rejected and not b.rejected
+    finally:
+        _close(links)
+        proxy.close()
+
+
+def test_ring_links_read_the_keepalive_scale(
+    certs: CertLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MOBIUS_KEEPALIVE_SCALE multiplies a ring link's keepalive times, not its backoff."""
+    monkeypatch.setenv("MOBIUS_KEEPALIVE_SCALE", "3")
+    links = _links(certs, 2)
+    try:
+        t, base = links[0].timers, LinkTimers()
+        assert (t.client_keepalive_ms, t.keepalive_timeout_ms) == (15_000, 15_000)
+        assert t.min_ping_interval_ms == 3 * base.min_ping_interval_ms
+        assert t.max_backoff_s == base.max_backoff_s
+        opts = dict(links[0].client.options())
+        assert opts["grpc.http2.ping_timeout_ms"] == 15_000
+    finally:
+        _close(links)
+
+
 def test_a_cut_longer_than_the_grace_names_the_edge(certs: CertLayout) -> None:
     links, proxy = _proxied(certs, link_grace=1.5)
     a, b = links

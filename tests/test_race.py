@@ -50,6 +50,8 @@ def test_the_link_makes_the_arms_traffic_the_same_multiple_of_its_compute(prefix
     gpu_cfg = a.train_config("gpt2-small", 8)
     step = race.step_model(gpu_cfg, link.compute_gpu_s, 1e9, 0.0)
     assert link.projected_step_s == pytest.approx(link.k * step)
+    # a byte takes 1 Gbit/s ÷ rate longer here: so do the keepalive pings' answers
+    assert link.keepalive_scale == pytest.approx(1e9 / link.rate_bps) and link.keepalive_scale > 1
 
 
 def test_a_link_below_the_shapers_floor_is_refused_with_the_limit():

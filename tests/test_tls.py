@@ -22,11 +22,11 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
 from mobius_fed.transport import (
-    GRPC_OPTIONS,
     CertLayout,
     NodeTLS,
     add_port,
     decode_tensor,
+    grpc_options,
     init_certs,
     make_frame,
     open_channel,
@@ -38,8 +38,10 @@ from mobius_fed.transport import (
 from mobius_fed.transport.certs import renew_node, rotate_ca
 from mobius_fed.transport.tls import (
     certificate_identity,
+    channel_options,
     check_node_secrets,
     identity_or_reason,
+    keepalive_scale,
     peer_identity_or_reason,
 )
 from tests.cert_util import sign_leaf
@@ -67,6 +69,29 @@ def test_identities() -> None:
     for bad in ("spiffe://worker/1", "mobius://worker/x", "mobius://coordinator/1", "mobius://"):
         with pytest.raises(ValueError, match="not a mobius identity"):
             parse_identity(bad)
+
+
+def test_the_keepalive_scale_multiplies_every_keepalive_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Read at each call (a warm-started child keeps its parent's modules), applied to the
+    ping, its timeout and the pings a server accepts, and refused outside 1..10000."""
+    base = dict(grpc_options())
+    monkeypatch.setenv("MOBIUS_KEEPALIVE_SCALE", "2.5")
+    scaled = dict(channel_options())
+    for name in (
+        "grpc.keepalive_time_ms",
+        "grpc.keepalive_timeout_ms",
+        "grpc.http2.ping_timeout_ms",
+        "grpc.http2.min_ping_interval_without_data_ms",
+    ):
+        assert scaled[name] == round(2.5 * int(base[name])), name
+    assert scaled["grpc.max_receive_message_length"] == base["grpc.max_receive_message_length"]
+    assert base["grpc.keepalive_timeout_ms"] == 10_000
+    for bad in ("0.5", "0", "-3", "nan", "inf", "1e6", "fast"):
+        with pytest.raises(ValueError, match=f"MOBIUS_KEEPALIVE_SCALE='{bad}': expected a number"):
+            keepalive_scale({"MOBIUS_KEEPALIVE_SCALE": bad})
+    assert keepalive_scale({"MOBIUS_KEEPALIVE_SCALE": " "}) == 1.0
 
 
 def test_layout_and_modes(certs: CertLayout) -> None:
@@ -156,7 +181,7 @@ class _Servicer(ring_pb2_grpc.RingLinkServicer):
 
 @pytest.fixture(scope="module")
 def server(certs: CertLayout) -> Iterator[str]:
-    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=grpc_options())
     ring_pb2_grpc.add_RingLinkServicer_to_server(_Servicer(), srv)
     port = add_port(srv, "127.0.0.1:0", certs.bundle("worker-2"))
     srv.start()
@@ -223,7 +248,7 @@ def test_plaintext_client_is_refused(server: str) -> None:
 def test_plaintext_needs_explicit_flag(caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(ValueError, match="insecure=True"):
         open_channel("127.0.0.1:1", None)
-    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=grpc_options())
     with pytest.raises(ValueError, match="insecure=True"):
         add_port(srv, "127.0.0.1:0", None)
     ring_pb2_grpc.add_RingLinkServicer_to_server(_Servicer(), srv)
@@ -319,7 +344,7 @@ import sys
 from concurrent import futures
 
 from mobius_fed.transport.tls import (
-    GRPC_OPTIONS, NodeTLS, add_port, peer_identity_or_reason, tls13_handshakes_enforced,
+    grpc_options, NodeTLS, add_port, peer_identity_or_reason, tls13_handshakes_enforced,
 )
 import grpc
 from mobius_fed.proto import ring_pb2, ring_pb2_grpc
@@ -331,7 +356,7 @@ class S(ring_pb2_grpc.RingLinkServicer):
         return ring_pb2.PingReply(identity="child", peer=who or why)
 
 
-srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=grpc_options())
 ring_pb2_grpc.add_RingLinkServicer_to_server(S(), srv)
 port = add_port(srv, "127.0.0.1:0", NodeTLS(*sys.argv[1:4]))
 srv.start()
@@ -395,7 +420,7 @@ def test_grpc_server_handshakes_tls13_only(certs: CertLayout, grpc_first: bool) 
 
 # --------------------------------------------------------------------------- key rotation
 def _grpc_server(node: NodeTLS) -> tuple[grpc.Server, str]:
-    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=grpc_options())
     ring_pb2_grpc.add_RingLinkServicer_to_server(_Servicer(), srv)
     port = add_port(srv, "127.0.0.1:0", node)
     srv.start()

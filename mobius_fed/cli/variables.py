@@ -15,7 +15,8 @@ from typing import Any
 
 from mobius_fed.config import TrainConfig
 from mobius_fed.coordinator.config import CoordinatorConfig
-from mobius_fed.settings import PROCESS_ENV, check_environ, settings_of
+from mobius_fed.settings import PROCESS_ENV, ConfigError, check_environ, settings_of
+from mobius_fed.transport.tls import keepalive_scale
 from mobius_fed.worker.config import WorkerConfig
 
 
@@ -71,5 +72,11 @@ def _text(value: Any) -> str:
 
 def refuse_unknown(environ: Mapping[str, str] | None = None) -> None:
     """Raise ConfigError naming a ``MOBIUS_*`` variable (of ``environ``, default the
-    process's) that no command reads, with the closest known name."""
-    check_environ(os.environ if environ is None else environ, known_env_names())
+    process's) that no command reads, with the closest known name, or a process variable
+    whose value the process cannot take."""
+    env = os.environ if environ is None else environ
+    check_environ(env, known_env_names())
+    try:
+        keepalive_scale(env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

@@ -56,7 +56,7 @@ from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.flower_wire import COORDINATOR_NODE_ID, set_task_identity
 from mobius_fed.transport.revocation import CrlSource
 from mobius_fed.transport.safe_arrays import spec_of
-from mobius_fed.transport.tls import GRPC_OPTIONS, add_port, check_node_secrets
+from mobius_fed.transport.tls import add_port, check_node_secrets, grpc_options
 
 if TYPE_CHECKING:  # loaded when REST starts (FastAPI, uvicorn)
     from mobius_fed.coordinator.rest import RestServer
@@ -131,7 +131,8 @@ class Coordinator:
     def start(self) -> None:
         logging.getLogger("flwr").setLevel(logging.WARNING)  # our own log says what matters
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=4 * self.train.workers + 8), options=GRPC_OPTIONS
+            futures.ThreadPoolExecutor(max_workers=4 * self.train.workers + 8),
+            options=grpc_options(),
         )
         control_pb2_grpc.add_ControlServicer_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -20,7 +20,7 @@ _WHERE = {
     "make_frame": "codec",
     "validate_frame": "codec",
     "COORDINATOR_IDENTITY": "tls",
-    "GRPC_OPTIONS": "tls",
+    "grpc_options": "tls",
     "OPERATOR_IDENTITY": "tls",
     "NodeTLS": "tls",
     "add_port": "tls",

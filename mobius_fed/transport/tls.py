@@ -17,10 +17,11 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
+import math
 import os
 import re
 import stat
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -52,24 +53,57 @@ KEEPALIVE_TIMEOUT_MS = 10_000
 MIN_RECV_PING_INTERVAL_MS = 10_000
 """Server accepts pings this often; must be <= the client's KEEPALIVE_TIME_MS."""
 
+KEEPALIVE_SCALE_ENV = "MOBIUS_KEEPALIVE_SCALE"
+MAX_KEEPALIVE_SCALE = 10_000.0
+"""Largest keepalive scale: gRPC reads its times as 32-bit milliseconds."""
+
 Options = list[tuple[str, int | str]]
 
-GRPC_OPTIONS: Options = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    # The server's name for it (gRPC silently ignores unknown option names): without it the
-    # server keeps its 5 min default and answers 30 s pings with GOAWAY "too_many_pings".
-    ("grpc.http2.min_ping_interval_without_data_ms", MIN_RECV_PING_INTERVAL_MS),
-    # grpcio 1.85 closes a connection whose keepalive ping goes unanswered only with this.
-    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-]
-"""Options shared by servers and channels (ring links are long-lived and large)."""
-
 assert MIN_RECV_PING_INTERVAL_MS <= KEEPALIVE_TIME_MS  # else GOAWAY "too_many_pings"
+
+
+def keepalive_scale(environ: Mapping[str, str] | None = None) -> float:
+    """``MOBIUS_KEEPALIVE_SCALE`` (of ``environ``, default the process's), which multiplies
+    every keepalive time and timeout of this process's gRPC links (docs/configuration.md):
+    1 unless set; a value that is not a number from 1 to MAX_KEEPALIVE_SCALE is refused.
+    Read at each call, not at import: a warm-started child keeps its parent's modules."""
+    text = (os.environ if environ is None else environ).get(KEEPALIVE_SCALE_ENV, "").strip()
+    if not text:
+        return 1.0
+    try:
+        scale = float(text)
+    except ValueError:
+        scale = math.nan
+    if not 1.0 <= scale <= MAX_KEEPALIVE_SCALE:  # NaN fails too
+        raise ValueError(
+            f"{KEEPALIVE_SCALE_ENV}={text!r}: expected a number from 1 to "
+            f"{MAX_KEEPALIVE_SCALE:g} (it multiplies the keepalive times: "
+            f"{KEEPALIVE_TIME_MS // 1000} s ping, {KEEPALIVE_TIMEOUT_MS // 1000} s timeout)"
+        )
+    return scale
+
+
+def grpc_options() -> Options:
+    """Options shared by servers and channels (ring links are long-lived and large), with
+    the keepalive times multiplied by :func:`keepalive_scale`."""
+    scale = keepalive_scale()
+    ping, timeout, min_recv = (
+        round(ms * scale)
+        for ms in (KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MIN_RECV_PING_INTERVAL_MS)
+    )
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", ping),
+        ("grpc.keepalive_timeout_ms", timeout),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # The server's name for it (gRPC silently ignores unknown option names): without it the
+        # server keeps its 5 min default and answers 30 s pings with GOAWAY "too_many_pings".
+        ("grpc.http2.min_ping_interval_without_data_ms", min_recv),
+        # grpcio 1.85 closes a connection whose keepalive ping goes unanswered only with this.
+        ("grpc.http2.ping_timeout_ms", timeout),
+    ]
 
 
 def worker_identity(index: int) -> str:
@@ -201,7 +235,7 @@ def channel_options(target_name: str | None = None) -> Options:
     node name or identity URI is checked as its reserved identity name (:func:`tls_target_name`)."""
     initial, lowest, highest = RECONNECT_BACKOFF_MS
     opts = [
-        *GRPC_OPTIONS,
+        *grpc_options(),
         ("grpc.initial_reconnect_backoff_ms", initial),
         ("grpc.min_reconnect_backoff_ms", lowest),
         ("grpc.max_reconnect_backoff_ms", highest),

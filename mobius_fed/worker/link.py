@@ -39,7 +39,7 @@ from mobius_fed.transport.allocator import tune_allocator
 from mobius_fed.transport.codec import encode_frames, max_message_bytes
 from mobius_fed.transport.compress import Codec
 from mobius_fed.transport.link_tuning import LinkTuning, refuse_renamed_variables
-from mobius_fed.transport.tls import NodeTLS
+from mobius_fed.transport.tls import NodeTLS, keepalive_scale
 from mobius_fed.worker.commitments import SENT, FrameLedger
 from mobius_fed.worker.config import dialable
 from mobius_fed.worker.frames import BACKWARD, FIN, FrameKey, FrameRules
@@ -110,7 +110,7 @@ class RingLinks:
             insecure=insecure,
             peer_timeout=peer_timeout,
             link_grace=link_grace,
-            timers=timers or LinkTimers(),
+            timers=timers or LinkTimers().scaled(keepalive_scale()),
             tuning=tuning,
             max_message=max_message_bytes(chunk_bytes),
             base=ring_base,

@@ -11,7 +11,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -79,6 +79,17 @@ class LinkTimers:
                 f"min_ping_interval_ms {self.min_ping_interval_ms} > client_keepalive_ms "
                 f"{self.client_keepalive_ms}: the server would refuse the client's pings"
             )
+
+    def scaled(self, factor: float) -> LinkTimers:
+        """Every keepalive time and timeout × ``factor`` (``MOBIUS_KEEPALIVE_SCALE``,
+        transport/tls.py); the re-dial backoff stays."""
+        return replace(
+            self,
+            client_keepalive_ms=round(self.client_keepalive_ms * factor),
+            server_keepalive_ms=round(self.server_keepalive_ms * factor),
+            keepalive_timeout_ms=round(self.keepalive_timeout_ms * factor),
+            min_ping_interval_ms=round(self.min_ping_interval_ms * factor),
+        )
 
 
 @dataclass(frozen=True)
