@@ -233,7 +233,6 @@ class Link:
     projected_step_s: float
     keepalive_scale: float = 1.0
 
-
     @property
     def k(self) -> float:
         return self.compute_cpu_s / self.compute_gpu_s
