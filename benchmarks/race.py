@@ -153,17 +153,28 @@ def arms() -> list[RaceArm]:
         diloco(10),
         diloco(50),  # the H that won the peers table at 4 sites (docs/ring-or-diloco.md)
         diloco(100),
-        # DiLoCo at its strongest here: its groups' pseudo-gradients in int4 (the E/R stay
-        # fp32: a compressed E/R outer step does not run across rings yet)
+        # DiLoCo compressed: its groups' pseudo-gradients in int4 (the E/R in fp32)
         RaceArm(
             "DiLoCo H=100, int4 groups", {**diloco(100).env, "MOBIUS_RING_CODEC": "int4"}, "diloco"
         ),
         # and the synced groups back down as int4 payloads of their change (the E/R, under
-        # P = 1 a handful of tensors beside the blocks, stay fp32: a compressed E/R path
-        # does not run across rings yet)
+        # P = 1 a handful of tensors beside the blocks, in fp32)
         RaceArm(
             "DiLoCo H=100, int4 both ways",
             {**diloco(100).env, "MOBIUS_RING_CODEC": "int4", "MOBIUS_RING_DOWN_CODEC": "int4"},
+            "diloco",
+        ),
+        # DiLoCo at its strongest here: the whole model, groups and E/R, int4 both ways,
+        # each site keeping its residuals
+        RaceArm(
+            "DiLoCo H=100, whole model int4 both ways",
+            {
+                **diloco(100).env,
+                "MOBIUS_RING_CODEC": "int4",
+                "MOBIUS_RING_DOWN_CODEC": "int4",
+                "MOBIUS_SYNC__CODEC": "int4",
+                **DOWN,
+            },
             "diloco",
         ),
     ]

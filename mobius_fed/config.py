@@ -230,7 +230,7 @@ class SyncConfig(BaseModel):
         clash = [
             name
             for name, on in (
-                ("rings > 1", train.rings > 1),
+                ("rings > 1 (τ = 1 across rings is not built)", train.rings > 1 and self.delay > 0),
                 (
                     "privacy.er_secagg (masked sums need exact arithmetic, not a codec's)",
                     pc.er_secagg and self.codec != "none",

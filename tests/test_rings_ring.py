@@ -5,6 +5,7 @@ strategy exactly (max |Δ loss| = 0, train and eval), and status shows the rings
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,14 @@ def reference(fed: LocalFederation, strategy: str, engine: list | None = None) -
     (the engine appended to ``engine``, if given)."""
     cfg = fed.train
     sites = [SiteData(fed.sites / f"site-{g}", cfg.model().seq_len) for g in range(cfg.workers)]
-    flower = make_strategy(strategy, cfg.workers, RoundPlan.of(cfg), rings=RingPlan.of(cfg))
+    flower = make_strategy(
+        strategy,
+        cfg.workers,
+        RoundPlan.of(cfg),
+        rings=RingPlan.of(cfg),
+        er_codec=cfg.sync.codec,
+        er_down_codec=cfg.sync.down_codec,
+    )
     rings = make_engine(cfg, sites)
     grid = train_with_strategy(rings, flower)
     if engine is not None:
@@ -64,6 +72,8 @@ def ring(fed: LocalFederation) -> tuple[dict, dict, dict, list]:
         pytest.param(2, 1, 2, "diloco", 5, "int4", "mean", id="R2-P1-H2-diloco-int4"),
         # and the synced groups come down as int4 payloads of their change (fp32 once)
         pytest.param(2, 1, 2, "diloco", 5, "int4+down", "mean", id="R2-P1-H2-diloco-int4-down"),
+        # and the E/R too, both ways: DiLoCo's whole model in int4
+        pytest.param(2, 1, 2, "diloco", 5, "int4+down+er", "mean", id="R2-P1-H2-diloco-int4-er"),
         pytest.param(
             2, 4, 1, "fedavg", 4, "none", "mean", id="R2-P4-H1-fedavg", marks=pytest.mark.long
         ),
@@ -88,9 +98,13 @@ def test_rings_equal_the_reference_exactly(
     whose last sync, at step 5 or 7, falls off the H grid; with a codec, each worker sends its
     pseudo-gradient as int8 or int4 and the coordinator decodes the same bytes the reference
     encodes; ``+down``: the synced groups come down as the codec's payload of their change
-    too; with ``median``, three rings' groups go through Flower's FedMedian)."""
-    codec, _, down = codec.partition("+")
+    too; ``+er``: so do the E/R, both ways, every H steps, each site keeping its residual;
+    with ``median``, three rings' groups go through Flower's FedMedian)."""
+    codec, *extras = codec.split("+")
+    down = "down" in extras
+    er_sync = {"codec": codec, "down_codec": codec} if "er" in extras else {}
     train = TrainConfig(
+        sync=er_sync,
         ring_down_codec=codec if down else "fp32",
         workers=R * P,
         rings=R,
@@ -127,7 +141,10 @@ def test_rings_equal_the_reference_exactly(
     synced = [r["round"] for r in rounds if r["round"] % H == 0 or r["round"] == steps]
     codec, down_codec = (None, None) if codec == "none" else (Codec(codec), Codec(codec))
     down_codec = down_codec if down else None
-    er = 4 * sum(t.numel() for t in engines[0].replicas[0].shared_state_dict().values())
+    er_shapes = [tuple(t.shape) for t in engines[0].replicas[0].shared_state_dict().values()]
+    er = sum(4 * math.prod(shape) for shape in er_shapes)
+    # ``+er``: each site's E/R goes up as the codec's payload, comes down in fp32 once
+    er_up = sum(codec.payload_bytes(shape) for shape in er_shapes) if codec and er_sync else er
     for r in rounds:
         for g, w in r["workers"].items():
             params = engines[0].group(int(g)).parameters()
@@ -143,7 +160,9 @@ def test_rings_equal_the_reference_exactly(
                 params = engines[0].group(int(g)).parameters()
                 group = sum(down_codec.payload_bytes(tuple(p.shape)) for p in params)
             with_group = r["round"] - 1 in synced or (r["round"] == 1 and codec is not None)
-            assert w.get("down_bytes") == er + (group if with_group else 0), (r, g)
+            er_down = er_up if r["round"] > 1 else er
+            assert w.get("er_bytes") == er_up, (r, g)
+            assert w.get("down_bytes") == er_down + (group if with_group else 0), (r, g)
     first = [e["edge"] for e in final["ring"]][: P + 1]  # ring 0 closes on itself
     assert P == 1 or (
         first[P - 1] == f"worker-{P - 1} → worker-0" and first[P] == f"worker-{P} → worker-{P + 1}"

@@ -159,14 +159,12 @@ class EngineGrid(RunGrid):
         if not engine.cfg.sync.on_sites:
             engine.replicas[rank].load_shared_state_dict(dict(state))
         elif kind == "train":
-            assert isinstance(engine, ReferenceEngine)  # rings > 1 refuse sync settings
             engine.er_sites[rank].start_round(engine.replicas[rank].shared_state_dict(), state)
 
     def _evaluate(self, states: Mapping[int, Mapping[str, torch.Tensor]]) -> EvalResult:
         engine = self.engine
         if not engine.cfg.sync.on_sites:
             return engine.evaluate()
-        assert isinstance(engine, ReferenceEngine)
         with ExitStack() as stack:  # the global E/R; with τ = 1 each site's own comes back
             for rank, state in states.items():
                 site, replica = engine.er_sites[rank], engine.replicas[rank]
@@ -178,7 +176,6 @@ class EngineGrid(RunGrid):
         ErSite sends), or with SecAgg only its masked update."""
         engine = self.engine
         if engine.cfg.sync.on_sites:  # τ = 1 merges first; a codec sends payloads
-            assert isinstance(engine, ReferenceEngine)
             arrays = engine.er_sites[rank].end_round(engine.replicas[rank].shared_state_dict())
         else:
             arrays = _arrays(engine.replicas[rank])

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from mobius_fed.config import ConfigError, TrainConfig
 from mobius_fed.data import SiteData
 from mobius_fed.engine.reference import EvalResult, ReferenceEngine, StepResult
+from mobius_fed.er_sync import ErSite
 from mobius_fed.model import BlockGroup, Replica
 
 
@@ -34,6 +35,8 @@ class RingsEngine:
         one = ring_config(cfg)
         self.rings = [ReferenceEngine(one, sites[r * P : (r + 1) * P]) for r in range(cfg.rings)]
         self.replicas: list[Replica] = [rep for ring in self.rings for rep in ring.replicas]
+        # site g's end of the E/R round (sync codec, residual), as its worker keeps it
+        self.er_sites: list[ErSite] = [site for ring in self.rings for site in ring.er_sites]
         self.average_replicas = True  # train_with_strategy sets False: Flower averages
 
     @property
