@@ -71,7 +71,17 @@ def ring(fed: LocalFederation) -> tuple[dict, dict, dict, list]:
         # after an evaluate carries no model, the site takes the evaluate's
         pytest.param(2, 1, 2, "diloco", 5, "int4", "mean", id="R2-P1-H2-diloco-int4"),
         # and the synced groups come down as int4 payloads of their change (fp32 once)
-        pytest.param(2, 1, 2, "diloco", 5, "int4+down", "mean", id="R2-P1-H2-diloco-int4-down"),
+        pytest.param(
+            2,
+            1,
+            2,
+            "diloco",
+            5,
+            "int4+down",
+            "mean",
+            id="R2-P1-H2-diloco-int4-down",
+            marks=pytest.mark.long,  # its every part runs in the next one
+        ),
         # and the E/R too, both ways: DiLoCo's whole model in int4
         pytest.param(2, 1, 2, "diloco", 5, "int4+down+er", "mean", id="R2-P1-H2-diloco-int4-er"),
         pytest.param(
