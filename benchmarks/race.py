@@ -34,6 +34,7 @@ Root only (namespaces, ``tc``, ``iptables``). Pinned: one torch thread per worke
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -444,19 +445,36 @@ def k_of(run: dict, own: bool = False) -> float:
     return run["link"]["k"]
 
 
-def gpu_seconds(run: dict, own: bool = False) -> list[float]:
+def end_excess(run: dict) -> float:
+    """Wall seconds the run's last evaluation interval took beyond the median of the ones
+    between (the first holds start-up and the first broadcast): at its last round every
+    site also sends the coordinator a copy of its final checkpoint, weights and optimizer
+    state in fp32 (``state_copy``), which a DiLoCo site, holding the whole model, pays
+    most for. 0 with fewer than 4 evaluations or uneven ones."""
+    t, steps = [0.0, *run["curve"]["seconds"]], [0, *run["curve"]["steps"]]
+    gaps = [b - a for a, b in itertools.pairwise(t)]
+    if len(gaps) < 4 or len({b - a for a, b in itertools.pairwise(steps)}) != 1:
+        return 0.0
+    return max(0.0, gaps[-1] - statistics.median(gaps[1:-1]))
+
+
+def gpu_seconds(run: dict, own: bool = False, no_end: bool = False) -> list[float]:
     """The run's evaluation times in the GPU site's seconds: wall-clock ÷ k. Every part of an
     arm's step, compute and link, runs k times slower here than on the GPU site it stands
     for; k differs between arms because 4 workers share this machine's cores unequally
     (DiLoCo's sites all compute at once, the ring's take turns). The calibrated k makes the
-    link's part exact; the run's own k its compute's (``own``)."""
-    return [t / k_of(run, own) for t in run["curve"]["seconds"]]
+    link's part exact; the run's own k its compute's (``own``). ``no_end``: the last
+    evaluation without :func:`end_excess`."""
+    t = list(run["curve"]["seconds"])
+    if no_end and t:
+        t[-1] -= end_excess(run)
+    return [x / k_of(run, own) for x in t]
 
 
-def time_to(run: dict, target: float, own: bool = False) -> float | None:
+def time_to(run: dict, target: float, own: bool = False, no_end: bool = False) -> float | None:
     """GPU-site seconds until the run first reaches ``target`` (linear between evaluations)."""
     prev = (0.0, math.inf)
-    for t, y in zip(gpu_seconds(run, own), run["curve"]["eval"]):
+    for t, y in zip(gpu_seconds(run, own, no_end), run["curve"]["eval"]):
         if y <= target:
             t0, y0 = prev
             if not math.isfinite(y0):
@@ -549,8 +567,10 @@ def report(out: Path, figure: Path | None = None) -> dict:
         "measured ÷ projected | link kbit/s | k (calibrated, run) | time to DiLoCo H=100's "
         "Eq. 8 ÷ its time, k calibrated | … k of each run | … ÷ its projected time | "
         "… ÷ the fastest DiLoCo arm's projected time | worst over DiLoCo arms, each at its "
-        "own final Eq. 8 and measured time | other processes, cores |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "own final Eq. 8 and measured time | time to DiLoCo H=100's Eq. 8 ÷ its time, both "
+        "without the last round's excess (the final checkpoint copy) | the worst over DiLoCo "
+        "arms, so | last round's excess, s | other processes, cores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows, summary = [], []
     for name in [n for n in names if n in by]:
@@ -571,12 +591,17 @@ def report(out: Path, figure: Path | None = None) -> dict:
         texts.append(ratio_text(best, ci95))
         worst = [worst_measured_ratio(by, name, s) for s in seeds if s in base]
         texts.append(ratio_text(worst, ci95))
+        no_end = [race_ratio(by[name][s], base[s], False, no_end=True) for s in seeds if s in base]
+        texts.append(ratio_text(no_end, ci95))
+        worst = [worst_measured_ratio(by, name, s, no_end=True) for s in seeds if s in base]
+        texts.append(ratio_text(worst, ci95))
         link = rs[0]["link"]
         lines.append(
             f"| {name} | {len(seeds)} | {final[0]:.4f} ± {final[1]:.4f} | {wall:.0f} | {gpu:.0f} | "
             f"{meas:.0f} | {proj:.0f} | {meas / proj:.2f} | {link['rate_bps'] / 1e3:.0f} | "
             f"{link['k']:.2f}, {statistics.mean(k_of(r, True) for r in rs):.2f} | "
             f"{texts[0]} | {texts[1]} | {texts[2]} | {texts[3]} | {texts[4]} | "
+            f"{texts[5]} | {texts[6]} | {statistics.mean(end_excess(r) for r in rs):.0f} | "
             f"{max(r.get('foreign_cores', 0.0) for r in rs):.2f} |"
         )
         rows.append({"arm": name, "seeds": seeds, "final": final, "wall_s": wall, "gpu_s": gpu,
@@ -587,7 +612,8 @@ def report(out: Path, figure: Path | None = None) -> dict:
                 f"ring ÷ DiLoCo H=100, time to its Eq. 8: {texts[0]} ({name}; by each run's "
                 f"own compute: {texts[1]}; against DiLoCo's projected time: {texts[2]}; against "
                 f"the fastest DiLoCo arm's projected time: {texts[3]}; against every DiLoCo arm "
-                f"at its own final Eq. 8, the worst: {texts[4]})"
+                f"at its own final Eq. 8, the worst: {texts[4]}; without the last rounds' "
+                f"checkpoint copy: {texts[5]}, the worst: {texts[6]})"
             )
     text = "\n".join([*lines, "", *summary]) + "\n"
     print(text)
@@ -597,17 +623,20 @@ def report(out: Path, figure: Path | None = None) -> dict:
     return {"rows": rows, "summary": summary}
 
 
-def race_ratio(run: dict, base: dict, own: bool, ideal: bool = False) -> float:
+def race_ratio(
+    run: dict, base: dict, own: bool, ideal: bool = False, no_end: bool = False
+) -> float:
     """GPU-site time for ``run`` to reach ``base``'s final Eq. 8 over ``base``'s own time
     (inf: never reached); with ``ideal``, over the time ``base``'s projection gives for its
-    steps (DiLoCo as its step model says it could run, not as this coordinator ran it)."""
-    t = time_to(run, base["curve"]["eval"][-1], own)
+    steps (DiLoCo as its step model says it could run, not as this coordinator ran it);
+    ``no_end``: both without their last round's :func:`end_excess`."""
+    t = time_to(run, base["curve"]["eval"][-1], own, no_end)
     if t is None:
         return math.inf
     if ideal:
         steps = base["curve"]["steps"][-1]
         return t / (steps * base["link"]["projected_step_s"] / base["link"]["k"])
-    return t / gpu_seconds(base, own)[-1]
+    return t / gpu_seconds(base, own, no_end)[-1]
 
 
 def ideal_run(run: dict) -> dict:
@@ -630,12 +659,13 @@ def strongest_ratio(by: dict, name: str, seed: int) -> float:
     return math.inf if t is None or best is None else t / best
 
 
-def worst_measured_ratio(by: dict, name: str, seed: int) -> float:
+def worst_measured_ratio(by: dict, name: str, seed: int, no_end: bool = False) -> float:
     """The largest, over the DiLoCo arms of ``seed``, of arm ``name``'s GPU-site time to
     reach that arm's own final Eq. 8 over that arm's measured time: against the opponent
-    that did best at its own level (a compressed DiLoCo may end a little higher, sooner)."""
-    ratios = [race_ratio(by[name][seed], runs[seed], False) for n, runs in by.items()
-              if n.startswith("DiLoCo") and seed in runs]  # fmt: skip
+    that did best at its own level (a compressed DiLoCo may end a little higher, sooner);
+    ``no_end``: without the last rounds' :func:`end_excess`."""
+    ratios = [race_ratio(by[name][seed], runs[seed], False, no_end=no_end)
+              for n, runs in by.items() if n.startswith("DiLoCo") and seed in runs]  # fmt: skip
     return max(ratios, default=math.inf)
 
 

@@ -100,3 +100,20 @@ def test_measured_bytes_are_the_workers_reports_per_step():
                                   "1": {"er_bytes": 10.0, "sync_bytes": 90.0}}},
     ]  # fmt: skip
     assert race.measured_bytes(rounds) == {"up": (200 + 110) / 2 / 200, "down": 300 / 200}
+
+
+def test_the_last_rounds_excess_is_taken_out_of_both_times_alike():
+    """A run whose last 100 steps took 30 s more than the others (its final checkpoint
+    copy): end_excess finds the 30 s, and without it a DiLoCo arm's time shrinks by 30 s
+    while a ring that reached the target mid-run keeps its own."""
+    steps = [100, 200, 300, 400, 500]
+
+    def run(seconds: list[float], evals: list[float]) -> dict:
+        return {"link": {"k": 1.0}, "curve": {"steps": steps, "seconds": seconds, "eval": evals}}
+
+    diloco = run([12.0, 22.0, 32.0, 42.0, 82.0], [3.0, 2.8, 2.6, 2.4, 2.2])
+    ring = run([20.0, 40.0, 60.0, 80.0, 100.0], [2.6, 2.4, 2.2, 2.0, 1.9])
+    assert race.end_excess(diloco) == pytest.approx(30.0)
+    assert race.end_excess(ring) == 0.0
+    assert race.race_ratio(ring, diloco, False) == pytest.approx(60.0 / 82.0)
+    assert race.race_ratio(ring, diloco, False, no_end=True) == pytest.approx(60.0 / 52.0)
