@@ -130,6 +130,11 @@ def arms() -> list[RaceArm]:
         env |= NO_AUDITS
         return RaceArm(f"DiLoCo H={H}", {**env, "MOBIUS_STRATEGY": "diloco"}, "diloco")
 
+    def whole_int4(H: int) -> RaceArm:
+        env = {**diloco(H).env, "MOBIUS_RING_CODEC": "int4", "MOBIUS_RING_DOWN_CODEC": "int4"}
+        env |= {"MOBIUS_SYNC__CODEC": "int4", **DOWN}
+        return RaceArm(f"DiLoCo H={H}, whole model int4 both ways", env, "diloco")
+
     tokens = {"MOBIUS_SUBSPACE__MODE": "tokens", "MOBIUS_SUBSPACE__WRITES": "full"}
     return [
         RaceArm(
@@ -166,18 +171,9 @@ def arms() -> list[RaceArm]:
             "diloco",
         ),
         # DiLoCo at its strongest here: the whole model, groups and E/R, int4 both ways,
-        # each site keeping its residuals
-        RaceArm(
-            "DiLoCo H=100, whole model int4 both ways",
-            {
-                **diloco(100).env,
-                "MOBIUS_RING_CODEC": "int4",
-                "MOBIUS_RING_DOWN_CODEC": "int4",
-                "MOBIUS_SYNC__CODEC": "int4",
-                **DOWN,
-            },
-            "diloco",
-        ),
+        # each site keeping its residuals; at H = 100, and at H = 10 and 50, whose syncs
+        # cost a tenth and a half as much as fp32 H = 100's in bytes per step
+        *(whole_int4(H) for H in (100, 10, 50)),
     ]
 
 
