@@ -130,10 +130,8 @@ class Coordinator:
     # -------------------------------------------------------------- servers
     def start(self) -> None:
         logging.getLogger("flwr").setLevel(logging.WARNING)  # our own log says what matters
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=4 * self.train.workers + 8),
-            options=grpc_options(),
-        )
+        pool = futures.ThreadPoolExecutor(max_workers=4 * self.train.workers + 8)
+        self._server = grpc.server(pool, options=grpc_options())
         control_pb2_grpc.add_ControlServicer_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         if not add_port(self._server, self.cfg.listen, self.cfg.tls()):
