@@ -530,11 +530,16 @@ FAST = LinkTimers(
 )
 
 
-def _proxied(certs: CertLayout, **kw) -> tuple[list[RingLinks], CutProxy]:
-    """A P=2 ring whose edge worker-0 → worker-1 runs through a cutting proxy."""
+def _proxied(
+    certs: CertLayout, client_timers: LinkTimers | None = None, **kw
+) -> tuple[list[RingLinks], CutProxy]:
+    """A P=2 ring whose edge worker-0 → worker-1 runs through a cutting proxy, connected;
+    ``client_timers``: worker 0's keepalive on that edge (its server keeps the defaults)."""
     links = _links(certs, 2, **kw)
     proxy = CutProxy(int(links[0].successor_addr.rsplit(":", 1)[1]))
     links[0].successor_addr = f"127.0.0.1:{proxy.port}"
+    if client_timers is not None:
+        links[0].timers = client_timers
     for link in links:
         link.connect()
     return links, proxy
@@ -589,14 +594,10 @@ def test_a_half_open_edge_is_taken_over_by_the_resumed_session(
 ) -> None:
     """The proxy silently stops forwarding (no RST): the client's keepalive notices, it
     re-dials, and its session token takes over the stream the server still thinks live."""
-    links = _links(certs, 2, link_grace=20.0)
+    # the client pings every second; the server keeps its 5 s + 5 s
+    links, proxy = _proxied(certs, client_timers=FAST, link_grace=20.0)
     a, b = links
-    proxy = CutProxy(int(a.successor_addr.rsplit(":", 1)[1]))
-    a.successor_addr = f"127.0.0.1:{proxy.port}"
-    a.timers = FAST  # the client pings every second; the server keeps its 5 s + 5 s
     try:
-        for link in links:
-            link.connect()
         sent = {}
         for step in (0, 1):
             if step == 1:
@@ -626,14 +627,10 @@ def test_the_keepalive_scale_outwaits_a_queue_ahead_of_the_pings(
     a ping's answer): pings that must be answered within 1 s end the connection and the
     edge re-dials; the same timers × 4 (MOBIUS_KEEPALIVE_SCALE) wait it out on one
     connection. Either way every tensor arrives once, bit for bit."""
-    links = _links(certs, 2, link_grace=20.0)
+    # the server keeps its 5 s + 5 s: longer than the stall
+    links, proxy = _proxied(certs, client_timers=FAST.scaled(scale), link_grace=20.0)
     a, b = links
-    proxy = CutProxy(int(a.successor_addr.rsplit(":", 1)[1]))
-    a.successor_addr = f"127.0.0.1:{proxy.port}"
-    a.timers = FAST.scaled(scale)  # the server keeps its 5 s + 5 s: longer than the stall
     try:
-        for link in links:
-            link.connect()
         for step in (0, 1):
             fwd = FrameKey(TRAIN, step, FORWARD, 0, 1, 0)
             x = _x(50 + step)
