@@ -16,7 +16,9 @@ SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare
 TINY = ["--preset", "cpu-tiny", "--batch-size", "2"]
 
 
-def mobius_fed(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def mobius_fed(
+    *args: str, cwd: Path, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "mobius_fed.cli.main", *args],
         cwd=cwd,
@@ -25,7 +27,7 @@ def mobius_fed(*args: str, cwd: Path, timeout: float = 120) -> subprocess.Comple
         timeout=timeout,
         # One intra-op thread: the cpu-tiny model gains nothing from more, and spinning
         # OpenMP threads slow to a crawl when the 2 cores are shared with other tests.
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
 
 
@@ -290,6 +292,22 @@ def test_status_of_a_starting_run_says_starting(tmp_path) -> None:
     assert "starting" in out and f"pid {os.getpid()}" in out and "--timeout 60" in out, out
     proc = mobius_fed("status", "--run", "run", "--timeout", "0.5", "--json", cwd=tmp_path)
     assert proc.returncode == 75 and json.loads(proc.stdout)["state"] == "starting"
+
+
+def test_up_runs_training_variables_and_flags_together(tmp_path) -> None:
+    """A training setting from the environment beside one from a flag: the run's sites
+    take the coordinator's whole config (the variables once made each site check the
+    coordinator's config against those variables alone, and every registration failed)."""
+    env = {"MOBIUS_RING_CODEC": "int8", "MOBIUS_SYNC__CODEC": "int8"}
+    proc = mobius_fed(
+        "up", *UP_TINY, "--steps", "2", "--sync-every", "2", "--out", "run", cwd=tmp_path,
+        env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    train = (tmp_path / "run" / "train.toml").read_text()
+    assert 'ring_codec = "int8"' in train and "sync_every = 2" in train, train
+    logs = (tmp_path / "run" / "logs" / "worker-0.log").read_text()
+    assert "config mismatch" not in logs, logs[-2000:]
 
 
 def test_up_writes_its_endpoints_before_preparing(tmp_path) -> None:

@@ -30,6 +30,7 @@ from mobius_fed.ops import OpsError
 from mobius_fed.ops.local import default_threads, prepared_dir, site_dirs, split_sites
 from mobius_fed.ops.ports import free_ports
 from mobius_fed.ops.supervisor import Child, ProcessTable
+from mobius_fed.settings import ENV_PREFIX
 from mobius_fed.transport.tls import NodeTLS, node_name_of
 from mobius_fed.warmstart import ChildProcess, WarmProcess
 
@@ -275,16 +276,28 @@ class LocalFederation:
     def _spawn(self, name: str, cmd: list[str]) -> None:
         self._table.start(name, cmd)
 
+    def _env_of(self, child: Child) -> dict[str, str]:
+        """A site's environment: the ``MOBIUS_*`` training variables and ``MOBIUS_CONFIG``
+        (already in train.toml) left out. A site takes the coordinator's config; given some
+        training settings, it would check that config against those alone, and be refused."""
+        if child.name == "coordinator":
+            return self._env
+        from mobius_fed.worker.config import TRAIN_ENV_KEYS  # loads torch: not at import
+
+        drop = {ENV_PREFIX + k for k in TRAIN_ENV_KEYS} | {ENV_PREFIX + "CONFIG"}
+        return {k: v for k, v in self._env.items() if k not in drop}
+
     def _popen(self, child: Child, log: BinaryIO) -> ChildProcess:
-        if warmstart.enabled(self._env) and warmstart.can_start(child.argv, self._env):
+        env = self._env_of(child)
+        if warmstart.enabled(env) and warmstart.can_start(child.argv, env):
             # forked from the fork server, which exits with this process; the child dies
             # with the fork server as a guarded one dies with this process
-            return WarmProcess(child.argv, log.name, self._env, start_new_session=True)
+            return WarmProcess(child.argv, log.name, env, start_new_session=True)
         return subprocess.Popen(
             _guarded(child.argv),
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=self._env or None,
+            env=env or None,
             start_new_session=True,  # a terminal's Ctrl-C reaches only up, which forwards
         )
 
