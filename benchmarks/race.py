@@ -65,6 +65,13 @@ home and its blocks passed each other for the whole audited round (at cpu-tiny, 
 about 15 MB: 90 to 230 s of the matched link per audit, one or two in each 1000-step DiLoCo
 run kept before this), and nothing the projection counts. What audits cost a ring is
 measured on its own (docs/audits.md)."""
+NO_COMMITMENTS = {"MOBIUS_AUDIT__COMMITMENTS": "false"}
+"""An arm without the signed frame commitments (docs/security.md "Commitments"): a site's
+train reply carries one entry of about 100 bytes per ring frame it sent or received, a size
+fixed by the frame count, not the model. At cpu-tiny, P = 4, M = 1 that is 15 kB a site
+and round of 10 steps beside 148 kB of hops and 5.4 kB of E/R, and the matched link
+stretches its time as much as any byte's (the arm's keepalive scale, 640–1,550×) while at
+gpt2-small it would be 1.5 kB a step beside 14 MB of hops. The arm with them is kept."""
 
 
 CODEC = {"MOBIUS_WIRE__FWD": "int8", "MOBIUS_WIRE__BWD": "int4"}
@@ -145,6 +152,11 @@ def arms() -> list[RaceArm]:
         RaceArm(
             f"ring tokens (d/{RANK_DIV}), codec, E/R 10 int4 both ways",
             {**CODEC, **ER, **DOWN, **tokens},
+            "ring-tokens",
+        ),
+        RaceArm(
+            f"ring tokens (d/{RANK_DIV}), codec, E/R 10 int4 both ways, commitments off",
+            {**CODEC, **ER, **DOWN, **tokens, **NO_COMMITMENTS},
             "ring-tokens",
         ),
         RaceArm("ring codec, E/R 10 int4", {**CODEC, **ER}, "ring-codec"),
@@ -408,15 +420,18 @@ def timeline(rounds: list[dict]) -> dict[str, float]:
 def measured_bytes(rounds: list[dict]) -> dict[str, float]:
     """Bytes per site and step the workers reported (median over workers): up, its E/R and
     F_i payloads; down, the arrays that came down for its rounds (their evaluates' too),
-    beside :func:`sent_bytes`'s accounting in each kept run."""
+    beside :func:`sent_bytes`'s accounting in each kept run; and its signed commitments
+    (up too, not in the accounting: a fixed size per frame, NO_COMMITMENTS)."""
+    keys = ("up", "down", "commitment")
     per: dict[str, dict[str, float]] = {}
     for r in rounds:
         for w, m in r["workers"].items():
-            d = per.setdefault(w, {"up": 0.0, "down": 0.0})
+            d = per.setdefault(w, dict.fromkeys(keys, 0.0))
             d["up"] += (m.get("er_bytes") or 0.0) + (m.get("sync_bytes") or 0.0)
             d["down"] += m.get("down_bytes") or 0.0
+            d["commitment"] += m.get("commitment_bytes") or 0.0
     steps = rounds[-1]["step"]
-    return {k: statistics.median(d[k] for d in per.values()) / steps for k in ("up", "down")}
+    return {k: statistics.median(d[k] for d in per.values()) / steps for k in keys}
 
 
 def curve(rounds: list[dict], tokens_per_step: int) -> dict:

@@ -119,6 +119,7 @@ OPTIONAL_FIGURES = {  # a train report's wire key → its field, for figures a w
     "sync-bytes": "sync_bytes",
     "er-bytes": "er_bytes",
     "down-bytes": "down_bytes",
+    "commitment-bytes": "commitment_bytes",
 }
 
 
@@ -140,6 +141,7 @@ class TrainReport(_Wire):
     # the arrays that came down since its last train reply: this train message's and those
     # of the evaluate before it (each record once, as it crossed the wire)
     down_bytes: float | None = None
+    commitment_bytes: float | None = None  # its signed commitment: body and signature
 
     def items(self) -> dict[str, Any]:
         return {**super().items(), "loss": self.losses[-1]}

@@ -77,6 +77,12 @@ def test_a_clean_run_commits_every_frame_and_equals_the_reference(
     assert evals == [2, 4]
     want = _hops(train, TRAIN, list(range(4))) + _hops(train, EVAL, evals)
     assert c["frames_checked"] == want and c["replies_checked"] == 3 * (4 + 2), c
+    # each train reply reports its commitment's size: an entry (a 64-hex-digit digest and
+    # the frame's key) per hop end, each train hop's two ends signed by its two sites
+    sizes = [f["commitment_bytes"] for r in hist["rounds"] for f in r["workers"].values()]
+    assert len(sizes) == 3 * 4 and min(sizes) > 0, hist["rounds"]
+    ends = 2 * _hops(train, TRAIN, list(range(4)))
+    assert 64 * ends < sum(sizes) < 200 * ends + 600 * len(sizes), (sizes, ends)
     check_exact(fed, hist)
 
 

@@ -94,12 +94,16 @@ def test_the_way_down_is_the_synced_model_in_fp32_once_per_sync():
 
 def test_measured_bytes_are_the_workers_reports_per_step():
     rounds = [
-        {"step": 100, "workers": {"0": {"er_bytes": 10.0, "sync_bytes": 90.0, "down_bytes": 400.0},
+        {"step": 100, "workers": {"0": {"er_bytes": 10.0, "sync_bytes": 90.0, "down_bytes": 400.0,
+                                        "commitment_bytes": 600.0},
                                   "1": {"er_bytes": 10.0, "down_bytes": 100.0}}},
         {"step": 200, "workers": {"0": {"er_bytes": 10.0, "sync_bytes": 90.0, "down_bytes": 100.0},
-                                  "1": {"er_bytes": 10.0, "sync_bytes": 90.0}}},
+                                  "1": {"er_bytes": 10.0, "sync_bytes": 90.0,
+                                        "commitment_bytes": 200.0}}},
     ]  # fmt: skip
-    assert race.measured_bytes(rounds) == {"up": (200 + 110) / 2 / 200, "down": 300 / 200}
+    assert race.measured_bytes(rounds) == {
+        "up": (200 + 110) / 2 / 200, "down": 300 / 200, "commitment": (600 + 200) / 2 / 200
+    }  # fmt: skip
 
 
 def test_the_last_rounds_excess_is_taken_out_of_both_times_alike():

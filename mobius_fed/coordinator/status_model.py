@@ -375,7 +375,8 @@ class RoundModel(BaseModel):
         default_factory=dict,
         description="rank → its figures: train_s, and where reported wait_s, compute_s, "
         "bytes_sent, frames_sent, sync_bytes (R > 1, a ring-sync round), er_bytes, "
-        "down_bytes (the arrays that came down for the round, its evaluate's included)",
+        "down_bytes (the arrays that came down for the round, its evaluate's included), "
+        "commitment_bytes (its signed commitment of the round's frames)",
     )
 
 

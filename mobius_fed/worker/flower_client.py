@@ -340,7 +340,9 @@ class WorkerHandlers:
             reply = RecordDict({MASKED: masked, METRICS: report.to_record()})
         if group is not None:  # to be averaged across the rings
             reply[GROUP] = group
-        self._commit(reply, rnd, TRAIN, start, end)
+        if signed := self._commit(reply, rnd, TRAIN, start, end):
+            size = float(len(signed.body) + len(signed.signature))
+            reply[METRICS] = dataclasses.replace(report, commitment_bytes=size).to_record()
         self._audit_reply(reply, order, sealed)
         if order.checkpoint:
             reply["checkpoint"] = self._checkpoint(order, snap).to_record()
@@ -413,12 +415,14 @@ class WorkerHandlers:
         self._commit(reply, rnd, EVAL, executor.step, executor.step + 1)
         return Message(reply, reply_to=msg)
 
-    def _commit(self, reply: RecordDict, rnd: int, phase: int, first: int, end: int) -> None:
+    def _commit(
+        self, reply: RecordDict, rnd: int, phase: int, first: int, end: int
+    ) -> Signed | None:
         """Add this worker's signed commitment of the round's ``phase`` frames at steps
-        [first, end) to ``reply``. A failure to sign loses only the commitment (the
-        coordinator names it missing), never the reply."""
+        [first, end) to ``reply`` (and return it). A failure to sign loses only the
+        commitment (the coordinator names it missing), never the reply."""
         if self.commitments is None:
-            return
+            return None
         executor = self.executor
 
         def abandoned() -> bool:
@@ -429,8 +433,9 @@ class WorkerHandlers:
             signed = self.commitments.seal(executor.run_id, rnd, phase, first, end, abandoned)
         except Exception:
             log.exception("worker-%d: round %d's commitment not signed", executor.rank, rnd)
-            return
+            return None
         reply[COMMITMENT] = signed.to_record()
+        return signed
 
     # ----------------------------------------------------------------- audits
     def _audit_open(self, rnd: int, first: int) -> Signed | None:
