@@ -340,9 +340,12 @@ class WorkerHandlers:
             reply = RecordDict({MASKED: masked, METRICS: report.to_record()})
         if group is not None:  # to be averaged across the rings
             reply[GROUP] = group
-        if signed := self._commit(reply, rnd, TRAIN, start, end):
-            size = float(len(signed.body) + len(signed.signature))
-            reply[METRICS] = dataclasses.replace(report, commitment_bytes=size).to_record()
+        signed = self._commit(reply, rnd, TRAIN, start, end)
+        if self.commitments is not None:  # 0 when none was signed: Flower aggregates
+            # the sites' metrics only if every one has the same keys
+            size = len(signed.body) + len(signed.signature) if signed else 0
+            report = dataclasses.replace(report, commitment_bytes=float(size))
+            reply[METRICS] = report.to_record()
         self._audit_reply(reply, order, sealed)
         if order.checkpoint:
             reply["checkpoint"] = self._checkpoint(order, snap).to_record()
