@@ -157,19 +157,21 @@ if PLAN:
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
 
-    def _lying_commit(self: Any, reply: Any, rnd: int, phase: int, first: int, end: int) -> None:
+    def _lying_commit(
+        self: Any, reply: Any, rnd: int, phase: int, first: int, end: int
+    ) -> Signed | None:
         mode = PLAN.get(rnd) if phase == TRAIN else None
         if mode == "omit":
-            return
-        _commit(self, reply, rnd, phase, first, end)
-        if COMMITMENT not in reply or phase != TRAIN:
-            return
-        signed = Signed.of(reply[COMMITMENT])
+            return None
+        signed = _commit(self, reply, rnd, phase, first, end)
+        if signed is None or phase != TRAIN:
+            return signed
         if mode == "forge":
             reply[COMMITMENT] = Signed(signed.body, sign(_other, signed.body)).to_record()
         elif mode == "late" and _last:
             reply[COMMITMENT] = _last[-1].to_record()
         _last[:] = [signed]
+        return Signed.of(reply[COMMITMENT])  # what the reply carries, as the honest one
 
     flower_client.WorkerHandlers._commit = _lying_commit  # type: ignore[method-assign]
 
